@@ -1,0 +1,18 @@
+#include "distca/core/check.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace distca::detail {
+
+CheckFailure::CheckFailure(const char* file, int line, const char* condition) {
+  stream_ << file << ":" << line << ": check failed: " << condition << ": ";
+}
+
+CheckFailure::~CheckFailure() {
+  std::fprintf(stderr, "%s\n", stream_.str().c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+}  // namespace distca::detail

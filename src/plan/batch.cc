@@ -1,0 +1,163 @@
+#include "distca/plan/batch.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+
+namespace distca::plan {
+
+int64_t Batch::total_tokens() const {
+  int64_t total = 0;
+  for (const Piece& p : pieces) total += p.length();
+  return total;
+}
+
+void Batch::index() {
+  doc_pieces.assign(doc_lengths.size(), {});
+  for (int32_t i = 0; i < static_cast<int32_t>(pieces.size()); ++i) {
+    doc_pieces[pieces[i].doc].push_back(i);
+  }
+  for (auto& list : doc_pieces) {
+    std::sort(list.begin(), list.end(),
+              [&](int32_t a, int32_t b) { return pieces[a].begin < pieces[b].begin; });
+  }
+}
+
+Status Batch::validate() const {
+  if (num_ranks <= 0) return invalid_argument(fmt::format("ranks must be positive, got {}", num_ranks));
+  if (tokens_per_rank <= 0) {
+    return invalid_argument(fmt::format("tokens per rank must be positive, got {}", tokens_per_rank));
+  }
+  std::vector<int64_t> rank_tokens(num_ranks, 0);
+  for (const Piece& p : pieces) {
+    if (p.doc < 0 || p.doc >= num_docs() || p.rank < 0 || p.rank >= num_ranks ||
+        p.begin < 0 || p.end <= p.begin || p.end > doc_lengths[p.doc]) {
+      return invalid_argument(fmt::format("malformed piece: doc {} [{}, {}) on rank {}", p.doc,
+                                          p.begin, p.end, p.rank));
+    }
+    rank_tokens[p.rank] += p.length();
+  }
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    if (rank_tokens[r] > tokens_per_rank) {
+      return invalid_argument(fmt::format("rank {} holds {} tokens, more than tokens per rank {}", r,
+                                          rank_tokens[r], tokens_per_rank));
+    }
+  }
+  if (doc_pieces.size() != doc_lengths.size()) return invalid_argument("batch is not indexed");
+  for (int32_t d = 0; d < num_docs(); ++d) {
+    if (doc_lengths[d] <= 0) {
+      return invalid_argument(fmt::format("document {} has length {}", d, doc_lengths[d]));
+    }
+    int64_t at = 0;
+    for (int32_t i : doc_pieces[d]) {
+      if (pieces[i].begin != at) {
+        return invalid_argument(fmt::format("pieces of document {} do not tile it at token {}", d, at));
+      }
+      at = pieces[i].end;
+    }
+    if (at != doc_lengths[d]) {
+      return invalid_argument(fmt::format("pieces of document {} end at {} of {}", d, at, doc_lengths[d]));
+    }
+  }
+  return Status::ok();
+}
+
+Result<Batch> pack_documents(const std::vector<int64_t>& lengths, int32_t num_ranks,
+                             int64_t tokens_per_rank) {
+  if (num_ranks <= 0) return invalid_argument(fmt::format("ranks must be positive, got {}", num_ranks));
+  if (tokens_per_rank <= 0) {
+    return invalid_argument(fmt::format("tokens per rank must be positive, got {}", tokens_per_rank));
+  }
+  Batch batch;
+  batch.num_ranks = num_ranks;
+  batch.tokens_per_rank = tokens_per_rank;
+  int32_t rank = 0;
+  int64_t used = 0;  // tokens on `rank`
+  for (int64_t length : lengths) {
+    if (length <= 0) {
+      return invalid_argument(fmt::format("document length must be positive, got {}", length));
+    }
+    if (rank == num_ranks) break;
+    const int32_t doc = batch.num_docs();
+    int64_t at = 0;
+    while (at < length && rank < num_ranks) {
+      const int64_t take = std::min(length - at, tokens_per_rank - used);
+      batch.pieces.push_back(Piece{doc, at, at + take, rank});
+      at += take;
+      used += take;
+      if (used == tokens_per_rank) {
+        ++rank;
+        used = 0;
+      }
+    }
+    batch.doc_lengths.push_back(at);  // cut where the batch is full
+  }
+  batch.index();
+  return batch;
+}
+
+Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
+                               int64_t tokens_per_rank) {
+  if (ranks.empty()) return invalid_argument("a batch needs at least one rank");
+  if (tokens_per_rank < 0) {
+    return invalid_argument(fmt::format("tokens per rank must be positive, got {}", tokens_per_rank));
+  }
+  Batch batch;
+  batch.num_ranks = static_cast<int32_t>(ranks.size());
+  int64_t largest = 0;
+  for (int32_t r = 0; r < batch.num_ranks; ++r) {
+    int64_t used = 0;
+    for (int64_t length : ranks[r]) {
+      if (length <= 0) {
+        return invalid_argument(
+            fmt::format("rank {}: document length must be positive, got {}", r, length));
+      }
+      batch.pieces.push_back(Piece{batch.num_docs(), 0, length, r});
+      batch.doc_lengths.push_back(length);
+      used += length;
+    }
+    if (tokens_per_rank > 0 && used > tokens_per_rank) {
+      return invalid_argument(fmt::format("rank {} holds {} tokens, more than --tokens-per-rank {}",
+                                          r, used, tokens_per_rank));
+    }
+    largest = std::max(largest, used);
+  }
+  batch.tokens_per_rank = tokens_per_rank > 0 ? tokens_per_rank : std::max<int64_t>(largest, 1);
+  batch.index();
+  return batch;
+}
+
+Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
+                               const std::string& origin) {
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    return invalid_argument(fmt::format("{}: malformed JSON: {}", origin, e.what()));
+  }
+  if (!json.is_object() || !json.contains("ranks") || !json["ranks"].is_array()) {
+    return invalid_argument(
+        fmt::format("{}: expected an object {{\"ranks\": [[len, ...], ...]}}", origin));
+  }
+  std::vector<std::vector<int64_t>> ranks;
+  for (const auto& rank : json["ranks"]) {
+    if (!rank.is_array()) {
+      return invalid_argument(fmt::format("{}: rank {} is not an array of lengths", origin, ranks.size()));
+    }
+    std::vector<int64_t> lengths;
+    for (const auto& length : rank) {
+      if (!length.is_number_integer()) {
+        return invalid_argument(fmt::format("{}: rank {} holds a non-integer length {}", origin,
+                                            ranks.size(), length.dump()));
+      }
+      lengths.push_back(length.get<int64_t>());
+    }
+    ranks.push_back(std::move(lengths));
+  }
+  auto batch = batch_from_ranks(ranks, tokens_per_rank);
+  if (!batch.is_ok()) return invalid_argument(origin + ": " + batch.status().message());
+  return batch;
+}
+
+}  // namespace distca::plan

@@ -1,0 +1,66 @@
+// Documents and pieces: the linear layout of one step. A batch holds R ranks of at most T
+// tokens each; a document that overflows a rank continues on the next, so it becomes pieces.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "distca/core/status.h"
+
+namespace distca::plan {
+
+// Tokens [begin, end) of document `doc`, held by `rank` in the linear layout.
+struct Piece {
+  int32_t doc = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+  int32_t rank = 0;
+  int64_t length() const { return end - begin; }
+};
+
+struct Batch {
+  int32_t num_ranks = 0;          // R
+  int64_t tokens_per_rank = 0;    // T
+  std::vector<int64_t> doc_lengths;  // (num_docs) L of each document
+  std::vector<Piece> pieces;      // ordered by rank, then by position in the rank
+  // For each document, indices into `pieces` ordered by begin (built by index()).
+  std::vector<std::vector<int32_t>> doc_pieces;
+
+  int32_t num_docs() const { return static_cast<int32_t>(doc_lengths.size()); }
+  int64_t total_tokens() const;
+  // Rebuilds doc_pieces. Called by every constructor below.
+  void index();
+  // Pieces tile every document exactly, ranks are in range, no rank holds more than T tokens.
+  Status validate() const;
+};
+
+// Calls fn(owner_rank, rows) for each piece of `doc` that overlaps tokens [begin, end), in
+// document order.
+template <typename Fn>
+void for_each_owner(const Batch& batch, int32_t doc, int64_t begin, int64_t end, Fn&& fn) {
+  for (int32_t i : batch.doc_pieces[doc]) {
+    const Piece& p = batch.pieces[i];
+    if (p.end <= begin) continue;
+    if (p.begin >= end) break;
+    fn(p.rank, (end < p.end ? end : p.end) - (begin > p.begin ? begin : p.begin));
+  }
+}
+
+// Packs documents in order into R ranks of T tokens; a document that overflows a rank
+// continues on the next. Packing stops when all ranks are full (the last document is cut
+// there) or the documents run out (the last ranks stay partly empty).
+Result<Batch> pack_documents(const std::vector<int64_t>& lengths, int32_t num_ranks,
+                             int64_t tokens_per_rank);
+
+// An explicit batch: ranks[r] lists the lengths of the documents rank r holds, in order.
+// tokens_per_rank = 0 takes the largest rank's total.
+Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
+                               int64_t tokens_per_rank);
+
+// Parses {"ranks": [[len, ...], ...]} (see batch_from_ranks). `origin` names the input in
+// errors (a file path).
+Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
+                               const std::string& origin);
+
+}  // namespace distca::plan

@@ -1,0 +1,68 @@
+// Cost model (DESIGN.md §6): causal pair counts, FLOPs, estimated seconds from a throughput
+// profile, and bytes per token for every tensor the runtime moves.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "distca/core/status.h"
+#include "distca/plan/model.h"
+
+namespace distca::plan {
+
+// Causal (query, key) pairs of query rows [q0, q1) of a document against keys [0, q]:
+// sum over q of (q + 1). Closed form, exact in 64 bits for documents up to 2^31 tokens.
+inline int64_t causal_pairs(int64_t q0, int64_t q1) {
+  return (q1 * (q1 + 1) - q0 * (q0 + 1)) / 2;
+}
+
+// Throughput profile of an attention server. The default stands for an H100/H200-class GPU
+// (FlashAttention-class kernels at ~400 TFLOP/s on long shards); `distca profile` measures real
+// ones. A shard shorter than `tile_rows` pays for a whole tile.
+struct ThroughputProfile {
+  std::string source = "default: 400 TFLOP/s fixed rate, 128-row tile, 2 us per task per layer";
+  double flops_per_second = 400e12;
+  int64_t tile_rows = 128;
+  double task_overhead_seconds = 2e-6;  // per task, per layer, forward and backward together
+
+  Status validate() const;
+};
+
+// Bytes per token of one layer, on one rank (heads already divided by tp).
+struct TokenBytes {
+  int64_t q = 0;              // Q
+  int64_t kv = 0;             // K and V
+  int64_t out = 0;            // O and its fp32 LSE (forward return)
+  int64_t bwd_q = 0;          // Q, O, dO and LSE (backward dispatch, query side)
+  int64_t bwd_dq = 0;         // dQ (backward return, query side)
+  int64_t bwd_dkv = 0;        // dK and dV in fp32, summed at the owner (backward return)
+};
+
+class CostModel {
+ public:
+  CostModel(ModelShape model, ThroughputProfile profile);
+
+  const ModelShape& model() const { return model_; }
+  const ThroughputProfile& profile() const { return profile_; }
+  const TokenBytes& token_bytes() const { return token_bytes_; }
+
+  // Forward FLOPs of one layer per causal pair on one rank: QK^T and PV, 2 FLOPs per MAC each.
+  double fwd_flops_per_pair() const { return 4.0 * model_.head_dim * model_.q_heads_per_rank(); }
+  // Backward is about 2.5x forward (dQ, dK, dV and the recomputed scores).
+  double bwd_flops_per_pair() const { return 2.5 * fwd_flops_per_pair(); }
+
+  // Estimated seconds of one task over all layers, forward and backward, for a task of q_len
+  // query rows and `pairs` causal pairs.
+  double task_seconds(int64_t q_len, int64_t pairs) const;
+  // Seconds of `pairs` pairs with no per-task overhead and no short-shard penalty: the floor
+  // any split of the same work can reach.
+  double pair_seconds(int64_t pairs) const { return seconds_per_pair_ * static_cast<double>(pairs); }
+
+ private:
+  ModelShape model_;
+  ThroughputProfile profile_;
+  TokenBytes token_bytes_;
+  double seconds_per_pair_ = 0;  // all layers, forward and backward
+};
+
+}  // namespace distca::plan

@@ -1,0 +1,34 @@
+// Model shape: the numbers the cost model and the byte counter need (DESIGN.md §6).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "distca/core/status.h"
+
+namespace distca::plan {
+
+struct ModelShape {
+  std::string name = "custom";
+  int num_layers = 0;
+  int hidden = 0;
+  int num_q_heads = 0;   // Hq
+  int num_kv_heads = 0;  // Hkv; Hq is a multiple of Hkv (GQA)
+  int head_dim = 0;      // D
+  int ffn_hidden = 0;
+  int dtype_bytes = 2;   // bytes of one activation element (bf16)
+  int tp = 1;            // tensor-parallel degree: each rank holds Hq/tp query heads
+
+  // Every field positive, Hq % Hkv == 0, Hq % tp == 0, and tp divides Hkv or Hkv divides tp.
+  Status validate() const;
+  int q_heads_per_rank() const { return num_q_heads / tp; }
+  // KV heads are replicated when tp > Hkv, so a rank holds at least one.
+  int kv_heads_per_rank() const { return num_kv_heads >= tp ? num_kv_heads / tp : 1; }
+};
+
+// "llama-8b" or "llama-34b".
+Result<ModelShape> model_preset(std::string_view name);
+std::vector<std::string> model_preset_names();
+
+}  // namespace distca::plan

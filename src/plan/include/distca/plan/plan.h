@@ -1,0 +1,111 @@
+// The plan (DESIGN.md §5): every CA task with its server, the per-server load, the bytes each
+// communication phase moves, and a hash. Plain data; finalize_plan() fills everything but the
+// tasks, with the one byte counter the runtime also uses.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "distca/plan/batch.h"
+#include "distca/plan/cost.h"
+
+namespace distca::plan {
+
+// Attention of query rows [q0, q1) of document `doc` against keys [k0, k1), run on `server`.
+// Causal when k1 == q1: query row q sees keys [k0, q] (bottom-right aligned). Otherwise the
+// key range lies wholly before the queries (k1 <= q0 + 1) and every row sees all of it.
+struct Task {
+  int32_t doc = 0;
+  int64_t q0 = 0;
+  int64_t q1 = 0;
+  int64_t k0 = 0;
+  int64_t k1 = 0;
+  int32_t server = 0;
+
+  bool is_causal() const { return k1 == q1; }
+  int64_t q_len() const { return q1 - q0; }
+  // (query, key) pairs the task computes.
+  int64_t pairs() const;
+  bool operator==(const Task&) const = default;
+};
+
+// Causal task over query rows [q0, q1) with its whole key prefix [0, q1).
+inline Task causal_task(int32_t doc, int64_t q0, int64_t q1, int32_t server) {
+  return Task{doc, q0, q1, 0, q1, server};
+}
+
+enum class Phase { kFwdDispatch = 0, kFwdReturn = 1, kBwdDispatch = 2, kBwdReturn = 3 };
+inline constexpr int kNumPhases = 4;
+const char* phase_name(Phase phase);
+
+struct Flow {
+  int32_t src = 0;
+  int32_t dst = 0;
+  int64_t bytes = 0;
+};
+
+// One phase's traffic: flows sorted by (src, dst), no zero and no self flows.
+struct PhaseTraffic {
+  std::vector<Flow> flows;
+  int64_t total_bytes = 0;
+  std::vector<int64_t> send_bytes;  // (R)
+  std::vector<int64_t> recv_bytes;  // (R)
+};
+
+// Forward dispatch + return of one layer.
+struct CommSummary {
+  int64_t q_bytes = 0;
+  int64_t kv_bytes = 0;
+  int64_t out_bytes = 0;
+  int64_t total_bytes = 0;
+  int64_t max_send_bytes = 0;
+  int64_t max_recv_bytes = 0;
+};
+
+struct Traffic {
+  std::array<PhaseTraffic, kNumPhases> phases;
+  CommSummary forward;
+};
+
+// The bytes of one layer that a task list moves, phase by phase. Q rows go from their owners
+// to the task's server and O/LSE back; KV rows go once per (document, server): the union of
+// the key ranges of that server's tasks of the document, less the rows the server owns.
+// The runtime sends exactly these bytes.
+Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks);
+
+struct LoadSummary {
+  double max = 0;
+  double mean = 0;
+  double imbalance = 0;        // max / mean of estimated seconds
+  double pairs_imbalance = 0;  // max / mean of causal pairs (the paper's measure)
+};
+
+struct Plan {
+  std::string policy;
+  double tolerance = 0;
+  std::vector<Task> tasks;           // sorted by (server, doc, q0, k0)
+  std::vector<double> server_seconds;  // (R) estimated CA seconds per step
+  std::vector<int64_t> server_pairs;   // (R)
+  LoadSummary load;
+  Traffic traffic;
+  uint64_t hash = 0;
+  // Whether max load <= (1 + tolerance) * mean holds, and why not when it does not.
+  bool is_balanced = false;
+  // False when a per-rank byte budget was asked for and cannot be kept.
+  bool is_within_budget = true;
+  std::string note;
+};
+
+// Per-server seconds and pairs of a task list under `cost`.
+LoadSummary summarize_load(const std::vector<double>& seconds, const std::vector<int64_t>& pairs);
+
+// Sorts the tasks canonically and fills loads, traffic, hash and is_balanced.
+Plan finalize_plan(std::string policy, double tolerance, const Batch& batch, const CostModel& cost,
+                   std::vector<Task> tasks);
+
+// FNV-1a over the batch layout and the sorted task list.
+uint64_t plan_hash(const Batch& batch, const std::vector<Task>& tasks);
+
+}  // namespace distca::plan

@@ -1,0 +1,38 @@
+// Planners (balancing policies) behind one interface (DESIGN.md §5).
+//   none    colocated attention: each rank attends its own pieces (the baseline)
+//   distca  the paper's communication-aware greedy scheduler, reproduced faithfully
+//   minmax  ours: max load <= (1 + eps) * mean whenever the shards allow it, fewest bytes
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "distca/core/status.h"
+#include "distca/plan/batch.h"
+#include "distca/plan/cost.h"
+#include "distca/plan/plan.h"
+
+namespace distca::plan {
+
+struct PlannerOptions {
+  double tolerance = 0.05;          // eps
+  int64_t granularity = 128;        // g: shards are multiples of g tokens
+  int64_t max_rank_bytes = 0;       // per-rank forward send and receive budget; 0 = none
+
+  Status validate() const;
+};
+
+using PlanFn = Result<Plan> (*)(const Batch&, const CostModel&, const PlannerOptions&);
+
+Result<Plan> plan_none(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
+Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
+Result<Plan> plan_minmax(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
+
+// "none", "distca", "minmax" (the default).
+Result<PlanFn> find_planner(std::string_view name);
+std::vector<std::string> planner_names();
+inline constexpr std::string_view kDefaultPlanner = "minmax";
+
+}  // namespace distca::plan

@@ -1,0 +1,190 @@
+#include "distca/plan/plan.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "distca/core/check.h"
+
+namespace distca::plan {
+
+int64_t Task::pairs() const {
+  if (is_causal()) return causal_pairs(q0, q1) - k0 * (q1 - q0);
+  return (q1 - q0) * (k1 - k0);
+}
+
+const char* phase_name(Phase phase) {
+  switch (phase) {
+    case Phase::kFwdDispatch: return "fwd_dispatch";
+    case Phase::kFwdReturn: return "fwd_return";
+    case Phase::kBwdDispatch: return "bwd_dispatch";
+    case Phase::kBwdReturn: return "bwd_return";
+  }
+  return "?";
+}
+
+namespace {
+
+// Accumulates (src, dst, bytes) entries of one phase and folds them into flows.
+class FlowAccumulator {
+ public:
+  explicit FlowAccumulator(int32_t num_ranks) : num_ranks_(num_ranks) {}
+  void add(int32_t src, int32_t dst, int64_t bytes) {
+    if (src != dst && bytes > 0) entries_.emplace_back(int64_t{src} * num_ranks_ + dst, bytes);
+  }
+  PhaseTraffic fold() {
+    std::sort(entries_.begin(), entries_.end());
+    PhaseTraffic t;
+    t.send_bytes.assign(num_ranks_, 0);
+    t.recv_bytes.assign(num_ranks_, 0);
+    for (const auto& [key, bytes] : entries_) {
+      const auto src = static_cast<int32_t>(key / num_ranks_);
+      const auto dst = static_cast<int32_t>(key % num_ranks_);
+      if (!t.flows.empty() && t.flows.back().src == src && t.flows.back().dst == dst) {
+        t.flows.back().bytes += bytes;
+      } else {
+        t.flows.push_back(Flow{src, dst, bytes});
+      }
+      t.send_bytes[src] += bytes;
+      t.recv_bytes[dst] += bytes;
+      t.total_bytes += bytes;
+    }
+    return t;
+  }
+
+ private:
+  int32_t num_ranks_;
+  std::vector<std::pair<int64_t, int64_t>> entries_;
+};
+
+}  // namespace
+
+Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks) {
+  const int32_t r = batch.num_ranks;
+  std::array<FlowAccumulator, kNumPhases> acc{FlowAccumulator(r), FlowAccumulator(r),
+                                              FlowAccumulator(r), FlowAccumulator(r)};
+  auto& fwd_dispatch = acc[static_cast<int>(Phase::kFwdDispatch)];
+  auto& fwd_return = acc[static_cast<int>(Phase::kFwdReturn)];
+  auto& bwd_dispatch = acc[static_cast<int>(Phase::kBwdDispatch)];
+  auto& bwd_return = acc[static_cast<int>(Phase::kBwdReturn)];
+  CommSummary fwd;
+
+  // 1. Query-side rows: from their owners to the server and back.
+  for (const Task& t : tasks) {
+    for_each_owner(batch, t.doc, t.q0, t.q1, [&](int32_t owner, int64_t rows) {
+      if (owner == t.server) return;
+      fwd_dispatch.add(owner, t.server, rows * bytes.q);
+      fwd_return.add(t.server, owner, rows * bytes.out);
+      bwd_dispatch.add(owner, t.server, rows * bytes.bwd_q);
+      bwd_return.add(t.server, owner, rows * bytes.bwd_dq);
+      fwd.q_bytes += rows * bytes.q;
+      fwd.out_bytes += rows * bytes.out;
+    });
+  }
+
+  // 2. Key/value rows: once per (document, server), the union of that server's key ranges.
+  std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t>> ranges;  // (doc, server, k0, k1)
+  ranges.reserve(tasks.size());
+  for (const Task& t : tasks) ranges.emplace_back(t.doc, t.server, t.k0, t.k1);
+  std::sort(ranges.begin(), ranges.end());
+  auto send_kv = [&](int32_t doc, int32_t server, int64_t k0, int64_t k1) {
+    for_each_owner(batch, doc, k0, k1, [&](int32_t owner, int64_t rows) {
+      if (owner == server) return;
+      fwd_dispatch.add(owner, server, rows * bytes.kv);
+      bwd_dispatch.add(owner, server, rows * bytes.kv);
+      bwd_return.add(server, owner, rows * bytes.bwd_dkv);
+      fwd.kv_bytes += rows * bytes.kv;
+    });
+  };
+  for (size_t i = 0; i < ranges.size();) {
+    auto [doc, server, k0, k1] = ranges[i];
+    size_t j = i + 1;
+    for (; j < ranges.size() && std::get<0>(ranges[j]) == doc && std::get<1>(ranges[j]) == server; ++j) {
+      const auto [d2, s2, a, b] = ranges[j];
+      if (a > k1) {
+        send_kv(doc, server, k0, k1);
+        k0 = a;
+        k1 = b;
+      } else {
+        k1 = std::max(k1, b);
+      }
+    }
+    send_kv(doc, server, k0, k1);
+    i = j;
+  }
+
+  Traffic traffic;
+  for (int p = 0; p < kNumPhases; ++p) traffic.phases[p] = acc[p].fold();
+  const auto& d = traffic.phases[static_cast<int>(Phase::kFwdDispatch)];
+  const auto& ret = traffic.phases[static_cast<int>(Phase::kFwdReturn)];
+  fwd.total_bytes = d.total_bytes + ret.total_bytes;
+  for (int32_t k = 0; k < r; ++k) {
+    fwd.max_send_bytes = std::max(fwd.max_send_bytes, d.send_bytes[k] + ret.send_bytes[k]);
+    fwd.max_recv_bytes = std::max(fwd.max_recv_bytes, d.recv_bytes[k] + ret.recv_bytes[k]);
+  }
+  traffic.forward = fwd;
+  return traffic;
+}
+
+LoadSummary summarize_load(const std::vector<double>& seconds, const std::vector<int64_t>& pairs) {
+  DISTCA_CHECK(!seconds.empty() && seconds.size() == pairs.size()) << "one load per server";
+  LoadSummary s;
+  double total = 0;
+  double total_pairs = 0;
+  int64_t max_pairs = 0;
+  for (size_t i = 0; i < seconds.size(); ++i) {
+    s.max = std::max(s.max, seconds[i]);
+    total += seconds[i];
+    total_pairs += static_cast<double>(pairs[i]);
+    max_pairs = std::max(max_pairs, pairs[i]);
+  }
+  const auto n = static_cast<double>(seconds.size());
+  s.mean = total / n;
+  s.imbalance = s.mean > 0 ? s.max / s.mean : 1.0;
+  s.pairs_imbalance = total_pairs > 0 ? static_cast<double>(max_pairs) / (total_pairs / n) : 1.0;
+  return s;
+}
+
+uint64_t plan_hash(const Batch& batch, const std::vector<Task>& tasks) {
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ULL;
+    }
+  };
+  mix(batch.num_ranks);
+  mix(batch.tokens_per_rank);
+  for (int64_t len : batch.doc_lengths) mix(len);
+  for (const Piece& p : batch.pieces) {
+    mix(p.doc), mix(p.begin), mix(p.end), mix(p.rank);
+  }
+  for (const Task& t : tasks) {
+    mix(t.doc), mix(t.q0), mix(t.q1), mix(t.k0), mix(t.k1), mix(t.server);
+  }
+  return h;
+}
+
+Plan finalize_plan(std::string policy, double tolerance, const Batch& batch, const CostModel& cost,
+                   std::vector<Task> tasks) {
+  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return std::tie(a.server, a.doc, a.q0, a.k0) < std::tie(b.server, b.doc, b.q0, b.k0);
+  });
+  Plan plan;
+  plan.policy = std::move(policy);
+  plan.tolerance = tolerance;
+  plan.server_seconds.assign(batch.num_ranks, 0.0);
+  plan.server_pairs.assign(batch.num_ranks, 0);
+  for (const Task& t : tasks) {
+    DISTCA_CHECK(t.server >= 0 && t.server < batch.num_ranks) << "task on server " << t.server;
+    plan.server_seconds[t.server] += cost.task_seconds(t.q_len(), t.pairs());
+    plan.server_pairs[t.server] += t.pairs();
+  }
+  plan.load = summarize_load(plan.server_seconds, plan.server_pairs);
+  plan.traffic = count_traffic(batch, cost.token_bytes(), tasks);
+  plan.hash = plan_hash(batch, tasks);
+  plan.is_balanced = plan.load.max <= (1.0 + tolerance) * plan.load.mean * (1.0 + 1e-12);
+  plan.tasks = std::move(tasks);
+  return plan;
+}
+
+}  // namespace distca::plan
