@@ -83,7 +83,7 @@ class MinmaxPlanner {
     Plan plan = finalize_plan("minmax", options_.tolerance, batch_, cost_, std::move(tasks));
     // The greedy always finds a receiver while a server with room for any shard exists, which
     // the slack guarantees when the largest shard fits in it.
-    const bool is_guaranteed = options_.max_rank_bytes == 0 && largest_shard <= cap_ - plan.load.mean;
+    plan.is_guaranteed = options_.max_rank_bytes == 0 && largest_shard <= cap_ - plan.load.mean;
     if (options_.max_rank_bytes > 0) {
       const auto& fwd = plan.traffic.forward;
       plan.is_within_budget = is_budget_feasible_ && fwd.max_send_bytes <= options_.max_rank_bytes &&
@@ -93,7 +93,7 @@ class MinmaxPlanner {
       plan.note = failure_.empty() ? "bound not met" : failure_;
       plan.note += fmt::format("; largest indivisible shard = {:.4f} x mean", largest_shard / plan.load.mean);
     } else {
-      plan.note = is_guaranteed ? "bound guaranteed: the largest shard fits in the slack"
+      plan.note = plan.is_guaranteed ? "bound guaranteed: the largest shard fits in the slack"
                                 : "bound met";
     }
     if (!plan.is_within_budget) plan.note += "; " + budget_failure_;

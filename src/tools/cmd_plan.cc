@@ -19,8 +19,8 @@ namespace {
 using namespace distca::plan;
 
 struct PlanArgs {
-  int64_t ranks = 0;  // 0: from --batch, else 8
-  int64_t tokens_per_rank = 0;  // 0: from --batch, else 131072
+  std::optional<int64_t> ranks;            // default: the batch file's count, else 8
+  std::optional<int64_t> tokens_per_rank;  // default: the batch's largest rank, else 131072
   std::string workload = "pretrain";
   std::string doc_lengths_path;
   std::string batch_path;
@@ -61,24 +61,24 @@ Result<ModelShape> make_model(const PlanArgs& a) {
 Result<Batch> make_batch(const PlanArgs& a, std::string& workload_name) {
   const int sources = (a.batch_path.empty() ? 0 : 1) + (a.doc_lengths_path.empty() ? 0 : 1);
   if (sources > 1) return invalid_argument("give at most one of --doc-lengths and --batch");
-  if (a.ranks < 0 || a.ranks > 1'000'000) {
-    return invalid_argument(fmt::format("--ranks must be in [1, 1000000], got {}", a.ranks));
+  if (a.ranks && (*a.ranks < 1 || *a.ranks > 1'000'000)) {
+    return invalid_argument(fmt::format("--ranks must be in [1, 1000000], got {}", *a.ranks));
   }
-  if (a.tokens_per_rank < 0) {
-    return invalid_argument(fmt::format("--tokens-per-rank must be positive, got {}", a.tokens_per_rank));
+  if (a.tokens_per_rank && *a.tokens_per_rank < 1) {
+    return invalid_argument(fmt::format("--tokens-per-rank must be positive, got {}", *a.tokens_per_rank));
   }
   if (!a.batch_path.empty()) {
     workload_name = a.batch_path;
     DISTCA_ASSIGN_OR_RETURN(const std::string text, read_text_file(a.batch_path));
-    DISTCA_ASSIGN_OR_RETURN(Batch batch, parse_batch_json(text, a.tokens_per_rank, a.batch_path));
-    if (a.ranks != 0 && batch.num_ranks != a.ranks) {
+    DISTCA_ASSIGN_OR_RETURN(Batch batch, parse_batch_json(text, a.tokens_per_rank.value_or(0), a.batch_path));
+    if (a.ranks && batch.num_ranks != *a.ranks) {
       return invalid_argument(fmt::format("{} holds {} ranks but --ranks is {}", a.batch_path,
-                                          batch.num_ranks, a.ranks));
+                                          batch.num_ranks, *a.ranks));
     }
     return batch;
   }
-  const int32_t ranks = a.ranks == 0 ? 8 : static_cast<int32_t>(a.ranks);
-  const int64_t tokens = a.tokens_per_rank == 0 ? 131072 : a.tokens_per_rank;
+  const auto ranks = static_cast<int32_t>(a.ranks.value_or(8));
+  const int64_t tokens = a.tokens_per_rank.value_or(131072);
   if (static_cast<double>(ranks) * static_cast<double>(tokens) > 4e9) {
     return invalid_argument(fmt::format("{} ranks x {} tokens is more than 4G tokens per step", ranks, tokens));
   }

@@ -93,6 +93,9 @@ struct Plan {
   uint64_t hash = 0;
   // Whether max load <= (1 + tolerance) * mean holds, and why not when it does not.
   bool is_balanced = false;
+  // minmax: true when the bound is guaranteed by construction (the largest shard fits in the
+  // slack), not merely met.
+  bool is_guaranteed = false;
   // False when a per-rank byte budget was asked for and cannot be kept.
   bool is_within_budget = true;
   std::string note;

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what distca needs to build and test, from Debian 12's packages. Idempotent: does
+# nothing when everything is already installed.
+set -euo pipefail
+packages=(
+  g++ cmake ninja-build pkg-config   # toolchain
+  libfmt-dev                         # formatting (g++ 12 has no <format>)
+  nlohmann-json3-dev                 # JSON reports, plan files, batch files
+  libcli11-dev                       # the distca command line
+  libgtest-dev libgmock-dev          # tests
+  libbenchmark-dev                   # benchmarks
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,67 @@
+#include "distca/plan/batch.h"
+
+#include <gtest/gtest.h>
+
+namespace distca::plan {
+namespace {
+
+TEST(PackDocuments, OverflowingDocumentBecomesPieces) {
+  Batch b = pack_documents({5, 12, 3}, /*ranks=*/3, /*tokens=*/8).value();
+  ASSERT_TRUE(b.validate().is_ok());
+  EXPECT_EQ(b.doc_lengths, (std::vector<int64_t>{5, 12, 3}));
+  // rank 0: doc0 [0,5) + doc1 [0,3); rank 1: doc1 [3,11); rank 2: doc1 [11,12) + doc2.
+  ASSERT_EQ(b.pieces.size(), 5u);
+  EXPECT_EQ(b.pieces[1].doc, 1);
+  EXPECT_EQ(b.pieces[1].end, 3);
+  EXPECT_EQ(b.pieces[2].rank, 1);
+  EXPECT_EQ(b.pieces[2].length(), 8);
+  EXPECT_EQ(b.doc_pieces[1].size(), 3u);
+  EXPECT_EQ(b.total_tokens(), 20);
+}
+
+TEST(PackDocuments, CutsTheLastDocumentWhenFull) {
+  Batch b = pack_documents({10, 10}, 1, 6).value();
+  EXPECT_EQ(b.doc_lengths, (std::vector<int64_t>{6}));
+  EXPECT_TRUE(b.validate().is_ok());
+}
+
+TEST(PackDocuments, RejectsBadSizes) {
+  EXPECT_FALSE(pack_documents({1}, 0, 8).is_ok());
+  EXPECT_FALSE(pack_documents({1}, 2, 0).is_ok());
+  EXPECT_FALSE(pack_documents({3, 0}, 2, 8).is_ok());
+  EXPECT_FALSE(pack_documents({-3}, 2, 8).is_ok());
+}
+
+TEST(BatchFromRanks, EmptyRanksAndDerivedTokensPerRank) {
+  Batch b = batch_from_ranks({{3, 4}, {}, {9}}, 0).value();
+  EXPECT_EQ(b.num_ranks, 3);
+  EXPECT_EQ(b.tokens_per_rank, 9);
+  EXPECT_TRUE(b.validate().is_ok());
+  EXPECT_FALSE(batch_from_ranks({{3, 4}, {9}}, 8).is_ok());  // rank 1 over T
+  EXPECT_FALSE(batch_from_ranks({}, 8).is_ok());
+}
+
+TEST(ParseBatchJson, AcceptsTheDocumentedShapeAndNamesErrors) {
+  Batch b = parse_batch_json(R"({"ranks": [[4, 4], [8]]})", 8, "b.json").value();
+  EXPECT_EQ(b.num_docs(), 3);
+  auto bad = parse_batch_json("{\"ranks\": [[4, ", 8, "b.json");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("b.json: malformed JSON"), std::string::npos);
+  EXPECT_FALSE(parse_batch_json(R"({"rank": [[4]]})", 8, "b").is_ok());
+  EXPECT_FALSE(parse_batch_json(R"({"ranks": [4]})", 8, "b").is_ok());
+  EXPECT_FALSE(parse_batch_json(R"({"ranks": [["4"]]})", 8, "b").is_ok());
+  EXPECT_FALSE(parse_batch_json(R"({"ranks": [[0]]})", 8, "b").is_ok());
+}
+
+TEST(BatchValidate, CatchesGapsAndOverfullRanks) {
+  Batch b = batch_from_ranks({{4}, {4}}, 4).value();
+  b.pieces[1].begin = 1;  // doc 1 no longer starts at 0
+  b.index();
+  EXPECT_FALSE(b.validate().is_ok());
+  Batch c = batch_from_ranks({{4}, {4}}, 4).value();
+  c.tokens_per_rank = 3;
+  EXPECT_FALSE(c.validate().is_ok());
+}
+
+}  // namespace
+}  // namespace distca::plan

@@ -1,0 +1,75 @@
+#include "distca/plan/cost.h"
+
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace distca::plan {
+namespace {
+
+TEST(CausalPairs, MatchesLoopCount) {
+  for (int64_t q0 = 0; q0 < 20; ++q0) {
+    for (int64_t q1 = q0; q1 < 40; ++q1) {
+      int64_t n = 0;
+      for (int64_t q = q0; q < q1; ++q) n += q + 1;
+      EXPECT_EQ(causal_pairs(q0, q1), n) << q0 << " " << q1;
+    }
+  }
+  EXPECT_EQ(causal_pairs(0, 1 << 20), (int64_t{1} << 20) * ((int64_t{1} << 20) + 1) / 2);
+}
+
+TEST(CausalPairs, HeadTailPairIsLinearInTokens) {
+  // [a, a+m) and [L-a-m, L-a) hold m * (L + 1) pairs wherever a is.
+  const int64_t len = 1000;
+  for (int64_t a : {0, 17, 300}) {
+    for (int64_t m : {1, 64, 128}) {
+      EXPECT_EQ(causal_pairs(a, a + m) + causal_pairs(len - a - m, len - a), m * (len + 1));
+    }
+  }
+}
+
+TEST(ModelShape, PresetsAndValidation) {
+  ModelShape m = model_preset("llama-8b").value();
+  EXPECT_EQ(m.num_layers, 32);
+  EXPECT_EQ(m.num_q_heads, 32);
+  EXPECT_EQ(m.num_kv_heads, 8);
+  EXPECT_EQ(model_preset("llama-34b").value().hidden, 8192);
+  EXPECT_EQ(model_preset("gpt-5").status().code(), StatusCode::kNotFound);
+  m.tp = 16;  // 8 kv heads replicated over 16 ranks
+  EXPECT_TRUE(m.validate().is_ok());
+  EXPECT_EQ(m.kv_heads_per_rank(), 1);
+  m.tp = 3;
+  EXPECT_FALSE(m.validate().is_ok());
+  m.tp = 1;
+  m.num_kv_heads = 5;
+  EXPECT_FALSE(m.validate().is_ok());
+  m.num_kv_heads = 0;
+  EXPECT_FALSE(m.validate().is_ok());
+}
+
+TEST(CostModel, TokenBytesFollowTheShape) {
+  ModelShape m = model_preset("llama-8b").value();  // Hq 32, Hkv 8, D 128, bf16
+  CostModel cost(m, ThroughputProfile{});
+  EXPECT_EQ(cost.token_bytes().q, 32 * 128 * 2);
+  EXPECT_EQ(cost.token_bytes().kv, 2 * 8 * 128 * 2);
+  EXPECT_EQ(cost.token_bytes().out, 32 * 128 * 2 + 32 * 4);
+  EXPECT_EQ(cost.token_bytes().bwd_dkv, 2 * 8 * 128 * 4);
+  m.tp = 4;
+  CostModel tp4(m, ThroughputProfile{});
+  EXPECT_EQ(tp4.token_bytes().q, cost.token_bytes().q / 4);
+  EXPECT_DOUBLE_EQ(tp4.fwd_flops_per_pair(), cost.fwd_flops_per_pair() / 4);
+}
+
+TEST(CostModel, SecondsScaleWithPairsAndPenaliseShortShards) {
+  CostModel cost = testing::tiny_cost(/*overhead=*/1e-6, /*tile=*/128);
+  // 1 layer x (fwd 4*D*Hq = 32 + bwd 80) FLOPs per pair at 1 GFLOP/s.
+  EXPECT_DOUBLE_EQ(cost.pair_seconds(1000), 1000 * 112 / 1e9);
+  EXPECT_DOUBLE_EQ(cost.task_seconds(128, 1000), cost.pair_seconds(1000) + 1e-6);
+  EXPECT_DOUBLE_EQ(cost.task_seconds(64, 1000), 2 * cost.pair_seconds(1000) + 1e-6);
+  ThroughputProfile bad;
+  bad.flops_per_second = 0;
+  EXPECT_FALSE(bad.validate().is_ok());
+}
+
+}  // namespace
+}  // namespace distca::plan

@@ -1,0 +1,67 @@
+#include "distca/plan/plan_io.h"
+
+#include <gtest/gtest.h>
+
+#include "distca/plan/planner.h"
+#include "test_util.h"
+
+namespace distca::plan {
+namespace {
+
+struct Fixture {
+  Batch batch = pack_documents({900, 40, 3000, 17}, 4, 1024).value();
+  CostModel cost = testing::tiny_cost();
+  Plan plan = plan_minmax(batch, cost, PlannerOptions{0.05, 128, 0}).value();
+};
+
+TEST(PlanIo, RoundTripKeepsTasksAndHash) {
+  Fixture f;
+  const nlohmann::json j = plan_to_json(f.plan, f.batch, f.cost);
+  EXPECT_EQ(j["format"], "distca-plan");
+  EXPECT_EQ(j["version"], 1);
+  LoadedPlan back = plan_from_json(nlohmann::json::parse(j.dump())).value();
+  EXPECT_EQ(back.plan.tasks, f.plan.tasks);
+  EXPECT_EQ(back.plan.hash, f.plan.hash);
+  EXPECT_EQ(back.batch.doc_lengths, f.batch.doc_lengths);
+  EXPECT_EQ(back.plan.traffic.forward.total_bytes, f.plan.traffic.forward.total_bytes);
+}
+
+TEST(PlanIo, RefusesOtherFormatsVersionsAndEditedFiles) {
+  Fixture f;
+  nlohmann::json j = plan_to_json(f.plan, f.batch, f.cost);
+  nlohmann::json wrong = j;
+  wrong["version"] = 99;
+  EXPECT_NE(plan_from_json(wrong).status().message().find("regenerate"), std::string::npos);
+  wrong = j;
+  wrong["format"] = "something-else";
+  EXPECT_FALSE(plan_from_json(wrong).is_ok());
+  wrong = j;
+  wrong["tasks"].erase(0);  // a dropped task no longer covers its document
+  EXPECT_FALSE(plan_from_json(wrong).is_ok());
+  wrong = j;
+  wrong["hash"] = "0000000000000000";
+  EXPECT_NE(plan_from_json(wrong).status().message().find("hash"), std::string::npos);
+  wrong = j;
+  wrong["tasks"][0] = "garbage";
+  EXPECT_FALSE(plan_from_json(wrong).is_ok());
+}
+
+TEST(PlanIo, ReportHasTheDocumentedFields) {
+  Fixture f;
+  Plan none = plan_none(f.batch, f.cost, PlannerOptions{}).value();
+  const nlohmann::json r = plan_report_json(none, f.plan, f.batch, f.cost, 1.5, true);
+  for (const char* key : {"policy", "ranks", "tokens_per_rank", "tolerance", "tasks", "plan_ms", "verified",
+                          "load_before", "load_after", "comm"}) {
+    EXPECT_TRUE(r.contains(key)) << key;
+  }
+  for (const char* key : {"max", "mean", "imbalance", "pairs_imbalance"}) EXPECT_TRUE(r["load_after"].contains(key));
+  for (const char* key : {"total_bytes", "max_send_bytes", "max_recv_bytes", "q_bytes", "kv_bytes", "out_bytes"}) {
+    EXPECT_TRUE(r["comm"].contains(key)) << key;
+  }
+  EXPECT_EQ(r["comm"]["total_bytes"].get<int64_t>(),
+            r["comm"]["q_bytes"].get<int64_t>() + r["comm"]["kv_bytes"].get<int64_t>() +
+                r["comm"]["out_bytes"].get<int64_t>());
+}
+
+}  // namespace
+}  // namespace distca::plan

@@ -1,0 +1,130 @@
+// Property test over 10,000 random batches: every policy's plan passes the verifier and
+// conserves work; minmax meets its bound whenever the bound is provably reachable, and its
+// shards are g-aligned.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "distca/plan/planner.h"
+#include "distca/plan/verify.h"
+#include "test_util.h"
+
+namespace distca::plan {
+namespace {
+
+constexpr int kNumBatches = 10000;
+const int64_t kPrimes[] = {2, 3, 5, 7, 13, 31, 127, 131, 257, 509, 1021, 2039};
+
+struct Case {
+  Batch batch;
+  PlannerOptions options;
+  CostModel cost;
+};
+
+Case random_case(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  const auto ranks = static_cast<int32_t>(pick(1, 12));
+  const int64_t tokens = pick(0, 3) == 0 ? pick(1, 16) : pick(16, 2048);
+  auto length = [&](int64_t cap) -> int64_t {
+    switch (pick(0, 3)) {
+      case 0: return 1;
+      case 1: return kPrimes[pick(0, std::size(kPrimes) - 1)];
+      case 2: return pick(1, cap);
+      default: return pick(1, 3 * cap);  // longer than a rank
+    }
+  };
+  Batch batch;
+  if (pick(0, 1) == 0) {
+    std::vector<std::vector<int64_t>> per_rank(ranks);
+    for (auto& docs : per_rank) {
+      int64_t left = tokens;
+      for (int64_t n = pick(0, 5); n > 0 && left > 0; --n) {  // some ranks stay empty
+        const int64_t len = std::min(left, length(tokens));
+        docs.push_back(len);
+        left -= len;
+      }
+    }
+    batch = batch_from_ranks(per_rank, tokens).value();
+  } else {
+    std::vector<int64_t> lengths;
+    for (int64_t n = pick(1, 4 * ranks); n > 0; --n) lengths.push_back(length(tokens));
+    batch = pack_documents(lengths, ranks, tokens).value();
+  }
+  const int64_t granularities[] = {1, 7, 64, 128};
+  const double tolerances[] = {0.0, 0.01, 0.05, 0.2};
+  PlannerOptions options{tolerances[pick(0, 3)], granularities[pick(0, 3)], 0};
+  const double overhead = pick(0, 1) == 0 ? 0.0 : 1e-9;
+  return Case{std::move(batch), options, testing::tiny_cost(overhead, pick(0, 1) == 0 ? 1 : 64)};
+}
+
+// The sufficient condition under which minmax promises the bound, computed independently.
+bool bound_is_reachable(const Case& c, const Plan& plan) {
+  double lower_total = 0;
+  double largest_shard = 0;
+  const int64_t g = c.options.granularity;
+  auto seconds = [&](int64_t lo, int64_t hi) { return c.cost.task_seconds(hi - lo, causal_pairs(lo, hi)); };
+  for (int64_t len : c.batch.doc_lengths) {
+    lower_total += seconds(0, len);
+    for (int64_t s = 0; s < len; s += g) largest_shard = std::max(largest_shard, seconds(s, std::min(len, s + g)));
+  }
+  const double cap = (1 + c.options.tolerance) * lower_total / c.batch.num_ranks;
+  return largest_shard <= cap - plan.load.mean;
+}
+
+TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
+  int num_reachable = 0;
+  int num_with_long_docs = 0;
+  int num_with_empty_ranks = 0;
+  for (int i = 0; i < kNumBatches; ++i) {
+    const Case c = random_case(1000 + i);
+    ASSERT_TRUE(c.batch.validate().is_ok());
+    const int64_t total_pairs = testing::total_causal_pairs(c.batch);
+    if (std::any_of(c.batch.doc_lengths.begin(), c.batch.doc_lengths.end(),
+                    [&](int64_t l) { return l > c.batch.tokens_per_rank; })) {
+      ++num_with_long_docs;
+    }
+    std::vector<int64_t> rank_tokens(c.batch.num_ranks, 0);
+    for (const Piece& p : c.batch.pieces) rank_tokens[p.rank] += p.length();
+    if (std::count(rank_tokens.begin(), rank_tokens.end(), 0) > 0) ++num_with_empty_ranks;
+
+    for (const std::string& name : planner_names()) {
+      SCOPED_TRACE("case " + std::to_string(i) + " policy " + name);
+      const Plan plan = find_planner(name).value()(c.batch, c.cost, c.options).value();
+      const Status verified = verify_tasks(c.batch, plan.tasks);
+      ASSERT_TRUE(verified.is_ok()) << verified.message();
+      int64_t task_pairs = 0;
+      for (const Task& t : plan.tasks) task_pairs += t.pairs();
+      ASSERT_EQ(task_pairs, total_pairs);
+      int64_t server_pairs = 0;
+      for (int64_t p : plan.server_pairs) server_pairs += p;
+      ASSERT_EQ(server_pairs, total_pairs);
+      if (name == "minmax") {
+        for (const Task& t : plan.tasks) {
+          ASSERT_EQ(t.q0 % c.options.granularity, 0);
+          ASSERT_TRUE(t.q1 % c.options.granularity == 0 || t.q1 == c.batch.doc_lengths[t.doc]);
+        }
+        const bool is_reachable = bound_is_reachable(c, plan);
+        ASSERT_EQ(plan.is_guaranteed, is_reachable);
+        if (is_reachable) {
+          ++num_reachable;
+          ASSERT_TRUE(plan.is_balanced) << plan.note << " imbalance " << plan.load.imbalance;
+        }
+        if (plan.is_balanced) ASSERT_LE(plan.load.max, (1 + c.options.tolerance) * plan.load.mean * (1 + 1e-12));
+      }
+      if (i % 50 == 0) {
+        ASSERT_EQ(find_planner(name).value()(c.batch, c.cost, c.options).value().hash, plan.hash);
+      }
+    }
+  }
+  // The generator really exercises the cases the property is about.
+  EXPECT_GT(num_reachable, kNumBatches / 10);
+  EXPECT_GT(num_with_long_docs, kNumBatches / 10);
+  EXPECT_GT(num_with_empty_ranks, kNumBatches / 10);
+  std::printf("reachable bound: %d, long documents: %d, empty ranks: %d of %d batches\n", num_reachable,
+              num_with_long_docs, num_with_empty_ranks, kNumBatches);
+}
+
+}  // namespace
+}  // namespace distca::plan

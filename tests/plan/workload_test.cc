@@ -1,0 +1,107 @@
+#include "distca/plan/workload.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <numeric>
+#include <random>
+
+#include "distca/core/file.h"
+
+namespace distca::plan {
+namespace {
+
+std::string shared_data(const std::string& name) {
+  const char* dir = std::getenv("DISTCA_SHARED_DATA");
+  return std::string(dir ? dir : "../shared/data") + "/" + name;
+}
+
+struct Stats {
+  double mean, median, p99;
+};
+Stats stats(std::vector<int64_t> v) {
+  std::sort(v.begin(), v.end());
+  const double mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  return {mean, static_cast<double>(v[v.size() / 2]), static_cast<double>(v[v.size() * 99 / 100])};
+}
+
+// The built-in distributions are described by published statistics; they must reproduce the
+// real samples' mean, median and p99.
+TEST(BuiltinDistribution, MatchesTheSharedSamples) {
+  for (const auto& [name, file] : {std::pair{"pretrain", "dist_wlbllm.json"}, std::pair{"prolong", "dist_prolong.json"}}) {
+    const std::string path = shared_data(file);
+    if (!std::filesystem::exists(path)) GTEST_SKIP() << "no " << path << " (set DISTCA_SHARED_DATA)";
+    auto real = load_doc_lengths(path).value();
+    LengthDistribution builtin = builtin_distribution(name).value();
+    std::mt19937_64 rng(7);
+    std::vector<int64_t> a, b;
+    for (int i = 0; i < 200000; ++i) {
+      const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+      a.push_back(builtin.quantile(u));
+      b.push_back(real.quantile(u));
+    }
+    const Stats sa = stats(a), sb = stats(b);
+    EXPECT_NEAR(sa.mean / sb.mean, 1.0, 0.03) << name;
+    EXPECT_NEAR(sa.median / sb.median, 1.0, 0.03) << name;
+    EXPECT_NEAR(sa.p99 / sb.p99, 1.0, 0.05) << name;
+  }
+}
+
+TEST(SampleBatch, FillsEveryRankAndIsDeterministic) {
+  LengthDistribution d = builtin_distribution("pretrain").value();
+  SamplingOptions opt;
+  opt.seed = 3;
+  Batch a = sample_batch(d, opt, 16, 65536).value();
+  Batch b = sample_batch(d, opt, 16, 65536).value();
+  EXPECT_TRUE(a.validate().is_ok());
+  EXPECT_EQ(a.total_tokens(), 16 * 65536);
+  EXPECT_EQ(a.doc_lengths, b.doc_lengths);
+  opt.seed = 4;
+  EXPECT_NE(sample_batch(d, opt, 16, 65536).value().doc_lengths, a.doc_lengths);
+}
+
+TEST(SampleBatch, ElongationAndUpsamplingLengthenDocuments) {
+  LengthDistribution d = builtin_distribution("pretrain").value();
+  SamplingOptions plain;
+  plain.elongation = 1;
+  SamplingOptions longer = plain;
+  longer.elongation = 4;
+  longer.upsample = 4;
+  longer.keep_short = 0.5;
+  auto mean_len = [](const Batch& b) {
+    return static_cast<double>(b.total_tokens()) / b.num_docs();
+  };
+  const double m1 = mean_len(sample_batch(d, plain, 64, 131072).value());
+  const double m2 = mean_len(sample_batch(d, longer, 64, 131072).value());
+  EXPECT_GT(m2, 4 * m1);
+}
+
+TEST(SampleBatch, RejectsBadOptions) {
+  LengthDistribution d = builtin_distribution("prolong").value();
+  SamplingOptions opt;
+  opt.keep_short = 1.5;
+  EXPECT_FALSE(sample_batch(d, opt, 4, 1024).is_ok());
+  opt = SamplingOptions{};
+  opt.upsample = 0.5;
+  EXPECT_FALSE(sample_batch(d, opt, 4, 1024).is_ok());
+  EXPECT_FALSE(sample_batch(d, SamplingOptions{}, 0, 1024).is_ok());
+  EXPECT_EQ(builtin_distribution("books").status().code(), StatusCode::kNotFound);
+}
+
+TEST(LoadDocLengths, RejectsMalformedFiles) {
+  const auto dir = std::filesystem::temp_directory_path();
+  const std::string bad = (dir / "distca_bad_lengths.json").string();
+  ASSERT_TRUE(write_file_atomic(bad, "[1, 2, -3]").is_ok());
+  EXPECT_FALSE(load_doc_lengths(bad).is_ok());
+  ASSERT_TRUE(write_file_atomic(bad, "[1, 2").is_ok());
+  EXPECT_FALSE(load_doc_lengths(bad).is_ok());
+  ASSERT_TRUE(write_file_atomic(bad, "[]").is_ok());
+  EXPECT_FALSE(load_doc_lengths(bad).is_ok());
+  EXPECT_EQ(load_doc_lengths("/nonexistent.json").status().code(), StatusCode::kNotFound);
+  std::filesystem::remove(bad);
+}
+
+}  // namespace
+}  // namespace distca::plan
