@@ -145,13 +145,9 @@ LoadSummary summarize_load(const std::vector<double>& seconds, const std::vector
 }
 
 uint64_t plan_hash(const Batch& batch, const std::vector<Task>& tasks) {
+  // FNV-1a over 64-bit words, then a splitmix64 finaliser to spread the bits.
   uint64_t h = 1469598103934665603ULL;
-  auto mix = [&](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
-      h *= 1099511628211ULL;
-    }
-  };
+  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ULL; };
   mix(batch.num_ranks);
   mix(batch.tokens_per_rank);
   for (int64_t len : batch.doc_lengths) mix(len);
@@ -161,7 +157,11 @@ uint64_t plan_hash(const Batch& batch, const std::vector<Task>& tasks) {
   for (const Task& t : tasks) {
     mix(t.doc), mix(t.q0), mix(t.q1), mix(t.k0), mix(t.k1), mix(t.server);
   }
-  return h;
+  h ^= h >> 30;
+  h *= 0xbf58476d1ce4e5b9ULL;
+  h ^= h >> 27;
+  h *= 0x94d049bb133111ebULL;
+  return h ^ (h >> 31);
 }
 
 Plan finalize_plan(std::string policy, double tolerance, const Batch& batch, const CostModel& cost,

@@ -108,7 +108,7 @@ LoadSummary summarize_load(const std::vector<double>& seconds, const std::vector
 Plan finalize_plan(std::string policy, double tolerance, const Batch& batch, const CostModel& cost,
                    std::vector<Task> tasks);
 
-// FNV-1a over the batch layout and the sorted task list.
+// A 64-bit hash of the batch layout and the sorted task list.
 uint64_t plan_hash(const Batch& batch, const std::vector<Task>& tasks);
 
 }  // namespace distca::plan
