@@ -122,10 +122,7 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
   };
   for (const BadInput& c : cases) {
     fs::remove(out);
-    CmdResult r = distca("plan --tokens-per-rank 4096 " + c.args + " --out " + out);
-    if (std::string(c.name) == "zero tokens" || std::string(c.name) == "negative tokens") {
-      r = distca("plan " + c.args + " --out " + out);
-    }
+    CmdResult r = distca("plan " + c.args + " --out " + out);
     EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
     EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
     EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
