@@ -69,6 +69,10 @@ Result<Batch> pack_documents(const std::vector<int64_t>& lengths, int32_t num_ra
   if (tokens_per_rank <= 0) {
     return invalid_argument(fmt::format("tokens per rank must be positive, got {}", tokens_per_rank));
   }
+  if (int64_t{num_ranks} * tokens_per_rank > kMaxTokens) {
+    return invalid_argument(fmt::format("{} ranks x {} tokens is more than {} tokens per step", num_ranks,
+                                        tokens_per_rank, kMaxTokens));
+  }
   Batch batch;
   batch.num_ranks = num_ranks;
   batch.tokens_per_rank = tokens_per_rank;
@@ -112,6 +116,9 @@ Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
       if (length <= 0) {
         return invalid_argument(
             fmt::format("rank {}: document length must be positive, got {}", r, length));
+      }
+      if (length > kMaxTokens || used + length > kMaxTokens) {
+        return invalid_argument(fmt::format("rank {}: more than {} tokens", r, kMaxTokens));
       }
       batch.pieces.push_back(Piece{batch.num_docs(), 0, length, r});
       batch.doc_lengths.push_back(length);

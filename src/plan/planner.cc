@@ -10,8 +10,8 @@ Status PlannerOptions::validate() const {
   if (!(tolerance >= 0) || !std::isfinite(tolerance)) {
     return invalid_argument(fmt::format("tolerance must be >= 0, got {}", tolerance));
   }
-  if (granularity <= 0) {
-    return invalid_argument(fmt::format("granularity must be positive, got {}", granularity));
+  if (granularity <= 0 || granularity > kMaxTokens) {
+    return invalid_argument(fmt::format("granularity must be in [1, {}], got {}", kMaxTokens, granularity));
   }
   if (max_rank_bytes < 0) {
     return invalid_argument(fmt::format("max rank bytes must be >= 0 (0 = no budget), got {}",

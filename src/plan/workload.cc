@@ -114,11 +114,11 @@ Status SamplingOptions::validate() const {
   if (!(keep_short >= 0 && keep_short <= 1)) {
     return invalid_argument(fmt::format("keep-short must be in [0, 1], got {}", keep_short));
   }
-  if (!(upsample >= 1) || !std::isfinite(upsample)) {
-    return invalid_argument(fmt::format("upsample must be >= 1, got {}", upsample));
+  if (!(upsample >= 1 && upsample <= 1e6)) {
+    return invalid_argument(fmt::format("upsample must be in [1, 1e6], got {}", upsample));
   }
-  if (!(elongation >= 0) || !std::isfinite(elongation)) {
-    return invalid_argument(fmt::format("elongation must be >= 0 (0 = auto), got {}", elongation));
+  if (!(elongation >= 0 && elongation <= 1024)) {
+    return invalid_argument(fmt::format("elongation must be in [0, 1024] (0 = auto), got {}", elongation));
   }
   return Status::ok();
 }
@@ -129,6 +129,10 @@ Result<Batch> sample_batch(const LengthDistribution& dist, const SamplingOptions
   if (num_ranks <= 0) return invalid_argument(fmt::format("ranks must be positive, got {}", num_ranks));
   if (tokens_per_rank <= 0) {
     return invalid_argument(fmt::format("tokens per rank must be positive, got {}", tokens_per_rank));
+  }
+  if (int64_t{num_ranks} * tokens_per_rank > kMaxTokens) {
+    return invalid_argument(fmt::format("{} ranks x {} tokens is more than {} tokens per step", num_ranks,
+                                        tokens_per_rank, kMaxTokens));
   }
   const double elongation = options.elongation > 0
                                 ? options.elongation
@@ -152,8 +156,8 @@ Result<Batch> sample_batch(const LengthDistribution& dist, const SamplingOptions
       continue;
     }
     rejected_in_a_row = 0;
-    const int64_t scaled =
-        std::max<int64_t>(1, std::llround(static_cast<double>(length) * elongation));
+    const int64_t scaled = std::clamp<int64_t>(
+        std::llround(static_cast<double>(length) * elongation), 1, need);
     lengths.push_back(scaled);
     total += scaled;
   }

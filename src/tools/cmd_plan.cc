@@ -79,9 +79,6 @@ Result<Batch> make_batch(const PlanArgs& a, std::string& workload_name) {
   }
   const auto ranks = static_cast<int32_t>(a.ranks.value_or(8));
   const int64_t tokens = a.tokens_per_rank.value_or(131072);
-  if (static_cast<double>(ranks) * static_cast<double>(tokens) > 4e9) {
-    return invalid_argument(fmt::format("{} ranks x {} tokens is more than 4G tokens per step", ranks, tokens));
-  }
   std::optional<LengthDistribution> dist;
   if (!a.doc_lengths_path.empty()) {
     DISTCA_ASSIGN_OR_RETURN(dist, load_doc_lengths(a.doc_lengths_path));

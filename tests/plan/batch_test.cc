@@ -30,6 +30,7 @@ TEST(PackDocuments, RejectsBadSizes) {
   EXPECT_FALSE(pack_documents({1}, 2, 0).is_ok());
   EXPECT_FALSE(pack_documents({3, 0}, 2, 8).is_ok());
   EXPECT_FALSE(pack_documents({-3}, 2, 8).is_ok());
+  EXPECT_FALSE(pack_documents({1}, 1 << 20, 1 << 20).is_ok());  // 2^40 tokens: pair counts overflow
 }
 
 TEST(BatchFromRanks, EmptyRanksAndDerivedTokensPerRank) {
@@ -39,6 +40,7 @@ TEST(BatchFromRanks, EmptyRanksAndDerivedTokensPerRank) {
   EXPECT_TRUE(b.validate().is_ok());
   EXPECT_FALSE(batch_from_ranks({{3, 4}, {9}}, 8).is_ok());  // rank 1 over T
   EXPECT_FALSE(batch_from_ranks({}, 8).is_ok());
+  EXPECT_FALSE(batch_from_ranks({{kMaxTokens + 1}}, 0).is_ok());
 }
 
 TEST(ParseBatchJson, AcceptsTheDocumentedShapeAndNamesErrors) {

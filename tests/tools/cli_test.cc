@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -25,7 +26,8 @@ struct CmdResult {
 
 const fs::path& scratch() {
   static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / "distca_cli_test";
+    // One folder per process: ctest runs the tests of this file in parallel processes.
+    fs::path d = fs::temp_directory_path() / ("distca_cli_test." + std::to_string(getpid()));
     fs::create_directories(d);
     return d;
   }();
@@ -114,6 +116,10 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"bad tp", "--tp 3", "tp 3"},
       {"negative tolerance", "--tolerance -1", "tolerance"},
       {"zero granularity", "--granularity 0", "granularity"},
+      {"huge granularity", "--granularity 99999999999999", "granularity"},
+      {"huge step", "--ranks 1000000 --tokens-per-rank 1000000", "tokens per step"},
+      {"huge elongation", "--elongation 1e300", "elongation"},
+      {"huge document", "--batch " + write("huge.json", R"({"ranks": [[99999999999]]})"), "tokens"},
       {"missing batch file", "--batch /nonexistent/b.json", "cannot open"},
       {"bad lengths", "--doc-lengths " + bad_lengths, "positive integer"},
       {"two sources", "--batch " + three + " --doc-lengths " + bad_lengths, "at most one"},

@@ -19,6 +19,9 @@ struct Piece {
   int64_t length() const { return end - begin; }
 };
 
+// Longest document and largest step: causal pair counts (L^2 / 2) stay exact in 64 bits.
+inline constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 1;
+
 struct Batch {
   int32_t num_ranks = 0;          // R
   int64_t tokens_per_rank = 0;    // T
