@@ -1,5 +1,5 @@
-// Planning latency: every policy on the pretrain workload at T = 131072 for R = 64, 256, 512,
-// all measured in one run. Counters carry the plan's balance and bytes so a latency is never
+// Planning latency: every policy on the pretrain and prolong workloads at T = 131072 for
+// R = 64, 256, 512, all measured in one run (args: R, workload 0 = pretrain / 1 = prolong). Counters carry the plan's balance and bytes so a latency is never
 // read without what it bought. JSON: plan_bench --benchmark_format=json.
 #include <benchmark/benchmark.h>
 
@@ -12,17 +12,19 @@
 namespace distca::plan {
 namespace {
 
-const Batch& batch_for(int32_t ranks) {
-  static std::map<int32_t, Batch> cache;
-  auto it = cache.find(ranks);
+const Batch& batch_for(int32_t ranks, int64_t workload) {
+  static std::map<std::pair<int32_t, int64_t>, Batch> cache;
+  const auto key = std::make_pair(ranks, workload);
+  auto it = cache.find(key);
   if (it == cache.end()) {
-    it = cache.emplace(ranks, sample_batch(builtin_distribution("pretrain").value(), SamplingOptions{}, ranks, 131072).value()).first;
+    const char* name = workload == 0 ? "pretrain" : "prolong";
+    it = cache.emplace(key, sample_batch(builtin_distribution(name).value(), SamplingOptions{}, ranks, 131072).value()).first;
   }
   return it->second;
 }
 
 void run(benchmark::State& state, PlanFn fn, double tolerance) {
-  const Batch& batch = batch_for(static_cast<int32_t>(state.range(0)));
+  const Batch& batch = batch_for(static_cast<int32_t>(state.range(0)), state.range(1));
   const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
   const PlannerOptions options{tolerance, 128, 0};
   // Correctness once, before timing.
@@ -46,10 +48,12 @@ void BM_distca_eps002(benchmark::State& state) { run(state, plan_distca, 0.02); 
 void BM_distca_eps010(benchmark::State& state) { run(state, plan_distca, 0.1); }
 void BM_none(benchmark::State& state) { run(state, plan_none, 0.02); }
 
-BENCHMARK(BM_minmax_eps002)->Arg(64)->Arg(256)->Arg(512)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_distca_eps002)->Arg(64)->Arg(256)->Arg(512)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_distca_eps010)->Arg(64)->Arg(256)->Arg(512)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_none)->Arg(64)->Arg(256)->Arg(512)->Unit(benchmark::kMillisecond);
+#define DISTCA_PLAN_BENCH(fn) \
+  BENCHMARK(fn)->ArgsProduct({{64, 256, 512}, {0, 1}})->ArgNames({"R", "prolong"})->Unit(benchmark::kMillisecond)
+DISTCA_PLAN_BENCH(BM_minmax_eps002);
+DISTCA_PLAN_BENCH(BM_distca_eps002);
+DISTCA_PLAN_BENCH(BM_distca_eps010);
+DISTCA_PLAN_BENCH(BM_none);
 
 }  // namespace
 }  // namespace distca::plan
