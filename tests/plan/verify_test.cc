@@ -41,6 +41,11 @@ TEST(VerifyTasks, RejectsKeyGaps) {
   EXPECT_FALSE(verify_tasks(one_doc(10), {causal_task(0, 0, 5, 0), Task{0, 5, 10, 0, 3, 1},
                                           Task{0, 5, 10, 4, 10, 0}}).is_ok());
   EXPECT_FALSE(verify_tasks(one_doc(10), {causal_task(0, 0, 5, 0), Task{0, 5, 10, 2, 10, 0}}).is_ok());
+  // A gap, then an overlap, between two non-causal key ranges of the same rows.
+  EXPECT_FALSE(verify_tasks(one_doc(10), {causal_task(0, 0, 5, 0), Task{0, 5, 10, 0, 2, 1},
+                                          Task{0, 5, 10, 3, 4, 1}, Task{0, 5, 10, 4, 10, 0}}).is_ok());
+  EXPECT_FALSE(verify_tasks(one_doc(10), {causal_task(0, 0, 5, 0), Task{0, 5, 10, 0, 3, 1},
+                                          Task{0, 5, 10, 2, 4, 1}, Task{0, 5, 10, 4, 10, 0}}).is_ok());
 }
 
 TEST(VerifyTasks, RejectsMalformedTasks) {
