@@ -190,20 +190,15 @@ class MinmaxPlanner {
     }
   }
 
-  bool fits_budget(int32_t doc, int64_t a, int64_t b, int32_t dst) {
+  bool fits_budget(int32_t doc, int64_t a, int64_t b, int32_t dst) const {
     if (options_.max_rank_bytes == 0) return true;
-    extra_send_.clear();
-    bool is_ok = true;
-    for_each_flow(doc, a, b, dst, [&](int32_t src, int32_t to, int64_t bytes) {
-      extra_send_.emplace_back(src, to, bytes);
-    });
     // Sum per rank before comparing: one rank may appear in several flows.
     std::vector<std::pair<int32_t, int64_t>> sends, recvs;
-    for (const auto& [src, to, bytes] : extra_send_) {
+    for_each_flow(doc, a, b, dst, [&](int32_t src, int32_t to, int64_t bytes) {
       sends.emplace_back(src, bytes);
       recvs.emplace_back(to, bytes);
-    }
-    auto over = [&](std::vector<std::pair<int32_t, int64_t>>& adds, const std::vector<int64_t>& base) {
+    });
+    auto is_over = [&](std::vector<std::pair<int32_t, int64_t>>& adds, const std::vector<int64_t>& base) {
       std::sort(adds.begin(), adds.end());
       for (size_t i = 0; i < adds.size();) {
         int64_t sum = 0;
@@ -214,8 +209,7 @@ class MinmaxPlanner {
       }
       return false;
     };
-    if (over(sends, send_) || over(recvs, recv_)) is_ok = false;
-    return is_ok;
+    return !is_over(sends, send_) && !is_over(recvs, recv_);
   }
 
   // The slice of `run` to cut from one end: the fewest whole shards whose removal clears
@@ -360,7 +354,6 @@ class MinmaxPlanner {
   std::vector<double> room_key_;                    // (R) room as stored in rooms_, or -1
   std::vector<std::vector<std::pair<int32_t, int64_t>>> kv_need_;  // (docs) (server, key end)
   std::vector<int64_t> send_, recv_;                // (R) forward bytes, upper bounds
-  std::vector<std::tuple<int32_t, int32_t, int64_t>> extra_send_;
   bool is_budget_feasible_ = true;
   std::string failure_;
   std::string budget_failure_ = "per-rank byte budget exceeded";
