@@ -9,6 +9,7 @@ packages=(
   libcli11-dev                       # the distca command line
   libgtest-dev libgmock-dev          # tests
   libbenchmark-dev                   # benchmarks
+  libopenblas-dev                    # BLAS: the sgemm ceiling and GEMM-attention baseline, linear layers
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,441 @@
+// Flash-style attention blocks, written once with GCC vector extensions and compiled per
+// instruction set: isa_avx512.cc builds it with AVX-512 enabled (one 16-lane vector is one zmm
+// register), isa_portable.cc with the compiler's defaults (the same code, split into narrower
+// registers). Include only from those two files, inside their own namespace.
+//
+// The layout is transposed so that no reduction is horizontal: a block holds kBlockQ queries in
+// the vector lanes. Scores are S^T [keys, queries]: the row max, sum and mask of the softmax are
+// lane-wise, and O^T [D, queries] accumulates V[j][d] (broadcast) times P^T[j] (a vector).
+//   S^T = K Q^T        (st_rows: broadcast K[j][d], vector Q^T[d])
+//   O^T += V^T P^T     (acc_t:   broadcast V[j][d], vector P^T[j])
+//   dV  += P^T dO      (rows_acc: broadcast P^T[j][i], vector dO[i])
+// Scores are kept in log2 units (Q^T is pre-scaled by scale * log2(e)) so softmax uses exp2.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "isa.h"
+
+namespace distca::kernels::cpu_detail {
+namespace DISTCA_ISA_NAMESPACE {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kQVecs = kBlockQ / kLanes;
+static_assert(kBlockQ % kLanes == 0);
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+
+// 2^x, relative error ~2e-7; 0 for x <= -127 (and -inf), saturates at 2^127.
+inline vf exp2v(vf x) {
+  x = vmin(vmax(x, splat(-127.0f)), splat(127.0f));
+  const vf r = (x + 12582912.0f) - 12582912.0f;  // round to nearest integer
+  const vf f = x - r;                            // [-0.5, 0.5]
+  vf p = splat(1.525273380405984e-05f);
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const vi n = __builtin_convertvector(r, vi);
+  const vi bits = (n + 127) << 23;  // n = -127 gives 0.0
+  vf pow2;
+  std::memcpy(&pow2, &bits, sizeof pow2);
+  return p * pow2;
+}
+
+inline vi lane_index(int v) {
+  vi idx;
+  for (int i = 0; i < kLanes; ++i) idx[i] = v * kLanes + i;
+  return idx;
+}
+
+// out[r][:] = sum_d a[r][d] * bt[d][:] for MR rows of a (row stride a_stride).
+template <int D, int MR>
+inline void st_rows(const float* a, int64_t a_stride, const float* bt, float* out) {
+  vf acc[MR][kQVecs] = {};
+#pragma GCC unroll 2
+  for (int d = 0; d < D; ++d) {
+    vf b[kQVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kQVecs; ++v) b[v] = load(bt + d * kBlockQ + v * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const float x = a[r * a_stride + d];
+#pragma GCC unroll 4
+      for (int v = 0; v < kQVecs; ++v) acc[r][v] += x * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kQVecs; ++v) store(out + r * kBlockQ + v * kLanes, acc[r][v]);
+}
+
+// out[j][:] = sum_d a[j][d] * bt[d][:] for j in [0, num_rows).
+template <int D>
+void st_block(const float* a, int64_t a_stride, const float* bt, int64_t num_rows, float* out) {
+  constexpr int kMR = 6;
+  int64_t j = 0;
+  for (; j + kMR <= num_rows; j += kMR) st_rows<D, kMR>(a + j * a_stride, a_stride, bt, out + j * kBlockQ);
+  switch (num_rows - j) {
+    case 5: st_rows<D, 5>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
+    case 4: st_rows<D, 4>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
+    case 3: st_rows<D, 3>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
+    case 2: st_rows<D, 2>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
+    case 1: st_rows<D, 1>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
+    default: break;
+  }
+}
+
+// acc_t[d][:] = acc_t[d][:] * alpha + sum_j a[j][d] * pt[j][:]  (alpha == nullptr: no rescale).
+template <int D>
+void acc_t_block(float* acc_t, const vf* alpha, const float* a, int64_t a_stride, const float* pt,
+                 int64_t num_rows) {
+  constexpr int kMD = 4;
+  static_assert(D % kMD == 0);
+  for (int d0 = 0; d0 < D; d0 += kMD) {
+    vf acc[kMD][kQVecs];
+    for (int r = 0; r < kMD; ++r)
+      for (int v = 0; v < kQVecs; ++v) {
+        acc[r][v] = load(acc_t + (d0 + r) * kBlockQ + v * kLanes);
+        if (alpha != nullptr) acc[r][v] *= alpha[v];
+      }
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < num_rows; ++j) {
+      vf p[kQVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < kQVecs; ++v) p[v] = load(pt + j * kBlockQ + v * kLanes);
+      const float* arow = a + j * a_stride + d0;
+#pragma GCC unroll 4
+      for (int r = 0; r < kMD; ++r) {
+        const float x = arow[r];
+#pragma GCC unroll 4
+        for (int v = 0; v < kQVecs; ++v) acc[r][v] += x * p[v];
+      }
+    }
+    for (int r = 0; r < kMD; ++r)
+      for (int v = 0; v < kQVecs; ++v) store(acc_t + (d0 + r) * kBlockQ + v * kLanes, acc[r][v]);
+  }
+}
+
+// acc[r][:] += sum_i pt[r][i] * b[i][:] for MR rows, i in [0, num_cols); acc rows are D long.
+template <int D, int MR>
+inline void rows_acc(float* acc_rows, const float* pt, const float* b, int64_t b_stride,
+                     int64_t num_cols) {
+  constexpr int kNV = D / kLanes;
+  vf acc[MR][kNV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kNV; ++v) acc[r][v] = load(acc_rows + r * D + v * kLanes);
+#pragma GCC unroll 2
+  for (int64_t i = 0; i < num_cols; ++i) {
+    vf bv[kNV];
+#pragma GCC unroll 16
+    for (int v = 0; v < kNV; ++v) bv[v] = load(b + i * b_stride + v * kLanes);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const float x = pt[r * kBlockQ + i];
+#pragma GCC unroll 16
+      for (int v = 0; v < kNV; ++v) acc[r][v] += x * bv[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kNV; ++v) store(acc_rows + r * D + v * kLanes, acc[r][v]);
+}
+
+template <int D>
+void rows_acc_block(float* acc_rows, const float* pt, int64_t num_rows, const float* b,
+                    int64_t b_stride, int64_t num_cols) {
+  constexpr int kMR = std::max(1, 24 / (D / kLanes));
+  int64_t r = 0;
+  for (; r + kMR <= num_rows; r += kMR) {
+    rows_acc<D, kMR>(acc_rows + r * D, pt + r * kBlockQ, b, b_stride, num_cols);
+  }
+  for (; r < num_rows; ++r) rows_acc<D, 1>(acc_rows + r * D, pt + r * kBlockQ, b, b_stride, num_cols);
+}
+
+// Sets s[j][i] = -inf where query q0 + i (task-relative) cannot see key k0 + j: k0 + j > off + q0 + i.
+inline void mask_causal(float* s, int64_t num_rows, int64_t k0, int64_t off, int64_t q0) {
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < num_rows; ++j) {
+    const int64_t first_visible = k0 + j - off - q0;  // lanes below this are masked
+    if (first_visible <= 0) continue;
+    const int32_t thr = static_cast<int32_t>(std::min<int64_t>(first_visible, kBlockQ));
+    for (int v = 0; v < kQVecs; ++v) {
+      const vi hide = lane_index(v) < thr;
+      float* row = s + j * kBlockQ + v * kLanes;
+      store(row, hide ? neg_inf : load(row));
+    }
+  }
+}
+
+// Keys of the task a query block can see: [0, key_end).
+inline int64_t key_end(const AttnTask& t, int64_t q0, int64_t rows) {
+  return t.is_causal ? t.kv_len - t.q_len + q0 + rows : t.kv_len;
+}
+
+template <int D>
+void forward_block(const Problem& p, const QueryBlock& b, float* o, float* lse, const Scratch& s) {
+  const AttnTask& t = p.tasks[b.task];
+  const int64_t hk = b.head / (p.num_q_heads / p.num_kv_heads);
+  const int64_t q_stride = p.num_q_heads * D;
+  const int64_t kv_stride = p.num_kv_heads * D;
+  const float c = p.scale * static_cast<float>(M_LOG2E);
+  // 1. Q^T of the block, scaled, zero-padded.
+  const float* q = p.q + (t.q_offset + b.q0) * q_stride + b.head * D;
+  for (int64_t d = 0; d < D; ++d) {
+    float* dst = s.qt + d * kBlockQ;
+    for (int64_t i = 0; i < b.rows; ++i) dst[i] = q[i * q_stride + d] * c;
+    std::fill(dst + b.rows, dst + kBlockQ, 0.0f);
+  }
+  std::fill(s.acc, s.acc + D * kBlockQ, 0.0f);
+  vf m[kQVecs], l[kQVecs];
+  for (int v = 0; v < kQVecs; ++v) {
+    m[v] = splat(-std::numeric_limits<float>::max());
+    l[v] = splat(0.0f);
+  }
+  // 2. Key blocks, online softmax.
+  const int64_t end = key_end(t, b.q0, b.rows);
+  const int64_t off = t.kv_len - t.q_len;
+  const float* k = p.k + t.kv_offset * kv_stride + hk * D;
+  const float* v = p.v + t.kv_offset * kv_stride + hk * D;
+  for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, end - k0);
+    st_block<D>(k + k0 * kv_stride, kv_stride, s.qt, nk, s.s);
+    if (t.is_causal && k0 + nk - 1 > off + b.q0) mask_causal(s.s, nk, k0, off, b.q0);
+    vf m_new[kQVecs], alpha[kQVecs], sum[kQVecs];
+    for (int w = 0; w < kQVecs; ++w) m_new[w] = m[w];
+    for (int64_t j = 0; j < nk; ++j)
+      for (int w = 0; w < kQVecs; ++w) m_new[w] = vmax(m_new[w], load(s.s + j * kBlockQ + w * kLanes));
+    for (int w = 0; w < kQVecs; ++w) {
+      alpha[w] = exp2v(m[w] - m_new[w]);
+      sum[w] = splat(0.0f);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      for (int w = 0; w < kQVecs; ++w) {
+        float* row = s.s + j * kBlockQ + w * kLanes;
+        const vf e = exp2v(load(row) - m_new[w]);
+        sum[w] += e;
+        store(row, e);
+      }
+    }
+    for (int w = 0; w < kQVecs; ++w) {
+      l[w] = l[w] * alpha[w] + sum[w];
+      m[w] = m_new[w];
+    }
+    acc_t_block<D>(s.acc, alpha, v + k0 * kv_stride, kv_stride, s.s, nk);
+  }
+  // 3. O = O^T / l, LSE = (m + log2 l) ln 2; no keys at all: O = 0, LSE = -inf.
+  float* out = o + (t.q_offset + b.q0) * q_stride + b.head * D;
+  float* out_lse = lse + (t.q_offset + b.q0) * p.num_q_heads + b.head;
+  float mm[kBlockQ], ll[kBlockQ];
+  for (int w = 0; w < kQVecs; ++w) {
+    store(mm + w * kLanes, m[w]);
+    store(ll + w * kLanes, l[w]);
+  }
+  for (int64_t i = 0; i < b.rows; ++i) {
+    const bool has_keys = ll[i] > 0.0f;
+    const float inv = has_keys ? 1.0f / ll[i] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = s.acc[d * kBlockQ + i] * inv;
+    out_lse[i * p.num_q_heads] =
+        has_keys ? (mm[i] + std::log2(ll[i])) * static_cast<float>(M_LN2)
+                 : -std::numeric_limits<float>::infinity();
+  }
+}
+
+template <int D>
+void backward_pack(const Problem& p, const QueryBlock& b, const Packed& pk) {
+  const AttnTask& t = p.tasks[b.task];
+  const int64_t q_stride = p.num_q_heads * D;
+  const float c = p.scale * static_cast<float>(M_LOG2E);
+  const int64_t row0 = (t.q_offset + b.q0) * q_stride + b.head * D;
+  float* qt = pk.qt + b.packed * D * kBlockQ;
+  float* dot = pk.dot + b.packed * D * kBlockQ;
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t i = 0; i < b.rows; ++i) {
+      qt[d * kBlockQ + i] = p.q[row0 + i * q_stride + d] * c;
+      dot[d * kBlockQ + i] = p.d_o[row0 + i * q_stride + d];
+    }
+    std::fill(qt + d * kBlockQ + b.rows, qt + (d + 1) * kBlockQ, 0.0f);
+    std::fill(dot + d * kBlockQ + b.rows, dot + (d + 1) * kBlockQ, 0.0f);
+  }
+  float* lse2 = pk.lse2 + b.packed * kBlockQ;
+  float* delta = pk.delta + b.packed * kBlockQ;
+  for (int64_t i = 0; i < kBlockQ; ++i) {
+    if (i >= b.rows) {
+      lse2[i] = std::numeric_limits<float>::infinity();
+      delta[i] = 0.0f;
+      continue;
+    }
+    lse2[i] = p.lse[(t.q_offset + b.q0 + i) * p.num_q_heads + b.head] * static_cast<float>(M_LOG2E);
+    float sum = 0.0f;
+    for (int64_t d = 0; d < D; ++d) sum += p.d_o[row0 + i * q_stride + d] * p.o[row0 + i * q_stride + d];
+    delta[i] = sum;
+  }
+}
+
+// P^T and dS^T of one (key range, query block) pair, into s.s and s.dp.
+template <int D>
+void probabilities_and_ds(const float* k, const float* v, int64_t kv_stride, int64_t nk,
+                          const float* qt, const float* dot, const float* lse2, const float* delta,
+                          bool needs_mask, int64_t k0, int64_t off, int64_t q0, const Scratch& s) {
+  st_block<D>(k, kv_stride, qt, nk, s.s);
+  if (needs_mask) mask_causal(s.s, nk, k0, off, q0);
+  st_block<D>(v, kv_stride, dot, nk, s.dp);
+  vf l2[kQVecs], dl[kQVecs];
+  for (int w = 0; w < kQVecs; ++w) {
+    l2[w] = load(lse2 + w * kLanes);
+    dl[w] = load(delta + w * kLanes);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int w = 0; w < kQVecs; ++w) {
+      float* srow = s.s + j * kBlockQ + w * kLanes;
+      float* drow = s.dp + j * kBlockQ + w * kLanes;
+      const vf prob = exp2v(load(srow) - l2[w]);
+      store(srow, prob);
+      store(drow, prob * (load(drow) - dl[w]));
+    }
+  }
+}
+
+template <int D>
+void backward_dq(const Problem& p, const QueryBlock& b, const Packed& pk, float* dq,
+                 const Scratch& s) {
+  const AttnTask& t = p.tasks[b.task];
+  const int64_t hk = b.head / (p.num_q_heads / p.num_kv_heads);
+  const int64_t q_stride = p.num_q_heads * D;
+  const int64_t kv_stride = p.num_kv_heads * D;
+  const float* qt = pk.qt + b.packed * D * kBlockQ;
+  const float* dot = pk.dot + b.packed * D * kBlockQ;
+  const float* lse2 = pk.lse2 + b.packed * kBlockQ;
+  const float* delta = pk.delta + b.packed * kBlockQ;
+  std::fill(s.acc, s.acc + D * kBlockQ, 0.0f);
+  const int64_t end = key_end(t, b.q0, b.rows);
+  const int64_t off = t.kv_len - t.q_len;
+  const float* k = p.k + t.kv_offset * kv_stride + hk * D;
+  const float* v = p.v + t.kv_offset * kv_stride + hk * D;
+  for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, end - k0);
+    const bool needs_mask = t.is_causal && k0 + nk - 1 > off + b.q0;
+    probabilities_and_ds<D>(k + k0 * kv_stride, v + k0 * kv_stride, kv_stride, nk, qt, dot, lse2,
+                            delta, needs_mask, k0, off, b.q0, s);
+    acc_t_block<D>(s.acc, nullptr, k + k0 * kv_stride, kv_stride, s.dp, nk);
+  }
+  float* out = dq + (t.q_offset + b.q0) * q_stride + b.head * D;
+  for (int64_t i = 0; i < b.rows; ++i)
+    for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = s.acc[d * kBlockQ + i] * p.scale;
+}
+
+template <int D>
+void backward_dkdv(const Problem& p, const KvBlock& kb, const Packed& pk, float* dk, float* dv,
+                   const Scratch& s) {
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  const int64_t q_stride = p.num_q_heads * D;
+  const int64_t kv_stride = p.num_kv_heads * D;
+  const int64_t num_rows = kb.r1 - kb.r0;
+  std::fill(s.dk, s.dk + num_rows * D, 0.0f);
+  std::fill(s.dv, s.dv + num_rows * D, 0.0f);
+  // Heads outer, then tasks, then query blocks: a row's sum runs over each head's queries in
+  // task order, so cutting a document into in-order shards does not change a single bit.
+  for (int64_t h = kb.kv_head * group; h < (kb.kv_head + 1) * group; ++h) {
+    for (int64_t ti = 0; ti < p.num_tasks; ++ti) {
+      const AttnTask& t = p.tasks[ti];
+      const int64_t a = std::max(kb.r0, t.kv_offset);
+      const int64_t e = std::min(kb.r1, t.kv_offset + t.kv_len);
+      if (a >= e || t.q_len == 0) continue;
+      const int64_t k0 = a - t.kv_offset;  // task-relative key range [k0, k0 + nk)
+      const int64_t nk = e - a;
+      const int64_t off = t.kv_len - t.q_len;
+      const int64_t first_query = t.is_causal ? std::max<int64_t>(0, k0 - off) : 0;
+      if (first_query >= t.q_len) continue;
+      const int64_t num_blocks = (t.q_len + kBlockQ - 1) / kBlockQ;
+      const float* k = p.k + a * kv_stride + kb.kv_head * D;
+      const float* v = p.v + a * kv_stride + kb.kv_head * D;
+      for (int64_t qb = first_query / kBlockQ; qb < num_blocks; ++qb) {
+        const int64_t q0 = qb * kBlockQ;
+        const int64_t rows = std::min(kBlockQ, t.q_len - q0);
+        const int64_t packed = pk.block_base[ti] + h * num_blocks + qb;
+        const bool needs_mask = t.is_causal && k0 + nk - 1 > off + q0;
+        probabilities_and_ds<D>(k, v, kv_stride, nk, pk.qt + packed * D * kBlockQ,
+                                pk.dot + packed * D * kBlockQ, pk.lse2 + packed * kBlockQ,
+                                pk.delta + packed * kBlockQ, needs_mask, k0, off, q0, s);
+        const int64_t row0 = (t.q_offset + q0) * q_stride + h * D;
+        rows_acc_block<D>(s.dv + (a - kb.r0) * D, s.s, nk, p.d_o + row0, q_stride, rows);
+        rows_acc_block<D>(s.dk + (a - kb.r0) * D, s.dp, nk, p.q + row0, q_stride, rows);
+      }
+    }
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* dk_out = dk + (kb.r0 + r) * kv_stride + kb.kv_head * D;
+    float* dv_out = dv + (kb.r0 + r) * kv_stride + kb.kv_head * D;
+    for (int64_t d = 0; d < D; ++d) {
+      dk_out[d] = s.dk[r * D + d] * p.scale;
+      dv_out[d] = s.dv[r * D + d];
+    }
+  }
+}
+
+inline void softmax_row(float* row, int64_t n, float* row_max, float* row_sum) {
+  const float c = static_cast<float>(M_LOG2E);
+  float m = -std::numeric_limits<float>::max();
+  int64_t j = 0;
+  vf mv = splat(m);
+  for (; j + kLanes <= n; j += kLanes) mv = vmax(mv, load(row + j));
+  for (int i = 0; i < kLanes; ++i) m = std::max(m, mv[i]);
+  for (; j < n; ++j) m = std::max(m, row[j]);
+  const float mc = m * c;
+  vf sum = splat(0.0f);
+  j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf e = exp2v(load(row + j) * c - mc);
+    sum += e;
+    store(row + j, e);
+  }
+  float total = 0.0f;
+  for (int i = 0; i < kLanes; ++i) total += sum[i];
+  for (; j < n; ++j) {
+    row[j] = std::exp2(row[j] * c - mc);
+    total += row[j];
+  }
+  *row_max = m;
+  *row_sum = total;
+}
+
+// Head-dim dispatch: D is a template argument so every tile is fully unrolled.
+#define DISTCA_HEAD_DIM_DISPATCH(fn, ...)                      \
+  switch (p.head_dim) {                                        \
+    case 32: return fn<32>(__VA_ARGS__);                       \
+    case 64: return fn<64>(__VA_ARGS__);                       \
+    case 128: return fn<128>(__VA_ARGS__);                     \
+    case 256: return fn<256>(__VA_ARGS__);                     \
+    default: DISTCA_CHECK(false) << "head_dim " << p.head_dim << " not instantiated"; \
+  }
+
+inline void forward_any(const Problem& p, const QueryBlock& b, float* o, float* lse, const Scratch& s) {
+  DISTCA_HEAD_DIM_DISPATCH(forward_block, p, b, o, lse, s)
+}
+inline void pack_any(const Problem& p, const QueryBlock& b, const Packed& pk) {
+  DISTCA_HEAD_DIM_DISPATCH(backward_pack, p, b, pk)
+}
+inline void dq_any(const Problem& p, const QueryBlock& b, const Packed& pk, float* dq, const Scratch& s) {
+  DISTCA_HEAD_DIM_DISPATCH(backward_dq, p, b, pk, dq, s)
+}
+inline void dkdv_any(const Problem& p, const KvBlock& kb, const Packed& pk, float* dk, float* dv,
+                     const Scratch& s) {
+  DISTCA_HEAD_DIM_DISPATCH(backward_dkdv, p, kb, pk, dk, dv, s)
+}
+#undef DISTCA_HEAD_DIM_DISPATCH
+
+}  // namespace DISTCA_ISA_NAMESPACE
+}  // namespace distca::kernels::cpu_detail

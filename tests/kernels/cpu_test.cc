@@ -1,0 +1,261 @@
+// The fast CPU attention against the reference: random task lists (documents cut into shards
+// that share K/V, non-causal pieces, uncovered rows), fp32 and bf16, both instruction-set
+// builds, bit-identical results across thread counts, and exact task decompositions.
+#include "distca/kernels/cpu.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "distca/kernels/ref.h"
+#include "test_util.h"
+
+namespace distca::kernels {
+namespace {
+
+using testing::expect_close;
+using testing::TaskSet;
+using testing::to_floats;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+template <typename T>
+struct Inputs {
+  std::vector<T> q, k, v, d_o;
+};
+
+template <typename T>
+Inputs<T> random_inputs(std::mt19937_64& rng, const AttnDims& n) {
+  const int64_t nq = n.num_q_rows * n.num_q_heads * n.head_dim;
+  const int64_t nkv = n.num_kv_rows * n.num_kv_heads * n.head_dim;
+  return {testing::random_values<T>(rng, nq), testing::random_values<T>(rng, nkv),
+          testing::random_values<T>(rng, nkv), testing::random_values<T>(rng, nq)};
+}
+
+struct Outputs {
+  std::vector<float> o, lse, dq, dk, dv;
+};
+
+// Runs forward then backward; the backward gets this forward's O and LSE, or those of `given`.
+// Outputs start as NaN, so an element a kernel forgets to write shows up.
+template <typename T, typename Fwd, typename Bwd>
+Outputs run(const TaskSet& set, const Inputs<T>& in, Fwd&& fwd, Bwd&& bwd,
+            const Outputs* given = nullptr) {
+  const AttnDims& n = set.dims;
+  const int64_t nq = n.num_q_rows * n.num_q_heads * n.head_dim;
+  const int64_t nkv = n.num_kv_rows * n.num_kv_heads * n.head_dim;
+  std::vector<T> o(nq, from_float<T>(kNaN)), dq(nq, from_float<T>(kNaN));
+  std::vector<T> dk(nkv, from_float<T>(kNaN)), dv(nkv, from_float<T>(kNaN));
+  std::vector<float> lse(n.num_q_rows * n.num_q_heads, kNaN);
+  AttnFwdParams<T> fp{n, in.q.data(), in.k.data(), in.v.data(), set.tasks, {}, o.data(), lse.data()};
+  EXPECT_TRUE(fwd(fp).is_ok());
+  const std::vector<float> fwd_o = to_floats(o), fwd_lse = lse;
+  if (given != nullptr) {
+    for (std::size_t i = 0; i < o.size(); ++i) o[i] = from_float<T>(given->o[i]);
+    lse = given->lse;
+  }
+  AttnBwdParams<T> bp{n, in.q.data(), in.k.data(), in.v.data(), o.data(), lse.data(), in.d_o.data(),
+                      set.tasks, {}, dq.data(), dk.data(), dv.data()};
+  EXPECT_TRUE(bwd(bp).is_ok());
+  return {fwd_o, fwd_lse, to_floats(dq), to_floats(dk), to_floats(dv)};
+}
+
+// The reference; with `given`, its backward takes rowsum(dO * O) from given->o.
+template <typename T, typename Acc>
+Outputs run_ref(const TaskSet& set, const Inputs<T>& in, const Outputs* given = nullptr) {
+  return run(
+      set, in, [](const AttnFwdParams<T>& p) { return ref::attention_forward<T, Acc>(p); },
+      [&](const AttnBwdParams<T>& p) { return ref::attention_backward<T, Acc>(p, given != nullptr); },
+      given);
+}
+
+template <typename T>
+Outputs run_cpu(CpuAttention& cpu, const TaskSet& set, const Inputs<T>& in,
+                const Outputs* given = nullptr) {
+  return run(
+      set, in, [&](const AttnFwdParams<T>& p) { return cpu.forward(p); },
+      [&](const AttnBwdParams<T>& p) { return cpu.backward(p); }, given);
+}
+
+// Compares fast outputs with the double reference. The tolerance of each tensor is derived from
+// the error of the same reference loops run with float accumulators: a kernel may be up to 4x
+// less accurate than naive fp32 (different summation order), plus a bf16 rounding step.
+void expect_matches_reference(const std::string& what, const Outputs& got, const Outputs& ref64,
+                              const Outputs& ref32, const AttnDims& n, double rtol) {
+  auto check = [&](const char* name, const std::vector<float>& g, const std::vector<float>& w,
+                   const std::vector<float>& w32, int64_t heads, int64_t inner) {
+    const double atol = 4.0 * testing::max_abs_diff(w32, w) + 1e-6 * testing::max_abs(w) + 1e-30;
+    expect_close(what + " " + name, g, w, heads, inner, atol, rtol);
+  };
+  check("O", got.o, ref64.o, ref32.o, n.num_q_heads, n.head_dim);
+  check("LSE", got.lse, ref64.lse, ref32.lse, n.num_q_heads, 1);
+  check("dQ", got.dq, ref64.dq, ref32.dq, n.num_q_heads, n.head_dim);
+  check("dK", got.dk, ref64.dk, ref32.dk, n.num_kv_heads, n.head_dim);
+  check("dV", got.dv, ref64.dv, ref32.dv, n.num_kv_heads, n.head_dim);
+}
+
+struct Shape {
+  const char* name;
+  int64_t d, hq, hkv;
+  std::vector<int64_t> docs;
+  int64_t max_shard;
+  int64_t gap;            // uncovered Q rows after each task
+  int num_noncausal;      // extra non-causal tasks over random K/V ranges (some empty)
+};
+
+std::vector<Shape> shapes() {
+  return {
+      {"tiny_docs_d64", 64, 1, 1, {1, 2, 3, 7, 13}, 5, 0, 2},
+      {"primes_gqa4_d128", 128, 4, 1, {97, 131, 257}, 61, 1, 3},
+      {"shards128_mha8_d128", 128, 8, 8, {128, 256, 61}, 128, 0, 1},
+      {"gqa8_d64", 64, 8, 1, {200, 1, 17}, 40, 2, 2},
+      {"d32", 32, 2, 2, {100, 3}, 33, 0, 1},
+      {"d256", 256, 2, 1, {70}, 70, 0, 1},
+      {"long_prefix_4096", 128, 1, 1, {4096}, 128, 0, 0},
+  };
+}
+
+// Appends non-causal tasks (new Q rows, random K/V range, kv_len may be 0).
+void add_noncausal(std::mt19937_64& rng, TaskSet& set, int count) {
+  for (int c = 0; c < count; ++c) {
+    const int64_t q_len = std::uniform_int_distribution<int64_t>(1, 70)(rng);
+    const int64_t kv_len = c == 0 ? 0 : std::uniform_int_distribution<int64_t>(1, std::max<int64_t>(1, set.dims.num_kv_rows))(rng);
+    const int64_t kv_offset = std::uniform_int_distribution<int64_t>(0, set.dims.num_kv_rows - std::min(kv_len, set.dims.num_kv_rows))(rng);
+    set.tasks.push_back({set.dims.num_q_rows, q_len, kv_offset, std::min(kv_len, set.dims.num_kv_rows), false});
+    set.dims.num_q_rows += q_len;
+  }
+}
+
+TaskSet make_set(std::mt19937_64& rng, const Shape& s) {
+  TaskSet set = testing::shard_documents(rng, s.docs, s.max_shard, s.hq, s.hkv, s.d, s.gap);
+  if (s.docs.size() == 1 && s.docs[0] == 4096) {
+    // Keep only the last two shards (128 queries against 3968 and 4096 keys) and one whole
+    // 4096-token task: a reference over every shard of 4096 tokens would dominate the suite.
+    set.tasks.erase(set.tasks.begin(), set.tasks.end() - 2);
+    set.tasks.push_back({set.dims.num_q_rows, 4096, 0, 4096, true});
+    set.dims.num_q_rows += 4096;
+  }
+  add_noncausal(rng, set, s.num_noncausal);
+  return set;
+}
+
+class CpuVsReference : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CpuVsReference, Fp32MatchesDoubleReference) {
+  std::mt19937_64 rng(7);
+  const TaskSet set = make_set(rng, GetParam());
+  const auto in = random_inputs<float>(rng, set.dims);
+  CpuAttention cpu;
+  expect_matches_reference(cpu.isa(), run_cpu(cpu, set, in), run_ref<float, double>(set, in),
+                           run_ref<float, float>(set, in), set.dims, 0.0);
+}
+
+TEST_P(CpuVsReference, Bf16MatchesDoubleReference) {
+  if (GetParam().docs[0] == 4096) GTEST_SKIP() << "fp32 covers the long case; bf16 shares its code";
+  std::mt19937_64 rng(11);
+  const TaskSet set = make_set(rng, GetParam());
+  const auto in = random_inputs<bf16>(rng, set.dims);
+  CpuAttention cpu;
+  // Every backward gets the reference forward's O, rounded to bf16 as the kernel's own would be
+  // (so the same rounded rowsum(dO * O) enters all of them). Both sides round their results to
+  // bf16 (8 significant bits): allow two roundings.
+  const Outputs ref64 = run_ref<bf16, double>(set, in);
+  expect_matches_reference(cpu.isa() + " bf16", run_cpu(cpu, set, in, &ref64),
+                           run_ref<bf16, double>(set, in, &ref64),
+                           run_ref<bf16, float>(set, in, &ref64), set.dims, 1.0 / 128);
+}
+
+TEST_P(CpuVsReference, PortableBuildMatchesDoubleReference) {
+  if (GetParam().docs[0] == 4096) GTEST_SKIP() << "the portable build is slow on long documents";
+  std::mt19937_64 rng(13);
+  const TaskSet set = make_set(rng, GetParam());
+  const auto in = random_inputs<float>(rng, set.dims);
+  CpuAttention cpu({.num_threads = 0, .is_portable = true});
+  ASSERT_EQ(cpu.isa(), "portable");
+  expect_matches_reference("portable", run_cpu(cpu, set, in), run_ref<float, double>(set, in),
+                           run_ref<float, float>(set, in), set.dims, 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CpuVsReference, ::testing::ValuesIn(shapes()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(CpuAttention, BitIdenticalForAnyThreadCount) {
+  std::mt19937_64 rng(3);
+  TaskSet set = testing::shard_documents(rng, {300, 45, 700}, 90, 4, 2, 64, 1);
+  add_noncausal(rng, set, 2);
+  const auto in = random_inputs<float>(rng, set.dims);
+  CpuAttention one({.num_threads = 1});
+  const Outputs base = run_cpu(one, set, in);
+  for (int threads : {2, 3, 5}) {
+    CpuAttention many({.num_threads = threads});
+    const Outputs got = run_cpu(many, set, in);
+    for (auto [a, b] : {std::pair{&got.o, &base.o}, {&got.lse, &base.lse}, {&got.dq, &base.dq},
+                        {&got.dk, &base.dk}, {&got.dv, &base.dv}}) {
+      ASSERT_EQ(a->size(), b->size());
+      EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(float)))
+          << threads << " threads differ from one";
+    }
+  }
+}
+
+TEST(CpuAttention, EmptyTaskListWritesZerosAndNegInf) {
+  TaskSet set;
+  set.dims = {5, 7, 2, 1, 64};
+  std::mt19937_64 rng(1);
+  const auto in = random_inputs<float>(rng, set.dims);
+  CpuAttention cpu;
+  const Outputs got = run_cpu(cpu, set, in);
+  for (float x : got.o) EXPECT_EQ(x, 0.0f);
+  for (float x : got.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+  for (const auto* g : {&got.dq, &got.dk, &got.dv})
+    for (float x : *g) EXPECT_EQ(x, 0.0f);
+}
+
+TEST(CpuAttention, ZeroRowsAndZeroTasksAreFine) {
+  TaskSet set;
+  set.dims = {0, 0, 1, 1, 128};
+  Inputs<float> in;
+  CpuAttention cpu;
+  const Outputs got = run_cpu(cpu, set, in);
+  EXPECT_TRUE(got.o.empty());
+}
+
+TEST(CpuAttention, RejectsHeadDimsThatAreNotBuilt) {
+  TaskSet set;
+  set.dims = {4, 4, 1, 1, 48};
+  set.tasks = {{0, 4, 0, 4, true}};
+  std::vector<float> q(4 * 48, 1.0f), o(4 * 48), lse(4);
+  CpuAttention cpu;
+  const Status st = cpu.forward(AttnFwdParams<float>{set.dims, q.data(), q.data(), q.data(), set.tasks, {}, o.data(), lse.data()});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("D = 48"), std::string::npos) << st.message();
+}
+
+TEST(CpuAttention, RejectsInvalidTasksBeforeTouchingOutputs) {
+  AttnDims dims{8, 8, 1, 1, 64};
+  std::vector<float> buf(8 * 64, 1.0f), o(8 * 64, 5.0f), lse(8, 5.0f);
+  CpuAttention cpu;
+  const std::vector<AttnTask> overlapping = {{0, 4, 0, 4, true}, {3, 2, 0, 8, true}};
+  const Status st = cpu.forward(AttnFwdParams<float>{dims, buf.data(), buf.data(), buf.data(), overlapping, {}, o.data(), lse.data()});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(o[0], 5.0f);
+}
+
+TEST(CpuAttention, ScaleOverridesTheDefault) {
+  std::mt19937_64 rng(5);
+  const TaskSet set = testing::shard_documents(rng, {50}, 20, 1, 1, 64);
+  const auto in = random_inputs<float>(rng, set.dims);
+  auto with_scale = [&](auto&& fwd) {
+    std::vector<float> o(in.q.size()), lse(set.dims.num_q_rows);
+    AttnFwdParams<float> p{set.dims, in.q.data(), in.k.data(), in.v.data(), set.tasks, 0.3f, o.data(), lse.data()};
+    EXPECT_TRUE(fwd(p).is_ok());
+    return o;
+  };
+  CpuAttention cpu;
+  const auto got = with_scale([&](const AttnFwdParams<float>& p) { return cpu.forward(p); });
+  const auto want = with_scale([](const AttnFwdParams<float>& p) { return ref::attention_forward(p); });
+  expect_close("O at scale 0.3", got, want, 1, 64, 1e-5);
+}
+
+}  // namespace
+}  // namespace distca::kernels
