@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 
+#include "cmd_bench.h"
 #include "cmd_plan.h"
 #include "distca/core/log.h"
 
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
 
   std::map<std::string, std::function<int()>> commands;
   commands["plan"] = distca::tools::add_plan_command(app);
+  commands["bench"] = distca::tools::add_bench_command(app);
 
   try {
     app.parse(argc, argv);

@@ -137,6 +137,43 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
   }
 }
 
+TEST(Cli, BenchAttentionJsonHasTheDocumentedFields) {
+  CmdResult r = distca("bench attention --docs 512 --shard-doc 1024 --shards 64,128 --head-dim 64 --heads 4 --kv-heads 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["format"], "distca-bench-attention");
+  for (const char* field : {"fwd_gflops", "bwd_gflops", "sgemm_gflops", "gemm_attention_gflops"}) {
+    EXPECT_GT(j[field].get<double>(), 0.0) << field;
+  }
+  for (const char* size : {"64", "128"}) EXPECT_GT(j["shard_fwd_gflops"][size].get<double>(), 0.0) << size;
+  EXPECT_LT(j["check"]["fused_o"].get<double>(), 1e-3);
+  // Whole documents 512 and 1024 (fused fwd/bwd and GEMM fwd, each on 1 and all threads), then
+  // two shard sizes (fused fwd/bwd on 1 and all threads).
+  EXPECT_EQ(j["results"].size(), 2u * 6 + 2u * 4);
+  EXPECT_NE(r.err.find("correctness check against the reference passed"), std::string::npos);
+}
+
+TEST(Cli, BenchAttentionBadInputGetsOneLineErrorExitTwo) {
+  const BadInput cases[] = {
+      {"head dim not built", "--head-dim 48", "--head-dim 48"},
+      {"zero document", "--docs 0", "--docs"},
+      {"huge document", "--docs 99999999", "--docs"},
+      {"zero shard", "--shards 0", "--shards"},
+      {"gqa mismatch", "--heads 6 --kv-heads 4", "--heads 6"},
+      {"zero repeats", "--repeats 0", "--repeats"},
+      {"negative threads", "--threads -1", "--threads"},
+      {"non-numeric", "--docs many", "docs"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = distca("bench attention " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.name;
+  }
+  EXPECT_EQ(distca("bench").exit_code, 2);
+}
+
 TEST(Cli, HelpExitsZero) {
   CmdResult r = distca("plan --help");
   EXPECT_EQ(r.exit_code, 0);
