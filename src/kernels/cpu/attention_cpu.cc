@@ -126,8 +126,13 @@ struct CpuAttention::State {
       const AttnTask& t = tasks[b.task];
       return t.is_causal ? t.kv_len - t.q_len + b.q0 + b.rows : t.kv_len;
     };
-    std::stable_sort(query_blocks.begin(), query_blocks.end(),
-                     [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
+    // A total order (cost, then position), so the list never depends on the sort's stability
+    // and std::sort needs no temporary buffer.
+    std::sort(query_blocks.begin(), query_blocks.end(), [&](const auto& a, const auto& b) {
+      const int64_t ca = cost(a), cb = cost(b);
+      if (ca != cb) return ca > cb;
+      return a.packed < b.packed;
+    });
     return packed_index;
   }
 
