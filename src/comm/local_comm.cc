@@ -111,7 +111,9 @@ class LocalWork final : public Work {
     shared_->cv.notify_all();
   }
 
-  // REQUIRES: lock held. May drop it around copies.
+  // REQUIRES: lock held. Copies happen under the lock too: one copier at a time per world keeps
+  // the bookkeeping obviously right (an earlier version copied unlocked and lost a race that
+  // ThreadSanitizer found); tests move kilobytes, and benchmarks model links with a delay.
   Result<bool> advance(std::unique_lock<std::mutex>& lock) {
     if (is_done_) return true;
     if (shared_->has_failed) return shared_->failure();
@@ -133,14 +135,12 @@ class LocalWork final : public Work {
                                               seq_, p, s.send_counts[p][rank_], rank_, mine.recv_counts[p]));
           }
         }
-        lock.unlock();
         for (int p : ready) {
           if (mine.recv_counts[p] > 0) {
             std::memcpy(mine.recv + mine.recv_offsets[p], s.send[p] + s.send_offsets[p][rank_],
                         static_cast<std::size_t>(mine.recv_counts[p]));
           }
         }
-        lock.lock();
         for (int p : ready) {
           copied_[p] = true;
           if (s.send_counts[p][rank_] > 0) --s.readers_left[p];
