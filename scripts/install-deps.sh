@@ -10,6 +10,7 @@ packages=(
   libgtest-dev libgmock-dev          # tests
   libbenchmark-dev                   # benchmarks
   libopenblas-dev                    # BLAS: the sgemm ceiling and GEMM-attention baseline, linear layers
+  openmpi-bin libopenmpi-dev         # MpiComm: multi-rank runs under mpirun
 )
 missing=()
 for p in "${packages[@]}"; do
