@@ -61,40 +61,36 @@ Status validate(const AttnDims& dims, std::span<const AttnTask> tasks, RangeScra
 }
 
 namespace {
-Status require(const void* p, int64_t num_elements, const char* name) {
-  if (num_elements > 0 && p == nullptr) return invalid_argument(fmt::format("{} is null", name));
+// A buffer to check: its pointer, whether it is query-sized ([Tq, Hq, D]) or key-sized, its name.
+struct Buffer {
+  const void* data;
+  bool is_query_sized;
+  const char* name;
+};
+
+Status validate_with_buffers(const AttnDims& dims, std::span<const AttnTask> tasks, RangeScratch* ranges,
+                             std::initializer_list<Buffer> buffers) {
+  DISTCA_RETURN_IF_ERROR(validate(dims, tasks, ranges));
+  const int64_t nq = dims.num_q_rows * dims.num_q_heads;
+  const int64_t nkv = dims.num_kv_rows * dims.num_kv_heads;
+  for (const Buffer& b : buffers) {
+    if ((b.is_query_sized ? nq : nkv) > 0 && b.data == nullptr) return invalid_argument(fmt::format("{} is null", b.name));
+  }
   return Status::ok();
 }
 }  // namespace
 
 template <typename T>
 Status validate(const AttnFwdParams<T>& p, RangeScratch* ranges) {
-  DISTCA_RETURN_IF_ERROR(validate(p.dims, p.tasks, ranges));
-  const int64_t nq = p.dims.num_q_rows * p.dims.num_q_heads;
-  const int64_t nkv = p.dims.num_kv_rows * p.dims.num_kv_heads;
-  DISTCA_RETURN_IF_ERROR(require(p.q, nq, "Q"));
-  DISTCA_RETURN_IF_ERROR(require(p.k, nkv, "K"));
-  DISTCA_RETURN_IF_ERROR(require(p.v, nkv, "V"));
-  DISTCA_RETURN_IF_ERROR(require(p.o, nq, "O"));
-  DISTCA_RETURN_IF_ERROR(require(p.lse, nq, "LSE"));
-  return Status::ok();
+  return validate_with_buffers(p.dims, p.tasks, ranges,
+                               {{p.q, true, "Q"}, {p.k, false, "K"}, {p.v, false, "V"}, {p.o, true, "O"}, {p.lse, true, "LSE"}});
 }
 
 template <typename T>
 Status validate(const AttnBwdParams<T>& p, RangeScratch* ranges) {
-  DISTCA_RETURN_IF_ERROR(validate(p.dims, p.tasks, ranges));
-  const int64_t nq = p.dims.num_q_rows * p.dims.num_q_heads;
-  const int64_t nkv = p.dims.num_kv_rows * p.dims.num_kv_heads;
-  DISTCA_RETURN_IF_ERROR(require(p.q, nq, "Q"));
-  DISTCA_RETURN_IF_ERROR(require(p.k, nkv, "K"));
-  DISTCA_RETURN_IF_ERROR(require(p.v, nkv, "V"));
-  DISTCA_RETURN_IF_ERROR(require(p.o, nq, "O"));
-  DISTCA_RETURN_IF_ERROR(require(p.lse, nq, "LSE"));
-  DISTCA_RETURN_IF_ERROR(require(p.d_o, nq, "dO"));
-  DISTCA_RETURN_IF_ERROR(require(p.dq, nq, "dQ"));
-  DISTCA_RETURN_IF_ERROR(require(p.dk, nkv, "dK"));
-  DISTCA_RETURN_IF_ERROR(require(p.dv, nkv, "dV"));
-  return Status::ok();
+  return validate_with_buffers(p.dims, p.tasks, ranges,
+                               {{p.q, true, "Q"}, {p.k, false, "K"}, {p.v, false, "V"}, {p.o, true, "O"}, {p.lse, true, "LSE"},
+                                {p.d_o, true, "dO"}, {p.dq, true, "dQ"}, {p.dk, false, "dK"}, {p.dv, false, "dV"}});
 }
 
 template Status validate(const AttnFwdParams<float>&, RangeScratch*);
