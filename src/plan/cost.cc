@@ -23,21 +23,26 @@ Status ThroughputProfile::validate() const {
   return Status::ok();
 }
 
+TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_bytes) {
+  const int64_t row = hq * head_dim * dtype_bytes;
+  const int64_t lse = 4 * hq;  // fp32 per query head
+  TokenBytes b;
+  b.q = row;
+  b.kv = 2 * hkv * head_dim * dtype_bytes;
+  b.out = row + lse;
+  b.bwd_q = 3 * row + lse;
+  b.bwd_do = row;
+  b.bwd_dq = row;
+  b.bwd_dkv = 2 * hkv * head_dim * 4;
+  return b;
+}
+
 CostModel::CostModel(ModelShape model, ThroughputProfile profile)
     : model_(std::move(model)), profile_(std::move(profile)) {
   DISTCA_CHECK(model_.validate().is_ok()) << model_.validate().to_string();
   DISTCA_CHECK(profile_.validate().is_ok()) << profile_.validate().to_string();
-  const int64_t hq = model_.q_heads_per_rank();
-  const int64_t hkv = model_.kv_heads_per_rank();
-  const int64_t d = model_.head_dim;
-  const int64_t b = model_.dtype_bytes;
-  const int64_t lse = 4 * hq;  // fp32 per query head
-  token_bytes_.q = hq * d * b;
-  token_bytes_.kv = 2 * hkv * d * b;
-  token_bytes_.out = hq * d * b + lse;
-  token_bytes_.bwd_q = 3 * hq * d * b + lse;
-  token_bytes_.bwd_dq = hq * d * b;
-  token_bytes_.bwd_dkv = 2 * hkv * d * 4;
+  token_bytes_ = plan::token_bytes(model_.q_heads_per_rank(), model_.kv_heads_per_rank(),
+                             model_.head_dim, model_.dtype_bytes);
   seconds_per_pair_ = model_.num_layers * (fwd_flops_per_pair() + bwd_flops_per_pair()) /
                       profile_.flops_per_second;
 }

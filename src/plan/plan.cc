@@ -58,7 +58,13 @@ class FlowAccumulator {
 
 }  // namespace
 
-Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks) {
+const char* backward_mode_name(BackwardMode mode) {
+  return mode == BackwardMode::kStateful ? "stateful" : "stateless";
+}
+
+Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
+                      BackwardMode mode) {
+  const bool is_stateless = mode == BackwardMode::kStateless;
   const int32_t r = batch.num_ranks;
   std::array<FlowAccumulator, kNumPhases> acc{FlowAccumulator(r), FlowAccumulator(r),
                                               FlowAccumulator(r), FlowAccumulator(r)};
@@ -74,7 +80,7 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
       if (owner == t.server) return;
       fwd_dispatch.add(owner, t.server, rows * bytes.q);
       fwd_return.add(t.server, owner, rows * bytes.out);
-      bwd_dispatch.add(owner, t.server, rows * bytes.bwd_q);
+      bwd_dispatch.add(owner, t.server, rows * (is_stateless ? bytes.bwd_q : bytes.bwd_do));
       bwd_return.add(t.server, owner, rows * bytes.bwd_dq);
       fwd.q_bytes += rows * bytes.q;
       fwd.out_bytes += rows * bytes.out;
@@ -90,7 +96,7 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
     for_each_owner(batch, doc, k0, k1, [&](int32_t owner, int64_t rows) {
       if (owner == server) return;
       fwd_dispatch.add(owner, server, rows * bytes.kv);
-      bwd_dispatch.add(owner, server, rows * bytes.kv);
+      if (is_stateless) bwd_dispatch.add(owner, server, rows * bytes.kv);
       bwd_return.add(server, owner, rows * bytes.bwd_dkv);
       fwd.kv_bytes += rows * bytes.kv;
     });

@@ -33,10 +33,16 @@ struct TokenBytes {
   int64_t q = 0;              // Q
   int64_t kv = 0;             // K and V
   int64_t out = 0;            // O and its fp32 LSE (forward return)
-  int64_t bwd_q = 0;          // Q, O, dO and LSE (backward dispatch, query side)
+  int64_t bwd_q = 0;          // Q, O, dO and LSE (backward dispatch, query side, stateless)
+  int64_t bwd_do = 0;         // dO alone (backward dispatch, query side, stateful)
   int64_t bwd_dq = 0;         // dQ (backward return, query side)
   int64_t bwd_dkv = 0;        // dK and dV in fp32, summed at the owner (backward return)
 };
+
+// Bytes per token of every tensor the runtime moves, for hq query heads and hkv key/value heads
+// of head_dim elements of dtype_bytes each. LSE and the returned dK/dV are fp32. The cost model
+// and the runtime both take their sizes from here.
+TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_bytes);
 
 class CostModel {
  public:

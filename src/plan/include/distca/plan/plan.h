@@ -69,11 +69,18 @@ struct Traffic {
   CommSummary forward;
 };
 
+// What the backward sends to the servers. Stateless (the paper's): the server keeps nothing
+// between forward and backward, so Q, O, dO, LSE and K/V are sent again. Stateful: the server
+// keeps the forward's received Q/K/V and its O/LSE, so only dO is sent.
+enum class BackwardMode { kStateless = 0, kStateful = 1 };
+const char* backward_mode_name(BackwardMode mode);
+
 // The bytes of one layer that a task list moves, phase by phase. Q rows go from their owners
 // to the task's server and O/LSE back; KV rows go once per (document, server): the union of
 // the key ranges of that server's tasks of the document, less the rows the server owns.
 // The runtime sends exactly these bytes.
-Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks);
+Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
+                      BackwardMode mode = BackwardMode::kStateless);
 
 struct LoadSummary {
   double max = 0;

@@ -1,0 +1,139 @@
+// Dispatcher: runs core attention of one plan through the attention servers (DESIGN.md §4).
+// Forward: Q/K/V rows go from their owners to the servers the plan names (one all-to-all-v;
+// K/V once per (document, server)), each server runs the fused kernel over its tasks, and O
+// and LSE come back into the linear layout. Backward is the mirror: dO (and, stateless, Q, O,
+// LSE, K, V again) to the servers, dQ and fp32 dK/dV back; dK/dV of a row used by several
+// tasks are summed in fp32 on the server, then at the owner in rank order of the servers.
+//
+// Every call is collective: all ranks make the same calls in the same order. A pass runs whole
+// (forward / backward) or in three stages for ping-pong: start_* (pack, post the dispatch,
+// copy the rows this rank serves itself), finish_comm (wait, unpack), compute (the server's
+// kernel, then pack and post the return), finish_comm (wait, unpack into the linear layout).
+// One exchange is in flight per dispatcher; two nano-batches use two dispatchers.
+//
+// Bytes sent per phase are exactly plan::count_traffic's with plan::token_bytes(Hq, Hkv, D, 4).
+// fp32 throughout. Thread safety: one call at a time per object.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "distca/comm/communicator.h"
+#include "distca/core/status.h"
+#include "distca/kernels/cpu.h"
+#include "distca/plan/batch.h"
+#include "distca/plan/plan.h"
+#include "distca/runtime/route.h"
+
+namespace distca::runtime {
+
+// What a server holds for one pass: the rows it received (server layout, see route.h) and its
+// outputs. A stateful backward needs the buffers its forward filled: keep one per (layer,
+// nano-batch). A stateless run can share one across layers.
+struct ServerBuffers {
+  std::vector<float> q, k, v, o, lse, d_o, dq, dk, dv;
+  const void* forward_of = nullptr;  // the dispatcher whose last forward filled q, k, v, o, lse
+};
+
+// Linear-layout tensors of this rank, num_local_rows() rows each: Q/O/dO/dQ [T, Hq, D],
+// K/V/dK/dV [T, Hkv, D], LSE [T, Hq].
+struct ForwardArgs {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* o = nullptr;    // out
+  float* lse = nullptr;  // out
+};
+struct BackwardArgs {
+  const float* q = nullptr;    // q, k, v, o, lse: read in stateless mode only
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const float* o = nullptr;
+  const float* lse = nullptr;
+  const float* d_o = nullptr;
+  float* dq = nullptr;  // out
+  float* dk = nullptr;  // out (overwritten: the sum of every server's contribution)
+  float* dv = nullptr;  // out
+};
+
+// The attention server's compute over the rows it received (server layout, tasks from the
+// route). The default is kernels::CpuAttention; a GPU backend or a test plugs in here.
+class ServerKernel {
+ public:
+  virtual ~ServerKernel() = default;
+  virtual Status forward(const kernels::AttnFwdParams<float>& p) = 0;
+  virtual Status backward(const kernels::AttnBwdParams<float>& p) = 0;
+};
+
+struct DispatchOptions {
+  plan::BackwardMode backward_mode = plan::BackwardMode::kStateless;
+  int num_threads = 0;          // CpuAttention threads; <= 0: one per hardware thread
+  std::optional<float> scale;   // softmax scale; default 1 / sqrt(D)
+  ServerKernel* kernel = nullptr;  // not owned; nullptr: a CpuAttention of num_threads
+};
+
+struct PhaseStats {
+  int64_t calls = 0;
+  int64_t bytes_sent = 0;      // to other ranks (rows a rank serves itself are copied)
+  int64_t bytes_received = 0;
+  double wait_seconds = 0;     // blocked in finish_comm (unpacking included)
+};
+
+class Dispatcher {
+ public:
+  // Collective. Checks that the plan's hash matches its tasks and is the same on every rank
+  // before anything else moves; a mismatch is an error on every rank.
+  static Result<std::unique_ptr<Dispatcher>> create(comm::Communicator& comm, const plan::Batch& batch,
+                                                    const plan::Plan& plan, HeadShape heads,
+                                                    DispatchOptions options = {});
+  ~Dispatcher();
+
+  Status forward(const ForwardArgs& args, ServerBuffers& server);
+  Status backward(const BackwardArgs& args, ServerBuffers& server);
+
+  // The stages (see above). The args and buffers must stay valid until the pass's last
+  // finish_comm.
+  Status start_forward(const ForwardArgs& args, ServerBuffers& server);
+  Status start_backward(const BackwardArgs& args, ServerBuffers& server);
+  Status finish_comm();
+  Status compute();
+
+  const Route& route() const { return route_; }
+  int64_t num_local_rows() const { return route_.num_local_rows; }
+  const HeadShape& heads() const { return heads_; }
+  plan::BackwardMode backward_mode() const { return options_.backward_mode; }
+  const PhaseStats& stats(plan::Phase phase) const { return stats_[static_cast<int>(phase)]; }
+  void reset_stats() { stats_ = {}; }
+
+ private:
+  struct Field;
+  struct Exchange;
+  enum class Stage { kIdle, kDispatching, kDispatched, kReturning };
+
+  Dispatcher(comm::Communicator& comm, Route route, HeadShape heads, DispatchOptions options);
+  // Packs and posts one phase; copies this rank's own rows at once unless they accumulate.
+  Status post(plan::Phase phase);
+  void size_server_buffers(bool is_backward);
+  void fields(plan::Phase phase, std::vector<Field>& owner_q, std::vector<Field>& owner_kv,
+              std::vector<Field>& server_q, std::vector<Field>& server_kv) const;
+
+  comm::Communicator& comm_;
+  Route route_;
+  HeadShape heads_;
+  DispatchOptions options_;
+  std::unique_ptr<ServerKernel> own_kernel_;
+  ServerKernel* kernel_ = nullptr;
+  std::unique_ptr<Exchange> exchange_;
+  std::array<PhaseStats, plan::kNumPhases> stats_{};
+
+  Stage stage_ = Stage::kIdle;
+  bool is_backward_ = false;
+  ForwardArgs fwd_;
+  BackwardArgs bwd_;
+  ServerBuffers* server_ = nullptr;
+};
+
+}  // namespace distca::runtime

@@ -1,0 +1,61 @@
+// Routing of one plan on one rank (DESIGN.md §4): where every row of this rank's linear layout
+// goes when the rank acts as an owner, and where every row arrives when it acts as a server.
+// Pure data, computed the same way on every rank from the same batch and task list.
+//
+// Server layout of rank s: the Q rows of its tasks, task after task in plan order; then its K/V
+// rows, once per (document, server): the union of the key ranges of s's tasks of the document,
+// interval after interval in (document, first key) order. A message from owner o to server s
+// holds o's Q segments for s in server order, then its K/V segments; the reverse message holds
+// the same segments in the same order. Rows the server owns itself are copied, never sent.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "distca/core/status.h"
+#include "distca/kernels/attention.h"
+#include "distca/plan/batch.h"
+#include "distca/plan/plan.h"
+
+namespace distca::runtime {
+
+// Heads of one rank (after tensor parallelism) and the head size.
+struct HeadShape {
+  int64_t num_q_heads = 0;   // Hq
+  int64_t num_kv_heads = 0;  // Hkv, divides Hq
+  int64_t head_dim = 0;      // D
+  Status validate() const;
+};
+
+// Rows [local_row, local_row + rows) of the owner's linear layout are rows
+// [server_row, server_row + rows) of the server's Q (or K/V) buffer.
+struct Segment {
+  int64_t local_row = 0;
+  int64_t server_row = 0;
+  int64_t rows = 0;
+};
+
+struct Route {
+  int32_t rank = 0;
+  int32_t num_ranks = 0;
+  int64_t num_local_rows = 0;  // tokens this rank holds in the linear layout
+
+  // As a server.
+  int64_t num_server_q_rows = 0;
+  int64_t num_server_kv_rows = 0;
+  std::vector<kernels::AttnTask> tasks;  // this server's tasks, in server-buffer rows
+
+  // As an owner: [server] the segments this rank sends to that server (its own index holds
+  // the rows it serves itself).
+  std::vector<std::vector<Segment>> to_server_q, to_server_kv;
+  // As a server: [owner] the segments that owner sends here (local_row is the owner's row).
+  std::vector<std::vector<Segment>> from_owner_q, from_owner_kv;
+};
+
+// Checks the tasks (plan::verify_tasks: every causal pair exactly once) and that every task is
+// a whole causal prefix (k0 = 0, k1 = q1): the runtime does not run KV-range splits, whose
+// partial outputs would need an LSE merge at the owner. None of the planners makes them.
+Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
+                          int32_t rank);
+
+}  // namespace distca::runtime

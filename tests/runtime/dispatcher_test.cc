@@ -1,0 +1,255 @@
+// The CAD runtime over LocalComm: distributed equals colocated, exact routing, the plan's
+// bytes, edge cases, hash checks and failures.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <random>
+
+#include "distca/comm/local_comm.h"
+#include "distca/plan/plan.h"
+#include "distca/plan/verify.h"
+#include "harness.h"
+
+namespace distca::runtime {
+namespace {
+
+using comm::Communicator;
+using comm::LocalWorld;
+using plan::BackwardMode;
+
+void expect_all_ok(const std::vector<Status>& statuses) {
+  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+}
+
+// Random documents (some of one token, some longer than a rank) packed into R ranks of T.
+plan::Batch random_batch(uint64_t seed, int R, int64_t T) {
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> lengths;
+  int64_t total = 0;
+  while (total < R * T) {
+    const int kind = std::uniform_int_distribution<int>(0, 9)(rng);
+    const int64_t len = kind == 0 ? 1 : kind < 4 ? std::uniform_int_distribution<int64_t>(2, 40)(rng)
+                                                 : std::uniform_int_distribution<int64_t>(20, 3 * T)(rng);
+    lengths.push_back(len);
+    total += len;
+  }
+  auto batch = plan::pack_documents(lengths, R, T);
+  EXPECT_TRUE(batch.is_ok()) << batch.status().to_string();
+  return batch.value();
+}
+
+plan::Plan must_plan(const plan::Batch& batch, const std::string& policy) {
+  auto plan = testing::make_plan(batch, policy);
+  EXPECT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_TRUE(plan::verify_tasks(batch, plan.value().tasks).is_ok());
+  return plan.value();
+}
+
+// A plan with hand-placed tasks (finalize_plan sorts them and fills the hash).
+plan::Plan hand_plan(const plan::Batch& batch, std::vector<plan::Task> tasks) {
+  auto model = plan::model_preset("llama-8b");
+  const plan::CostModel cost(model.value(), plan::ThroughputProfile{});
+  plan::Plan p = plan::finalize_plan("hand", 0.05, batch, cost, std::move(tasks));
+  EXPECT_TRUE(plan::verify_tasks(batch, p.tasks).is_ok());
+  return p;
+}
+
+TEST(Dispatcher, DistributedEqualsColocatedForEveryPolicyAndRankCount) {
+  for (int R : {1, 2, 3, 4, 7}) {
+    for (const std::string policy : {"none", "distca", "minmax"}) {
+      for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
+        SCOPED_TRACE(fmt::format("R={} policy={} mode={}", R, policy, plan::backward_mode_name(mode)));
+        const plan::Batch batch = random_batch(100 + R, R, 160);
+        const plan::Plan plan = must_plan(batch, policy);
+        testing::DispatchCase c;
+        c.seed = 7 * R + 1;
+        c.mode = mode;
+        expect_all_ok(LocalWorld::run(R, [&](Communicator& comm) {
+          return testing::check_against_colocated(comm, batch, plan, c);
+        }));
+      }
+    }
+  }
+}
+
+TEST(Dispatcher, GqaAndWideHeads) {
+  const plan::Batch batch = random_batch(5, 3, 200);
+  const plan::Plan plan = must_plan(batch, "minmax");
+  for (HeadShape heads : {HeadShape{8, 1, 64}, HeadShape{2, 2, 128}}) {
+    testing::DispatchCase c;
+    c.heads = heads;
+    c.num_threads = 2;
+    expect_all_ok(LocalWorld::run(3, [&](Communicator& comm) { return testing::check_against_colocated(comm, batch, plan, c); }));
+  }
+}
+
+TEST(Dispatcher, EveryRowGoesToItsServerSlotAndComesBackToItsPlace) {
+  for (int R : {1, 2, 3, 4, 7}) {
+    for (const std::string policy : {"none", "distca", "minmax"}) {
+      for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
+        SCOPED_TRACE(fmt::format("R={} policy={} mode={}", R, policy, plan::backward_mode_name(mode)));
+        const plan::Batch batch = random_batch(300 + R, R, 256);
+        const plan::Plan plan = must_plan(batch, policy);
+        expect_all_ok(LocalWorld::run(R, [&](Communicator& comm) { return testing::check_routing(comm, batch, plan, mode); }));
+      }
+    }
+  }
+}
+
+TEST(Dispatcher, EdgeCases) {
+  struct Edge {
+    std::string name;
+    std::vector<std::vector<int64_t>> ranks;
+    int64_t tokens_per_rank;
+  };
+  const std::vector<Edge> edges = {
+      {"one rank", {{5, 1, 60}}, 0},
+      {"ranks with no tokens", {{}, {70, 3}, {}, {1, 1, 1}}, 80},
+      {"one-token documents", {{1, 1, 1}, {1}, {1, 1}}, 3},
+  };
+  for (const Edge& e : edges) {
+    SCOPED_TRACE(e.name);
+    auto batch = plan::batch_from_ranks(e.ranks, e.tokens_per_rank);
+    ASSERT_TRUE(batch.is_ok()) << batch.status().to_string();
+    const int R = batch.value().num_ranks;
+    for (const std::string policy : {"none", "minmax"}) {
+      const plan::Plan plan = must_plan(batch.value(), policy);
+      expect_all_ok(LocalWorld::run(R, [&](Communicator& c) { return testing::check_against_colocated(c, batch.value(), plan, {}); }));
+      expect_all_ok(LocalWorld::run(R, [&](Communicator& c) {
+        return testing::check_routing(c, batch.value(), plan, BackwardMode::kStateless);
+      }));
+    }
+  }
+  // One document spanning all ranks; everything served by rank 0, or each shard by a rank that
+  // does not own it; ranks 1.. serve nothing in the first plan.
+  auto spanning = plan::pack_documents({4 * 50}, 4, 50);
+  ASSERT_TRUE(spanning.is_ok());
+  const plan::Batch& b = spanning.value();
+  std::vector<plan::Task> on_zero, rotated;
+  for (int i = 0; i < 8; ++i) {
+    on_zero.push_back(plan::causal_task(0, i * 25, (i + 1) * 25, 0));
+    rotated.push_back(plan::causal_task(0, i * 25, (i + 1) * 25, (i / 2 + 1) % 4));
+  }
+  for (const auto& tasks : {on_zero, rotated}) {
+    const plan::Plan plan = hand_plan(b, tasks);
+    for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
+      testing::DispatchCase c;
+      c.mode = mode;
+      expect_all_ok(LocalWorld::run(4, [&](Communicator& comm) { return testing::check_against_colocated(comm, b, plan, c); }));
+      expect_all_ok(LocalWorld::run(4, [&](Communicator& comm) { return testing::check_routing(comm, b, plan, mode); }));
+    }
+  }
+}
+
+TEST(Dispatcher, StatelessAndStatefulBytesDifferOnlyInTheBackwardDispatch) {
+  const plan::Batch batch = random_batch(9, 4, 256);
+  const plan::Plan plan = must_plan(batch, "minmax");
+  const plan::TokenBytes tb = plan::token_bytes(4, 2, 32, 4);
+  const auto stateless = plan::count_traffic(batch, tb, plan.tasks, BackwardMode::kStateless);
+  const auto stateful = plan::count_traffic(batch, tb, plan.tasks, BackwardMode::kStateful);
+  const auto bwd = static_cast<int>(plan::Phase::kBwdDispatch);
+  for (int p = 0; p < plan::kNumPhases; ++p) {
+    if (p == bwd) continue;
+    EXPECT_EQ(stateless.phases[p].total_bytes, stateful.phases[p].total_bytes) << plan::phase_name(static_cast<plan::Phase>(p));
+  }
+  // Stateless re-sends Q, O, LSE with dO, and K/V; stateful sends dO alone.
+  const int64_t q_rows = stateless.forward.q_bytes / tb.q;
+  EXPECT_GT(q_rows, 0);
+  EXPECT_EQ(stateful.phases[bwd].total_bytes, q_rows * tb.bwd_do);
+  EXPECT_EQ(stateless.phases[bwd].total_bytes, q_rows * tb.bwd_q + stateless.forward.kv_bytes);
+}
+
+TEST(Dispatcher, StatefulBackwardNeedsItsForwardBuffers) {
+  const plan::Batch batch = random_batch(11, 2, 64);
+  const plan::Plan plan = must_plan(batch, "minmax");
+  auto statuses = LocalWorld::run(2, [&](Communicator& comm) -> Status {
+    DispatchOptions options;
+    options.backward_mode = BackwardMode::kStateful;
+    DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(comm, batch, plan, {2, 1, 32}, options));
+    ServerBuffers fresh;
+    std::vector<float> x(d->num_local_rows() * 64 + 1);
+    Status st = d->backward({nullptr, nullptr, nullptr, nullptr, nullptr, x.data(), x.data(), x.data(), x.data()}, fresh);
+    if (st.is_ok() || st.message().find("forward filled") == std::string::npos) {
+      return internal_error("want a refusal naming the forward's buffers, got " + st.to_string());
+    }
+    return Status::ok();
+  });
+  expect_all_ok(statuses);
+}
+
+TEST(Dispatcher, StagesOutOfOrderAreRefused) {
+  const plan::Batch batch = random_batch(12, 1, 64);
+  const plan::Plan plan = must_plan(batch, "none");
+  expect_all_ok(LocalWorld::run(1, [&](Communicator& comm) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(comm, batch, plan, {2, 1, 32}));
+    if (d->compute().is_ok() || d->finish_comm().is_ok()) return internal_error("stages out of order accepted");
+    return Status::ok();
+  }));
+}
+
+TEST(Dispatcher, ADifferentPlanOnOneRankIsAnErrorOnEveryRank) {
+  const plan::Batch batch = random_batch(13, 3, 128);
+  const plan::Plan good = must_plan(batch, "minmax");
+  const plan::Plan other = must_plan(batch, "none");
+  ASSERT_NE(good.hash, other.hash);
+  auto statuses = LocalWorld::run(3, [&](Communicator& comm) -> Status {
+    auto d = Dispatcher::create(comm, batch, comm.rank() == 2 ? other : good, {2, 1, 32});
+    return d.is_ok() ? Status::ok() : d.status();
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_FALSE(statuses[r].is_ok()) << "rank " << r;
+    EXPECT_NE(statuses[r].message().find(r == 2 ? "differs from rank 0's" : "1 rank(s)"), std::string::npos)
+        << statuses[r].message();
+  }
+  // A plan whose tasks were edited after hashing is refused before anything moves.
+  plan::Plan edited = good;
+  std::swap(edited.tasks.front().server, edited.tasks.back().server);
+  auto one = LocalWorld::run(1, [&](Communicator& comm) -> Status {
+    plan::Plan p = must_plan(plan::pack_documents({10, 20}, 1, 30).value(), "none");
+    p.hash ^= 1;
+    auto d = Dispatcher::create(comm, plan::pack_documents({10, 20}, 1, 30).value(), p, {2, 1, 32});
+    return d.is_ok() ? Status::ok() : d.status();
+  });
+  ASSERT_FALSE(one[0].is_ok());
+  EXPECT_NE(one[0].message().find("does not match its batch and tasks"), std::string::npos) << one[0].message();
+}
+
+TEST(Dispatcher, KeyRangeSplitsAreRefusedWithAMessage) {
+  auto batch = plan::pack_documents({64}, 2, 32);
+  ASSERT_TRUE(batch.is_ok());
+  // Queries [32, 64) split over keys [0, 32) and [32, 64): valid work, but an LSE merge.
+  std::vector<plan::Task> tasks = {plan::causal_task(0, 0, 32, 0), {0, 32, 64, 0, 32, 1}, {0, 32, 64, 32, 64, 1}};
+  auto model = plan::model_preset("llama-8b");
+  const plan::Plan p = plan::finalize_plan("hand", 0.05, batch.value(), plan::CostModel(model.value(), {}), tasks);
+  ASSERT_TRUE(plan::verify_tasks(batch.value(), p.tasks).is_ok()) << plan::verify_tasks(batch.value(), p.tasks).to_string();
+  auto statuses = LocalWorld::run(2, [&](Communicator& comm) -> Status {
+    auto d = Dispatcher::create(comm, batch.value(), p, {2, 1, 32});
+    return d.is_ok() ? Status::ok() : d.status();
+  });
+  ASSERT_FALSE(statuses[0].is_ok());
+  EXPECT_NE(statuses[0].message().find("splits the key range"), std::string::npos) << statuses[0].message();
+}
+
+TEST(Dispatcher, ARankThatThrowsMidPassEndsEveryRankPromptly) {
+  const plan::Batch batch = random_batch(14, 4, 128);
+  const plan::Plan plan = must_plan(batch, "minmax");
+  const auto start = std::chrono::steady_clock::now();
+  auto statuses = LocalWorld::run(4, [&](Communicator& comm) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(comm, batch, plan, {2, 1, 32}));
+    const int64_t n = d->num_local_rows();
+    std::vector<float> q(n * 64 + 1), kv(n * 32 + 1), o(n * 64 + 1), lse(n * 2 + 1);
+    ServerBuffers s;
+    DISTCA_RETURN_IF_ERROR(d->forward({q.data(), kv.data(), kv.data(), o.data(), lse.data()}, s));
+    if (comm.rank() == 2) throw std::runtime_error("rank 2 fails between passes (fault test)");
+    return d->forward({q.data(), kv.data(), kv.data(), o.data(), lse.data()}, s);
+  }, std::chrono::seconds(30));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 10.0);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_FALSE(statuses[r].is_ok()) << "rank " << r;
+    EXPECT_NE(statuses[r].message().find("rank 2"), std::string::npos) << statuses[r].message();
+  }
+}
+
+}  // namespace
+}  // namespace distca::runtime

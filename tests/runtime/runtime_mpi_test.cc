@@ -1,0 +1,56 @@
+// The CAD runtime under mpirun (`-np 2` and `-np 4` under ctest): distributed equals colocated
+// and exact routing for every policy and both backward modes, on MpiComm. With --fault, rank 1
+// exits in the middle of a pass: the job must end with a non-zero exit well before the timeout
+// (ctest's TIMEOUT guards it).
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "distca/comm/mpi_comm.h"
+#include "harness.h"
+
+int main(int argc, char** argv) {
+  using namespace distca;
+  auto created = comm::MpiComm::create(&argc, &argv);
+  if (!created.is_ok()) {
+    fmt::print(stderr, "MpiComm: {}\n", created.status().message());
+    return 1;
+  }
+  comm::MpiComm& c = *created.value();
+  c.set_timeout(std::chrono::seconds(20));
+  const int R = c.size();
+  auto fail = [&](const Status& st) {
+    fmt::print(stderr, "rank {}: {}\n", c.rank(), st.to_string());
+    c.abort(st.message());
+    return 1;
+  };
+  auto batch = plan::pack_documents({300, 1, 17, 90, 2, 500, 33, 1, 64, 250}, R, 1260 / R);
+  if (!batch.is_ok()) return fail(batch.status());
+  if (argc > 1 && std::strcmp(argv[1], "--fault") == 0) {
+    auto plan = runtime::testing::make_plan(batch.value(), "minmax");
+    if (!plan.is_ok()) return fail(plan.status());
+    if (c.rank() == 1) std::exit(3);  // gone without a word, mid-job
+    Status st = runtime::testing::check_routing(c, batch.value(), plan.value(), plan::BackwardMode::kStateless);
+    fmt::print(stderr, "rank {}: returned: {}\n", c.rank(), st.to_string());
+    return st.is_ok() ? 0 : 1;
+  }
+  int checks = 0;
+  for (const std::string policy : {"none", "distca", "minmax"}) {
+    auto plan = runtime::testing::make_plan(batch.value(), policy);
+    if (!plan.is_ok()) return fail(plan.status());
+    for (auto mode : {plan::BackwardMode::kStateless, plan::BackwardMode::kStateful}) {
+      runtime::testing::DispatchCase dc;
+      dc.mode = mode;
+      dc.seed = 1000 + checks;
+      if (Status st = runtime::testing::check_against_colocated(c, batch.value(), plan.value(), dc); !st.is_ok()) {
+        return fail(st);
+      }
+      if (Status st = runtime::testing::check_routing(c, batch.value(), plan.value(), mode); !st.is_ok()) return fail(st);
+      checks += 2;
+    }
+  }
+  if (c.rank() == 0) fmt::print("runtime checks passed on {} ranks ({} checks)\n", R, checks);
+  return 0;
+}
