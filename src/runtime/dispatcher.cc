@@ -271,7 +271,7 @@ Status Dispatcher::post(Phase phase) {
 
 Status Dispatcher::finish_comm() {
   if (stage_ != Stage::kDispatching && stage_ != Stage::kReturning) {
-    return invalid_argument("finish_comm: no exchange in flight (call start_* or compute first)");
+    return invalid_argument("finish_comm: no exchange in flight (call start_* or start_return first)");
   }
   Exchange& x = *exchange_;
   const auto begin = std::chrono::steady_clock::now();
@@ -364,6 +364,12 @@ Status Dispatcher::compute() {
     }
   }
   if (!is_backward_) s.forward_of = this;
+  stage_ = Stage::kComputed;
+  return Status::ok();
+}
+
+Status Dispatcher::start_return() {
+  if (stage_ != Stage::kComputed) return invalid_argument("start_return: compute has not run");
   DISTCA_RETURN_IF_ERROR(post(is_backward_ ? Phase::kBwdReturn : Phase::kFwdReturn));
   stage_ = Stage::kReturning;
   return Status::ok();
@@ -373,6 +379,7 @@ Status Dispatcher::forward(const ForwardArgs& args, ServerBuffers& server) {
   DISTCA_RETURN_IF_ERROR(start_forward(args, server));
   DISTCA_RETURN_IF_ERROR(finish_comm());
   DISTCA_RETURN_IF_ERROR(compute());
+  DISTCA_RETURN_IF_ERROR(start_return());
   return finish_comm();
 }
 
@@ -380,6 +387,7 @@ Status Dispatcher::backward(const BackwardArgs& args, ServerBuffers& server) {
   DISTCA_RETURN_IF_ERROR(start_backward(args, server));
   DISTCA_RETURN_IF_ERROR(finish_comm());
   DISTCA_RETURN_IF_ERROR(compute());
+  DISTCA_RETURN_IF_ERROR(start_return());
   return finish_comm();
 }
 

@@ -182,7 +182,9 @@ TEST(Dispatcher, StagesOutOfOrderAreRefused) {
   const plan::Plan plan = must_plan(batch, "none");
   expect_all_ok(LocalWorld::run(1, [&](Communicator& comm) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(comm, batch, plan, {2, 1, 32}));
-    if (d->compute().is_ok() || d->finish_comm().is_ok()) return internal_error("stages out of order accepted");
+    if (d->compute().is_ok() || d->finish_comm().is_ok() || d->start_return().is_ok()) {
+      return internal_error("stages out of order accepted");
+    }
     return Status::ok();
   }));
 }

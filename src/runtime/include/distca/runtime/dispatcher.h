@@ -6,9 +6,9 @@
 // tasks are summed in fp32 on the server, then at the owner in rank order of the servers.
 //
 // Every call is collective: all ranks make the same calls in the same order. A pass runs whole
-// (forward / backward) or in three stages for ping-pong: start_* (pack, post the dispatch,
-// copy the rows this rank serves itself), finish_comm (wait, unpack), compute (the server's
-// kernel, then pack and post the return), finish_comm (wait, unpack into the linear layout).
+// (forward / backward) or in stages for ping-pong: start_* (pack, post the dispatch, copy the
+// rows this rank serves itself), finish_comm (wait, unpack), compute (the server's kernel),
+// start_return (pack, post the return), finish_comm (wait, unpack into the linear layout).
 // One exchange is in flight per dispatcher; two nano-batches use two dispatchers.
 //
 // Bytes sent per phase are exactly plan::count_traffic's with plan::token_bytes(Hq, Hkv, D, 4).
@@ -100,6 +100,7 @@ class Dispatcher {
   Status start_backward(const BackwardArgs& args, ServerBuffers& server);
   Status finish_comm();
   Status compute();
+  Status start_return();
 
   const Route& route() const { return route_; }
   int64_t num_local_rows() const { return route_.num_local_rows; }
@@ -111,7 +112,7 @@ class Dispatcher {
  private:
   struct Field;
   struct Exchange;
-  enum class Stage { kIdle, kDispatching, kDispatched, kReturning };
+  enum class Stage { kIdle, kDispatching, kDispatched, kComputed, kReturning };
 
   Dispatcher(comm::Communicator& comm, Route route, HeadShape heads, DispatchOptions options);
   // Packs and posts one phase; copies this rank's own rows at once unless they accumulate.
