@@ -65,6 +65,7 @@ Result<std::unique_ptr<Work>> EmulatedLink::delay(Result<std::unique_ptr<Work>> 
   ++counters_.operations;
   counters_.bytes_sent += bytes_out;
   counters_.bytes_received += bytes_in;
+  counters_.wire_bytes += std::max(bytes_out, bytes_in);
   double seconds = options_.latency_seconds;
   if (options_.bytes_per_second > 0) {
     seconds += static_cast<double>(std::max(bytes_out, bytes_in)) / options_.bytes_per_second;

@@ -5,6 +5,11 @@
 #include <memory>
 
 #include "bench_attention.h"
+#include "bench_dispatch.h"
+#include "distca/comm/local_comm.h"
+#if DISTCA_HAVE_MPI
+#include "distca/comm/mpi_comm.h"
+#endif
 
 namespace distca::tools {
 namespace {
@@ -38,6 +43,80 @@ int run_attention(AttentionArgs a) {
   return 0;
 }
 
+struct DispatchArgs {
+  DispatchBenchOptions options;
+  bool is_json = false;
+  bool is_quick = false;
+};
+
+// Whether this process was started by an MPI launcher (mpirun / srun).
+bool is_under_mpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
+    if (std::getenv(var) != nullptr) return true;
+  }
+  return false;
+}
+
+int run_dispatch(DispatchArgs a) {
+  if (a.is_quick) {
+    a.options.tokens_per_rank = 2048;
+    a.options.layers = 2;
+    a.options.repeats = 1;
+    a.options.q_heads = 4;
+    a.options.kv_heads = 2;
+    a.options.head_dim = 64;
+  }
+  if (Status s = validate(a.options); !s.is_ok()) {
+    fmt::print(stderr, "distca bench dispatch: error: {}\n", s.message());
+    return 2;
+  }
+  auto progress = [](const std::string& line) { fmt::print(stderr, "[bench dispatch] {}\n", line); };
+  auto finish = [&](const Result<nlohmann::json>& report) {
+    if (!report.is_ok()) {
+      fmt::print(stderr, "distca bench dispatch: error: {}\n", report.status().message());
+      return report.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    if (a.is_json) {
+      fmt::print("{}\n", report.value().dump(2));
+    } else {
+      print_dispatch_report(report.value());
+    }
+    return 0;
+  };
+  if (is_under_mpi()) {
+#if DISTCA_HAVE_MPI
+    auto created = comm::MpiComm::create(nullptr, nullptr);
+    if (!created.is_ok()) {
+      fmt::print(stderr, "distca bench dispatch: error: {}\n", created.status().message());
+      return 1;
+    }
+    comm::MpiComm& c = *created.value();
+    Result<nlohmann::json> report = run_dispatch_bench(c, a.options, progress);
+    if (!report.is_ok()) {
+      fmt::print(stderr, "distca bench dispatch: rank {}: error: {}\n", c.rank(), report.status().message());
+      c.abort(report.status().message());
+      return 1;
+    }
+    return c.rank() == 0 ? finish(report) : 0;
+#else
+    fmt::print(stderr, "distca bench dispatch: error: started by mpirun, but this build has no MPI "
+                       "(install Open MPI with scripts/install-deps.sh and rebuild)\n");
+    return 1;
+#endif
+  }
+  Result<nlohmann::json> root_report = internal_error("rank 0 produced no report");
+  const auto statuses = comm::LocalWorld::run(a.options.ranks, [&](comm::Communicator& c) -> Status {
+    Result<nlohmann::json> report = run_dispatch_bench(c, a.options, progress);
+    if (!report.is_ok()) return report.status();
+    if (c.rank() == 0) root_report = std::move(report);
+    return Status::ok();
+  });
+  for (const Status& s : statuses) {
+    if (!s.is_ok()) return finish(s);
+  }
+  return finish(root_report);
+}
+
 }  // namespace
 
 std::function<int()> add_bench_command(CLI::App& app) {
@@ -64,8 +143,36 @@ std::function<int()> add_bench_command(CLI::App& app) {
   cmd->add_flag("--quick", attention->is_quick, "small sizes (1K and 2K tokens) for a smoke run");
   cmd->add_flag("--json", attention->is_json, "print one JSON object instead of the table");
 
-  return [bench, attention]() -> int {
+  auto dispatch = std::make_shared<DispatchArgs>();
+  DispatchBenchOptions& d = dispatch->options;
+  CLI::App* dcmd = bench->add_subcommand(
+      "dispatch",
+      "the CAD runtime: bytes per phase, sequential vs ping-pong over the communicator as it is "
+      "and over an emulated link; under mpirun over MPI, else --ranks threads");
+  dcmd->add_option("--ranks", d.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
+  dcmd->add_option("--workload", d.workload, "document lengths: pretrain or prolong")->capture_default_str();
+  dcmd->add_option("--tokens-per-rank", d.tokens_per_rank, "T: tokens of each rank's micro-batch")->capture_default_str();
+  dcmd->add_option("--heads", d.q_heads, "Hq: query heads")->capture_default_str();
+  dcmd->add_option("--kv-heads", d.kv_heads, "Hkv: key/value heads")->capture_default_str();
+  dcmd->add_option("--head-dim", d.head_dim, "D: 32, 64, 128 or 256")->capture_default_str();
+  dcmd->add_option("--layers", d.layers, "layers of forward and backward per step")->capture_default_str();
+  dcmd->add_option("--policy", d.policy, "planner: none, distca or minmax")->capture_default_str();
+  dcmd->add_option("--backward", d.backward_mode, "stateless (re-send Q/K/V/O) or stateful (server keeps them)")
+      ->capture_default_str();
+  dcmd->add_option("--threads", d.threads, "attention and BLAS threads per rank")->capture_default_str();
+  dcmd->add_option("--linear-ratio", d.linear_ratio, "stand-in linear FLOPs per attention FLOP, per stage")
+      ->capture_default_str();
+  dcmd->add_option("--link", d.link, "emulated link: auto (communication = compute), off, or GB/s")
+      ->capture_default_str();
+  dcmd->add_option("--latency-us", d.latency_us, "emulated link latency per operation")->capture_default_str();
+  dcmd->add_option("--repeats", d.repeats, "each time is the best of this many runs")->capture_default_str();
+  dcmd->add_option("--seed", d.seed, "seed of the batch and the inputs")->capture_default_str();
+  dcmd->add_flag("--quick", dispatch->is_quick, "small sizes for a smoke run");
+  dcmd->add_flag("--json", dispatch->is_json, "print one JSON object instead of the table");
+
+  return [bench, attention, dispatch]() -> int {
     if (bench->got_subcommand("attention")) return run_attention(*attention);
+    if (bench->got_subcommand("dispatch")) return run_dispatch(*dispatch);
     return 2;
   };
 }

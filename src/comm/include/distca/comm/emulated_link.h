@@ -29,6 +29,7 @@ struct LinkCounters {
   int64_t operations = 0;
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
+  int64_t wire_bytes = 0;              // sum over operations of max(bytes out, bytes in)
   std::vector<int64_t> bytes_sent_to;  // (R) all-to-all-v bytes per destination
   double busy_seconds = 0;             // emulated time the link was occupied
 };
