@@ -180,10 +180,9 @@ json run_json(const Measured& m, double gbps, double latency_us) {
   j["comm_seconds"] = m.comm;
   j["comm_over_compute"] = m.compute > 0 ? m.comm / m.compute : 0.0;
   j["hidden_fraction"] = m.comm > 0 ? (m.seq - m.pp) / m.comm : 0.0;
-  // Of the link's own time (latency + bytes / bandwidth), leaving out the packing, copying and
-  // waiting for peers that the communication stages also spend.
+  // The link's own time (latency + bytes / bandwidth) within comm_seconds, which also holds
+  // packing, copying and waiting for peers.
   j["link_busy_seconds"] = m.link_busy;
-  j["hidden_fraction_of_link"] = m.link_busy > 0 ? (m.seq - m.pp) / m.link_busy : 0.0;
   j["pingpong_over_seq"] = m.pp / m.seq;
   j["achieved_gbps"] = m.comm > 0 ? static_cast<double>(m.wire_bytes) / m.comm / 1e9 : 0.0;
   j["wire_bytes_per_rank"] = m.wire_bytes;

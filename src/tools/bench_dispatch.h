@@ -19,15 +19,15 @@ namespace distca::tools {
 struct DispatchBenchOptions {
   int ranks = 2;                       // LocalComm ranks (threads) when not under mpirun
   std::string workload = "pretrain";   // a built-in length distribution
-  int64_t tokens_per_rank = 8192;
-  int64_t q_heads = 8;
-  int64_t kv_heads = 2;
+  int64_t tokens_per_rank = 4096;
+  int64_t q_heads = 4;
+  int64_t kv_heads = 1;
   int64_t head_dim = 128;
-  int layers = 4;
+  int layers = 2;
   std::string policy = "minmax";
   std::string backward_mode = "stateless";
   int threads = 1;                     // attention and BLAS threads per rank
-  double linear_ratio = 1.0;           // linear FLOPs per stage / attention FLOPs per stage
+  double linear_ratio = 2.0;           // linear FLOPs per stage / attention FLOPs per stage
   std::string link = "auto";           // emulated link: "auto" (comm = compute), "off", or GB/s
   double latency_us = 20;
   int repeats = 3;

@@ -57,14 +57,17 @@ bool is_under_mpi() {
   return false;
 }
 
-int run_dispatch(DispatchArgs a) {
-  if (a.is_quick) {
-    a.options.tokens_per_rank = 2048;
-    a.options.layers = 2;
-    a.options.repeats = 1;
-    a.options.q_heads = 4;
-    a.options.kv_heads = 2;
-    a.options.head_dim = 64;
+int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
+  if (a.is_quick) {  // small sizes, for whatever was not given explicitly
+    auto quick = [&](const char* flag, auto& field, auto value) {
+      if (cmd.count(flag) == 0) field = value;
+    };
+    quick("--tokens-per-rank", a.options.tokens_per_rank, int64_t{2048});
+    quick("--layers", a.options.layers, 2);
+    quick("--repeats", a.options.repeats, 1);
+    quick("--heads", a.options.q_heads, int64_t{4});
+    quick("--kv-heads", a.options.kv_heads, int64_t{2});
+    quick("--head-dim", a.options.head_dim, int64_t{64});
   }
   if (Status s = validate(a.options); !s.is_ok()) {
     fmt::print(stderr, "distca bench dispatch: error: {}\n", s.message());
@@ -170,9 +173,9 @@ std::function<int()> add_bench_command(CLI::App& app) {
   dcmd->add_flag("--quick", dispatch->is_quick, "small sizes for a smoke run");
   dcmd->add_flag("--json", dispatch->is_json, "print one JSON object instead of the table");
 
-  return [bench, attention, dispatch]() -> int {
+  return [bench, attention, dispatch, dcmd]() -> int {
     if (bench->got_subcommand("attention")) return run_attention(*attention);
-    if (bench->got_subcommand("dispatch")) return run_dispatch(*dispatch);
+    if (bench->got_subcommand("dispatch")) return run_dispatch(*dispatch, *dcmd);
     return 2;
   };
 }

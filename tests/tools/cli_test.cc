@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -172,6 +173,50 @@ TEST(Cli, BenchAttentionBadInputGetsOneLineErrorExitTwo) {
     EXPECT_TRUE(r.out.empty()) << c.name;
   }
   EXPECT_EQ(distca("bench").exit_code, 2);
+}
+
+TEST(Cli, BenchDispatchJsonHasTheDocumentedFields) {
+  CmdResult r = distca("bench dispatch --quick --link 2 --latency-us 5 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["format"], "distca-bench-dispatch");
+  EXPECT_EQ(j["comm"], "local");
+  EXPECT_EQ(j["headline"], "emulated");
+  for (const char* field : {"bytes_fwd", "bytes_bwd", "bytes_bwd_stateless", "bytes_bwd_stateful"}) {
+    EXPECT_GT(j[field].get<int64_t>(), 0) << field;
+  }
+  EXPECT_LT(j["bytes_bwd_stateful"].get<int64_t>(), j["bytes_bwd_stateless"].get<int64_t>());
+  for (const char* run : {"real", "emulated"}) {
+    for (const char* field : {"seq_seconds", "pingpong_seconds", "compute_seconds", "comm_seconds"}) {
+      EXPECT_GT(j[run][field].get<double>(), 0.0) << run << "." << field;
+    }
+    EXPECT_TRUE(std::isfinite(j[run]["hidden_fraction"].get<double>())) << run;
+  }
+  EXPECT_DOUBLE_EQ(j["emulated"]["link_gbps"].get<double>(), 2.0);
+  EXPECT_EQ(j["seq_seconds"], j["emulated"]["seq_seconds"]);
+  EXPECT_EQ(j["hidden_fraction"], j["emulated"]["hidden_fraction"]);
+}
+
+TEST(Cli, BenchDispatchBadInputGetsOneLineErrorExitTwo) {
+  const BadInput cases[] = {
+      {"zero ranks", "--ranks 0", "--ranks"},
+      {"head dim not built", "--head-dim 48", "--head-dim"},
+      {"gqa mismatch", "--heads 6 --kv-heads 4", "--heads (6)"},
+      {"unknown workload", "--workload web", "web"},
+      {"unknown policy", "--policy best", "best"},
+      {"unknown backward", "--backward sometimes", "--backward"},
+      {"bad link", "--link fast", "--link"},
+      {"negative latency", "--latency-us -1", "--latency-us"},
+      {"zero layers", "--layers 0", "--layers"},
+      {"tiny batch", "--tokens-per-rank 10", "--tokens-per-rank"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = distca("bench dispatch --quick " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.name;
+  }
 }
 
 TEST(Cli, HelpExitsZero) {
