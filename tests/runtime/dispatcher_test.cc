@@ -5,6 +5,7 @@
 #include <chrono>
 #include <random>
 
+#include "distca/comm/emulated_link.h"
 #include "distca/comm/local_comm.h"
 #include "distca/plan/plan.h"
 #include "distca/plan/verify.h"
@@ -251,6 +252,50 @@ TEST(Dispatcher, ARankThatThrowsMidPassEndsEveryRankPromptly) {
     ASSERT_FALSE(statuses[r].is_ok()) << "rank " << r;
     EXPECT_NE(statuses[r].message().find("rank 2"), std::string::npos) << statuses[r].message();
   }
+}
+
+}  // namespace
+}  // namespace distca::runtime
+
+namespace distca::runtime {
+namespace {
+
+// Colocated attention over documents that stay on their ranks moves nothing, so the dispatcher
+// posts no exchange at all (ranks do not wait for each other at every layer); a document that
+// spans ranks needs its key prefix moved, and then every rank joins the exchange.
+TEST(Dispatcher, ColocatedPlansWithNoSpanningDocumentPostNoExchange) {
+  struct Case {
+    std::vector<std::vector<int64_t>> ranks;
+    int64_t tokens_per_rank;
+    bool is_silent;
+  };
+  const std::vector<Case> cases = {{{{40, 24}, {64}, {1, 63}}, 64, true}, {{{64}, {64}}, 64, true}};
+  for (const Case& c : cases) {
+    auto batch = plan::batch_from_ranks(c.ranks, c.tokens_per_rank);
+    ASSERT_TRUE(batch.is_ok());
+    const plan::Plan plan = must_plan(batch.value(), "none");
+    expect_all_ok(LocalWorld::run(batch.value().num_ranks, [&](Communicator& inner) -> Status {
+      comm::EmulatedLink link(inner, {});
+      const HeadShape heads{2, 1, 32};
+      DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(link, batch.value(), plan, heads));
+      if (d->is_silent() != c.is_silent) return internal_error("is_silent is wrong");
+      link.reset_counters();
+      const auto n = static_cast<size_t>(d->num_local_rows());
+      std::vector<float> q(n * 2 * 32, 0.5f), kv(n * 32, 0.25f), o(q.size()), lse(n * 2);
+      ServerBuffers server;
+      DISTCA_RETURN_IF_ERROR(d->forward({q.data(), kv.data(), kv.data(), o.data(), lse.data()}, server));
+      if (link.counters().operations != 0) return internal_error("a silent plan posted an exchange");
+      return testing::check_against_colocated(inner, batch.value(), plan, {});
+    }));
+  }
+  // One document across two ranks: rank 1 needs rank 0's keys.
+  auto spanning = plan::pack_documents({100}, 2, 64);
+  ASSERT_TRUE(spanning.is_ok());
+  const plan::Plan plan = must_plan(spanning.value(), "none");
+  expect_all_ok(LocalWorld::run(2, [&](Communicator& c) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(c, spanning.value(), plan, HeadShape{2, 1, 32}));
+    return d->is_silent() ? internal_error("a spanning document needs an exchange") : Status::ok();
+  }));
 }
 
 }  // namespace

@@ -105,6 +105,9 @@ class Dispatcher {
   const Route& route() const { return route_; }
   int64_t num_local_rows() const { return route_.num_local_rows; }
   const HeadShape& heads() const { return heads_; }
+  // True when every task is served on the rank that holds all of its rows: no phase moves a
+  // byte, and no exchange is posted (the ranks do not synchronize).
+  bool is_silent() const { return is_silent_; }
   plan::BackwardMode backward_mode() const { return options_.backward_mode; }
   const PhaseStats& stats(plan::Phase phase) const { return stats_[static_cast<int>(phase)]; }
   void reset_stats() { stats_ = {}; }
@@ -132,6 +135,7 @@ class Dispatcher {
 
   Stage stage_ = Stage::kIdle;
   bool is_backward_ = false;
+  bool is_silent_ = false;  // no task reads a row held by another rank: no exchange is posted
   ForwardArgs fwd_;
   BackwardArgs bwd_;
   ServerBuffers* server_ = nullptr;
