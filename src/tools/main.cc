@@ -8,6 +8,7 @@
 
 #include "cmd_bench.h"
 #include "cmd_plan.h"
+#include "cmd_train.h"
 #include "distca/core/log.h"
 
 int main(int argc, char** argv) {
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   std::map<std::string, std::function<int()>> commands;
   commands["plan"] = distca::tools::add_plan_command(app);
   commands["bench"] = distca::tools::add_bench_command(app);
+  commands["train"] = distca::tools::add_train_command(app);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,107 @@
+#include "distca/model/dispatch_attention.h"
+
+#include <chrono>
+
+#include <fmt/format.h>
+
+namespace distca::model {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
+plan::ThroughputProfile cpu_throughput_profile() {
+  plan::ThroughputProfile p;
+  p.source = "CPU estimate: 30 GFLOP/s per rank, 16-row tiles, 20 us per task per layer";
+  p.flops_per_second = 30e9;
+  p.tile_rows = 16;
+  p.task_overhead_seconds = 20e-6;
+  return p;
+}
+
+plan::ModelShape model_shape(const ModelConfig& c) {
+  plan::ModelShape m;
+  m.name = "train";
+  m.num_layers = static_cast<int>(c.num_layers);
+  m.hidden = static_cast<int>(c.d_model);
+  m.num_q_heads = static_cast<int>(c.num_q_heads);
+  m.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  m.head_dim = static_cast<int>(c.head_dim);
+  m.ffn_hidden = static_cast<int>(c.ffn_dim);
+  m.dtype_bytes = 4;
+  m.tp = 1;
+  return m;
+}
+
+Result<std::unique_ptr<DispatchAttention>> DispatchAttention::create(comm::Communicator& comm, const ModelConfig& config,
+                                                                     DispatchAttentionOptions options) {
+  DISTCA_RETURN_IF_ERROR(config.validate());
+  DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(options.policy));
+  plan::PlannerOptions po;
+  po.tolerance = options.tolerance;
+  po.granularity = options.granularity;
+  DISTCA_RETURN_IF_ERROR(po.validate());
+  if (options.threads < 1 || options.threads > 1024) {
+    return invalid_argument(fmt::format("attention threads must be 1..1024, got {}", options.threads));
+  }
+  DISTCA_RETURN_IF_ERROR(model_shape(config).validate());
+  return std::unique_ptr<DispatchAttention>(new DispatchAttention(comm, config, std::move(options), fn));
+}
+
+DispatchAttention::DispatchAttention(comm::Communicator& comm, const ModelConfig& config,
+                                     DispatchAttentionOptions options, plan::PlanFn planner)
+    : comm_(comm),
+      config_(config),
+      options_(std::move(options)),
+      planner_(planner),
+      cost_(model_shape(config), cpu_throughput_profile()) {
+  servers_.resize(static_cast<size_t>(config.num_layers));
+}
+
+Status DispatchAttention::begin_step(const plan::Batch& batch) {
+  const auto begin = Clock::now();
+  plan::PlannerOptions po;
+  po.tolerance = options_.tolerance;
+  po.granularity = options_.granularity;
+  DISTCA_ASSIGN_OR_RETURN(plan_, planner_(batch, cost_, po));
+  planning_seconds += since(begin);
+  runtime::DispatchOptions d;
+  d.backward_mode = options_.backward_mode;
+  d.num_threads = options_.threads;
+  dispatcher_.reset();
+  DISTCA_ASSIGN_OR_RETURN(dispatcher_, runtime::Dispatcher::create(
+                                           comm_, batch, plan_,
+                                           runtime::HeadShape{config_.num_q_heads, config_.num_kv_heads, config_.head_dim}, d));
+  times.comm += since(begin);  // the plan-hash check is a collective
+  return Status::ok();
+}
+
+Status DispatchAttention::run(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b) {
+  if (!dispatcher_) return invalid_argument("DispatchAttention: begin_step first");
+  if (layer < 0 || layer >= static_cast<int>(servers_.size())) return invalid_argument(fmt::format("no layer {}", layer));
+  runtime::Dispatcher& d = *dispatcher_;
+  auto t = Clock::now();
+  DISTCA_RETURN_IF_ERROR(is_backward ? d.start_backward(b, servers_[layer]) : d.start_forward(f, servers_[layer]));
+  DISTCA_RETURN_IF_ERROR(d.finish_comm());
+  times.comm += since(t);
+  t = Clock::now();
+  DISTCA_RETURN_IF_ERROR(d.compute());
+  times.compute += since(t);
+  t = Clock::now();
+  DISTCA_RETURN_IF_ERROR(d.start_return());
+  DISTCA_RETURN_IF_ERROR(d.finish_comm());
+  times.comm += since(t);
+  return Status::ok();
+}
+
+Status DispatchAttention::forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) {
+  return run(layer, false, {q, k, v, o, lse}, {});
+}
+
+Status DispatchAttention::backward(int layer, const float* q, const float* k, const float* v, const float* o,
+                                   const float* lse, const float* d_o, float* dq, float* dk, float* dv) {
+  return run(layer, true, {}, {q, k, v, o, lse, d_o, dq, dk, dv});
+}
+
+}  // namespace distca::model

@@ -1,0 +1,63 @@
+// DispatchAttention: the model's core attention through the CAD runtime. Each step the step's
+// layout is planned by a policy ("none": colocated; "distca", "minmax": CAD), the same on every
+// rank, and one Dispatcher per step moves every layer's Q/K/V to the attention servers and
+// O/LSE back (the backward mirrored). fp32.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distca/comm/communicator.h"
+#include "distca/model/attention.h"
+#include "distca/plan/cost.h"
+#include "distca/plan/planner.h"
+#include "distca/runtime/dispatcher.h"
+
+namespace distca::model {
+
+struct DispatchAttentionOptions {
+  std::string policy = "minmax";  // a planner name; "none" is colocated attention
+  plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
+  int threads = 1;                // CPU attention threads per rank
+  double tolerance = 0.05;        // planner eps
+  int64_t granularity = 128;      // planner shard granularity in tokens
+};
+
+// The planner's view of a CPU attention server (this machine's kernels, roughly): FLOP rate,
+// tile rows and per-task overhead. `distca profile` measures real ones (issue 6).
+plan::ThroughputProfile cpu_throughput_profile();
+plan::ModelShape model_shape(const ModelConfig& config);
+
+class DispatchAttention final : public AttentionBackend<float> {
+ public:
+  // Checks the options; `comm` must outlive the backend.
+  static Result<std::unique_ptr<DispatchAttention>> create(comm::Communicator& comm, const ModelConfig& config,
+                                                           DispatchAttentionOptions options);
+  std::string name() const override { return options_.policy == "none" ? "colocated" : "cad"; }
+  Status begin_step(const plan::Batch& batch) override;
+  Status forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) override;
+  Status backward(int layer, const float* q, const float* k, const float* v, const float* o, const float* lse,
+                  const float* d_o, float* dq, float* dk, float* dv) override;
+
+  const DispatchAttentionOptions& options() const { return options_; }
+  // This step's plan and dispatcher (after begin_step).
+  const plan::Plan& plan() const { return plan_; }
+  const runtime::Dispatcher* dispatcher() const { return dispatcher_.get(); }
+  double planning_seconds = 0;  // accumulated
+
+ private:
+  DispatchAttention(comm::Communicator& comm, const ModelConfig& config, DispatchAttentionOptions options,
+                    plan::PlanFn planner);
+  Status run(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b);
+
+  comm::Communicator& comm_;
+  ModelConfig config_;
+  DispatchAttentionOptions options_;
+  plan::PlanFn planner_;
+  plan::CostModel cost_;
+  plan::Plan plan_;
+  std::unique_ptr<runtime::Dispatcher> dispatcher_;
+  std::vector<runtime::ServerBuffers> servers_;  // one per layer (a stateful backward keeps them)
+};
+
+}  // namespace distca::model

@@ -1,0 +1,121 @@
+// The Llama-style decoder, forward and backward written out layer by layer:
+//   x0 = embed[tokens]
+//   per layer: h = rmsnorm(x) g1; q, k, v = h Wq, h Wk, h Wv; RoPE(q, k) at each token's
+//              position in its document; o, lse = attention(q, k, v) (a backend); x += o Wo;
+//              h = rmsnorm(x) g2; x += (silu(h Wgate) * (h Wup)) Wdown
+//   logits = rmsnorm(x) gf Wlm; loss = sum over tokens with a target of -log softmax[target]
+// Matrices are [in, out] row-major (y = x W) and run through BLAS (sgemm / dgemm). Attention
+// never crosses a document boundary (the backend attends per document) and neither does the
+// loss (a document's last token has no target). T is float (training) or double (gradient
+// checks).
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "distca/core/status.h"
+#include "distca/model/arena.h"
+#include "distca/model/attention.h"
+#include "distca/model/config.h"
+
+namespace distca::model {
+
+template <typename T>
+struct LayerWeights {
+  T* attn_norm = nullptr;  // [d]
+  T* wq = nullptr;         // [d, Hq D]
+  T* wk = nullptr;         // [d, Hkv D]
+  T* wv = nullptr;         // [d, Hkv D]
+  T* wo = nullptr;         // [Hq D, d]
+  T* mlp_norm = nullptr;   // [d]
+  T* w_gate = nullptr;     // [d, f]
+  T* w_up = nullptr;       // [d, f]
+  T* w_down = nullptr;     // [f, d]
+};
+
+template <typename T>
+struct Weights {
+  T* embed = nullptr;  // [V, d]
+  std::vector<LayerWeights<T>> layers;
+  T* final_norm = nullptr;  // [d]
+  T* lm_head = nullptr;     // [d, V]
+};
+
+// Parameters, gradients and AdamW moments: four arenas of one layout. Block names are
+// "embed", "layers.<l>.<attn_norm|wq|wk|wv|wo|mlp_norm|w_gate|w_up|w_down>", "final_norm",
+// "lm_head".
+template <typename T>
+struct ModelState {
+  ModelConfig config;
+  Arena<T> params, grads, m, v;
+  int64_t step = 0;  // optimizer steps taken
+
+  // Parameters drawn from config.init_seed (normal(0, init_std); output projections scaled by
+  // 1 / sqrt(2 layers); norm gains 1), the same on every rank; moments zero.
+  static ModelState create(const ModelConfig& config);
+  Weights<T> weights() { return views(params); }
+  Weights<T> gradients() { return views(grads); }
+  // Whether weight decay applies to a block (matrices yes, norm gains no).
+  static bool is_decayed(const std::string& block_name);
+
+ private:
+  Weights<T> views(Arena<T>& arena) const;
+};
+
+// One step's input on this rank: n tokens, the next token of the same document as the target
+// (-1: none, the document's last token), and each token's position in its document.
+struct StepTokens {
+  std::span<const int32_t> tokens;
+  std::span<const int32_t> targets;
+  std::span<const int32_t> positions;
+};
+
+// Seconds of one pass, split by where they went (attention from the backend's times).
+struct PassTimes {
+  double total = 0;
+  double attention = 0;
+  double comm = 0;
+  double linear() const { return total - attention - comm; }
+};
+
+template <typename T>
+class Model {
+ public:
+  // A workspace (activations and gradients scratch) for up to max_tokens rows, allocated here
+  // once: a step allocates nothing.
+  Model(const ModelConfig& config, int64_t max_tokens);
+  const ModelConfig& config() const { return config_; }
+
+  // Runs the forward and the loss. Returns the sum over this rank's targets of the loss; keeps
+  // dLoss/dlogits scaled by loss_scale (1 / the global number of targets) for backward.
+  Result<double> forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
+                         double loss_scale, PassTimes* times = nullptr);
+  // Gradients of loss_scale x the summed loss into state.grads (overwritten).
+  Status backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times = nullptr);
+
+  // [n, V] logits of the last forward.
+  const T* logits() const { return logits_; }
+  int64_t rows() const { return n_; }
+
+ private:
+  struct LayerActs {
+    T *x, *h1, *rstd1, *q, *k, *v, *o, *x_mid, *h2, *rstd2, *gate, *up, *s;
+    float* lse;
+  };
+  ModelConfig config_;
+  int64_t max_tokens_ = 0;
+  int64_t n_ = 0;
+  Arena<T> acts_;
+  std::vector<float> lse_;  // [layers][max_tokens, Hq]
+  std::vector<LayerActs> layer_acts_;
+  T *x_final_, *hf_, *rstdf_, *logits_, *dlogits_, *cos_, *sin_;
+  T *dx_, *dh_, *dq_, *dk_, *dv_, *do_, *dgate_, *dup_, *ds_;
+  std::vector<int32_t> tokens_;
+};
+
+extern template struct ModelState<float>;
+extern template struct ModelState<double>;
+extern template class Model<float>;
+extern template class Model<double>;
+
+}  // namespace distca::model

@@ -1,0 +1,18 @@
+// AdamW (decoupled weight decay on matrices, none on norm gains) with global-norm gradient
+// clipping, over the flat arenas of a ModelState.
+#pragma once
+#include "distca/model/config.h"
+#include "distca/model/model.h"
+
+namespace distca::model {
+
+// The L2 norm of all gradients.
+template <typename T>
+double gradient_norm(const ModelState<T>& state);
+
+// Clips the gradients to options.clip_norm (when > 0), then takes one AdamW step at
+// options.lr_at(state.step) and counts it. Returns the norm before clipping.
+template <typename T>
+double adamw_step(ModelState<T>& state, const OptimConfig& options);
+
+}  // namespace distca::model

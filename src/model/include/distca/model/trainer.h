@@ -1,0 +1,99 @@
+// The training loop: data-parallel ranks, each with T tokens of every step, a Llama-style model,
+// attention through one or two backends ("colocated", "cad"), gradients all-reduced through the
+// Communicator, clipped, AdamW. With two backends (--compare) both train from the same weights
+// on the same data, step by step interleaved, so their times are measured in the same run.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "distca/comm/communicator.h"
+#include "distca/model/config.h"
+#include "distca/model/data.h"
+#include "distca/model/dispatch_attention.h"
+#include "distca/model/model.h"
+
+namespace distca::model {
+
+struct TrainOptions {
+  ModelConfig model;
+  OptimConfig optim;
+  int64_t context = 256;          // tokens per rank per step
+  int64_t steps = 20;
+  std::string workload = "pretrain";  // synthetic source lengths (when data_path is empty)
+  std::string data_path;          // a .jsonl file or a directory; empty: the synthetic source
+  uint64_t data_seed = 1;
+  std::vector<std::string> backends = {"cad"};  // "colocated" and/or "cad", in run order
+  std::string policy = "minmax";  // the CAD planner
+  plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
+  int threads = 1;                // BLAS and attention threads per rank
+  int64_t granularity = 0;        // planner granularity; 0: context / 32 clamped to 16..128
+  double tolerance = 0.05;
+  std::string checkpoint_path;    // where to save; empty: never
+  int64_t save_every = 0;         // steps between saves (0: only at the end)
+  std::string resume_path;        // a checkpoint to start from
+
+  Status validate() const;
+  nlohmann::json to_json() const;
+};
+
+// One step of one backend, over all ranks.
+struct StepRecord {
+  int64_t step = 0;
+  std::string backend;
+  double loss = 0;            // mean over the step's targets
+  double grad_norm = 0;       // before clipping
+  double lr = 0;
+  double step_seconds = 0;    // the slowest rank's
+  double tokens_per_second = 0;
+  // The slowest rank's seconds in each part (max over ranks of each).
+  double linear_seconds = 0;     // everything in the model but attention (norms, GEMMs, loss)
+  double attention_seconds = 0;  // attention kernels
+  double comm_seconds = 0;       // attention dispatch and return, plan check, gradient all-reduce
+  double wait_seconds = 0;       // at the barrier before the all-reduce: waiting for the slowest rank
+  double optimizer_seconds = 0;
+  double attention_imbalance = 0;  // max / mean over ranks of attention seconds
+  // The step time if attention were exactly the mean on every rank: the slowest rank's step
+  // without its attention and wait, plus the mean attention.
+  double ideal_seconds = 0;
+  nlohmann::json to_json() const;
+};
+
+class Trainer {
+ public:
+  // Collective (every rank creates its trainer with the same options).
+  static Result<std::unique_ptr<Trainer>> create(comm::Communicator& comm, TrainOptions options);
+  ~Trainer();
+  // One step of every backend; on rank 0 `progress` gets a line per record.
+  Result<std::vector<StepRecord>> step();
+  int64_t steps_done() const { return step_; }
+  const TrainOptions& options() const { return options_; }
+  std::string data_description() const;
+  // Saves every backend's state to options().checkpoint_path (rank 0 writes).
+  Status save() const;
+  // The state of backend i (tests).
+  ModelState<float>& state(size_t i);
+
+ private:
+  struct Run;
+  Trainer(comm::Communicator& comm, TrainOptions options);
+  Result<StepRecord> step_one(Run& run, const StepData& data);
+
+  comm::Communicator& comm_;
+  TrainOptions options_;
+  std::unique_ptr<Packer> packer_;
+  std::unique_ptr<Model<float>> model_;  // one workspace, shared by the backends' states
+  std::vector<std::unique_ptr<Run>> runs_;
+  int64_t step_ = 0;
+};
+
+// A summary of a whole run: per backend mean step time, tokens/s, waits and losses, and with
+// two backends the speedup and the loss agreement. The first `skip` steps (warm-up) are left
+// out of the time means.
+nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip);
+
+}  // namespace distca::model

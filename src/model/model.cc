@@ -1,0 +1,359 @@
+#include "distca/model/model.h"
+
+#include <cblas.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace distca::model {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Row-major C[M, N] = op(A) op(B) + beta C, op(A) [M, K], op(B) [K, N].
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b, float beta, float* c) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), 1.0f, a, static_cast<int>(ta ? m : k), b,
+              static_cast<int>(tb ? k : n), beta, c, static_cast<int>(n));
+}
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a, const double* b, double beta, double* c) {
+  if (m == 0 || n == 0) return;
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), 1.0, a, static_cast<int>(ta ? m : k), b,
+              static_cast<int>(tb ? k : n), beta, c, static_cast<int>(n));
+}
+
+// y = x * rstd * g, rstd = 1 / sqrt(mean(x^2) + eps), per row of d.
+template <typename T>
+void rmsnorm_forward(const T* x, const T* g, int64_t n, int64_t d, double eps, T* y, T* rstd) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xi = x + i * d;
+    double ss = 0;
+    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(xi[j]) * xi[j];
+    const T r = static_cast<T>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+    rstd[i] = r;
+    T* yi = y + i * d;
+    for (int64_t j = 0; j < d; ++j) yi[j] = xi[j] * r * g[j];
+  }
+}
+
+// dx += rstd (g dy) - x rstd^3 mean(g dy x); dg += dy x rstd.
+template <typename T>
+void rmsnorm_backward(const T* x, const T* g, const T* rstd, const T* dy, int64_t n, int64_t d, T* dx, T* dg) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xi = x + i * d;
+    const T* dyi = dy + i * d;
+    const T r = rstd[i];
+    double dot = 0;
+    for (int64_t j = 0; j < d; ++j) {
+      dot += static_cast<double>(g[j]) * dyi[j] * xi[j];
+      dg[j] += dyi[j] * xi[j] * r;
+    }
+    const T c = static_cast<T>(dot / static_cast<double>(d)) * r * r * r;
+    T* dxi = dx + i * d;
+    for (int64_t j = 0; j < d; ++j) dxi[j] += r * g[j] * dyi[j] - c * xi[j];
+  }
+}
+
+// Rotates each head's halves (x1, x2) by the angle of its row: (x1 c - x2 s, x2 c + x1 s);
+// sign -1 rotates back (the backward).
+template <typename T>
+void rope(T* x, int64_t n, int64_t heads, int64_t dim, const T* cos, const T* sin, T sign) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* c = cos + i * half;
+    const T* s = sin + i * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* x1 = x + (i * heads + h) * dim;
+      T* x2 = x1 + half;
+      for (int64_t j = 0; j < half; ++j) {
+        const T a = x1[j], b = x2[j], sj = sign * s[j];
+        x1[j] = a * c[j] - b * sj;
+        x2[j] = b * c[j] + a * sj;
+      }
+    }
+  }
+}
+
+template <typename T>
+T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+// Box-Muller over splitmix64: the same numbers on every platform and rank.
+class Normal {
+ public:
+  explicit Normal(uint64_t seed) : state_(seed) {}
+  double next() {
+    if (has_spare_) {
+      has_spare_ = false;
+      return spare_;
+    }
+    const double u1 = (static_cast<double>(bits() >> 11) + 0.5) / 9007199254740992.0;
+    const double u2 = static_cast<double>(bits() >> 11) / 9007199254740992.0;
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    spare_ = r * std::sin(2 * M_PI * u2);
+    has_spare_ = true;
+    return r * std::cos(2 * M_PI * u2);
+  }
+
+ private:
+  uint64_t bits() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  uint64_t state_;
+  bool has_spare_ = false;
+  double spare_ = 0;
+};
+
+const char* const kLayerBlocks[] = {"attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"};
+
+}  // namespace
+
+template <typename T>
+ModelState<T> ModelState<T>::create(const ModelConfig& c) {
+  ModelState s;
+  s.config = c;
+  const int64_t d = c.d_model;
+  s.params.add("embed", c.vocab_size * d);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const int64_t sizes[] = {d, d * c.q_width(), d * c.kv_width(), d * c.kv_width(), c.q_width() * d,
+                             d, d * c.ffn_dim,   d * c.ffn_dim,    c.ffn_dim * d};
+    for (int i = 0; i < 9; ++i) s.params.add(fmt::format("layers.{}.{}", l, kLayerBlocks[i]), sizes[i]);
+  }
+  s.params.add("final_norm", d);
+  s.params.add("lm_head", d * c.vocab_size);
+  s.params.allocate();
+  s.grads.copy_layout(s.params);
+  s.m.copy_layout(s.params);
+  s.v.copy_layout(s.params);
+  Normal normal(c.init_seed);
+  const double out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.num_layers));
+  for (const auto& b : s.params.blocks()) {
+    T* p = s.params.at(b.offset);
+    if (!is_decayed(b.name)) {
+      std::fill(p, p + b.count, T(1));
+      continue;
+    }
+    const bool is_output = b.name.ends_with(".wo") || b.name.ends_with(".w_down");
+    const double std = c.init_std * (is_output ? out_scale : 1.0);
+    for (int64_t i = 0; i < b.count; ++i) p[i] = static_cast<T>(std * normal.next());
+  }
+  return s;
+}
+
+template <typename T>
+bool ModelState<T>::is_decayed(const std::string& name) {
+  return !(name.ends_with("norm"));
+}
+
+template <typename T>
+Weights<T> ModelState<T>::views(Arena<T>& a) const {
+  Weights<T> w;
+  auto at = [&a](const std::string& name) {
+    const auto* b = a.find(name);
+    DISTCA_CHECK(b != nullptr) << "no block " << name;
+    return a.at(b->offset);
+  };
+  w.embed = at("embed");
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    auto p = [&](const char* n) { return at(fmt::format("layers.{}.{}", l, n)); };
+    w.layers.push_back({p("attn_norm"), p("wq"), p("wk"), p("wv"), p("wo"), p("mlp_norm"), p("w_gate"), p("w_up"),
+                        p("w_down")});
+  }
+  w.final_norm = at("final_norm");
+  w.lm_head = at("lm_head");
+  return w;
+}
+
+template <typename T>
+Model<T>::Model(const ModelConfig& config, int64_t max_tokens) : config_(config), max_tokens_(max_tokens) {
+  const ModelConfig& c = config_;
+  const int64_t n = max_tokens, d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width();
+  struct Offsets {
+    int64_t x, h1, rstd1, q, k, v, o, x_mid, h2, rstd2, gate, up, s;
+  };
+  std::vector<Offsets> offsets;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    auto add = [&](const char* what, int64_t count) { return acts_.add(fmt::format("layers.{}.{}", l, what), count); };
+    offsets.push_back({add("x", n * d), add("h1", n * d), add("rstd1", n), add("q", n * qw), add("k", n * kw),
+                       add("v", n * kw), add("o", n * qw), add("x_mid", n * d), add("h2", n * d), add("rstd2", n),
+                       add("gate", n * f), add("up", n * f), add("s", n * f)});
+  }
+  const int64_t half = c.head_dim / 2;
+  const int64_t x_final = acts_.add("x_final", n * d), hf = acts_.add("hf", n * d), rstdf = acts_.add("rstdf", n),
+                logits = acts_.add("logits", n * c.vocab_size), dlogits = acts_.add("dlogits", n * c.vocab_size),
+                cos = acts_.add("rope_cos", n * half), sin = acts_.add("rope_sin", n * half),
+                dx = acts_.add("dx", n * d), dh = acts_.add("dh", n * d), dq = acts_.add("dq", n * qw),
+                dk = acts_.add("dk", n * kw), dv = acts_.add("dv", n * kw), d_o = acts_.add("do", n * qw),
+                dgate = acts_.add("dgate", n * f), dup = acts_.add("dup", n * f), ds = acts_.add("ds", n * f);
+  acts_.allocate();
+  lse_.assign(static_cast<size_t>(c.num_layers * n * c.num_q_heads), 0.0f);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const Offsets& o = offsets[l];
+    auto p = [this](int64_t off) { return acts_.at(off); };
+    layer_acts_.push_back({p(o.x), p(o.h1), p(o.rstd1), p(o.q), p(o.k), p(o.v), p(o.o), p(o.x_mid), p(o.h2),
+                           p(o.rstd2), p(o.gate), p(o.up), p(o.s), lse_.data() + l * n * c.num_q_heads});
+  }
+  x_final_ = acts_.at(x_final), hf_ = acts_.at(hf), rstdf_ = acts_.at(rstdf), logits_ = acts_.at(logits);
+  dlogits_ = acts_.at(dlogits), cos_ = acts_.at(cos), sin_ = acts_.at(sin), dx_ = acts_.at(dx), dh_ = acts_.at(dh);
+  dq_ = acts_.at(dq), dk_ = acts_.at(dk), dv_ = acts_.at(dv), do_ = acts_.at(d_o), dgate_ = acts_.at(dgate);
+  dup_ = acts_.at(dup), ds_ = acts_.at(ds);
+  tokens_.assign(static_cast<size_t>(n), 0);
+}
+
+template <typename T>
+Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
+                                 double loss_scale, PassTimes* times) {
+  const auto begin = Clock::now();
+  const AttentionTimes before = attention.times;
+  const ModelConfig& c = config_;
+  const auto n = static_cast<int64_t>(in.tokens.size());
+  if (n > max_tokens_) return invalid_argument(fmt::format("{} tokens but the model's workspace holds {}", n, max_tokens_));
+  if (static_cast<int64_t>(in.targets.size()) != n || static_cast<int64_t>(in.positions.size()) != n) {
+    return invalid_argument("tokens, targets and positions must have one entry per token");
+  }
+  n_ = n;
+  const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size;
+  const Weights<T> w = state.weights();
+  // Embedding and the RoPE tables of this step's positions.
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t t = in.tokens[i];
+    if (t < 0 || t >= V) return invalid_argument(fmt::format("token {} at row {} is outside the vocabulary of {}", t, i, V));
+    if (in.targets[i] < -1 || in.targets[i] >= V) {
+      return invalid_argument(fmt::format("target {} at row {} is outside the vocabulary of {}", in.targets[i], i, V));
+    }
+    tokens_[i] = t;
+    std::memcpy(layer_acts_[0].x + i * d, w.embed + t * d, sizeof(T) * d);
+  }
+  const int64_t half = c.head_dim / 2;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < half; ++j) {
+      const double angle = in.positions[i] * std::pow(c.rope_base, -2.0 * static_cast<double>(j) / static_cast<double>(c.head_dim));
+      cos_[i * half + j] = static_cast<T>(std::cos(angle));
+      sin_[i * half + j] = static_cast<T>(std::sin(angle));
+    }
+  }
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const LayerWeights<T>& lw = w.layers[l];
+    const LayerActs& a = layer_acts_[l];
+    T* x_out = l + 1 < c.num_layers ? layer_acts_[l + 1].x : x_final_;
+    rmsnorm_forward(a.x, lw.attn_norm, n, d, c.norm_eps, a.h1, a.rstd1);
+    gemm(false, false, n, qw, d, a.h1, lw.wq, T(0), a.q);
+    gemm(false, false, n, kw, d, a.h1, lw.wk, T(0), a.k);
+    gemm(false, false, n, kw, d, a.h1, lw.wv, T(0), a.v);
+    rope(a.q, n, c.num_q_heads, c.head_dim, cos_, sin_, T(1));
+    rope(a.k, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(1));
+    DISTCA_RETURN_IF_ERROR(attention.forward(static_cast<int>(l), a.q, a.k, a.v, a.o, a.lse));
+    std::memcpy(a.x_mid, a.x, sizeof(T) * n * d);
+    gemm(false, false, n, d, qw, a.o, lw.wo, T(1), a.x_mid);
+    rmsnorm_forward(a.x_mid, lw.mlp_norm, n, d, c.norm_eps, a.h2, a.rstd2);
+    gemm(false, false, n, f, d, a.h2, lw.w_gate, T(0), a.gate);
+    gemm(false, false, n, f, d, a.h2, lw.w_up, T(0), a.up);
+    for (int64_t i = 0; i < n * f; ++i) a.s[i] = a.gate[i] * sigmoid(a.gate[i]) * a.up[i];
+    std::memcpy(x_out, a.x_mid, sizeof(T) * n * d);
+    gemm(false, false, n, d, f, a.s, lw.w_down, T(1), x_out);
+  }
+  rmsnorm_forward(x_final_, w.final_norm, n, d, c.norm_eps, hf_, rstdf_);
+  gemm(false, false, n, V, d, hf_, w.lm_head, T(0), logits_);
+  // Cross-entropy; dlogits = (softmax - onehot) * loss_scale on rows with a target, else 0.
+  double loss = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* z = logits_ + i * V;
+    T* dz = dlogits_ + i * V;
+    const int32_t target = in.targets[i];
+    if (target < 0) {
+      std::fill(dz, dz + V, T(0));
+      continue;
+    }
+    double mx = z[0];
+    for (int64_t j = 1; j < V; ++j) mx = std::max(mx, static_cast<double>(z[j]));
+    double sum = 0;
+    for (int64_t j = 0; j < V; ++j) sum += std::exp(static_cast<double>(z[j]) - mx);
+    const double lse = mx + std::log(sum);
+    loss += lse - static_cast<double>(z[target]);
+    for (int64_t j = 0; j < V; ++j) dz[j] = static_cast<T>(std::exp(static_cast<double>(z[j]) - lse) * loss_scale);
+    dz[target] -= static_cast<T>(loss_scale);
+  }
+  if (times != nullptr) {
+    times->total += since(begin);
+    times->attention += attention.times.compute - before.compute;
+    times->comm += attention.times.comm - before.comm;
+  }
+  return loss;
+}
+
+template <typename T>
+Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times) {
+  const auto begin = Clock::now();
+  const AttentionTimes before = attention.times;
+  const ModelConfig& c = config_;
+  const int64_t n = n_, d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size;
+  state.grads.fill(T(0));
+  const Weights<T> w = state.weights();
+  const Weights<T> g = state.gradients();
+  // Head and final norm: dx_ = d loss / d x_final.
+  gemm(true, false, d, V, n, hf_, dlogits_, T(0), g.lm_head);
+  gemm(false, true, n, d, V, dlogits_, w.lm_head, T(0), dh_);
+  std::fill(dx_, dx_ + n * d, T(0));
+  rmsnorm_backward(x_final_, w.final_norm, rstdf_, dh_, n, d, dx_, g.final_norm);
+  for (int64_t l = c.num_layers - 1; l >= 0; --l) {
+    const LayerWeights<T>& lw = w.layers[l];
+    const LayerWeights<T>& lg = g.layers[l];
+    const LayerActs& a = layer_acts_[l];
+    // MLP: x_out = x_mid + s Wdown, s = silu(gate) up.
+    gemm(true, false, f, d, n, a.s, dx_, T(0), lg.w_down);
+    gemm(false, true, n, f, d, dx_, lw.w_down, T(0), ds_);
+    for (int64_t i = 0; i < n * f; ++i) {
+      const T sg = sigmoid(a.gate[i]);
+      const T silu = a.gate[i] * sg;
+      dup_[i] = ds_[i] * silu;
+      dgate_[i] = ds_[i] * a.up[i] * sg * (T(1) + a.gate[i] * (T(1) - sg));
+    }
+    gemm(true, false, d, f, n, a.h2, dgate_, T(0), lg.w_gate);
+    gemm(true, false, d, f, n, a.h2, dup_, T(0), lg.w_up);
+    gemm(false, true, n, d, f, dgate_, lw.w_gate, T(0), dh_);
+    gemm(false, true, n, d, f, dup_, lw.w_up, T(1), dh_);
+    rmsnorm_backward(a.x_mid, lw.mlp_norm, a.rstd2, dh_, n, d, dx_, lg.mlp_norm);  // dx_ = d / d x_mid
+    // Attention: x_mid = x + o Wo.
+    gemm(true, false, qw, d, n, a.o, dx_, T(0), lg.wo);
+    gemm(false, true, n, qw, d, dx_, lw.wo, T(0), do_);
+    DISTCA_RETURN_IF_ERROR(attention.backward(static_cast<int>(l), a.q, a.k, a.v, a.o, a.lse, do_, dq_, dk_, dv_));
+    rope(dq_, n, c.num_q_heads, c.head_dim, cos_, sin_, T(-1));
+    rope(dk_, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(-1));
+    gemm(true, false, d, qw, n, a.h1, dq_, T(0), lg.wq);
+    gemm(true, false, d, kw, n, a.h1, dk_, T(0), lg.wk);
+    gemm(true, false, d, kw, n, a.h1, dv_, T(0), lg.wv);
+    gemm(false, true, n, d, qw, dq_, lw.wq, T(0), dh_);
+    gemm(false, true, n, d, kw, dk_, lw.wk, T(1), dh_);
+    gemm(false, true, n, d, kw, dv_, lw.wv, T(1), dh_);
+    rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    T* ge = g.embed + tokens_[i] * d;
+    const T* dxi = dx_ + i * d;
+    for (int64_t j = 0; j < d; ++j) ge[j] += dxi[j];
+  }
+  if (times != nullptr) {
+    times->total += since(begin);
+    times->attention += attention.times.compute - before.compute;
+    times->comm += attention.times.comm - before.comm;
+  }
+  return Status::ok();
+}
+
+template struct ModelState<float>;
+template struct ModelState<double>;
+template class Model<float>;
+template class Model<double>;
+
+}  // namespace distca::model

@@ -1,0 +1,280 @@
+#include "distca/model/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "distca/model/checkpoint.h"
+#include "distca/model/optimizer.h"
+#include "distca/plan/planner.h"
+
+namespace distca::model {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
+Status TrainOptions::validate() const {
+  DISTCA_RETURN_IF_ERROR(model.validate());
+  DISTCA_RETURN_IF_ERROR(optim.validate());
+  if (context < 16 || context > plan::kMaxTokens) {
+    return invalid_argument(fmt::format("--context must be 16..{} tokens per rank, got {}", plan::kMaxTokens, context));
+  }
+  if (steps < 1 || steps > 100000000) return invalid_argument(fmt::format("--steps must be >= 1, got {}", steps));
+  if (backends.empty()) return invalid_argument("no attention backend to train with");
+  for (const std::string& b : backends) {
+    if (b != "colocated" && b != "cad") {
+      return invalid_argument(fmt::format("--attention must be colocated or cad, got '{}'", b));
+    }
+  }
+  DISTCA_RETURN_IF_ERROR(plan::find_planner(policy).status());
+  if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
+  if (granularity < 0) return invalid_argument(fmt::format("--granularity must be >= 0 (0: auto), got {}", granularity));
+  if (!(tolerance >= 0) || tolerance > 10) return invalid_argument(fmt::format("--tolerance must be 0..10, got {}", tolerance));
+  if (save_every < 0) return invalid_argument("--save-every must be >= 0");
+  if (save_every > 0 && checkpoint_path.empty()) return invalid_argument("--save-every needs --checkpoint FILE");
+  return Status::ok();
+}
+
+nlohmann::json TrainOptions::to_json() const {
+  return {{"model", model::to_json(model)},
+          {"optimizer", model::to_json(optim)},
+          {"context", context},
+          {"steps", steps},
+          {"data", data_path.empty() ? "synthetic" : data_path},
+          {"workload", workload},
+          {"data_seed", data_seed},
+          {"backends", backends},
+          {"policy", policy},
+          {"backward_mode", plan::backward_mode_name(backward_mode)},
+          {"threads", threads},
+          {"granularity", granularity},
+          {"tolerance", tolerance}};
+}
+
+nlohmann::json StepRecord::to_json() const {
+  return {{"step", step},
+          {"backend", backend},
+          {"loss", loss},
+          {"grad_norm", grad_norm},
+          {"lr", lr},
+          {"step_seconds", step_seconds},
+          {"tokens_per_second", tokens_per_second},
+          {"linear_seconds", linear_seconds},
+          {"attention_seconds", attention_seconds},
+          {"comm_seconds", comm_seconds},
+          {"wait_seconds", wait_seconds},
+          {"optimizer_seconds", optimizer_seconds},
+          {"attention_imbalance", attention_imbalance},
+          {"ideal_seconds", ideal_seconds}};
+}
+
+struct Trainer::Run {
+  std::string name;
+  std::unique_ptr<DispatchAttention> attention;
+  ModelState<float> state;
+};
+
+Trainer::Trainer(comm::Communicator& comm, TrainOptions options) : comm_(comm), options_(std::move(options)) {}
+Trainer::~Trainer() = default;
+
+ModelState<float>& Trainer::state(size_t i) { return runs_.at(i)->state; }
+
+std::string Trainer::data_description() const { return packer_->source().describe(); }
+
+Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, TrainOptions options) {
+  DISTCA_RETURN_IF_ERROR(options.validate());
+  if (options.granularity == 0) options.granularity = std::clamp<int64_t>(options.context / 32, 16, 128);
+  auto t = std::unique_ptr<Trainer>(new Trainer(comm, std::move(options)));
+  const TrainOptions& o = t->options_;
+  std::unique_ptr<DocumentSource> source;
+  if (o.data_path.empty()) {
+    DISTCA_ASSIGN_OR_RETURN(source, make_synthetic_source(o.workload, o.context, o.data_seed));
+  } else {
+    DISTCA_ASSIGN_OR_RETURN(source, open_data_source(o.data_path));
+  }
+  t->packer_ = std::make_unique<Packer>(std::move(source), comm.size(), o.context);
+  t->model_ = std::make_unique<Model<float>>(o.model, o.context);
+  for (const std::string& name : o.backends) {
+    auto run = std::make_unique<Run>();
+    run->name = name;
+    DispatchAttentionOptions d;
+    d.policy = name == "colocated" ? "none" : o.policy;
+    d.backward_mode = o.backward_mode;
+    d.threads = o.threads;
+    d.tolerance = o.tolerance;
+    d.granularity = o.granularity;
+    DISTCA_ASSIGN_OR_RETURN(run->attention, DispatchAttention::create(comm, o.model, d));
+    run->state = ModelState<float>::create(o.model);
+    t->runs_.push_back(std::move(run));
+  }
+  if (!o.resume_path.empty()) {
+    std::vector<NamedState> states;
+    for (auto& r : t->runs_) states.push_back({r->name, &r->state});
+    DISTCA_ASSIGN_OR_RETURN(nlohmann::json header, load_checkpoint(o.resume_path, states));
+    const nlohmann::json want = {{"data", t->data_description()}, {"ranks", comm.size()}, {"context", o.context}};
+    const nlohmann::json& got = header["run"];
+    for (const auto& [key, value] : want.items()) {
+      if (!got.contains(key) || got[key] != value) {
+        return invalid_argument(fmt::format("{}: saved with {} = {}, this run has {}; resume with the same data, "
+                                            "ranks and context to continue the same curve",
+                                            o.resume_path, key, got.contains(key) ? got[key].dump() : "nothing",
+                                            value.dump()));
+      }
+    }
+    t->step_ = header["step"].get<int64_t>();
+    DISTCA_RETURN_IF_ERROR(t->packer_->skip(t->step_));
+  }
+  return t;
+}
+
+Status Trainer::save() const {
+  if (options_.checkpoint_path.empty()) return invalid_argument("no checkpoint path");
+  Status status = Status::ok();
+  if (comm_.rank() == 0) {
+    std::vector<NamedState> states;
+    for (const auto& r : runs_) states.push_back({r->name, &r->state});
+    const nlohmann::json run = {{"data", data_description()}, {"ranks", comm_.size()}, {"context", options_.context}};
+    status = save_checkpoint(options_.checkpoint_path, states, run);
+  }
+  // Every rank learns whether rank 0's write worked.
+  float failed = status.is_ok() ? 0.0f : 1.0f;
+  DISTCA_RETURN_IF_ERROR(comm_.broadcast(&failed, sizeof(failed), 0));
+  if (failed > 0 && status.is_ok()) return internal_error("rank 0 could not write the checkpoint");
+  return status;
+}
+
+Result<std::vector<StepRecord>> Trainer::step() {
+  DISTCA_ASSIGN_OR_RETURN(StepData data, packer_->next());
+  std::vector<StepRecord> records;
+  for (auto& run : runs_) {
+    DISTCA_ASSIGN_OR_RETURN(StepRecord r, step_one(*run, data));
+    records.push_back(std::move(r));
+  }
+  ++step_;
+  if (!options_.checkpoint_path.empty() && (step_ == options_.steps ||
+                                            (options_.save_every > 0 && step_ % options_.save_every == 0))) {
+    DISTCA_RETURN_IF_ERROR(save());
+  }
+  return records;
+}
+
+Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
+  const int rank = comm_.rank();
+  const int R = comm_.size();
+  DispatchAttention& attention = *run.attention;
+  attention.times = {};
+  const auto begin = Clock::now();
+  DISTCA_RETURN_IF_ERROR(attention.begin_step(data.batch));
+  const double setup = attention.times.comm;
+  PassTimes pass;
+  const StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
+  const double scale = data.num_targets > 0 ? 1.0 / static_cast<double>(data.num_targets) : 0.0;
+  DISTCA_ASSIGN_OR_RETURN(double loss_sum, model_->forward(run.state, in, attention, scale, &pass));
+  DISTCA_RETURN_IF_ERROR(model_->backward(run.state, attention, &pass));
+  auto t = Clock::now();
+  DISTCA_RETURN_IF_ERROR(comm_.barrier());
+  const double wait = since(t);
+  t = Clock::now();
+  DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(run.state.grads.data(), run.state.grads.size()));
+  const double reduce = since(t);
+  t = Clock::now();
+  const double lr = options_.optim.lr_at(run.state.step);
+  const double norm = adamw_step(run.state, options_.optim);
+  const double optimizer = since(t);
+  const double step_seconds = since(begin);
+  // Every rank's numbers, one slot each.
+  constexpr int kSlots = 7;
+  std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
+  const double mine[kSlots] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
+                               loss_sum};
+  for (int i = 0; i < kSlots; ++i) all[rank * kSlots + i] = static_cast<float>(mine[i]);
+  DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
+  auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
+  StepRecord rec;
+  rec.step = step_;
+  rec.backend = run.name;
+  rec.grad_norm = norm;
+  rec.lr = lr;
+  double loss = 0, attn_sum = 0, attn_max = 0, rest_max = 0;
+  for (int r = 0; r < R; ++r) {
+    loss += at(r, 6);
+    rec.step_seconds = std::max(rec.step_seconds, at(r, 0));
+    rec.linear_seconds = std::max(rec.linear_seconds, at(r, 1));
+    rec.attention_seconds = std::max(rec.attention_seconds, at(r, 2));
+    rec.comm_seconds = std::max(rec.comm_seconds, at(r, 3));
+    rec.wait_seconds = std::max(rec.wait_seconds, at(r, 4));
+    rec.optimizer_seconds = std::max(rec.optimizer_seconds, at(r, 5));
+    attn_sum += at(r, 2);
+    attn_max = std::max(attn_max, at(r, 2));
+    rest_max = std::max(rest_max, at(r, 0) - at(r, 2) - at(r, 4));
+  }
+  rec.loss = data.num_targets > 0 ? loss / static_cast<double>(data.num_targets) : 0.0;
+  const double attn_mean = attn_sum / R;
+  rec.attention_imbalance = attn_mean > 0 ? attn_max / attn_mean : 1.0;
+  rec.ideal_seconds = rest_max + attn_mean;
+  rec.tokens_per_second = static_cast<double>(R * options_.context) / rec.step_seconds;
+  if (!std::isfinite(rec.loss)) return internal_error(fmt::format("step {}: the loss is {} ({})", step_, rec.loss, run.name));
+  return rec;
+}
+
+nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip) {
+  std::map<std::string, std::vector<const StepRecord*>> by;
+  std::vector<std::string> order;
+  for (const StepRecord& r : records) {
+    if (!by.contains(r.backend)) order.push_back(r.backend);
+    by[r.backend].push_back(&r);
+  }
+  nlohmann::json out;
+  nlohmann::json backends = nlohmann::json::object();
+  for (const std::string& name : order) {
+    const auto& rs = by[name];
+    const size_t first = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(skip, 0)), rs.size() - 1);
+    auto mean = [&](double StepRecord::*field, size_t from, size_t to) {
+      double s = 0;
+      for (size_t i = from; i < to; ++i) s += rs[i]->*field;
+      return to > from ? s / static_cast<double>(to - from) : 0.0;
+    };
+    const size_t n = rs.size(), k = std::min<size_t>(10, n);
+    backends[name] = {{"steps", n},
+                      {"timed_steps", n - first},
+                      {"step_seconds", mean(&StepRecord::step_seconds, first, n)},
+                      {"tokens_per_second", mean(&StepRecord::tokens_per_second, first, n)},
+                      {"linear_seconds", mean(&StepRecord::linear_seconds, first, n)},
+                      {"attention_seconds", mean(&StepRecord::attention_seconds, first, n)},
+                      {"comm_seconds", mean(&StepRecord::comm_seconds, first, n)},
+                      {"wait_seconds", mean(&StepRecord::wait_seconds, first, n)},
+                      {"attention_imbalance", mean(&StepRecord::attention_imbalance, first, n)},
+                      {"ideal_seconds", mean(&StepRecord::ideal_seconds, first, n)},
+                      {"loss_first", mean(&StepRecord::loss, 0, k)},
+                      {"loss_last", mean(&StepRecord::loss, n - k, n)}};
+    out[name + "_step_seconds"] = backends[name]["step_seconds"];
+  }
+  out["backends"] = backends;
+  const std::string base = by.contains("colocated") ? "colocated" : order.front();
+  out["ideal_step_seconds"] = backends[base]["ideal_seconds"];
+  out["loss_first"] = backends[base]["loss_first"];
+  out["loss_last"] = backends[base]["loss_last"];
+  if (by.contains("colocated") && by.contains("cad")) {
+    const double col = backends["colocated"]["step_seconds"], cad = backends["cad"]["step_seconds"];
+    out["speedup"] = cad > 0 ? col / cad : 0.0;
+    out["cad_over_ideal"] = out["ideal_step_seconds"].get<double>() > 0 ? cad / out["ideal_step_seconds"].get<double>() : 0.0;
+    double worst = 0;
+    const auto& a = by["colocated"];
+    const auto& b = by["cad"];
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      worst = std::max(worst, std::abs(a[i]->loss - b[i]->loss) / std::max(std::abs(a[i]->loss), 1e-30));
+    }
+    out["loss_max_rel_diff"] = worst;
+  } else {
+    out["speedup"] = nullptr;
+    out["loss_max_rel_diff"] = nullptr;
+  }
+  return out;
+}
+
+}  // namespace distca::model
