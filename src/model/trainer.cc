@@ -70,7 +70,8 @@ nlohmann::json StepRecord::to_json() const {
           {"wait_seconds", wait_seconds},
           {"optimizer_seconds", optimizer_seconds},
           {"attention_imbalance", attention_imbalance},
-          {"ideal_seconds", ideal_seconds}};
+          {"ideal_seconds", ideal_seconds},
+          {"attention_bytes", attention_bytes}};
 }
 
 struct Trainer::Run {
@@ -188,10 +189,12 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   const double optimizer = since(t);
   const double step_seconds = since(begin);
   // Every rank's numbers, one slot each.
-  constexpr int kSlots = 7;
+  int64_t bytes = 0;
+  for (int p = 0; p < plan::kNumPhases; ++p) bytes += attention.dispatcher()->stats(static_cast<plan::Phase>(p)).bytes_sent;
+  constexpr int kSlots = 8;
   std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
   const double mine[kSlots] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
-                               loss_sum};
+                               loss_sum, static_cast<double>(bytes)};
   for (int i = 0; i < kSlots; ++i) all[rank * kSlots + i] = static_cast<float>(mine[i]);
   DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
@@ -203,6 +206,7 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   double loss = 0, attn_sum = 0, attn_max = 0, rest_max = 0;
   for (int r = 0; r < R; ++r) {
     loss += at(r, 6);
+    rec.attention_bytes += static_cast<int64_t>(at(r, 7));
     rec.step_seconds = std::max(rec.step_seconds, at(r, 0));
     rec.linear_seconds = std::max(rec.linear_seconds, at(r, 1));
     rec.attention_seconds = std::max(rec.attention_seconds, at(r, 2));

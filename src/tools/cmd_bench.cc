@@ -3,13 +3,11 @@
 #include <fmt/format.h>
 
 #include <memory>
+#include <optional>
 
 #include "bench_attention.h"
 #include "bench_dispatch.h"
-#include "distca/comm/local_comm.h"
-#if DISTCA_HAVE_MPI
-#include "distca/comm/mpi_comm.h"
-#endif
+#include "world.h"
 
 namespace distca::tools {
 namespace {
@@ -49,14 +47,6 @@ struct DispatchArgs {
   bool is_quick = false;
 };
 
-// Whether this process was started by an MPI launcher (mpirun / srun).
-bool is_under_mpi() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
-    if (std::getenv(var) != nullptr) return true;
-  }
-  return false;
-}
-
 int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
   if (a.is_quick) {  // small sizes, for whatever was not given explicitly
     auto quick = [&](const char* flag, auto& field, auto value) {
@@ -86,38 +76,14 @@ int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
     }
     return 0;
   };
-  if (is_under_mpi()) {
-#if DISTCA_HAVE_MPI
-    auto created = comm::MpiComm::create(nullptr, nullptr);
-    if (!created.is_ok()) {
-      fmt::print(stderr, "distca bench dispatch: error: {}\n", created.status().message());
-      return 1;
-    }
-    comm::MpiComm& c = *created.value();
-    Result<nlohmann::json> report = run_dispatch_bench(c, a.options, progress);
-    if (!report.is_ok()) {
-      fmt::print(stderr, "distca bench dispatch: rank {}: error: {}\n", c.rank(), report.status().message());
-      c.abort(report.status().message());
-      return 1;
-    }
-    return c.rank() == 0 ? finish(report) : 0;
-#else
-    fmt::print(stderr, "distca bench dispatch: error: started by mpirun, but this build has no MPI "
-                       "(install Open MPI with scripts/install-deps.sh and rebuild)\n");
-    return 1;
-#endif
-  }
-  Result<nlohmann::json> root_report = internal_error("rank 0 produced no report");
-  const auto statuses = comm::LocalWorld::run(a.options.ranks, [&](comm::Communicator& c) -> Status {
-    Result<nlohmann::json> report = run_dispatch_bench(c, a.options, progress);
-    if (!report.is_ok()) return report.status();
+  std::optional<nlohmann::json> root_report;
+  const int code = run_world("bench dispatch", a.options.ranks, [&](comm::Communicator& c) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(nlohmann::json report, run_dispatch_bench(c, a.options, progress));
     if (c.rank() == 0) root_report = std::move(report);
     return Status::ok();
   });
-  for (const Status& s : statuses) {
-    if (!s.is_ok()) return finish(s);
-  }
-  return finish(root_report);
+  if (code != 0 || !root_report) return code;  // under MPI only rank 0 reports
+  return finish(*root_report);
 }
 
 }  // namespace

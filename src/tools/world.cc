@@ -19,7 +19,10 @@ bool is_under_mpi() {
 }
 
 namespace {
-int exit_code(const Status& s) { return s.is_ok() ? 0 : s.code() == StatusCode::kInvalidArgument ? 2 : 1; }
+int exit_code(const Status& s) {
+  if (s.is_ok()) return 0;
+  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
+}
 }  // namespace
 
 int run_world(const std::string& command, int local_ranks, const std::function<Status(comm::Communicator&)>& body) {

@@ -60,6 +60,7 @@ struct StepRecord {
   // The step time if attention were exactly the mean on every rank: the slowest rank's step
   // without its attention and wait, plus the mean attention.
   double ideal_seconds = 0;
+  int64_t attention_bytes = 0;  // sent between ranks by the attention backend, all ranks and phases
   nlohmann::json to_json() const;
 };
 
