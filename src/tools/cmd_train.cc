@@ -111,7 +111,9 @@ void print_step(const model::StepRecord& r, int64_t steps) {
 void print_summary(const nlohmann::json& s) {
   fmt::print("\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>11}  {}\n", "backend", "step (s)", "tokens/s", "wait (s)",
              "attn (s)", "imbalance", "loss first 10 -> last 10");
-  for (const auto& [name, b] : s["backends"].items()) {
+  for (const std::string name : {"colocated", "cad"}) {
+    if (!s["backends"].contains(name)) continue;
+    const nlohmann::json& b = s["backends"][name];
     fmt::print("{:<10} {:>9.3f} {:>10} {:>10.3f} {:>10.3f} {:>11.2f}  {:.4f} -> {:.4f}\n", name,
                b["step_seconds"].get<double>(), si(b["tokens_per_second"].get<double>()), b["wait_seconds"].get<double>(),
                b["attention_seconds"].get<double>(), b["attention_imbalance"].get<double>(), b["loss_first"].get<double>(),
