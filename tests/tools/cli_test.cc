@@ -278,6 +278,52 @@ TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
   }
 }
 
+TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
+  CmdResult r = distca("simulate --gpus 64 --context 128K --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["systems"].size(), 4u);
+  for (const auto& s : j["systems"]) {
+    for (const char* field : {"seconds", "linear_seconds", "attention_seconds", "comm_seconds", "idle_seconds",
+                              "speedup_over_wlb", "speedup_over_colocated", "attention_imbalance"}) {
+      EXPECT_TRUE(s[field].is_number()) << field;
+    }
+    EXPECT_EQ(s["unit_attention_seconds"].size(), 8u);
+  }
+  CmdResult paper = distca("simulate --paper --json");
+  ASSERT_EQ(paper.exit_code, 0) << paper.err;
+  auto records = nlohmann::json::parse(paper.out);
+  ASSERT_GT(records.size(), 10u);
+  for (const auto& rec : records) {
+    for (const char* field : {"model", "gpus", "context", "dataset", "parallelism", "speedup_cad_distca", "speedup_cad",
+                              "paper_low", "paper_high"}) {
+      EXPECT_TRUE(rec.contains(field)) << field;
+    }
+    EXPECT_TRUE(rec["parallelism"] == "3D" || rec["parallelism"] == "4D");
+  }
+}
+
+TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
+  const std::string bad_profile = write("bad_profile.json", "{\"format\": \"distca-profile\", \"version\": 9}");
+  const BadInput cases[] = {
+      {"unknown model", "--model llama-1t", "llama-1t"},
+      {"gpus not a multiple", "--gpus 60", "--gpus"},
+      {"bad context", "--context 12Q", "--context"},
+      {"unknown system", "--system magic", "magic"},
+      {"unknown workload", "--workload web", "web"},
+      {"layers do not split", "--gpus 48 --pp 3", "stages"},
+      {"missing profile", "--profile /nonexistent.json", "/nonexistent.json"},
+      {"bad profile", "--profile " + bad_profile, "version 9"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = distca("simulate " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.name;
+  }
+}
+
 TEST(Cli, HelpExitsZero) {
   CmdResult r = distca("plan --help");
   EXPECT_EQ(r.exit_code, 0);

@@ -1,0 +1,78 @@
+// The cluster simulator: one training iteration of a system, priced with a profile. A unit is
+// one tensor-parallel group (tp GPUs, with its per-GPU share of heads and linear work). There
+// are gpus / tp units: pp stages x dp replicas x cp context-parallel units. Every micro-batch
+// of a replica is one packed sequence of `context` tokens (documents sampled from the
+// workload), held by cp units of context / cp tokens each. Systems:
+//   colocated   the sequence as packed, Megatron-style context parallelism: every document is
+//               cut evenly over the cp units (equal attention inside a CP group) with an exposed
+//               KV all-gather per layer (and all-gather + reduce-scatter of dK/dV backward);
+//               replicas (DP) and micro-batches (PP) keep their imbalance; 1F1B for PP
+//   wlb         WLB-LLM-style (the paper's "WLB-ideal"): the documents re-packed into variable-
+//               length chunks balanced by linear + attention cost (longest first onto the least
+//               loaded chunk; with DP only across all replicas, with PP within each pipeline);
+//               inside a chunk, documents of at most context / cp tokens go whole to the least
+//               loaded CP unit and longer ones get per-document context parallelism (an even
+//               split with an exposed all-gather of that document's KV)
+//   cad-distca  CAD with the paper's planner (stateless backward); cad: CAD with ours (minmax,
+//               stateful backward). The sequence stays as packed (context / cp tokens per unit),
+//               every unit is an in-place attention server for the CA tasks the planner gives
+//               it, with per-layer dispatch and return and ping-pong over two nano-batches (four
+//               ticks per layer, each half the work); with PP the CA tasks of a wave of pp
+//               micro-batches (those in flight together) are balanced across all stages and
+//               replicas, and the link time that ping-pong cannot hide is exposed
+// All systems end with the DP gradient all-reduce (bf16 gradients).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "distca/core/status.h"
+#include "distca/plan/model.h"
+#include "distca/sim/profile.h"
+
+namespace distca::sim {
+
+struct Cluster {
+  int gpus = 64;
+  int gpus_per_node = 8;
+  int tp = 8;
+  int pp = 1;
+  int cp = 1;
+  int units() const { return gpus / tp; }
+  int dp() const { return gpus / tp / pp / cp; }
+  Status validate() const;
+};
+
+struct SimOptions {
+  plan::ModelShape model;     // tp is taken from the cluster
+  Cluster cluster;
+  int64_t context = 131072;   // tokens per micro-batch (one packed sequence, over cp units)
+  int batch = 4;              // micro-batches per DP replica per iteration
+  std::string workload = "pretrain";
+  uint64_t seed = 1;
+  double tolerance = 0.05;
+  int64_t granularity = 128;
+  Status validate() const;
+};
+
+struct SystemResult {
+  std::string system;
+  double seconds = 0;      // one iteration
+  double linear = 0;       // mean over units of seconds in linear layers
+  double attention = 0;    // mean over units of seconds in core attention
+  double comm = 0;         // mean over units of exposed communication
+  double idle = 0;         // the rest: waiting for stragglers, pipeline bubbles
+  double allreduce = 0;    // the gradient all-reduce (inside comm)
+  int64_t bytes = 0;       // moved between units for attention (dispatch, return, KV gathers), all units
+  std::vector<double> unit_attention;  // (units) attention seconds per iteration
+  std::vector<double> unit_memory;     // (units) activation bytes per GPU at the peak
+  nlohmann::json to_json() const;
+};
+
+std::vector<std::string> system_names();  // colocated, wlb, cad-distca, cad
+Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& options,
+                                           const std::vector<std::string>& systems);
+
+}  // namespace distca::sim

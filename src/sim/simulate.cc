@@ -1,0 +1,419 @@
+#include "distca/sim/simulate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "distca/plan/cost.h"
+#include "distca/plan/planner.h"
+#include "distca/plan/workload.h"
+
+namespace distca::sim {
+
+namespace {
+
+constexpr int64_t kVocab = 128256;  // Llama 3 tokenizer
+
+struct Ctx {
+  Ctx(const Profile& p, const SimOptions& options) : prof(p), o(options), model(options.model) {}
+  const Profile& prof;
+  const SimOptions& o;
+  plan::ModelShape model;
+  int U = 0, S = 0, D = 0, L = 0, cp = 1;
+  int64_t T = 0;
+  int64_t hq = 0, head_dim = 0;
+  double lin_f = 0, lin_b = 0;  // seconds per token per layer
+  plan::TokenBytes tb;
+  Link link;
+  double act_bytes_per_token_layer = 0;  // per GPU
+  double allreduce = 0;
+  plan::LengthDistribution dist = plan::LengthDistribution::from_sample("none", {1});
+};
+
+plan::ThroughputProfile planner_profile(const Ctx& c) {
+  plan::ThroughputProfile t;
+  const int64_t kv = 1 << 20;
+  t.flops_per_second = 4.0 * c.head_dim * c.hq * static_cast<double>(shard_pairs(4096, kv)) /
+                       c.prof.attention_seconds(4096, kv, shard_pairs(4096, kv), c.hq, c.head_dim, false);
+  t.tile_rows = c.prof.attention.front().tile_rows;
+  t.task_overhead_seconds = c.prof.attention.front().task_overhead_seconds * 3.5;
+  t.source = "from the simulator's profile";
+  return t;
+}
+
+// Attention seconds per server of one layer (forward or backward) of a task list.
+std::vector<double> server_seconds(const Ctx& c, const std::vector<plan::Task>& tasks, int R, bool is_backward) {
+  std::vector<double> s(static_cast<size_t>(R), 0.0);
+  for (const plan::Task& t : tasks) {
+    s[t.server] += c.prof.attention_seconds(t.q_len(), t.k1, t.pairs(), c.hq, c.head_dim, is_backward);
+  }
+  return s;
+}
+
+// Per unit, seconds on the link of one phase: the larger of its send and receive.
+std::vector<double> phase_seconds(const Ctx& c, const plan::PhaseTraffic& p, int R) {
+  std::vector<double> s(static_cast<size_t>(R), 0.0);
+  for (int r = 0; r < R; ++r) {
+    const double bytes = static_cast<double>(std::max(p.send_bytes[r], p.recv_bytes[r]));
+    s[r] = bytes > 0 ? c.link.latency_seconds + bytes / c.link.bytes_per_second : 0.0;
+  }
+  return s;
+}
+
+double vmax(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
+double vmean(const std::vector<double>& v) {
+  return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+}
+
+// Micro-batch m of every replica: one packed sequence of `context` tokens each (rank = replica).
+Result<plan::Batch> sequences(const Ctx& c, int m) {
+  plan::SamplingOptions so;
+  so.seed = c.o.seed * 1000003 + static_cast<uint64_t>(m);
+  return plan::sample_batch(c.dist, so, c.D, c.o.context);
+}
+
+// Each replica's documents (pieces of its sequence, in order).
+std::vector<std::vector<int64_t>> replica_docs(const plan::Batch& seqs) {
+  std::vector<std::vector<int64_t>> docs(static_cast<size_t>(seqs.num_ranks));
+  for (const plan::Piece& p : seqs.pieces) docs[p.rank].push_back(p.length());
+  return docs;
+}
+
+// One micro-batch's layout, planned: per-unit attention seconds (one layer) and link seconds.
+struct Planned {
+  std::vector<double> attn_f, attn_b, disp_f, ret_f, disp_b, ret_b;
+  int64_t bytes = 0;  // one layer, all phases, all units
+};
+
+Result<Planned> plan_batch(const Ctx& c, const plan::Batch& batch, const std::string& policy, plan::BackwardMode mode) {
+  DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(policy));
+  plan::PlannerOptions po;
+  po.tolerance = c.o.tolerance;
+  po.granularity = c.o.granularity;
+  const plan::CostModel cost(c.model, planner_profile(c));
+  DISTCA_ASSIGN_OR_RETURN(plan::Plan p, fn(batch, cost, po));
+  const int R = batch.num_ranks;
+  Planned out;
+  out.attn_f = server_seconds(c, p.tasks, R, false);
+  out.attn_b = server_seconds(c, p.tasks, R, true);
+  const plan::Traffic t = plan::count_traffic(batch, c.tb, p.tasks, mode);
+  out.disp_f = phase_seconds(c, t.phases[0], R);
+  out.ret_f = phase_seconds(c, t.phases[1], R);
+  out.disp_b = phase_seconds(c, t.phases[2], R);
+  out.ret_b = phase_seconds(c, t.phases[3], R);
+  for (const auto& ph : t.phases) out.bytes += ph.total_bytes;
+  return out;
+}
+
+void finish(const Ctx& c, SystemResult& r, const std::vector<double>& linear, const std::vector<double>& attention,
+            const std::vector<double>& comm, double compute_seconds) {
+  r.allreduce = c.allreduce;
+  r.seconds = compute_seconds + c.allreduce;
+  r.linear = vmean(linear);
+  r.attention = vmean(attention);
+  r.comm = vmean(comm) + c.allreduce;
+  r.idle = std::max(0.0, r.seconds - r.linear - r.attention - r.comm);
+  r.unit_attention = attention;
+}
+
+// Unit index of (stage, replica, cp rank).
+int unit(const Ctx& c, int s, int x, int i) { return (s * c.D + x) * c.cp + i; }
+
+double doc_attention(const Ctx& c, int64_t len, bool is_backward) {
+  return c.prof.attention_seconds(len, len, plan::causal_pairs(0, len), c.hq, c.head_dim, is_backward);
+}
+
+// Forward / backward seconds of one layer's CP exchange of `tokens` tokens of K/V over cp units.
+double cp_seconds(const Ctx& c, double tokens, bool is_backward) {
+  const double kv = tokens * static_cast<double>(c.tb.kv);
+  const double ag = collective_seconds(Collective::kAllGather, kv, c.cp, c.link);
+  return is_backward ? ag + collective_seconds(Collective::kReduceScatter, 2 * kv, c.cp, c.link) : ag;
+}
+
+// A chunk (a set of documents) on one CP group: one layer's forward and backward seconds of its
+// slowest unit, and the per-unit numbers.
+struct Chunk {
+  double f = 0, b = 0;
+  std::vector<double> lin, attn, comm;
+  std::vector<int64_t> tokens;
+};
+
+// colocated: every document cut evenly over the cp units. wlb: documents of at most T tokens
+// whole onto the least loaded unit, longer ones cut evenly with their own KV all-gather.
+Chunk place_chunk(const Ctx& c, std::vector<int64_t> docs, bool is_wlb, int64_t* bytes) {
+  Chunk ch;
+  ch.lin.assign(c.cp, 0.0), ch.attn.assign(c.cp, 0.0), ch.comm.assign(c.cp, 0.0), ch.tokens.assign(c.cp, 0);
+  std::vector<double> f(c.cp, 0.0), b(c.cp, 0.0);
+  std::sort(docs.rbegin(), docs.rend());
+  double split_tokens = 0;
+  for (int64_t len : docs) {
+    const double af = doc_attention(c, len, false), ab = doc_attention(c, len, true);
+    if (is_wlb && len <= c.T) {
+      int best = 0;
+      for (int i = 1; i < c.cp; ++i) best = f[i] + b[i] < f[best] + b[best] ? i : best;
+      f[best] += af + len * c.lin_f, b[best] += ab + len * c.lin_b;
+      ch.lin[best] += len * (c.lin_f + c.lin_b), ch.attn[best] += af + ab, ch.tokens[best] += len;
+      continue;
+    }
+    split_tokens += static_cast<double>(len);
+    for (int i = 0; i < c.cp; ++i) {
+      const double tok = static_cast<double>(len) / c.cp;
+      f[i] += af / c.cp + tok * c.lin_f, b[i] += ab / c.cp + tok * c.lin_b;
+      ch.lin[i] += tok * (c.lin_f + c.lin_b), ch.attn[i] += (af + ab) / c.cp;
+      ch.tokens[i] += static_cast<int64_t>(tok);
+    }
+  }
+  if (c.cp > 1 && split_tokens > 0) {
+    const double cf = cp_seconds(c, split_tokens, false), cb = cp_seconds(c, split_tokens, true);
+    for (int i = 0; i < c.cp; ++i) f[i] += cf, b[i] += cb, ch.comm[i] += cf + cb;
+    *bytes += static_cast<int64_t>(split_tokens * static_cast<double>(c.tb.kv) * 4 * (c.cp - 1));
+  }
+  ch.f = vmax(f), ch.b = vmax(b);
+  return ch;
+}
+
+// Runs chunks (per replica, in order) through the replica's stages: 1F1B, or one after another
+// with DP only. Fills per-unit numbers; returns the slowest replica's seconds.
+double run_chunks(const Ctx& c, const std::vector<std::vector<Chunk>>& chunks, SystemResult& r,
+                  std::vector<double>& lin, std::vector<double>& attn, std::vector<double>& comm) {
+  const double layers = static_cast<double>(c.L) / c.S;
+  double seconds = 0;
+  for (int x = 0; x < c.D; ++x) {
+    std::vector<std::vector<double>> f(c.S), b(c.S);
+    for (int s = 0; s < c.S; ++s) {
+      for (const Chunk& ch : chunks[x]) {
+        f[s].push_back(layers * ch.f), b[s].push_back(layers * ch.b);
+        for (int i = 0; i < c.cp; ++i) {
+          const int u = unit(c, s, x, i);
+          lin[u] += layers * ch.lin[i], attn[u] += layers * ch.attn[i], comm[u] += layers * ch.comm[i];
+          r.unit_memory[u] = std::max(r.unit_memory[u], static_cast<double>(ch.tokens[i]) * layers *
+                                                            c.act_bytes_per_token_layer * std::min<int>(c.S - s, chunks[x].size()));
+        }
+      }
+    }
+    double t = 0;
+    if (c.S == 1) {
+      for (size_t m = 0; m < f[0].size(); ++m) t += f[0][m] + b[0][m];
+    } else {
+      t = one_f_one_b(f, b, 0).seconds;
+    }
+    seconds = std::max(seconds, t);
+  }
+  return seconds;
+}
+
+Result<SystemResult> colocated(const Ctx& c) {
+  SystemResult r;
+  r.system = "colocated";
+  std::vector<double> lin(c.U, 0.0), attn(c.U, 0.0), comm(c.U, 0.0);
+  r.unit_memory.assign(c.U, 0.0);
+  std::vector<std::vector<Chunk>> chunks(c.D);
+  for (int m = 0; m < c.o.batch; ++m) {
+    DISTCA_ASSIGN_OR_RETURN(plan::Batch seqs, sequences(c, m));
+    const auto docs = replica_docs(seqs);
+    for (int x = 0; x < c.D; ++x) chunks[x].push_back(place_chunk(c, docs[x], false, &r.bytes));
+  }
+  r.bytes = static_cast<int64_t>(static_cast<double>(r.bytes) * c.L / c.S);
+  const double seconds = run_chunks(c, chunks, r, lin, attn, comm);
+  finish(c, r, lin, attn, comm, seconds);
+  return r;
+}
+
+Result<SystemResult> wlb(const Ctx& c) {
+  SystemResult r;
+  r.system = "wlb";
+  std::vector<double> lin(c.U, 0.0), attn(c.U, 0.0), comm(c.U, 0.0);
+  r.unit_memory.assign(c.U, 0.0);
+  // The documents to re-pack: all replicas' together with DP only, each pipeline's own with PP.
+  const int pools = c.S == 1 ? 1 : c.D;
+  std::vector<std::vector<int64_t>> pool(pools);
+  for (int m = 0; m < c.o.batch; ++m) {
+    DISTCA_ASSIGN_OR_RETURN(plan::Batch seqs, sequences(c, m));
+    const auto docs = replica_docs(seqs);
+    for (int x = 0; x < c.D; ++x) pool[pools == 1 ? 0 : x].insert(pool[pools == 1 ? 0 : x].end(), docs[x].begin(), docs[x].end());
+  }
+  auto cost = [&](int64_t len) { return len * (c.lin_f + c.lin_b) + doc_attention(c, len, false) + doc_attention(c, len, true); };
+  std::vector<std::vector<Chunk>> chunks(c.D);
+  for (int p = 0; p < pools; ++p) {
+    auto& docs = pool[p];
+    std::sort(docs.rbegin(), docs.rend());
+    const int n = pools == 1 ? c.D * c.o.batch : c.o.batch;
+    std::vector<std::vector<int64_t>> bins(n);
+    std::vector<double> load(n, 0.0);
+    for (int64_t len : docs) {
+      const int best = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+      bins[best].push_back(len), load[best] += cost(len);
+    }
+    if (pools == 1) {  // chunks to replicas: heaviest first onto the least loaded replica
+      std::vector<int> order(n);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
+      std::vector<double> replica(c.D, 0.0);
+      for (int k : order) {
+        int best = -1;
+        for (int x = 0; x < c.D; ++x) {
+          if (static_cast<int>(chunks[x].size()) >= c.o.batch) continue;
+          if (best < 0 || replica[x] < replica[best]) best = x;
+        }
+        chunks[best].push_back(place_chunk(c, bins[k], true, &r.bytes));
+        replica[best] += chunks[best].back().f + chunks[best].back().b;
+      }
+    } else {
+      for (auto& bin : bins) chunks[p].push_back(place_chunk(c, bin, true, &r.bytes));
+    }
+  }
+  r.bytes = static_cast<int64_t>(static_cast<double>(r.bytes) * c.L / c.S);
+  const double seconds = run_chunks(c, chunks, r, lin, attn, comm);
+  finish(c, r, lin, attn, comm, seconds);
+  return r;
+}
+
+Result<SystemResult> cad(const Ctx& c, const std::string& name, const std::string& policy, plan::BackwardMode mode) {
+  SystemResult r;
+  r.system = name;
+  std::vector<double> lin(c.U, 0.0), attn(c.U, 0.0), comm(c.U, 0.0);
+  r.unit_memory.assign(c.U, 0.0);
+  const double layers = static_cast<double>(c.L) / c.S;
+  const double lin_f = static_cast<double>(c.T) * c.lin_f, lin_b = static_cast<double>(c.T) * c.lin_b;
+  // Waves of micro-batches planned together: one with DP only, pp with PP (the ones in flight).
+  const int wave = c.S;
+  std::vector<std::vector<std::vector<double>>> f(c.D, std::vector<std::vector<double>>(c.S)), b = f;
+  double seconds = 0;
+  for (int w = 0; w * wave < c.o.batch; ++w) {
+    const int in_wave = std::min(wave, c.o.batch - w * wave);
+    std::vector<int64_t> lengths;  // sequences in unit order: (micro-batch in wave, replica)
+    for (int j = 0; j < in_wave; ++j) {
+      DISTCA_ASSIGN_OR_RETURN(plan::Batch seqs, sequences(c, w * wave + j));
+      for (const auto& docs : replica_docs(seqs)) lengths.insert(lengths.end(), docs.begin(), docs.end());
+    }
+    const int R = in_wave * c.D * c.cp;
+    DISTCA_ASSIGN_OR_RETURN(plan::Batch batch, plan::pack_documents(lengths, R, c.T));
+    DISTCA_ASSIGN_OR_RETURN(Planned p, plan_batch(c, batch, policy, mode));
+    r.bytes += static_cast<int64_t>(static_cast<double>(p.bytes) * layers);
+    if (c.S == 1) {
+      // Every unit meets the others at each exchange: each operation takes its slowest unit's
+      // time; each nano-batch carries half of everything.
+      const LayerOps fwd{lin_f / 2, vmax(p.disp_f) / 2, vmax(p.attn_f) / 2, vmax(p.ret_f) / 2};
+      const LayerOps bwd{lin_b / 2, vmax(p.disp_b) / 2, vmax(p.attn_b) / 2, vmax(p.ret_b) / 2};
+      std::vector<std::array<LayerOps, 2>> ops(static_cast<size_t>(c.L), {fwd, fwd});
+      ops.resize(static_cast<size_t>(2 * c.L), {bwd, bwd});
+      const double t = pingpong_seconds(ops);
+      seconds += t;
+      const double busy = c.L * 2 * (fwd.linear + fwd.attention + bwd.linear + bwd.attention);
+      for (int u = 0; u < c.U; ++u) comm[u] += std::max(0.0, t - busy);
+    }
+    for (int j = 0; j < in_wave; ++j) {
+      for (int x = 0; x < c.D; ++x) {
+        double af = 0, ab = 0, ef = 0, eb = 0;
+        for (int i = 0; i < c.cp; ++i) {
+          const int k = (j * c.D + x) * c.cp + i;
+          af = std::max(af, p.attn_f[k]), ab = std::max(ab, p.attn_b[k]);
+          // Ping-pong hides the link behind compute where it can; the rest is exposed.
+          ef = std::max(ef, p.disp_f[k] + p.ret_f[k] - lin_f - p.attn_f[k]);
+          eb = std::max(eb, p.disp_b[k] + p.ret_b[k] - lin_b - p.attn_b[k]);
+        }
+        for (int s = 0; s < c.S; ++s) {
+          f[x][s].push_back(layers * (lin_f + af + std::max(0.0, ef)));
+          b[x][s].push_back(layers * (lin_b + ab + std::max(0.0, eb)));
+          for (int i = 0; i < c.cp; ++i) {
+            const int k = (j * c.D + x) * c.cp + i, u = unit(c, s, x, i);
+            lin[u] += layers * (lin_f + lin_b);
+            attn[u] += layers * (p.attn_f[k] + p.attn_b[k]);
+            if (c.S > 1) comm[u] += layers * (std::max(0.0, ef) + std::max(0.0, eb));
+            r.unit_memory[u] = static_cast<double>(c.T) * layers * c.act_bytes_per_token_layer * std::min(c.S - s, c.o.batch);
+          }
+        }
+      }
+    }
+  }
+  if (c.S > 1) {
+    for (int x = 0; x < c.D; ++x) seconds = std::max(seconds, one_f_one_b(f[x], b[x], 0).seconds);
+  }
+  finish(c, r, lin, attn, comm, seconds);
+  return r;
+}
+
+}  // namespace
+
+Status Cluster::validate() const {
+  if (gpus < 1 || gpus_per_node < 1 || tp < 1 || pp < 1) return invalid_argument("--gpus, --tp and --pp must be >= 1");
+  if (cp < 1) return invalid_argument("--cp must be >= 1");
+  if (gpus % (tp * pp * cp) != 0) {
+    return invalid_argument(fmt::format("--gpus ({}) must be a multiple of --tp x --pp x --cp ({} x {} x {})", gpus, tp, pp, cp));
+  }
+  return Status::ok();
+}
+
+Status SimOptions::validate() const {
+  DISTCA_RETURN_IF_ERROR(cluster.validate());
+  plan::ModelShape m = model;
+  m.tp = cluster.tp;
+  DISTCA_RETURN_IF_ERROR(m.validate());
+  if (model.num_layers % cluster.pp != 0) {
+    return invalid_argument(fmt::format("the model's {} layers do not split into {} stages", model.num_layers, cluster.pp));
+  }
+  if (context < 1024 || context > plan::kMaxTokens) return invalid_argument(fmt::format("--context must be 1K..2G tokens, got {}", context));
+  if (context % cluster.cp != 0) return invalid_argument(fmt::format("--context {} does not split into --cp {} units", context, cluster.cp));
+  if (batch < 1 || batch > 4096) return invalid_argument(fmt::format("--batch must be 1..4096, got {}", batch));
+  if (!(tolerance >= 0) || granularity < 1) return invalid_argument("tolerance must be >= 0 and granularity >= 1");
+  return plan::builtin_distribution(workload).status();
+}
+
+nlohmann::json SystemResult::to_json() const {
+  return {{"system", system},       {"seconds", seconds}, {"linear_seconds", linear}, {"attention_seconds", attention},
+          {"comm_seconds", comm},   {"idle_seconds", idle}, {"allreduce_seconds", allreduce}, {"bytes", bytes},
+          {"unit_attention_seconds", unit_attention}, {"unit_memory_bytes", unit_memory}};
+}
+
+std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad"}; }
+
+Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems) {
+  DISTCA_RETURN_IF_ERROR(o.validate());
+  DISTCA_RETURN_IF_ERROR(profile.validate());
+  Ctx c(profile, o);
+  c.model.tp = o.cluster.tp;
+  c.U = o.cluster.units();
+  c.S = o.cluster.pp;
+  c.D = o.cluster.dp();
+  c.L = o.model.num_layers;
+  c.cp = o.cluster.cp;
+  c.T = o.context / c.cp;
+  c.hq = c.model.q_heads_per_rank();
+  c.head_dim = c.model.head_dim;
+  const double h = c.model.hidden, tp = c.model.tp;
+  const double per_token_flops = 2.0 * (h * (c.model.num_q_heads + 2.0 * c.model.num_kv_heads) * c.model.head_dim +
+                                        c.model.num_q_heads * c.model.head_dim * h + 3.0 * h * c.model.ffn_hidden) / tp;
+  c.lin_f = per_token_flops / profile.linear_flops_per_second;
+  c.lin_b = 2 * c.lin_f;
+  c.tb = plan::token_bytes(c.hq, c.model.kv_heads_per_rank(), c.head_dim, c.model.dtype_bytes);
+  c.link = o.cluster.gpus > o.cluster.gpus_per_node ? profile.inter_node : profile.intra_node;
+  c.act_bytes_per_token_layer = 34.0 * h / tp;  // Korthikanti et al. 2022, with flash attention (no scores)
+  const double params = c.L * (h * (c.model.num_q_heads + 2.0 * c.model.num_kv_heads) * c.model.head_dim +
+                               c.model.num_q_heads * c.model.head_dim * h + 3.0 * h * c.model.ffn_hidden) +
+                        2.0 * kVocab * h;
+  c.allreduce = collective_seconds(Collective::kAllReduce, 2.0 * params / (tp * c.S), c.D, profile.inter_node);
+  DISTCA_ASSIGN_OR_RETURN(c.dist, plan::builtin_distribution(o.workload));
+  std::vector<SystemResult> out;
+  for (const std::string& s : systems) {
+    if (s == "colocated") {
+      DISTCA_ASSIGN_OR_RETURN(SystemResult r, colocated(c));
+      out.push_back(std::move(r));
+    } else if (s == "wlb") {
+      DISTCA_ASSIGN_OR_RETURN(SystemResult r, wlb(c));
+      out.push_back(std::move(r));
+    } else if (s == "cad-distca") {
+      DISTCA_ASSIGN_OR_RETURN(SystemResult r, cad(c, s, "distca", plan::BackwardMode::kStateless));
+      out.push_back(std::move(r));
+    } else if (s == "cad") {
+      DISTCA_ASSIGN_OR_RETURN(SystemResult r, cad(c, s, "minmax", plan::BackwardMode::kStateful));
+      out.push_back(std::move(r));
+    } else {
+      return invalid_argument(fmt::format("no system '{}' (known: colocated, wlb, cad-distca, cad, all)", s));
+    }
+  }
+  return out;
+}
+
+}  // namespace distca::sim

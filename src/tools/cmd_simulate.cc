@@ -1,0 +1,247 @@
+#include "cmd_simulate.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distca/plan/model.h"
+#include "distca/sim/simulate.h"
+
+namespace distca::tools {
+
+namespace {
+
+struct SimArgs {
+  std::string model = "llama-8b";
+  int gpus = 64;
+  int gpus_per_node = 8;
+  int tp = 8;
+  int pp = 1;
+  int cp = 0;
+  std::string context = "128K";
+  int batch = 4;
+  std::string workload = "pretrain";
+  std::string system = "all";
+  std::string profile;
+  uint64_t seed = 1;
+  bool is_json = false;
+  bool is_paper = false;
+};
+
+// "512K", "1M" or a plain number of tokens.
+Result<int64_t> parse_tokens(const std::string& s) {
+  if (s.empty()) return invalid_argument("--context is empty");
+  int64_t mult = 1;
+  std::string digits = s;
+  const char last = static_cast<char>(std::toupper(static_cast<unsigned char>(s.back())));
+  if (last == 'K' || last == 'M') {
+    mult = last == 'K' ? 1024 : 1024 * 1024;
+    digits = s.substr(0, s.size() - 1);
+  }
+  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) {
+    return invalid_argument(fmt::format("--context must be a token count such as 131072, 128K or 1M, got '{}'", s));
+  }
+  return std::stoll(digits) * mult;
+}
+
+// Context parallelism so that a unit holds at most 64K tokens of a sequence (what an 8-GPU
+// group holds in activations for these models), within what the GPUs allow.
+int auto_cp(int64_t context, int gpus, int tp, int pp) {
+  int cp = 1;
+  while (context / cp > 65536 && (gpus / tp / pp) % (2 * cp) == 0) cp *= 2;
+  return cp;
+}
+
+double imbalance(const std::vector<double>& v) {
+  double sum = 0, mx = 0;
+  for (double x : v) sum += x, mx = std::max(mx, x);
+  return sum > 0 ? mx / (sum / static_cast<double>(v.size())) : 1.0;
+}
+
+std::pair<double, double> min_max(const std::vector<double>& v) {
+  if (v.empty()) return {0, 0};
+  return {*std::min_element(v.begin(), v.end()), *std::max_element(v.begin(), v.end())};
+}
+
+nlohmann::json report(const sim::SimOptions& o, const std::vector<sim::SystemResult>& rs) {
+  nlohmann::json systems = nlohmann::json::array();
+  double wlb = 0, col = 0;
+  for (const auto& r : rs) {
+    if (r.system == "wlb") wlb = r.seconds;
+    if (r.system == "colocated") col = r.seconds;
+  }
+  for (const auto& r : rs) {
+    nlohmann::json j = r.to_json();
+    j["attention_imbalance"] = imbalance(r.unit_attention);
+    j["speedup_over_wlb"] = wlb > 0 ? nlohmann::json(wlb / r.seconds) : nlohmann::json(nullptr);
+    j["speedup_over_colocated"] = col > 0 ? nlohmann::json(col / r.seconds) : nlohmann::json(nullptr);
+    systems.push_back(j);
+  }
+  return {{"model", o.model.name}, {"gpus", o.cluster.gpus}, {"tp", o.cluster.tp}, {"pp", o.cluster.pp}, {"cp", o.cluster.cp},
+          {"dp", o.cluster.dp()},  {"context", o.context},   {"batch", o.batch},     {"workload", o.workload},
+          {"systems", systems}};
+}
+
+void print_table(const nlohmann::json& j) {
+  fmt::print("{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {} micro-batches per replica, {} workload\n",
+             j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(), j["cp"].get<int>(), j["dp"].get<int>(),
+             j["context"].get<int64_t>(), j["batch"].get<int>(), j["workload"].get<std::string>());
+  fmt::print("{:<11} {:>9} {:>8} {:>9} {:>7} {:>7} {:>9} {:>13} {:>8} {:>8}\n", "system", "iter (s)", "linear", "attention",
+             "comm", "idle", "attn imb", "mem GiB min-max", "vs wlb", "vs coloc");
+  for (const auto& s : j["systems"]) {
+    const auto mem = min_max(s["unit_memory_bytes"].get<std::vector<double>>());
+    auto ratio = [](const nlohmann::json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.3f}x", v.get<double>()); };
+    fmt::print("{:<11} {:>9.3f} {:>8.3f} {:>9.3f} {:>7.3f} {:>7.3f} {:>9.2f} {:>6.1f}-{:<6.1f} {:>8} {:>8}\n",
+               s["system"].get<std::string>(), s["seconds"].get<double>(), s["linear_seconds"].get<double>(),
+               s["attention_seconds"].get<double>(), s["comm_seconds"].get<double>(), s["idle_seconds"].get<double>(),
+               s["attention_imbalance"].get<double>(), mem.first / (1 << 30), mem.second / (1 << 30),
+               ratio(s["speedup_over_wlb"]), ratio(s["speedup_over_colocated"]));
+  }
+}
+
+// The paper's experiment grid (its Tables 3 and 4), as reconstructed here: models, GPU counts,
+// contexts and datasets, with the published range of CAD's speedup over WLB-ideal.
+struct PaperCase {
+  std::string model;
+  int gpus;
+  int pp;
+  int64_t context;
+  std::string dataset;
+  std::string parallelism;
+  double low, high;
+};
+
+std::vector<PaperCase> paper_cases() {
+  std::vector<PaperCase> cases;
+  for (const std::string dataset : {"pretrain", "prolong"}) {
+    const double low3 = dataset == "pretrain" ? 1.07 : 1.05, high3 = dataset == "pretrain" ? 1.20 : 1.12;
+    for (const std::string model : {"llama-8b", "llama-34b"}) {
+      for (int gpus : {64, 128, 256}) {
+        for (int64_t context : {int64_t{128} << 10, int64_t{256} << 10, int64_t{512} << 10}) {
+          cases.push_back({model, gpus, 1, context, dataset, "3D", low3, high3});
+        }
+      }
+    }
+    const double low4 = dataset == "pretrain" ? 1.15 : 1.10, high4 = dataset == "pretrain" ? 1.30 : 1.35;
+    for (int gpus : {128, 256, 512}) {
+      for (int64_t context : {int64_t{128} << 10, int64_t{256} << 10, int64_t{512} << 10}) {
+        cases.push_back({"llama-8b", gpus, 4, context, dataset, "4D", low4, high4});
+      }
+    }
+  }
+  return cases;
+}
+
+int run_paper(const SimArgs& a, const sim::Profile& profile) {
+  nlohmann::json records = nlohmann::json::array();
+  const auto begin = std::chrono::steady_clock::now();
+  if (!a.is_json) {
+    fmt::print("{:<10} {:>5} {:>3} {:>7} {:<9} {:<3} {:>11} {:>8} {:>13}  {}\n", "model", "gpus", "pp", "context", "dataset",
+               "par", "cad-distca", "cad", "paper", "");
+  }
+  for (const PaperCase& pc : paper_cases()) {
+    sim::SimOptions o;
+    o.model = plan::model_preset(pc.model).value();
+    o.cluster.gpus = pc.gpus;
+    o.cluster.pp = pc.pp;
+    o.cluster.cp = auto_cp(pc.context, pc.gpus, 8, pc.pp);
+    o.context = pc.context;
+    o.batch = pc.pp == 1 ? 4 : 2 * pc.pp;
+    o.workload = pc.dataset;
+    o.seed = a.seed;
+    auto rs = sim::simulate(profile, o, {"wlb", "cad-distca", "cad", "colocated"});
+    if (!rs.is_ok()) {
+      fmt::print(stderr, "distca simulate --paper: error: {}\n", rs.status().message());
+      return 1;
+    }
+    const auto& r = rs.value();
+    const double s_distca = r[0].seconds / r[1].seconds, s_cad = r[0].seconds / r[2].seconds;
+    const bool inside = s_distca >= pc.low - 0.05 && s_distca <= pc.high + 0.05;
+    records.push_back({{"model", pc.model}, {"gpus", pc.gpus}, {"pp", pc.pp}, {"context", pc.context},
+                       {"dataset", pc.dataset}, {"parallelism", pc.parallelism}, {"speedup_cad_distca", s_distca},
+                       {"speedup_cad", s_cad}, {"speedup_cad_distca_over_colocated", r[3].seconds / r[1].seconds},
+                       {"paper_low", pc.low}, {"paper_high", pc.high}, {"within_0.05", inside}});
+    if (!a.is_json) {
+      fmt::print("{:<10} {:>5} {:>3} {:>6}K {:<9} {:<3} {:>10.3f}x {:>7.3f}x {:>6.2f}-{:.2f}x  {}\n", pc.model, pc.gpus,
+                 pc.pp, pc.context >> 10, pc.dataset, pc.parallelism, s_distca, s_cad, pc.low, pc.high,
+                 inside ? "" : "outside");
+      std::fflush(stdout);
+    }
+  }
+  if (a.is_json) {
+    fmt::print("{}\n", records.dump(2));
+  } else {
+    int inside = 0;
+    for (const auto& r : records) inside += r["within_0.05"].get<bool>() ? 1 : 0;
+    fmt::print("{} of {} configurations within 0.05 of the published range; {:.1f} s\n", inside, records.size(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+  }
+  return 0;
+}
+
+int run_simulate(const SimArgs& a) {
+  auto fail = [](const Status& s) {
+    fmt::print(stderr, "distca simulate: error: {}\n", s.message());
+    return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
+  };
+  sim::Profile profile = sim::default_h200_profile();
+  if (!a.profile.empty()) {
+    auto loaded = sim::load_profile(a.profile);
+    if (!loaded.is_ok()) return fail(loaded.status());
+    profile = loaded.value();
+  }
+  if (a.is_paper) return run_paper(a, profile);
+  auto model = plan::model_preset(a.model);
+  if (!model.is_ok()) return fail(model.status());
+  auto context = parse_tokens(a.context);
+  if (!context.is_ok()) return fail(context.status());
+  sim::SimOptions o;
+  o.model = model.value();
+  o.cluster = {a.gpus, a.gpus_per_node, a.tp, a.pp, a.cp};
+  if (a.cp == 0 && a.tp > 0 && a.pp > 0) o.cluster.cp = auto_cp(context.value(), a.gpus, a.tp, a.pp);
+  o.context = context.value();
+  o.batch = a.batch;
+  o.workload = a.workload;
+  o.seed = a.seed;
+  std::vector<std::string> systems = sim::system_names();
+  if (a.system != "all") systems = {a.system};
+  auto rs = sim::simulate(profile, o, systems);
+  if (!rs.is_ok()) return fail(rs.status());
+  const nlohmann::json j = report(o, rs.value());
+  if (a.is_json) {
+    fmt::print("{}\n", j.dump(2));
+  } else {
+    print_table(j);
+    fmt::print("profile: {}\n", profile.name);
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_simulate_command(CLI::App& app) {
+  auto args = std::make_shared<SimArgs>();
+  SimArgs& a = *args;
+  CLI::App* cmd = app.add_subcommand("simulate", "Price one training iteration of colocated, WLB-style and CAD training on a "
+                                                 "simulated cluster (profiles: the default H200 one, or --profile)");
+  cmd->add_option("--model", a.model, "llama-8b | llama-34b")->capture_default_str();
+  cmd->add_option("--gpus", a.gpus, "GPUs in all")->capture_default_str();
+  cmd->add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node")->capture_default_str();
+  cmd->add_option("--tp", a.tp, "tensor-parallel degree (one unit = tp GPUs)")->capture_default_str();
+  cmd->add_option("--pp", a.pp, "pipeline stages")->capture_default_str();
+  cmd->add_option("--cp", a.cp, "context-parallel units per sequence (0: context / 64K, as the GPUs allow)")->capture_default_str();
+  cmd->add_option("--context", a.context, "tokens per unit per micro-batch, e.g. 128K, 512K")->capture_default_str();
+  cmd->add_option("--batch", a.batch, "micro-batches per data-parallel replica per iteration")->capture_default_str();
+  cmd->add_option("--workload", a.workload, "document lengths: pretrain | prolong")->capture_default_str();
+  cmd->add_option("--system", a.system, "colocated | wlb | cad-distca | cad | all")->capture_default_str();
+  cmd->add_option("--profile", a.profile, "a profile JSON (distca-profile, version 1); default: the built-in H200 one");
+  cmd->add_option("--seed", a.seed, "sampling seed")->capture_default_str();
+  cmd->add_flag("--json", a.is_json, "print JSON");
+  cmd->add_flag("--paper", a.is_paper, "run the paper's 3D and 4D configurations and compare with its published speedups");
+  return [args] { return run_simulate(*args); };
+}
+
+}  // namespace distca::tools

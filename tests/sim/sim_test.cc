@@ -1,0 +1,164 @@
+// The simulator: event timing of each schedule on hand-computed cases, profiles, and whole
+// iterations on cases whose answer is known.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "distca/core/file.h"
+#include "distca/sim/profile.h"
+#include "distca/sim/simulate.h"
+#include "distca/sim/timing.h"
+
+namespace distca::sim {
+namespace {
+
+TEST(Timing, OneFOneBOnTwoStagesHasTheTextbookBubble) {
+  // 2 stages, 4 micro-batches, forward 1, backward 2: (M + S - 1)(f + b) = 15; each stage
+  // computes 12, so the bubble is (S - 1)(f + b) = 3 per stage.
+  const std::vector<std::vector<double>> f(2, std::vector<double>(4, 1.0)), b(2, std::vector<double>(4, 2.0));
+  const PipelineTiming t = one_f_one_b(f, b, 0);
+  EXPECT_DOUBLE_EQ(t.seconds, 15.0);
+  ASSERT_EQ(t.busy.size(), 2u);
+  EXPECT_DOUBLE_EQ(t.busy[0], 12.0);
+  EXPECT_DOUBLE_EQ(t.seconds - t.busy[1], 3.0);
+  // A p2p delay of 0.5 per hop: the first forward reaches stage 1 at 1.5 and every
+  // dependency crossing adds 0.5.
+  EXPECT_GT(one_f_one_b(f, b, 0.5).seconds, 15.0);
+  // One straggling micro-batch (backward 6 instead of 2 on stage 1) delays the whole pipeline.
+  auto slow = b;
+  slow[1][1] = 6.0;
+  EXPECT_DOUBLE_EQ(one_f_one_b(f, slow, 0).seconds, 19.0);
+  // One stage: no bubble.
+  const std::vector<std::vector<double>> f1(1, std::vector<double>(3, 1.0)), b1(1, std::vector<double>(3, 2.0));
+  EXPECT_DOUBLE_EQ(one_f_one_b(f1, b1, 0).seconds, 9.0);
+}
+
+TEST(Timing, PingPongHidesCommunicationUpToTheLongerOfTheTwo) {
+  // Compute-bound: linear 2, attention 2, dispatch and return 1 each. Every transfer but the
+  // last return runs while the other nano-batch computes: compute back to back, 8, then the
+  // last return, 1: 9.
+  std::vector<std::array<LayerOps, 2>> compute_bound(1, {LayerOps{2, 1, 2, 1}, LayerOps{2, 1, 2, 1}});
+  EXPECT_DOUBLE_EQ(pingpong_seconds(compute_bound), 9.0);
+  EXPECT_DOUBLE_EQ(sequential_seconds(compute_bound), 12.0);
+  // Communication exceeds compute: linear 1, attention 1, dispatch 3, return 3. Hand schedule:
+  // linear A [0,1], linear B [1,2]; dispatch A [1,4], dispatch B [4,7]; attention A [4,5],
+  // attention B [7,8]; return A [7,10], return B [10,13]: 13, the link's 12 plus the first linear.
+  std::vector<std::array<LayerOps, 2>> comm_bound(1, {LayerOps{1, 3, 1, 3}, LayerOps{1, 3, 1, 3}});
+  EXPECT_DOUBLE_EQ(pingpong_seconds(comm_bound), 13.0);
+  EXPECT_DOUBLE_EQ(sequential_seconds(comm_bound), 16.0);
+  // Two such layers: the link never rests, 24, plus the first linear.
+  comm_bound.push_back(comm_bound[0]);
+  EXPECT_DOUBLE_EQ(pingpong_seconds(comm_bound), 25.0);
+}
+
+TEST(Timing, CollectivesFollowTheRingAlphaBetaModel) {
+  const Link link{1e-5, 1e9};
+  // All-gather of 8 MB over 8 ranks: 7 steps of latency and 7/8 of the buffer on the wire.
+  EXPECT_NEAR(collective_seconds(Collective::kAllGather, 8e6, 8, link), 7e-5 + 7e-3, 1e-12);
+  EXPECT_NEAR(collective_seconds(Collective::kReduceScatter, 8e6, 8, link), 7e-5 + 7e-3, 1e-12);
+  EXPECT_NEAR(collective_seconds(Collective::kAllReduce, 8e6, 8, link), 14e-5 + 14e-3, 1e-12);
+  EXPECT_NEAR(collective_seconds(Collective::kAllToAll, 4e6, 4, link), 3e-5 + 3e-3, 1e-12);
+  EXPECT_EQ(collective_seconds(Collective::kAllReduce, 8e6, 1, link), 0.0);
+}
+
+TEST(Profile, DefaultIsValidRoundTripsAndPricesShortShardsWorse) {
+  const Profile p = default_h200_profile();
+  ASSERT_TRUE(p.validate().is_ok());
+  auto back = profile_from_json(to_json(p), "test");
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(to_json(back.value()), to_json(p));
+  // A 16K document at the profile's 16K point: 640 TFLOP/s forward.
+  const int64_t pairs = shard_pairs(16384, 16384);
+  const double fwd = p.attention_seconds(16384, 16384, pairs, 4, 128, false);
+  EXPECT_NEAR(4.0 * 128 * 4 * pairs / (fwd - 5e-6), 640e12, 1e9);
+  // The same pairs in short documents cost more per pair; a 64-row shard of a long document
+  // pays for a 128-row tile.
+  const double short_doc = p.attention_seconds(512, 512, shard_pairs(512, 512), 4, 128, false);
+  EXPECT_GT(short_doc / shard_pairs(512, 512), fwd / pairs);
+  const double thin = p.attention_seconds(64, 16384, shard_pairs(64, 16384), 4, 128, true);
+  const double tile = p.attention_seconds(128, 16384, shard_pairs(128, 16384), 4, 128, true);
+  EXPECT_GT(thin, 0.9 * tile);
+}
+
+TEST(Profile, BadProfilesAreRefusedWithTheirOrigin) {
+  nlohmann::json good = to_json(default_h200_profile());
+  auto expect_bad = [](nlohmann::json j, const std::string& what) {
+    auto r = profile_from_json(j, "my.json");
+    ASSERT_FALSE(r.is_ok()) << what;
+    EXPECT_NE(r.status().message().find("my.json"), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find(what), std::string::npos) << r.status().message();
+  };
+  auto j = good;
+  j["version"] = 7;
+  expect_bad(j, "version 7");
+  j = good;
+  j["format"] = "other";
+  expect_bad(j, "not a distca profile");
+  j = good;
+  j["attention"][0]["points"][1]["q_tokens"] = 100;
+  j["attention"][0]["points"][1]["kv_tokens"] = 100;
+  expect_bad(j, "sorted");
+  j = good;
+  j["linear_flops_per_second"] = -1;
+  expect_bad(j, "linear FLOP/s");
+  j = good;
+  j.erase("inter_node");
+  expect_bad(j, "inter_node");
+}
+
+SimOptions small(int pp) {
+  SimOptions o;
+  o.model = plan::model_preset("llama-8b").value();
+  o.cluster.gpus = 64;
+  o.cluster.pp = pp;
+  o.cluster.cp = 2;
+  o.context = 128 * 1024;
+  o.batch = 4;
+  return o;
+}
+
+TEST(Simulate, CadBalancesAttentionAndEveryNumberAddsUp) {
+  for (int pp : {1, 2}) {
+    SCOPED_TRACE(pp);
+    auto rs = simulate(default_h200_profile(), small(pp), system_names());
+    ASSERT_TRUE(rs.is_ok()) << rs.status().to_string();
+    ASSERT_EQ(rs.value().size(), 4u);
+    double total_attention = -1;
+    for (const SystemResult& r : rs.value()) {
+      SCOPED_TRACE(r.system);
+      EXPECT_GT(r.seconds, 0);
+      EXPECT_NEAR(r.linear + r.attention + r.comm + r.idle, r.seconds, 1e-9 * r.seconds + 1e-12);
+      ASSERT_EQ(r.unit_attention.size(), 8u);
+      ASSERT_EQ(r.unit_memory.size(), 8u);
+      double mx = 0, sum = 0;
+      for (double a : r.unit_attention) mx = std::max(mx, a), sum += a;
+      if (r.system.starts_with("cad")) {
+        EXPECT_LT(mx / (sum / 8), 1.15);
+      }
+      // Every system does the same attention work, within the cost of short shards.
+      if (total_attention < 0) total_attention = sum;
+      EXPECT_NEAR(sum, total_attention, 0.1 * total_attention);
+    }
+    // Same inputs, same answer.
+    auto again = simulate(default_h200_profile(), small(pp), {"cad"});
+    EXPECT_EQ(again.value()[0].seconds, rs.value()[3].seconds);
+  }
+}
+
+TEST(Simulate, BadOptionsAreRefused) {
+  SimOptions o = small(1);
+  o.cluster.gpus = 60;
+  EXPECT_FALSE(simulate(default_h200_profile(), o, {"cad"}).is_ok());
+  o = small(3);  // 32 layers do not split into 3 stages
+  o.cluster.gpus = 48;
+  EXPECT_FALSE(simulate(default_h200_profile(), o, {"cad"}).is_ok());
+  o = small(1);
+  auto r = simulate(default_h200_profile(), o, {"magic"});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("magic"), std::string::npos);
+  o.workload = "web";
+  EXPECT_FALSE(simulate(default_h200_profile(), o, {"cad"}).is_ok());
+}
+
+}  // namespace
+}  // namespace distca::sim
