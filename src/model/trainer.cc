@@ -84,6 +84,7 @@ Trainer::Trainer(comm::Communicator& comm, TrainOptions options) : comm_(comm), 
 Trainer::~Trainer() = default;
 
 ModelState<float>& Trainer::state(size_t i) { return runs_.at(i)->state; }
+const plan::Plan& Trainer::last_plan(size_t i) const { return runs_.at(i)->attention->plan(); }
 
 std::string Trainer::data_description() const { return packer_->source().describe(); }
 
@@ -151,6 +152,7 @@ Status Trainer::save() const {
 
 Result<std::vector<StepRecord>> Trainer::step() {
   DISTCA_ASSIGN_OR_RETURN(StepData data, packer_->next());
+  last_batch_ = data.batch;
   std::vector<StepRecord> records;
   for (auto& run : runs_) {
     DISTCA_ASSIGN_OR_RETURN(StepRecord r, step_one(*run, data));

@@ -30,6 +30,11 @@ Status Profile::validate() const {
     if (!(a.task_overhead_seconds >= 0) || a.tile_rows < 1) return invalid_argument("task overhead must be >= 0, tile rows >= 1");
   }
   if (!(linear_flops_per_second > 0)) return invalid_argument(fmt::format("profile '{}': linear FLOP/s must be > 0", name));
+  for (const LinearEntry& e : linear_models) {
+    if (!(e.seconds_per_token_layer > 0) || !(e.step_fixed_seconds >= 0)) {
+      return invalid_argument(fmt::format("profile '{}': linear model entry '{}' needs positive times", name, e.model));
+    }
+  }
   for (const Link* l : {&intra_node, &inter_node}) {
     if (!(l->bytes_per_second > 0) || !(l->latency_seconds >= 0)) {
       return invalid_argument(fmt::format("profile '{}': links need bandwidth > 0 and latency >= 0", name));
@@ -74,6 +79,13 @@ double Profile::attention_seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs
   return flops / rate + best->task_overhead_seconds;
 }
 
+const LinearEntry* Profile::find_linear(const std::string& model) const {
+  for (const LinearEntry& e : linear_models) {
+    if (e.model == model) return &e;
+  }
+  return nullptr;
+}
+
 Profile default_h200_profile() {
   Profile p;
   p.name = "h200-published";
@@ -108,6 +120,17 @@ Profile default_h200_profile() {
   return p;
 }
 
+namespace {
+nlohmann::json linear_models_json(const Profile& p) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const LinearEntry& e : p.linear_models) {
+    out.push_back({{"model", e.model}, {"seconds_per_token_layer", e.seconds_per_token_layer},
+                   {"step_fixed_seconds", e.step_fixed_seconds}});
+  }
+  return out;
+}
+}  // namespace
+
 nlohmann::json to_json(const Profile& p) {
   nlohmann::json attention = nlohmann::json::array();
   for (const AttentionProfile& a : p.attention) {
@@ -124,7 +147,8 @@ nlohmann::json to_json(const Profile& p) {
           {"name", p.name},               {"source", p.source},
           {"attention", attention},       {"linear_flops_per_second", p.linear_flops_per_second},
           {"intra_node", link(p.intra_node)}, {"inter_node", link(p.inter_node)},
-          {"links_source", p.links_source}};
+          {"links_source", p.links_source},
+          {"linear_models", linear_models_json(p)}};
 }
 
 Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& origin) {
@@ -157,6 +181,12 @@ Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& or
     p.intra_node = link(j.at("intra_node"));
     p.inter_node = link(j.at("inter_node"));
     p.links_source = j.value("links_source", "");
+    if (j.contains("linear_models")) {
+      for (const auto& e : j.at("linear_models")) {
+        p.linear_models.push_back({e.at("model").get<std::string>(), e.at("seconds_per_token_layer").get<double>(),
+                                   e.at("step_fixed_seconds").get<double>()});
+      }
+    }
   } catch (const nlohmann::json::exception& e) {
     return invalid_argument(fmt::format("{}: bad profile ({})", origin, e.what()));
   }

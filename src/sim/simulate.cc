@@ -367,6 +367,48 @@ nlohmann::json SystemResult::to_json() const {
           {"unit_attention_seconds", unit_attention}, {"unit_memory_bytes", unit_memory}};
 }
 
+StepPrediction predict_step(const Profile& profile, const plan::ModelShape& model, const plan::Batch& batch,
+                            const std::vector<plan::Task>& tasks, plan::BackwardMode mode,
+                            double linear_seconds_per_token_layer, double fixed_seconds) {
+  const int R = batch.num_ranks;
+  const int64_t hq = model.q_heads_per_rank();
+  std::vector<double> af(R, 0.0), ab(R, 0.0), tokens(R, 0.0);
+  for (const plan::Task& t : tasks) {
+    af[t.server] += profile.attention_seconds(t.q_len(), t.k1, t.pairs(), hq, model.head_dim, false);
+    ab[t.server] += profile.attention_seconds(t.q_len(), t.k1, t.pairs(), hq, model.head_dim, true);
+  }
+  for (const plan::Piece& p : batch.pieces) tokens[p.rank] += static_cast<double>(p.length());
+  const plan::Traffic traffic =
+      plan::count_traffic(batch, plan::token_bytes(hq, model.kv_heads_per_rank(), model.head_dim, model.dtype_bytes), tasks, mode);
+  int64_t moved = 0;
+  for (const auto& ph : traffic.phases) moved += ph.total_bytes;
+  StepPrediction out;
+  const double L = model.num_layers;
+  out.linear = vmax(tokens) * linear_seconds_per_token_layer * L;
+  if (moved == 0) {  // ranks meet only at the end of the step
+    for (int r = 0; r < R; ++r) {
+      const double t = tokens[r] * linear_seconds_per_token_layer * L + L * (af[r] + ab[r]);
+      out.seconds = std::max(out.seconds, t);
+      out.attention = std::max(out.attention, L * (af[r] + ab[r]));
+    }
+  } else {
+    double link = 0;
+    for (const auto& ph : traffic.phases) {
+      double worst = 0;
+      for (int r = 0; r < R; ++r) {
+        const double bytes = static_cast<double>(std::max(ph.send_bytes[r], ph.recv_bytes[r]));
+        worst = std::max(worst, profile.inter_node.latency_seconds + bytes / profile.inter_node.bytes_per_second);
+      }
+      link += worst;
+    }
+    out.attention = L * (vmax(af) + vmax(ab));
+    out.comm = L * link;
+    out.seconds = out.linear + out.attention + out.comm;
+  }
+  out.seconds += fixed_seconds;
+  return out;
+}
+
 std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad"}; }
 
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems) {

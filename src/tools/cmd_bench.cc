@@ -7,6 +7,7 @@
 
 #include "bench_attention.h"
 #include "bench_dispatch.h"
+#include "cmd_profile.h"
 #include "world.h"
 
 namespace distca::tools {
@@ -139,9 +140,12 @@ std::function<int()> add_bench_command(CLI::App& app) {
   dcmd->add_flag("--quick", dispatch->is_quick, "small sizes for a smoke run");
   dcmd->add_flag("--json", dispatch->is_json, "print one JSON object instead of the table");
 
-  return [bench, attention, dispatch, dcmd]() -> int {
+  auto calibration = add_calibration_command(*bench);
+
+  return [bench, attention, dispatch, dcmd, calibration]() -> int {
     if (bench->got_subcommand("attention")) return run_attention(*attention);
     if (bench->got_subcommand("dispatch")) return run_dispatch(*dispatch, *dcmd);
+    if (bench->got_subcommand("calibration")) return calibration();
     return 2;
   };
 }

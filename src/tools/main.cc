@@ -8,6 +8,7 @@
 
 #include "cmd_bench.h"
 #include "cmd_plan.h"
+#include "cmd_profile.h"
 #include "cmd_simulate.h"
 #include "cmd_train.h"
 #include "distca/core/log.h"
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   commands["bench"] = distca::tools::add_bench_command(app);
   commands["train"] = distca::tools::add_train_command(app);
   commands["simulate"] = distca::tools::add_simulate_command(app);
+  commands["profile"] = distca::tools::add_profile_command(app);
 
   try {
     app.parse(argc, argv);

@@ -324,6 +324,32 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
   }
 }
 
+TEST(Cli, ProfileWritesAProfileTheSimulatorReads) {
+  const std::string out = (scratch() / "cpu_profile.json").string();
+  CmdResult r = distca("profile --preset tiny --ranks 2 --repeats 1 --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(distca::read_text_file(out).value());
+  EXPECT_EQ(j["format"], "distca-profile");
+  EXPECT_EQ(j["version"], 1);
+  EXPECT_GE(j["attention"][0]["points"].size(), 2u);
+  EXPECT_GT(j["linear_models"][0]["seconds_per_token_layer"].get<double>(), 0.0);
+  EXPECT_GT(j["inter_node"]["bytes_per_second"].get<double>(), 0.0);
+  CmdResult sim = distca("simulate --gpus 16 --tp 8 --context 16K --profile " + out + " --json");
+  EXPECT_EQ(sim.exit_code, 0) << sim.err;
+  EXPECT_EQ(distca("profile --preset tiny --context 10").exit_code, 2);
+}
+
+TEST(Cli, BenchCalibrationReportsPredictedAndMeasuredSteps) {
+  CmdResult r = distca("bench calibration --preset tiny --steps 3 --ranks 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  for (const char* field : {"predicted_colocated", "measured_colocated", "predicted_cad", "measured_cad"}) {
+    EXPECT_GT(j[field].get<double>(), 0.0) << field;
+  }
+  EXPECT_EQ(j["steps"].size(), 6u);
+  EXPECT_EQ(distca("bench calibration --steps 1").exit_code, 2);
+}
+
 TEST(Cli, HelpExitsZero) {
   CmdResult r = distca("plan --help");
   EXPECT_EQ(r.exit_code, 0);

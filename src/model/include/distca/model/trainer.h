@@ -78,6 +78,9 @@ class Trainer {
   Status save() const;
   // The state of backend i (tests).
   ModelState<float>& state(size_t i);
+  // The last step's layout, and backend i's plan of it (calibration prices exactly these).
+  const plan::Batch& last_batch() const { return last_batch_; }
+  const plan::Plan& last_plan(size_t i) const;
 
  private:
   struct Run;
@@ -90,6 +93,7 @@ class Trainer {
   std::unique_ptr<Model<float>> model_;  // one workspace, shared by the backends' states
   std::vector<std::unique_ptr<Run>> runs_;
   int64_t step_ = 0;
+  plan::Batch last_batch_;
 };
 
 // A summary of a whole run: per backend mean step time, tokens/s, waits and losses, and with

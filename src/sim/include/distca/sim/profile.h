@@ -38,6 +38,15 @@ struct AttentionProfile {
   int64_t tile_rows = 1;               // query rows per kernel tile
 };
 
+// A measured model: its linear work (everything but core attention: GEMMs, norms, RoPE, the
+// head and loss amortized over the layers) per token per layer, forward and backward together,
+// and what a step costs besides (optimizer). `model` names the configuration it was measured on.
+struct LinearEntry {
+  std::string model;
+  double seconds_per_token_layer = 0;
+  double step_fixed_seconds = 0;
+};
+
 struct Profile {
   std::string name;
   std::string source;  // where the numbers come from
@@ -46,6 +55,8 @@ struct Profile {
   Link intra_node;
   Link inter_node;
   std::string links_source;
+  std::vector<LinearEntry> linear_models;
+  const LinearEntry* find_linear(const std::string& model) const;
 
   Status validate() const;
   // Forward / backward seconds of a causal shard of q rows ending at key row kv_rows, with

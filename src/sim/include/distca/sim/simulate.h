@@ -30,6 +30,7 @@
 
 #include "distca/core/status.h"
 #include "distca/plan/model.h"
+#include "distca/plan/plan.h"
 #include "distca/sim/profile.h"
 
 namespace distca::sim {
@@ -70,6 +71,21 @@ struct SystemResult {
   std::vector<double> unit_memory;     // (units) activation bytes per GPU at the peak
   nlohmann::json to_json() const;
 };
+
+// One data-parallel step of a given layout and task list (no PP, no CP), scheduled as the
+// training loop runs it (distca train): per layer, each rank's linear work, then attention
+// through the plan's servers; ranks meet at every exchange when any task crosses ranks, else
+// only at the end. `linear_seconds_per_token_layer` and `fixed_seconds` come from a measured
+// profile's LinearEntry; attention and links from the profile. Returns the predicted step.
+struct StepPrediction {
+  double seconds = 0;
+  double linear = 0;     // per rank
+  double attention = 0;  // the slowest server's
+  double comm = 0;       // exposed link time
+};
+StepPrediction predict_step(const Profile& profile, const plan::ModelShape& model, const plan::Batch& batch,
+                            const std::vector<plan::Task>& tasks, plan::BackwardMode mode,
+                            double linear_seconds_per_token_layer, double fixed_seconds);
 
 std::vector<std::string> system_names();  // colocated, wlb, cad-distca, cad
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& options,

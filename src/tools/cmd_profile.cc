@@ -1,0 +1,184 @@
+#include "cmd_profile.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "distca/core/file.h"
+#include "distca/kernels/gemm_attention.h"
+#include "distca/model/dispatch_attention.h"
+#include "distca/model/trainer.h"
+#include "distca/sim/simulate.h"
+#include "profile_cpu.h"
+#include "world.h"
+
+namespace distca::tools {
+
+namespace {
+
+struct ProfileArgs {
+  std::string preset = "demo";
+  std::optional<int64_t> context;
+  int threads = 1;
+  int repeats = 3;
+  int ranks = 2;
+  std::string out;
+};
+
+Result<CpuProfileOptions> resolve(const std::string& preset_name, std::optional<int64_t> context, int threads, int repeats) {
+  DISTCA_ASSIGN_OR_RETURN(model::Preset preset, model::find_preset(preset_name));
+  CpuProfileOptions o;
+  o.model = preset.model;
+  o.max_tokens = context.value_or(preset.context);
+  o.threads = threads;
+  o.repeats = repeats;
+  if (o.max_tokens < 256 || o.max_tokens > (int64_t{1} << 20)) {
+    return invalid_argument(fmt::format("--context must be 256..1048576 tokens, got {}", o.max_tokens));
+  }
+  if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
+  if (repeats < 1 || repeats > 100) return invalid_argument(fmt::format("--repeats must be 1..100, got {}", repeats));
+  return o;
+}
+
+auto progress_to_stderr(const char* what) {
+  return [what](const std::string& line) { fmt::print(stderr, "[{}] {}\n", what, line); };
+}
+
+int run_profile(const ProfileArgs& a) {
+  auto options = resolve(a.preset, a.context, a.threads, a.repeats);
+  if (!options.is_ok()) {
+    fmt::print(stderr, "distca profile: error: {}\n", options.status().message());
+    return 2;
+  }
+  return run_world("profile", a.ranks, [&](comm::Communicator& c) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(sim::Profile p, measure_cpu_profile(c, options.value(), progress_to_stderr("profile")));
+    if (c.rank() != 0) return Status::ok();
+    const std::string text = sim::to_json(p).dump(2) + "\n";
+    if (a.out.empty()) {
+      fmt::print("{}", text);
+    } else {
+      DISTCA_RETURN_IF_ERROR(write_file_atomic(a.out, text));
+      fmt::print(stderr, "wrote {}\n", a.out);
+    }
+    return Status::ok();
+  });
+}
+
+struct CalibrationArgs {
+  std::string preset = "demo";
+  int64_t steps = 6;
+  int64_t skip = 1;
+  int ranks = 2;
+  bool is_json = false;
+};
+
+int run_calibration(const CalibrationArgs& a) {
+  auto options = resolve(a.preset, std::nullopt, 1, 3);
+  if (!options.is_ok() || a.steps < 2 || a.skip < 0 || a.skip >= a.steps) {
+    fmt::print(stderr, "distca bench calibration: error: {}\n",
+               options.is_ok() ? fmt::format("--steps must be >= 2 and --skip in 0..steps-1, got {} and {}", a.steps, a.skip)
+                               : options.status().message());
+    return 2;
+  }
+  return run_world("bench calibration", a.ranks, [&](comm::Communicator& c) -> Status {
+    auto say = [&c](const std::string& line) {
+      if (c.rank() == 0) progress_to_stderr("bench calibration")(line);
+    };
+    DISTCA_ASSIGN_OR_RETURN(sim::Profile profile, measure_cpu_profile(c, options.value(), say));
+    const model::Preset preset = model::find_preset(a.preset).value();
+    model::TrainOptions t;
+    t.model = preset.model;
+    t.optim = preset.optim;
+    t.context = preset.context;
+    t.steps = a.steps;
+    t.workload = preset.workload;
+    t.backends = {"colocated", "cad"};
+    DISTCA_ASSIGN_OR_RETURN(auto trainer, model::Trainer::create(c, t));
+    const sim::LinearEntry* linear = profile.find_linear(linear_model_key(preset.model));
+    if (linear == nullptr) return internal_error("the measured profile has no entry for the model");
+    const plan::ModelShape shape = model::model_shape(preset.model);
+    // The gradient all-reduce, priced on the measured link: fp32 gradients of every parameter.
+    const double allreduce = sim::collective_seconds(sim::Collective::kAllReduce, 4.0 * preset.model.num_parameters(),
+                                                     c.size(), profile.inter_node);
+    double predicted[2] = {0, 0}, measured[2] = {0, 0};
+    nlohmann::json steps = nlohmann::json::array();
+    for (int64_t s = 0; s < a.steps; ++s) {
+      DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> records, trainer->step());
+      for (size_t i = 0; i < 2; ++i) {
+        const sim::StepPrediction p =
+            sim::predict_step(profile, shape, trainer->last_batch(), trainer->last_plan(i).tasks, t.backward_mode,
+                              linear->seconds_per_token_layer, linear->step_fixed_seconds + allreduce);
+        steps.push_back({{"step", s}, {"backend", records[i].backend}, {"measured", records[i].step_seconds},
+                         {"predicted", p.seconds}, {"predicted_attention", p.attention},
+                         {"measured_attention", records[i].attention_seconds}});
+        if (s >= a.skip) predicted[i] += p.seconds, measured[i] += records[i].step_seconds;
+        say(fmt::format("step {} {}: measured {:.3f} s, predicted {:.3f} s", s + 1, records[i].backend,
+                        records[i].step_seconds, p.seconds));
+      }
+    }
+    if (c.rank() != 0) return Status::ok();
+    const double n = static_cast<double>(a.steps - a.skip);
+    const nlohmann::json out = {{"format", "distca-bench-calibration"},
+                                {"preset", a.preset},
+                                {"ranks", c.size()},
+                                {"comm", c.name()},
+                                {"timed_steps", a.steps - a.skip},
+                                {"predicted_colocated", predicted[0] / n},
+                                {"measured_colocated", measured[0] / n},
+                                {"predicted_cad", predicted[1] / n},
+                                {"measured_cad", measured[1] / n},
+                                {"error_colocated", predicted[0] / measured[0] - 1},
+                                {"error_cad", predicted[1] / measured[1] - 1},
+                                {"predicted_speedup", predicted[0] / predicted[1]},
+                                {"measured_speedup", measured[0] / measured[1]},
+                                {"steps", steps},
+                                {"profile", sim::to_json(profile)}};
+    if (a.is_json) {
+      fmt::print("{}\n", out.dump(2));
+    } else {
+      fmt::print("{:<10} {:>12} {:>12} {:>8}\n", "backend", "measured (s)", "predicted", "error");
+      fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "colocated", measured[0] / n, predicted[0] / n,
+                 100 * (predicted[0] / measured[0] - 1));
+      fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "cad", measured[1] / n, predicted[1] / n,
+                 100 * (predicted[1] / measured[1] - 1));
+      fmt::print("speedup: measured {:.2f}x, predicted {:.2f}x\n", measured[0] / measured[1], predicted[0] / predicted[1]);
+    }
+    return Status::ok();
+  });
+}
+
+}  // namespace
+
+std::function<int()> add_profile_command(CLI::App& app) {
+  auto args = std::make_shared<ProfileArgs>();
+  ProfileArgs& a = *args;
+  CLI::App* cmd = app.add_subcommand("profile", "Measure this machine (attention kernels, the model's linear work, the "
+                                                "link between ranks) into a simulator profile (JSON)");
+  cmd->add_option("--preset", a.preset, "the model whose head shape and linear layers are measured: tiny | demo")
+      ->capture_default_str();
+  cmd->add_option("--context", a.context, "the longest document timed and the tokens of the linear run");
+  cmd->add_option("--threads", a.threads, "threads per rank")->capture_default_str();
+  cmd->add_option("--repeats", a.repeats, "each time is the best of this many")->capture_default_str();
+  cmd->add_option("--ranks", a.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
+  cmd->add_option("--out", a.out, "write the profile here (default: standard output)");
+  return [args] { return run_profile(*args); };
+}
+
+std::function<int()> add_calibration_command(CLI::App& bench) {
+  auto args = std::make_shared<CalibrationArgs>();
+  CalibrationArgs& a = *args;
+  CLI::App* cmd = bench.add_subcommand(
+      "calibration", "measure a profile, train the demo with --compare, and predict its step times with the simulator "
+                     "(run under mpirun -np 2)");
+  cmd->add_option("--preset", a.preset, "tiny | demo")->capture_default_str();
+  cmd->add_option("--steps", a.steps, "training steps per backend")->capture_default_str();
+  cmd->add_option("--skip", a.skip, "warm-up steps left out of the means")->capture_default_str();
+  cmd->add_option("--ranks", a.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
+  cmd->add_flag("--json", a.is_json, "print one JSON object");
+  return [args] { return run_calibration(*args); };
+}
+
+}  // namespace distca::tools
