@@ -116,7 +116,12 @@ class LocalWork final : public Work {
   // ThreadSanitizer found); tests move kilobytes, and benchmarks model links with a delay.
   Result<bool> advance(std::unique_lock<std::mutex>& lock) {
     if (is_done_) return true;
-    if (shared_->has_failed) return shared_->failure();
+    if (shared_->has_failed) {
+      // An all-reduce whose sum is already made (it lives in the slot) completes: the peer
+      // failed after it, and every rank must see the same result of the same operation.
+      auto it = shared_->slots.find(seq_);
+      if (kind_ != Kind::kAllReduce || it == shared_->slots.end() || !it->second.is_sum_ready) return shared_->failure();
+    }
     Slot& s = slot();
     const int R = shared_->num_ranks;
     switch (kind_) {
