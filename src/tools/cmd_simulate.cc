@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "distca/core/file.h"
 #include "distca/plan/model.h"
 #include "distca/sim/simulate.h"
 
@@ -30,6 +31,7 @@ struct SimArgs {
   uint64_t seed = 1;
   bool is_json = false;
   bool is_paper = false;
+  std::string plot;
   int iterations = 0;  // 0: 1, or 5 with --paper
 };
 
@@ -190,6 +192,53 @@ int run_paper(const SimArgs& a, const sim::Profile& profile) {
   return 0;
 }
 
+// An SVG of the report: iteration time per system (with its speedup over wlb), then each
+// system's per-unit attention seconds as bars, so stragglers show.
+std::string plot_svg(const nlohmann::json& j) {
+  const auto& systems = j["systems"];
+  const int W = 900, row = 150, top = 60;
+  const int H = top + 40 * static_cast<int>(systems.size()) + row * static_cast<int>(systems.size()) + 20;
+  std::string svg = fmt::format(R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)"
+                                "\n",
+                                W, H);
+  svg += fmt::format(R"(<text x="10" y="20" font-size="14">{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {}</text>)" "\n",
+                     j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(),
+                     j["cp"].get<int>(), j["dp"].get<int>(), j["context"].get<int64_t>(), j["workload"].get<std::string>());
+  double longest = 0, peak = 0;
+  for (const auto& s : systems) {
+    longest = std::max(longest, s["seconds"].get<double>());
+    for (double a : s["unit_attention_seconds"].get<std::vector<double>>()) peak = std::max(peak, a);
+  }
+  const char* colors[] = {"#888888", "#d08c2c", "#4c78a8", "#2ca02c"};
+  int y = top - 20;
+  for (size_t i = 0; i < systems.size(); ++i) {
+    const auto& s = systems[i];
+    const double w = 600 * s["seconds"].get<double>() / longest;
+    const auto& vs = s["speedup_over_wlb"];
+    svg += fmt::format(R"(<text x="10" y="{}">{}</text><rect x="110" y="{}" width="{:.1f}" height="22" fill="{}"/>)"
+                       R"(<text x="{:.1f}" y="{}">{:.3f} s{}</text>)" "\n",
+                       y + 15, s["system"].get<std::string>(), y, w, colors[i % 4], 115 + w, y + 15, s["seconds"].get<double>(),
+                       vs.is_null() ? std::string() : fmt::format(" ({:.2f}x over wlb)", vs.get<double>()));
+    y += 30;
+  }
+  y += 20;
+  for (size_t i = 0; i < systems.size(); ++i) {
+    const auto& s = systems[i];
+    const auto units = s["unit_attention_seconds"].get<std::vector<double>>();
+    svg += fmt::format(R"(<text x="10" y="{}">{}: attention per unit (max/mean {:.2f})</text>)" "\n", y + 12,
+                       s["system"].get<std::string>(), s["attention_imbalance"].get<double>());
+    const double bw = 780.0 / std::max<size_t>(units.size(), 1);
+    for (size_t u = 0; u < units.size(); ++u) {
+      const double h = peak > 0 ? 110 * units[u] / peak : 0;
+      svg += fmt::format(R"(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="{}"/>)", 110 + u * bw,
+                         y + 130 - h, std::max(bw - 1, 0.5), h, colors[i % 4]);
+    }
+    svg += "\n";
+    y += row;
+  }
+  return svg + "</svg>\n";
+}
+
 int run_simulate(const SimArgs& a) {
   auto fail = [](const Status& s) {
     fmt::print(stderr, "distca simulate: error: {}\n", s.message());
@@ -224,6 +273,9 @@ int run_simulate(const SimArgs& a) {
   auto rs = sim::simulate(profile, o, systems);
   if (!rs.is_ok()) return fail(rs.status());
   const nlohmann::json j = report(o, rs.value());
+  if (!a.plot.empty()) {
+    if (Status st = write_file_atomic(a.plot, plot_svg(j)); !st.is_ok()) return fail(st);
+  }
   if (a.is_json) {
     fmt::print("{}\n", j.dump(2));
   } else {
@@ -253,6 +305,7 @@ std::function<int()> add_simulate_command(CLI::App& app) {
   cmd->add_option("--profile", a.profile, "a profile JSON (distca-profile, version 1); default: the built-in H200 one");
   cmd->add_option("--seed", a.seed, "sampling seed")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print JSON");
+  cmd->add_option("--plot", a.plot, "also draw the iteration times and per-unit attention bars into this SVG file");
   cmd->add_option("--iterations", a.iterations, "--paper: sampled iterations averaged per configuration (default 5)");
   cmd->add_flag("--paper", a.is_paper, "run the paper's 3D and 4D configurations and compare with its published speedups");
   return [args] { return run_simulate(*args); };

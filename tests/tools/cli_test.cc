@@ -290,7 +290,13 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
     }
     EXPECT_EQ(s["unit_attention_seconds"].size(), 8u);
   }
-  CmdResult paper = distca("simulate --paper --json");
+  const std::string svg = (scratch() / "sim.svg").string();
+  CmdResult plot = distca("simulate --gpus 64 --pp 2 --context 128K --plot " + svg);
+  ASSERT_EQ(plot.exit_code, 0) << plot.err;
+  const std::string drawing = distca::read_text_file(svg).value();
+  EXPECT_EQ(drawing.rfind("<svg", 0), 0u);
+  for (const char* system : {"colocated", "wlb", "cad-distca", "cad:"}) EXPECT_NE(drawing.find(system), std::string::npos) << system;
+  CmdResult paper = distca("simulate --paper --iterations 1 --json");
   ASSERT_EQ(paper.exit_code, 0) << paper.err;
   auto records = nlohmann::json::parse(paper.out);
   ASSERT_GT(records.size(), 10u);
