@@ -98,7 +98,10 @@ Result<Planned> plan_batch(const Ctx& c, const plan::Batch& batch, const std::st
   Planned out;
   out.attn_f = server_seconds(c, p.tasks, R, false);
   out.attn_b = server_seconds(c, p.tasks, R, true);
-  const plan::Traffic t = plan::count_traffic(batch, c.tb, p.tasks, mode);
+  // The paper's system returns dK/dV in the activation dtype; ours sums and returns them in fp32.
+  plan::TokenBytes tb = c.tb;
+  if (policy == "distca") tb.bwd_dkv = tb.kv;
+  const plan::Traffic t = plan::count_traffic(batch, tb, p.tasks, mode);
   out.disp_f = phase_seconds(c, t.phases[0], R);
   out.ret_f = phase_seconds(c, t.phases[1], R);
   out.disp_b = phase_seconds(c, t.phases[2], R);
