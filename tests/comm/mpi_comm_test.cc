@@ -7,19 +7,14 @@
 #include <cstring>
 
 #include "collectives.h"
-#include "distca/comm/mpi_comm.h"
+#include "mpi_test_main.h"
 
 int main(int argc, char** argv) {
   using namespace distca;
-  auto created = comm::MpiComm::create(&argc, &argv);
-  if (!created.is_ok()) {
-    fmt::print(stderr, "MpiComm: {}\n", created.status().message());
-    return 1;
-  }
-  comm::MpiComm& c = *created.value();
-  c.set_timeout(std::chrono::seconds(20));
-  const bool is_fault = argc > 1 && std::strcmp(argv[1], "--fault") == 0;
-  if (is_fault) {
+  const comm::testing::MpiTest t = comm::testing::start_mpi_test(&argc, &argv);
+  if (!t.comm) return 1;
+  comm::MpiComm& c = *t.comm;
+  if (t.is_fault) {
     if (c.rank() == 1) c.abort("rank 1 fails on purpose (fault test)");
     Status st = c.barrier();  // the others wait here until the job is torn down
     fmt::print(stderr, "rank {}: barrier returned: {}\n", c.rank(), st.to_string());

@@ -6,25 +6,17 @@
 #include <cmath>
 #include <cstring>
 
-#include "distca/comm/mpi_comm.h"
+#include "../comm/mpi_test_main.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/model/trainer.h"
 
 int main(int argc, char** argv) {
   using namespace distca;
-  auto created = comm::MpiComm::create(&argc, &argv);
-  if (!created.is_ok()) {
-    fmt::print(stderr, "MpiComm: {}\n", created.status().message());
-    return 1;
-  }
-  comm::MpiComm& c = *created.value();
-  c.set_timeout(std::chrono::seconds(20));
+  const comm::testing::MpiTest t = comm::testing::start_mpi_test(&argc, &argv);
+  if (!t.comm) return 1;
+  comm::MpiComm& c = *t.comm;
+  auto fail = [&t](const Status& st) { return t.fail(st); };
   kernels::blas_set_num_threads(1);
-  auto fail = [&](const Status& st) {
-    fmt::print(stderr, "rank {}: {}\n", c.rank(), st.to_string());
-    c.abort(st.message());
-    return 1;
-  };
   auto preset = model::find_preset("tiny");
   if (!preset.is_ok()) return fail(preset.status());
   model::TrainOptions o;
@@ -33,7 +25,7 @@ int main(int argc, char** argv) {
   o.workload = preset.value().workload;
   o.steps = 20;
   o.backends = {"colocated", "cad"};
-  const bool is_fault = argc > 1 && std::strcmp(argv[1], "--fault") == 0;
+  const bool is_fault = t.is_fault;
   int checks = 0;
   for (const std::string policy : {"minmax", "distca", "none"}) {
     o.policy = policy;

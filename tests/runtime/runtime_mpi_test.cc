@@ -8,27 +8,19 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "distca/comm/mpi_comm.h"
+#include "../comm/mpi_test_main.h"
 #include "harness.h"
 
 int main(int argc, char** argv) {
   using namespace distca;
-  auto created = comm::MpiComm::create(&argc, &argv);
-  if (!created.is_ok()) {
-    fmt::print(stderr, "MpiComm: {}\n", created.status().message());
-    return 1;
-  }
-  comm::MpiComm& c = *created.value();
-  c.set_timeout(std::chrono::seconds(20));
+  const comm::testing::MpiTest t = comm::testing::start_mpi_test(&argc, &argv);
+  if (!t.comm) return 1;
+  comm::MpiComm& c = *t.comm;
   const int R = c.size();
-  auto fail = [&](const Status& st) {
-    fmt::print(stderr, "rank {}: {}\n", c.rank(), st.to_string());
-    c.abort(st.message());
-    return 1;
-  };
+  auto fail = [&t](const Status& st) { return t.fail(st); };
   auto batch = plan::pack_documents({300, 1, 17, 90, 2, 500, 33, 1, 64, 250}, R, 1260 / R);
   if (!batch.is_ok()) return fail(batch.status());
-  if (argc > 1 && std::strcmp(argv[1], "--fault") == 0) {
+  if (t.is_fault) {
     auto plan = runtime::testing::make_plan(batch.value(), "minmax");
     if (!plan.is_ok()) return fail(plan.status());
     if (c.rank() == 1) std::exit(3);  // gone without a word, mid-job
