@@ -117,6 +117,9 @@ Status SamplingOptions::validate() const {
   if (!(upsample >= 1 && upsample <= 1e6)) {
     return invalid_argument(fmt::format("upsample must be in [1, 1e6], got {}", upsample));
   }
+  if (!(full_context_share >= 0 && full_context_share <= 1)) {
+    return invalid_argument(fmt::format("full-context share must be in [0, 1], got {}", full_context_share));
+  }
   if (!(elongation >= 0 && elongation <= 1024)) {
     return invalid_argument(fmt::format("elongation must be in [0, 1024] (0 = auto), got {}", elongation));
   }
@@ -156,8 +159,10 @@ Result<Batch> sample_batch(const LengthDistribution& dist, const SamplingOptions
       continue;
     }
     rejected_in_a_row = 0;
-    const int64_t scaled = std::clamp<int64_t>(
-        std::llround(static_cast<double>(length) * elongation), 1, need);
+    const bool is_full = length > options.long_threshold && options.full_context_share > 0 &&
+                         uniform(rng) < options.full_context_share;
+    const int64_t scaled = is_full ? tokens_per_rank
+                                   : std::clamp<int64_t>(std::llround(static_cast<double>(length) * elongation), 1, need);
     lengths.push_back(scaled);
     total += scaled;
   }

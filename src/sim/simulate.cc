@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -69,7 +70,7 @@ double vmean(const std::vector<double>& v) {
 
 // Micro-batch m of every replica: one packed sequence of `context` tokens each (rank = replica).
 Result<plan::Batch> sequences(const Ctx& c, int m) {
-  plan::SamplingOptions so;
+  plan::SamplingOptions so = c.o.sampling;
   so.seed = c.o.seed * 1000003 + static_cast<uint64_t>(m);
   return plan::sample_batch(c.dist, so, c.D, c.o.context);
 }
@@ -128,11 +129,11 @@ double doc_attention(const Ctx& c, int64_t len, bool is_backward) {
   return c.prof.attention_seconds(len, len, plan::causal_pairs(0, len), c.hq, c.head_dim, is_backward);
 }
 
-// Forward / backward seconds of one layer's CP exchange of `tokens` tokens of K/V over cp units.
+// Forward / backward seconds of one layer's CP exchange over cp units: the all-gather of
+// `tokens` tokens of K/V, and backward the reduce-scatter of their dK/dV (same dtype).
 double cp_seconds(const Ctx& c, double tokens, bool is_backward) {
   const double kv = tokens * static_cast<double>(c.tb.kv);
-  const double ag = collective_seconds(Collective::kAllGather, kv, c.cp, c.link);
-  return is_backward ? ag + collective_seconds(Collective::kReduceScatter, 2 * kv, c.cp, c.link) : ag;
+  return collective_seconds(is_backward ? Collective::kReduceScatter : Collective::kAllGather, kv, c.cp, c.link);
 }
 
 // A chunk (a set of documents) on one CP group: one layer's forward and backward seconds of its
@@ -143,37 +144,29 @@ struct Chunk {
   std::vector<int64_t> tokens;
 };
 
-// colocated: every document cut evenly over the cp units. wlb: documents of at most T tokens
-// whole onto the least loaded unit, longer ones cut evenly with their own KV all-gather.
-Chunk place_chunk(const Ctx& c, std::vector<int64_t> docs, bool is_wlb, int64_t* bytes) {
+// Per-document context parallelism, as Megatron (THD) and WLB-LLM run it: every document is
+// cut into 2 cp pieces, unit i holding pieces i and 2cp-1-i, so each unit computes 1/cp of
+// every document's attention in pieces of len / 2cp query rows; the chunk's whole K/V is
+// all-gathered per layer and its dK/dV reduce-scattered, exposed.
+Chunk place_chunk(const Ctx& c, const std::vector<int64_t>& docs, int64_t* bytes) {
   Chunk ch;
   ch.lin.assign(c.cp, 0.0), ch.attn.assign(c.cp, 0.0), ch.comm.assign(c.cp, 0.0), ch.tokens.assign(c.cp, 0);
-  std::vector<double> f(c.cp, 0.0), b(c.cp, 0.0);
-  std::sort(docs.rbegin(), docs.rend());
-  double split_tokens = 0;
+  double tokens = 0, af = 0, ab = 0;
   for (int64_t len : docs) {
-    const double af = doc_attention(c, len, false), ab = doc_attention(c, len, true);
-    if (is_wlb && len <= c.T) {
-      int best = 0;
-      for (int i = 1; i < c.cp; ++i) best = f[i] + b[i] < f[best] + b[best] ? i : best;
-      f[best] += af + len * c.lin_f, b[best] += ab + len * c.lin_b;
-      ch.lin[best] += len * (c.lin_f + c.lin_b), ch.attn[best] += af + ab, ch.tokens[best] += len;
-      continue;
-    }
-    split_tokens += static_cast<double>(len);
-    for (int i = 0; i < c.cp; ++i) {
-      const double tok = static_cast<double>(len) / c.cp;
-      f[i] += af / c.cp + tok * c.lin_f, b[i] += ab / c.cp + tok * c.lin_b;
-      ch.lin[i] += tok * (c.lin_f + c.lin_b), ch.attn[i] += (af + ab) / c.cp;
-      ch.tokens[i] += static_cast<int64_t>(tok);
-    }
+    tokens += static_cast<double>(len);
+    const int64_t rows = std::max<int64_t>(1, len / (2 * c.cp));
+    const int64_t pairs = plan::causal_pairs(0, len) / c.cp;
+    af += c.prof.attention_seconds(rows, len, pairs, c.hq, c.head_dim, false);
+    ab += c.prof.attention_seconds(rows, len, pairs, c.hq, c.head_dim, true);
   }
-  if (c.cp > 1 && split_tokens > 0) {
-    const double cf = cp_seconds(c, split_tokens, false), cb = cp_seconds(c, split_tokens, true);
-    for (int i = 0; i < c.cp; ++i) f[i] += cf, b[i] += cb, ch.comm[i] += cf + cb;
-    *bytes += static_cast<int64_t>(split_tokens * static_cast<double>(c.tb.kv) * 4 * (c.cp - 1));
+  const double cf = c.cp > 1 ? cp_seconds(c, tokens, false) : 0.0, cb = c.cp > 1 ? cp_seconds(c, tokens, true) : 0.0;
+  const double tok = tokens / c.cp;
+  for (int i = 0; i < c.cp; ++i) {
+    ch.lin[i] = tok * (c.lin_f + c.lin_b), ch.attn[i] = af + ab, ch.comm[i] = cf + cb;
+    ch.tokens[i] = static_cast<int64_t>(tok);
   }
-  ch.f = vmax(f), ch.b = vmax(b);
+  ch.f = tok * c.lin_f + af + cf, ch.b = tok * c.lin_b + ab + cb;
+  if (c.cp > 1) *bytes += static_cast<int64_t>(2 * tokens * static_cast<double>(c.tb.kv) * (c.cp - 1));
   return ch;
 }
 
@@ -210,13 +203,14 @@ double run_chunks(const Ctx& c, const std::vector<std::vector<Chunk>>& chunks, S
 Result<SystemResult> colocated(const Ctx& c) {
   SystemResult r;
   r.system = "colocated";
+  r.cp = c.cp;
   std::vector<double> lin(c.U, 0.0), attn(c.U, 0.0), comm(c.U, 0.0);
   r.unit_memory.assign(c.U, 0.0);
   std::vector<std::vector<Chunk>> chunks(c.D);
   for (int m = 0; m < c.o.batch; ++m) {
     DISTCA_ASSIGN_OR_RETURN(plan::Batch seqs, sequences(c, m));
     const auto docs = replica_docs(seqs);
-    for (int x = 0; x < c.D; ++x) chunks[x].push_back(place_chunk(c, docs[x], false, &r.bytes));
+    for (int x = 0; x < c.D; ++x) chunks[x].push_back(place_chunk(c, docs[x], &r.bytes));
   }
   r.bytes = static_cast<int64_t>(static_cast<double>(r.bytes) * c.L / c.S);
   const double seconds = run_chunks(c, chunks, r, lin, attn, comm);
@@ -224,13 +218,20 @@ Result<SystemResult> colocated(const Ctx& c) {
   return r;
 }
 
-Result<SystemResult> wlb(const Ctx& c) {
+// WLB at one CP degree: the iteration's documents (all replicas' with DP only, each pipeline's
+// own with PP and an unchanged CP degree) re-packed into variable-length chunks balanced by
+// linear + attention cost, longest first onto the least loaded chunk; chunks go heaviest first
+// to the least loaded replica of gpus / (tp pp cp) replicas, `batch` each.
+Result<SystemResult> wlb_at(const Ctx& c, int cp) {
+  Ctx w = c;
+  w.cp = cp;
+  w.D = c.U / (c.S * cp);
   SystemResult r;
   r.system = "wlb";
+  r.cp = cp;
   std::vector<double> lin(c.U, 0.0), attn(c.U, 0.0), comm(c.U, 0.0);
   r.unit_memory.assign(c.U, 0.0);
-  // The documents to re-pack: all replicas' together with DP only, each pipeline's own with PP.
-  const int pools = c.S == 1 ? 1 : c.D;
+  const int pools = c.S == 1 || cp != c.cp ? 1 : c.D;
   std::vector<std::vector<int64_t>> pool(pools);
   for (int m = 0; m < c.o.batch; ++m) {
     DISTCA_ASSIGN_OR_RETURN(plan::Batch seqs, sequences(c, m));
@@ -238,44 +239,69 @@ Result<SystemResult> wlb(const Ctx& c) {
     for (int x = 0; x < c.D; ++x) pool[pools == 1 ? 0 : x].insert(pool[pools == 1 ? 0 : x].end(), docs[x].begin(), docs[x].end());
   }
   auto cost = [&](int64_t len) { return len * (c.lin_f + c.lin_b) + doc_attention(c, len, false) + doc_attention(c, len, true); };
-  std::vector<std::vector<Chunk>> chunks(c.D);
+  std::vector<std::vector<Chunk>> chunks(w.D);
   for (int p = 0; p < pools; ++p) {
     auto& docs = pool[p];
     std::sort(docs.rbegin(), docs.rend());
-    const int n = pools == 1 ? c.D * c.o.batch : c.o.batch;
+    const int n = pools == 1 ? w.D * c.o.batch : c.o.batch;
     std::vector<std::vector<int64_t>> bins(n);
     std::vector<double> load(n, 0.0);
     for (int64_t len : docs) {
       const int best = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
       bins[best].push_back(len), load[best] += cost(len);
     }
-    if (pools == 1) {  // chunks to replicas: heaviest first onto the least loaded replica
-      std::vector<int> order(n);
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
-      std::vector<double> replica(c.D, 0.0);
-      for (int k : order) {
-        int best = -1;
-        for (int x = 0; x < c.D; ++x) {
-          if (static_cast<int>(chunks[x].size()) >= c.o.batch) continue;
-          if (best < 0 || replica[x] < replica[best]) best = x;
-        }
-        chunks[best].push_back(place_chunk(c, bins[k], true, &r.bytes));
-        replica[best] += chunks[best].back().f + chunks[best].back().b;
+    if (pools > 1) {
+      for (auto& bin : bins) chunks[p].push_back(place_chunk(w, bin, &r.bytes));
+      continue;
+    }
+    std::vector<int> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
+    std::vector<double> replica(w.D, 0.0);
+    for (int k : order) {
+      int best = -1;
+      for (int x = 0; x < w.D; ++x) {
+        if (static_cast<int>(chunks[x].size()) >= c.o.batch) continue;
+        if (best < 0 || replica[x] < replica[best]) best = x;
       }
-    } else {
-      for (auto& bin : bins) chunks[p].push_back(place_chunk(c, bin, true, &r.bytes));
+      chunks[best].push_back(place_chunk(w, bins[k], &r.bytes));
+      replica[best] += chunks[best].back().f + chunks[best].back().b;
     }
   }
   r.bytes = static_cast<int64_t>(static_cast<double>(r.bytes) * c.L / c.S);
-  const double seconds = run_chunks(c, chunks, r, lin, attn, comm);
+  const double seconds = run_chunks(w, chunks, r, lin, attn, comm);
   finish(c, r, lin, attn, comm, seconds);
   return r;
+}
+
+// The CP degrees WLB is tried at: o.wlb_cp, or as the paper's baseline sweep does for
+// "WLB-ideal", the two largest powers of two that divide a stage's units and leave at most two
+// replicas per sequence of the iteration (smaller degrees give variable-length chunks too long
+// for a CP group's memory).
+std::vector<int> wlb_cps(const Ctx& c) {
+  if (c.o.wlb_cp > 0) return {c.o.wlb_cp};
+  std::vector<int> out;
+  const int stage_units = c.U / c.S;
+  for (int cp = 1 << 20; cp >= 1 && out.size() < 2; cp /= 2) {
+    if (cp <= stage_units && stage_units % cp == 0 && stage_units / cp <= 2 * c.D * c.o.batch) out.push_back(cp);
+  }
+  return out;
+}
+
+Result<SystemResult> wlb(const Ctx& c) {
+  std::optional<SystemResult> best;
+  for (int cp : wlb_cps(c)) {
+    DISTCA_ASSIGN_OR_RETURN(SystemResult r, wlb_at(c, cp));
+    if (!best || r.seconds < best->seconds) best = std::move(r);
+  }
+  if (!best) return invalid_argument("no CP degree fits wlb");
+  return std::move(*best);
 }
 
 Result<SystemResult> cad(const Ctx& c, const std::string& name, const std::string& policy, plan::BackwardMode mode) {
   SystemResult r;
   r.system = name;
+  r.cp = c.cp;
   std::vector<double> lin(c.U, 0.0), attn(c.U, 0.0), comm(c.U, 0.0);
   r.unit_memory.assign(c.U, 0.0);
   const double layers = static_cast<double>(c.L) / c.S;
@@ -360,12 +386,17 @@ Status SimOptions::validate() const {
   if (context < 1024 || context > plan::kMaxTokens) return invalid_argument(fmt::format("--context must be 1K..2G tokens, got {}", context));
   if (context % cluster.cp != 0) return invalid_argument(fmt::format("--context {} does not split into --cp {} units", context, cluster.cp));
   if (batch < 1 || batch > 4096) return invalid_argument(fmt::format("--batch must be 1..4096, got {}", batch));
+  if (wlb_cp < 0 || (wlb_cp > 0 && (cluster.units() / cluster.pp) % wlb_cp != 0)) {
+    return invalid_argument(fmt::format("--wlb-cp {} must divide a stage's {} units (0: the best of them)", wlb_cp,
+                                        cluster.units() / cluster.pp));
+  }
+  DISTCA_RETURN_IF_ERROR(sampling.validate());
   if (!(tolerance >= 0) || granularity < 1) return invalid_argument("tolerance must be >= 0 and granularity >= 1");
   return plan::builtin_distribution(workload).status();
 }
 
 nlohmann::json SystemResult::to_json() const {
-  return {{"system", system},       {"seconds", seconds}, {"linear_seconds", linear}, {"attention_seconds", attention},
+  return {{"system", system},       {"cp", cp}, {"seconds", seconds}, {"linear_seconds", linear}, {"attention_seconds", attention},
           {"comm_seconds", comm},   {"idle_seconds", idle}, {"allreduce_seconds", allreduce}, {"bytes", bytes},
           {"unit_attention_seconds", unit_attention}, {"unit_memory_bytes", unit_memory}};
 }

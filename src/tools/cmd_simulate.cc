@@ -23,6 +23,8 @@ struct SimArgs {
   int tp = 8;
   int pp = 1;
   int cp = 0;
+  int wlb_cp = 0;
+  plan::SamplingOptions sampling;
   std::string context = "128K";
   int batch = 4;
   std::string workload = "pretrain";
@@ -93,26 +95,34 @@ void print_table(const nlohmann::json& j) {
   fmt::print("{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {} micro-batches per replica, {} workload\n",
              j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(), j["cp"].get<int>(), j["dp"].get<int>(),
              j["context"].get<int64_t>(), j["batch"].get<int>(), j["workload"].get<std::string>());
-  fmt::print("{:<11} {:>9} {:>8} {:>9} {:>7} {:>7} {:>9} {:>13} {:>8} {:>8}\n", "system", "iter (s)", "linear", "attention",
+  fmt::print("{:<11} {:>3} {:>9} {:>8} {:>9} {:>7} {:>7} {:>9} {:>13} {:>8} {:>8}\n", "system", "cp", "iter (s)", "linear", "attention",
              "comm", "idle", "attn imb", "mem GiB min-max", "vs wlb", "vs coloc");
   for (const auto& s : j["systems"]) {
     const auto mem = min_max(s["unit_memory_bytes"].get<std::vector<double>>());
     auto ratio = [](const nlohmann::json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.3f}x", v.get<double>()); };
-    fmt::print("{:<11} {:>9.3f} {:>8.3f} {:>9.3f} {:>7.3f} {:>7.3f} {:>9.2f} {:>6.1f}-{:<6.1f} {:>8} {:>8}\n",
-               s["system"].get<std::string>(), s["seconds"].get<double>(), s["linear_seconds"].get<double>(),
+    fmt::print("{:<11} {:>3} {:>9.3f} {:>8.3f} {:>9.3f} {:>7.3f} {:>7.3f} {:>9.2f} {:>6.1f}-{:<6.1f} {:>8} {:>8}\n",
+               s["system"].get<std::string>(), s["cp"].get<int>(), s["seconds"].get<double>(), s["linear_seconds"].get<double>(),
                s["attention_seconds"].get<double>(), s["comm_seconds"].get<double>(), s["idle_seconds"].get<double>(),
                s["attention_imbalance"].get<double>(), mem.first / (1 << 30), mem.second / (1 << 30),
                ratio(s["speedup_over_wlb"]), ratio(s["speedup_over_colocated"]));
   }
 }
 
-// The paper's experiment grid (its Tables 3 and 4), as reconstructed here: models, GPU counts,
-// contexts and datasets, with the published range of CAD's speedup over WLB-ideal.
+// The paper's experiment grid (its Tables 3 and 4), as its published benchmark scripts run it
+// (hao-ai-lab/distca, benchmarks/_250918_large_scale_v11_dpcp and _250915_large_scale_v10_dpcp):
+// 3D is TP 8 with one micro-batch of `sequences` packed sequences of `context` tokens per
+// iteration: Llama-8B holds 64K tokens per 8-GPU node (4 x 128K on 8 nodes ... 4 x 512K on 32),
+// Llama-34B one sequence per 8 nodes; CAD runs over all nodes, and WLB-ideal is the faster of
+// its sweep's CP degrees. 4D (benchmarks2/_251025_perseq_pp) is PP 2, a stage's nodes holding
+// 64K tokens each per micro-batch, 8 micro-batches at 128K and 4 above, and WLB at CP 4.
 struct PaperCase {
   std::string model;
   int gpus;
   int pp;
   int64_t context;
+  int sequences;  // per micro-batch, all replicas
+  int micro_batches;
+  int wlb_cp;  // 0: WLB-ideal's sweep
   std::string dataset;
   std::string parallelism;
   double low, high;
@@ -125,18 +135,40 @@ std::vector<PaperCase> paper_cases() {
     for (const std::string model : {"llama-8b", "llama-34b"}) {
       for (int gpus : {64, 128, 256}) {
         for (int64_t context : {int64_t{128} << 10, int64_t{256} << 10, int64_t{512} << 10}) {
-          cases.push_back({model, gpus, 1, context, dataset, "3D", low3, high3});
+          const int units = gpus / 8;
+          const int sequences = model == "llama-8b" ? static_cast<int>(units * int64_t{65536} / context) : units / 8;
+          cases.push_back({model, gpus, 1, context, sequences, 1, 0, dataset, "3D", low3, high3});
         }
       }
     }
     const double low4 = dataset == "pretrain" ? 1.15 : 1.10, high4 = dataset == "pretrain" ? 1.30 : 1.35;
     for (int gpus : {128, 256, 512}) {
       for (int64_t context : {int64_t{128} << 10, int64_t{256} << 10, int64_t{512} << 10}) {
-        cases.push_back({"llama-8b", gpus, 4, context, dataset, "4D", low4, high4});
+        const int stage_units = gpus / 8 / 2;
+        const int sequences = static_cast<int>(stage_units * int64_t{65536} / context);
+        cases.push_back({"llama-8b", gpus, 2, context, sequences, context == int64_t{128} << 10 ? 8 : 4, 0, dataset, "4D",
+                         low4, high4});
       }
     }
   }
   return cases;
+}
+
+// The scripts' sampling. Pretrain: half the documents of under 64K tokens kept, longer ones
+// drawn 4x as often, lengths x context / 64K. ProLong draws its documents of 64K tokens or more
+// in file order, so every measured iteration holds only those, unscaled, 30% of them made one
+// sequence long (CHANGE_LONG_DOC_RATIO 0.3).
+plan::SamplingOptions paper_sampling(const std::string& dataset) {
+  plan::SamplingOptions so;
+  if (dataset == "pretrain") {
+    so.keep_short = 0.5;
+    so.upsample = 4;
+  } else {
+    so.keep_short = 0;
+    so.elongation = 1;
+    so.full_context_share = 0.3;
+  }
+  return so;
 }
 
 int run_paper(const SimArgs& a, const sim::Profile& profile) {
@@ -151,9 +183,11 @@ int run_paper(const SimArgs& a, const sim::Profile& profile) {
     o.model = plan::model_preset(pc.model).value();
     o.cluster.gpus = pc.gpus;
     o.cluster.pp = pc.pp;
-    o.cluster.cp = auto_cp(pc.context, pc.gpus, 8, pc.pp);
+    o.cluster.cp = pc.gpus / 8 / pc.pp / pc.sequences;
     o.context = pc.context;
-    o.batch = pc.pp == 1 ? 8 : 4 * pc.pp;
+    o.batch = pc.micro_batches;
+    o.sampling = paper_sampling(pc.dataset);
+    o.wlb_cp = pc.wlb_cp;
     o.workload = pc.dataset;
     o.seed = a.seed;
     // Mean iteration times over several sampled iterations (one iteration's documents are a
@@ -252,7 +286,7 @@ int run_simulate(const SimArgs& a) {
   }
   if (a.is_paper) {
     SimArgs p = a;
-    if (p.iterations == 0) p.iterations = 5;
+    if (p.iterations == 0) p.iterations = 15;
     if (p.iterations < 1 || p.iterations > 1000) return fail(invalid_argument("--iterations must be 1..1000"));
     return run_paper(p, profile);
   }
@@ -266,6 +300,8 @@ int run_simulate(const SimArgs& a) {
   if (a.cp == 0 && a.tp > 0 && a.pp > 0) o.cluster.cp = auto_cp(context.value(), a.gpus, a.tp, a.pp);
   o.context = context.value();
   o.batch = a.batch;
+  o.wlb_cp = a.wlb_cp;
+  o.sampling = a.sampling;
   o.workload = a.workload;
   o.seed = a.seed;
   std::vector<std::string> systems = sim::system_names();
@@ -298,15 +334,25 @@ std::function<int()> add_simulate_command(CLI::App& app) {
   cmd->add_option("--tp", a.tp, "tensor-parallel degree (one unit = tp GPUs)")->capture_default_str();
   cmd->add_option("--pp", a.pp, "pipeline stages")->capture_default_str();
   cmd->add_option("--cp", a.cp, "context-parallel units per sequence (0: context / 64K, as the GPUs allow)")->capture_default_str();
-  cmd->add_option("--context", a.context, "tokens per unit per micro-batch, e.g. 128K, 512K")->capture_default_str();
+  cmd->add_option("--wlb-cp", a.wlb_cp, "wlb's context-parallel degree (0: WLB-ideal, the fastest it may use)")->capture_default_str();
+  cmd->add_option("--context", a.context, "tokens per sequence (one micro-batch of a replica, over cp units), e.g. 128K, 512K")
+      ->capture_default_str();
   cmd->add_option("--batch", a.batch, "micro-batches per data-parallel replica per iteration")->capture_default_str();
   cmd->add_option("--workload", a.workload, "document lengths: pretrain | prolong")->capture_default_str();
+  cmd->add_option("--keep-short", a.sampling.keep_short, "sampling: share of documents of at most 64K tokens kept")
+      ->capture_default_str();
+  cmd->add_option("--upsample", a.sampling.upsample, "sampling: how many times more often longer documents are drawn")
+      ->capture_default_str();
+  cmd->add_option("--elongation", a.sampling.elongation, "sampling: length multiplier (0: context / 64K)")->capture_default_str();
+  cmd->add_option("--full-context-share", a.sampling.full_context_share,
+                  "sampling: share of longer documents made exactly one sequence long")
+      ->capture_default_str();
   cmd->add_option("--system", a.system, "colocated | wlb | cad-distca | cad | all")->capture_default_str();
   cmd->add_option("--profile", a.profile, "a profile JSON (distca-profile, version 1); default: the built-in H200 one");
   cmd->add_option("--seed", a.seed, "sampling seed")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print JSON");
   cmd->add_option("--plot", a.plot, "also draw the iteration times and per-unit attention bars into this SVG file");
-  cmd->add_option("--iterations", a.iterations, "--paper: sampled iterations averaged per configuration (default 5)");
+  cmd->add_option("--iterations", a.iterations, "--paper: sampled iterations averaged per configuration (default 15, as the paper's runs)");
   cmd->add_flag("--paper", a.is_paper, "run the paper's 3D and 4D configurations and compare with its published speedups");
   return [args] { return run_simulate(*args); };
 }

@@ -78,6 +78,33 @@ TEST(SampleBatch, ElongationAndUpsamplingLengthenDocuments) {
   EXPECT_GT(m2, 4 * m1);
 }
 
+TEST(SampleBatch, TheProlongRunsDrawOnlyLongDocumentsSomeOfThemFullLength) {
+  LengthDistribution d = builtin_distribution("prolong").value();
+  SamplingOptions opt;
+  opt.keep_short = 0;
+  opt.elongation = 1;
+  opt.full_context_share = 1;
+  opt.seed = 5;
+  Batch all_full = sample_batch(d, opt, 8, 131072).value();
+  ASSERT_EQ(all_full.num_docs(), 8);
+  for (int64_t len : all_full.doc_lengths) EXPECT_EQ(len, 131072);
+  opt.full_context_share = 0.3;
+  int64_t full = 0, docs = 0;
+  for (uint64_t seed = 0; seed < 20; ++seed) {
+    opt.seed = seed;
+    const Batch b = sample_batch(d, opt, 8, 131072).value();
+    for (size_t i = 0; i < b.doc_lengths.size(); ++i) {
+      // Every document is long; the last one may be cut where the step ends.
+      if (i + 1 < b.doc_lengths.size()) EXPECT_GT(b.doc_lengths[i], opt.long_threshold);
+      full += b.doc_lengths[i] == 131072 ? 1 : 0, ++docs;
+    }
+  }
+  EXPECT_GT(full, docs / 10);
+  EXPECT_LT(full, docs * 6 / 10);
+  opt.full_context_share = 1.5;
+  EXPECT_FALSE(sample_batch(d, opt, 8, 131072).is_ok());
+}
+
 TEST(SampleBatch, RejectsBadOptions) {
   LengthDistribution d = builtin_distribution("prolong").value();
   SamplingOptions opt;

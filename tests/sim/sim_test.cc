@@ -145,6 +145,52 @@ TEST(Simulate, CadBalancesAttentionAndEveryNumberAddsUp) {
   }
 }
 
+// WLB on one CP group of every unit: one chunk of all the iteration's tokens, whose exposed
+// communication per layer is the all-gather of their K/V and the reduce-scatter of dK/dV.
+TEST(Simulate, WlbOnOneCpGroupExposesTheKvAllGatherAndReduceScatter) {
+  SimOptions o = small(1);
+  o.batch = 1;
+  o.wlb_cp = 8;
+  const Profile p = default_h200_profile();
+  auto rs = simulate(p, o, {"wlb"});
+  ASSERT_TRUE(rs.is_ok()) << rs.status().to_string();
+  const SystemResult& r = rs.value()[0];
+  EXPECT_EQ(r.cp, 8);
+  plan::ModelShape m = o.model;
+  m.tp = 8;
+  const double kv = static_cast<double>(plan::token_bytes(m.q_heads_per_rank(), m.kv_heads_per_rank(), m.head_dim, m.dtype_bytes).kv);
+  const double tokens = 4.0 * o.context;  // 4 replicas x one sequence
+  const double per_layer = collective_seconds(Collective::kAllGather, tokens * kv, 8, p.inter_node) +
+                           collective_seconds(Collective::kReduceScatter, tokens * kv, 8, p.inter_node);
+  EXPECT_NEAR(r.comm - r.allreduce, m.num_layers * per_layer, 1e-9);
+  // One chunk: every unit does the same work, so nobody waits.
+  EXPECT_NEAR(r.idle, 0, 1e-9);
+  const double mx = *std::max_element(r.unit_attention.begin(), r.unit_attention.end());
+  const double mn = *std::min_element(r.unit_attention.begin(), r.unit_attention.end());
+  EXPECT_NEAR(mx, mn, 1e-12);
+}
+
+// WLB-ideal is the faster of the two largest CP degrees the paper's sweep allows.
+TEST(Simulate, WlbIdealIsTheFasterOfItsSweepsCpDegrees) {
+  SimOptions o = small(1);
+  o.batch = 1;  // 4 sequences: CP 8 (1 replica) and 4 (2 replicas) qualify
+  const Profile p = default_h200_profile();
+  const SystemResult ideal = simulate(p, o, {"wlb"}).value()[0];
+  double best = 1e300;
+  int best_cp = 0;
+  for (int cp : {8, 4}) {
+    o.wlb_cp = cp;
+    const double t = simulate(p, o, {"wlb"}).value()[0].seconds;
+    if (t < best) best = t, best_cp = cp;
+  }
+  EXPECT_EQ(ideal.seconds, best);
+  EXPECT_EQ(ideal.cp, best_cp);
+  o.wlb_cp = 3;
+  auto bad = simulate(p, o, {"wlb"});
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("--wlb-cp"), std::string::npos);
+}
+
 TEST(Simulate, BadOptionsAreRefused) {
   SimOptions o = small(1);
   o.cluster.gpus = 60;

@@ -39,12 +39,15 @@ Result<LengthDistribution> load_doc_lengths(const std::string& path);
 
 // The paper's sampling: documents longer than long_threshold form a long pool drawn
 // `upsample` times as often; short ones are kept with probability keep_short; every length
-// is multiplied by `elongation` (0: auto = max(1, T / 65536), the paper's context / 64K).
+// is multiplied by `elongation` (0: auto = max(1, T / 65536), the paper's context / 64K); a
+// long document becomes one of exactly T tokens with probability full_context_share (the
+// paper's ProLong runs: keep_short 0, elongation 1, full_context_share 0.3).
 struct SamplingOptions {
   int64_t long_threshold = 65536;
   double keep_short = 1.0;
   double upsample = 1.0;
   double elongation = 0.0;
+  double full_context_share = 0.0;
   uint64_t seed = 0;
 
   Status validate() const;

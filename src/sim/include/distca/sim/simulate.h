@@ -3,16 +3,16 @@
 // are gpus / tp units: pp stages x dp replicas x cp context-parallel units. Every micro-batch
 // of a replica is one packed sequence of `context` tokens (documents sampled from the
 // workload), held by cp units of context / cp tokens each. Systems:
-//   colocated   the sequence as packed, Megatron-style context parallelism: every document is
-//               cut evenly over the cp units (equal attention inside a CP group) with an exposed
-//               KV all-gather per layer (and all-gather + reduce-scatter of dK/dV backward);
-//               replicas (DP) and micro-batches (PP) keep their imbalance; 1F1B for PP
-//   wlb         WLB-LLM-style (the paper's "WLB-ideal"): the documents re-packed into variable-
-//               length chunks balanced by linear + attention cost (longest first onto the least
-//               loaded chunk; with DP only across all replicas, with PP within each pipeline);
-//               inside a chunk, documents of at most context / cp tokens go whole to the least
-//               loaded CP unit and longer ones get per-document context parallelism (an even
-//               split with an exposed all-gather of that document's KV)
+//   colocated   the sequence as packed, with per-document context parallelism (Megatron THD):
+//               every document cut into 2 cp pieces over the cp units (equal attention inside
+//               a CP group, in short pieces) with an exposed all-gather of the sequence's K/V
+//               per layer and a reduce-scatter of its dK/dV backward; replicas (DP) and
+//               micro-batches (PP) keep their imbalance; 1F1B for PP
+//   wlb         WLB-LLM-style, the paper's "WLB-ideal": the iteration's documents re-packed into
+//               variable-length chunks balanced by linear + attention cost, each chunk on a CP
+//               group with per-document CP as above; run at every CP degree that divides a
+//               stage's units and leaves at most two replicas per sequence, the fastest kept
+//               (as the paper's baseline sweep), or at --wlb-cp
 //   cad-distca  CAD with the paper's planner (stateless backward); cad: CAD with ours (minmax,
 //               stateful backward). The sequence stays as packed (context / cp tokens per unit),
 //               every unit is an in-place attention server for the CA tasks the planner gives
@@ -31,6 +31,7 @@
 #include "distca/core/status.h"
 #include "distca/plan/model.h"
 #include "distca/plan/plan.h"
+#include "distca/plan/workload.h"
 #include "distca/sim/profile.h"
 
 namespace distca::sim {
@@ -52,14 +53,17 @@ struct SimOptions {
   int64_t context = 131072;   // tokens per micro-batch (one packed sequence, over cp units)
   int batch = 4;              // micro-batches per DP replica per iteration
   std::string workload = "pretrain";
+  plan::SamplingOptions sampling;  // how documents are drawn (its seed is replaced per micro-batch)
   uint64_t seed = 1;
   double tolerance = 0.05;
   int64_t granularity = 128;
+  int wlb_cp = 0;             // wlb's CP degree (0: WLB-ideal, the fastest of the degrees it may use)
   Status validate() const;
 };
 
 struct SystemResult {
   std::string system;
+  int cp = 1;              // context-parallel degree the system ran at
   double seconds = 0;      // one iteration
   double linear = 0;       // mean over units of seconds in linear layers
   double attention = 0;    // mean over units of seconds in core attention
