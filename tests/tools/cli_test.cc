@@ -320,6 +320,8 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
       {"layers do not split", "--gpus 48 --pp 3", "stages"},
       {"missing profile", "--profile /nonexistent.json", "/nonexistent.json"},
       {"bad profile", "--profile " + bad_profile, "version 9"},
+      {"wlb cp does not divide", "--wlb-cp 3", "--wlb-cp 3"},
+      {"share above one", "--full-context-share 2", "full-context share"},
   };
   for (const BadInput& c : cases) {
     CmdResult r = distca("simulate " + c.args);
