@@ -114,7 +114,7 @@ void print_table(const nlohmann::json& j) {
 // iteration: Llama-8B holds 64K tokens per 8-GPU node (4 x 128K on 8 nodes ... 4 x 512K on 32),
 // Llama-34B one sequence per 8 nodes; CAD runs over all nodes, and WLB-ideal is the faster of
 // its sweep's CP degrees. 4D (benchmarks2/_251025_perseq_pp) is PP 2, a stage's nodes holding
-// 64K tokens each per micro-batch, 8 micro-batches at 128K and 4 above, and WLB at CP 4.
+// 64K tokens each per micro-batch, 8 micro-batches at 128K and 4 above, with WLB-ideal's sweep.
 struct PaperCase {
   std::string model;
   int gpus;
@@ -122,7 +122,6 @@ struct PaperCase {
   int64_t context;
   int sequences;  // per micro-batch, all replicas
   int micro_batches;
-  int wlb_cp;  // 0: WLB-ideal's sweep
   std::string dataset;
   std::string parallelism;
   double low, high;
@@ -137,7 +136,7 @@ std::vector<PaperCase> paper_cases() {
         for (int64_t context : {int64_t{128} << 10, int64_t{256} << 10, int64_t{512} << 10}) {
           const int units = gpus / 8;
           const int sequences = model == "llama-8b" ? static_cast<int>(units * int64_t{65536} / context) : units / 8;
-          cases.push_back({model, gpus, 1, context, sequences, 1, 0, dataset, "3D", low3, high3});
+          cases.push_back({model, gpus, 1, context, sequences, 1, dataset, "3D", low3, high3});
         }
       }
     }
@@ -146,7 +145,7 @@ std::vector<PaperCase> paper_cases() {
       for (int64_t context : {int64_t{128} << 10, int64_t{256} << 10, int64_t{512} << 10}) {
         const int stage_units = gpus / 8 / 2;
         const int sequences = static_cast<int>(stage_units * int64_t{65536} / context);
-        cases.push_back({"llama-8b", gpus, 2, context, sequences, context == int64_t{128} << 10 ? 8 : 4, 0, dataset, "4D",
+        cases.push_back({"llama-8b", gpus, 2, context, sequences, context == int64_t{128} << 10 ? 8 : 4, dataset, "4D",
                          low4, high4});
       }
     }
@@ -187,7 +186,6 @@ int run_paper(const SimArgs& a, const sim::Profile& profile) {
     o.context = pc.context;
     o.batch = pc.micro_batches;
     o.sampling = paper_sampling(pc.dataset);
-    o.wlb_cp = pc.wlb_cp;
     o.workload = pc.dataset;
     o.seed = a.seed;
     // Mean iteration times over several sampled iterations (one iteration's documents are a
@@ -334,7 +332,7 @@ std::function<int()> add_simulate_command(CLI::App& app) {
   cmd->add_option("--tp", a.tp, "tensor-parallel degree (one unit = tp GPUs)")->capture_default_str();
   cmd->add_option("--pp", a.pp, "pipeline stages")->capture_default_str();
   cmd->add_option("--cp", a.cp, "context-parallel units per sequence (0: context / 64K, as the GPUs allow)")->capture_default_str();
-  cmd->add_option("--wlb-cp", a.wlb_cp, "wlb's context-parallel degree (0: WLB-ideal, the fastest it may use)")->capture_default_str();
+  cmd->add_option("--wlb-cp", a.wlb_cp, "wlb's context-parallel degree (0: WLB-ideal, the faster of the two largest it may use)")->capture_default_str();
   cmd->add_option("--context", a.context, "tokens per sequence (one micro-batch of a replica, over cp units), e.g. 128K, 512K")
       ->capture_default_str();
   cmd->add_option("--batch", a.batch, "micro-batches per data-parallel replica per iteration")->capture_default_str();
