@@ -22,6 +22,39 @@ TEST(File, MissingFileAndUnwritableDirectoryAreErrors) {
   Status s = write_file_atomic("/nonexistent/dir/x.json", "x");
   EXPECT_FALSE(s.is_ok());
   EXPECT_FALSE(std::filesystem::exists("/nonexistent/dir/x.json"));
+  // The message names the path the caller gave, not the temporary file.
+  EXPECT_NE(s.message().find("/nonexistent/dir/x.json:"), std::string::npos) << s.message();
+  EXPECT_EQ(s.message().find(".tmp"), std::string::npos) << s.message();
+}
+
+TEST(File, ADirectoryIsNotAFile) {
+  Result<std::string> r = read_text_file(std::filesystem::temp_directory_path().string());
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("is a directory"), std::string::npos) << r.status().message();
+}
+
+TEST(File, OutputPathsAreCheckedBeforeAnyWork) {
+  const auto dir = std::filesystem::temp_directory_path() / "distca_file_test_out";
+  std::filesystem::create_directories(dir);
+  const std::string good = (dir / "x.json").string();
+  EXPECT_TRUE(check_output_path("--json", good).is_ok());
+  EXPECT_FALSE(std::filesystem::exists(good)) << "the check creates nothing";
+  Status missing = check_output_path("--json", "/nonexistent/x.json");
+  EXPECT_EQ(missing.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.message().find("--json /nonexistent/x.json"), std::string::npos) << missing.message();
+  EXPECT_NE(missing.message().find("does not exist"), std::string::npos) << missing.message();
+  EXPECT_FALSE(check_output_path("--out", dir.string()).is_ok()) << "a directory is not a file";
+  EXPECT_FALSE(check_output_path("--out", "").is_ok());
+  EXPECT_TRUE(check_output_path("--out", "relative-name.json").is_ok()) << "a bare name is in the current folder";
+  // Two outputs on one file, spelled differently, are refused; distinct files pass.
+  const std::string other = (dir / "sub" / ".." / "x.json").string();
+  std::filesystem::create_directories(dir / "sub");
+  Status same = check_output_paths({{"--json", good}, {"--checkpoint", other}});
+  EXPECT_EQ(same.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(same.message().find("same file"), std::string::npos) << same.message();
+  EXPECT_TRUE(check_output_paths({{"--json", good}, {"--checkpoint", (dir / "ck.bin").string()}, {"--plot", ""}}).is_ok());
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -1,0 +1,61 @@
+// Shared by the CLI tests: runs the real `distca` binary in a per-process scratch folder.
+#pragma once
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "distca/core/file.h"
+
+namespace cli {
+
+namespace fs = std::filesystem;
+
+struct CmdResult {
+  int exit_code;
+  std::string out;
+  std::string err;
+};
+
+inline const fs::path& scratch() {
+  static const fs::path dir = [] {
+    // One folder per process: ctest runs the tests of this file in parallel processes.
+    fs::path d = fs::temp_directory_path() / ("distca_cli_test." + std::to_string(getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+// Runs `distca ARGS` (ARGS may hold shell syntax) with no standard input.
+inline CmdResult run_shell(const std::string& command) {
+  const std::string out = (scratch() / "stdout").string();
+  const std::string err = (scratch() / "stderr").string();
+  const std::string cmd = command + " >" + out + " 2>" + err + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  return CmdResult{WIFEXITED(status) ? WEXITSTATUS(status) : -1, distca::read_text_file(out).value(),
+                   distca::read_text_file(err).value()};
+}
+
+inline CmdResult distca(const std::string& args) { return run_shell(std::string(DISTCA_BIN) + " " + args); }
+
+inline std::string write(const std::string& name, const std::string& text) {
+  const std::string path = (scratch() / name).string();
+  EXPECT_TRUE(distca::write_file_atomic(path, text).is_ok());
+  return path;
+}
+
+// A bad command line and a word its one-line error must contain.
+struct BadInput {
+  const char* name;
+  std::string args;
+  const char* expected;
+};
+
+inline int count_lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
+
+}  // namespace cli
