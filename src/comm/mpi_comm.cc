@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -82,11 +83,40 @@ Result<std::unique_ptr<MpiComm>> MpiComm::create(int* argc, char*** argv) {
   int rank = 0, size = 0;
   DISTCA_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
   DISTCA_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
-  return std::unique_ptr<MpiComm>(new MpiComm(rank, size, !is_initialized));
+  auto c = std::unique_ptr<MpiComm>(new MpiComm(rank, size, !is_initialized));
+  auto* outcome = new MPI_Comm(MPI_COMM_NULL);
+  c->outcome_comm_ = outcome;
+  DISTCA_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, outcome));
+  return c;
 }
 
 MpiComm::~MpiComm() {
+  auto* outcome = static_cast<MPI_Comm*>(outcome_comm_);
+  if (outcome != nullptr && *outcome != MPI_COMM_NULL) MPI_Comm_free(outcome);
+  delete outcome;
   if (is_owner_) MPI_Finalize();
+}
+
+Result<MpiComm::Outcome> MpiComm::agree_on_outcome(int code, std::chrono::milliseconds timeout) {
+  // One integer per rank: rank * 256 + code for a failure, INT_MAX when done; the minimum names
+  // the lowest failing rank and its code.
+  static_assert(INT_MAX / 256 > (1 << 20), "room for a million ranks");
+  int value = code == 0 ? INT_MAX : rank_ * 256 + (code & 0xff);
+  MPI_Request request;
+  DISTCA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &value, 1, MPI_INT, MPI_MIN, *static_cast<MPI_Comm*>(outcome_comm_), &request));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    int flag = 0;
+    DISTCA_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE));
+    if (flag) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      return internal_error(fmt::format("rank {}: not every rank reached the end of the job within {} ms", rank_,
+                                        timeout.count()));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (value == INT_MAX) return Outcome{};
+  return Outcome{value / 256, value % 256};
 }
 
 Result<std::unique_ptr<Work>> MpiComm::all_to_all_v_async(const AllToAllV& a) {
@@ -151,10 +181,13 @@ Result<std::unique_ptr<Work>> MpiComm::barrier_async() {
   return std::unique_ptr<Work>(std::move(work));
 }
 
-void MpiComm::abort(const std::string& reason) {
-  fmt::print(stderr, "distca: rank {} aborts the job: {}\n", rank_, reason);
+void MpiComm::abort(const std::string& reason) { abort_with(1, reason); }
+
+void MpiComm::abort_with(int code, const std::string& reason) {
+  fmt::print(stderr, "{}\n", reason);
   std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, 3);
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; if it ever did, the job still ends
 }
 
 }  // namespace distca::comm

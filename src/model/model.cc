@@ -176,6 +176,19 @@ Weights<T> ModelState<T>::views(Arena<T>& a) const {
 }
 
 template <typename T>
+int64_t Model<T>::workspace_bytes(const ModelConfig& c, int64_t n) {
+  // Per token, as the constructor lays it out: per layer x, h1, x_mid, h2 (d each), rstd1/2, q and
+  // o, k and v, gate, up and s; then x_final, hf, dx, dh, rstdf, logits and dlogits, RoPE cos and
+  // sin, dq, do, dk, dv, dgate, dup, ds; LSE per layer and query head (fp32); the token ids.
+  const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width();
+  const int64_t per_layer = 4 * d + 2 + 2 * qw + 2 * kw + 3 * f;
+  const int64_t global = 4 * d + 1 + 2 * c.vocab_size + 2 * (c.head_dim / 2) + 2 * qw + 2 * kw + 3 * f;
+  const int64_t elements = n * (c.num_layers * per_layer + global);
+  return elements * static_cast<int64_t>(sizeof(T)) +
+         n * (c.num_layers * c.num_q_heads * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int32_t)));
+}
+
+template <typename T>
 Model<T>::Model(const ModelConfig& config, int64_t max_tokens) : config_(config), max_tokens_(max_tokens) {
   const ModelConfig& c = config_;
   const int64_t n = max_tokens, d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width();

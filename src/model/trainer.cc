@@ -1,6 +1,7 @@
 #include "distca/model/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -64,14 +65,37 @@ nlohmann::json StepRecord::to_json() const {
           {"lr", lr},
           {"step_seconds", step_seconds},
           {"tokens_per_second", tokens_per_second},
+          {"slowest_rank", slowest_rank},
           {"linear_seconds", linear_seconds},
           {"attention_seconds", attention_seconds},
           {"comm_seconds", comm_seconds},
           {"wait_seconds", wait_seconds},
           {"optimizer_seconds", optimizer_seconds},
+          {"other_seconds", other_seconds},
+          {"attention_min_seconds", attention_min_seconds},
+          {"attention_max_seconds", attention_max_seconds},
+          {"wait_max_seconds", wait_max_seconds},
           {"attention_imbalance", attention_imbalance},
-          {"ideal_seconds", ideal_seconds},
+          {"bound_seconds", bound_seconds},
           {"attention_bytes", attention_bytes}};
+}
+
+MemoryEstimate estimate_memory(const TrainOptions& o, int ranks) {
+  MemoryEstimate e;
+  const ModelConfig& m = o.model;
+  const int64_t f = static_cast<int64_t>(sizeof(float));
+  // Parameters, gradients and two AdamW moments per backend.
+  e.states_bytes = static_cast<int64_t>(o.backends.size()) * 4 * m.num_parameters() * f;
+  e.activations_bytes = Model<float>::workspace_bytes(m, o.context);
+  // The attention exchange: Q, K, V, O, their gradients and LSE for up to twice this rank's
+  // rows (a server may take more than its own share), send and receive buffers; the stateful
+  // backward keeps the forward's per layer.
+  const int64_t row = 2 * (m.q_width() + m.kv_width()) + m.num_q_heads;
+  const int64_t layers_kept = o.backward_mode == plan::BackwardMode::kStateful ? m.num_layers + 1 : 2;
+  e.attention_bytes = 2 * (2 * o.context) * row * f * layers_kept;
+  // Every rank packs the whole step (tokens, targets, positions of all ranks).
+  e.data_bytes = 3 * static_cast<int64_t>(ranks) * o.context * static_cast<int64_t>(sizeof(int32_t));
+  return e;
 }
 
 struct Trainer::Run {
@@ -129,6 +153,11 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
       }
     }
     t->step_ = header["step"].get<int64_t>();
+    if (t->step_ >= o.steps) {
+      return invalid_argument(fmt::format("{}: the checkpoint is at step {} and --steps is {}: nothing left to train; "
+                                          "give --steps above {} to continue",
+                                          o.resume_path, t->step_, o.steps, t->step_));
+    }
     DISTCA_RETURN_IF_ERROR(t->packer_->skip(t->step_));
   }
   return t;
@@ -143,11 +172,15 @@ Status Trainer::save() const {
     const nlohmann::json run = {{"data", data_description()}, {"ranks", comm_.size()}, {"context", options_.context}};
     status = save_checkpoint(options_.checkpoint_path, states, run);
   }
-  // Every rank learns whether rank 0's write worked.
-  float failed = status.is_ok() ? 0.0f : 1.0f;
-  DISTCA_RETURN_IF_ERROR(comm_.broadcast(&failed, sizeof(failed), 0));
-  if (failed > 0 && status.is_ok()) return internal_error("rank 0 could not write the checkpoint");
-  return status;
+  // Every rank learns rank 0's error itself, so that whichever rank reports it, the user reads
+  // the path and the reason.
+  std::array<char, 1024> message{};
+  if (!status.is_ok()) status.message().copy(message.data(), message.size() - 1);
+  const Status sent = comm_.broadcast(message.data(), static_cast<int64_t>(message.size()), 0);
+  if (!status.is_ok()) return status;
+  DISTCA_RETURN_IF_ERROR(sent);
+  if (message[0] != 0) return internal_error(message.data());
+  return Status::ok();
 }
 
 Result<std::vector<StepRecord>> Trainer::step() {
@@ -193,7 +226,7 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   // Every rank's numbers, one slot each.
   int64_t bytes = 0;
   for (int p = 0; p < plan::kNumPhases; ++p) bytes += attention.dispatcher()->stats(static_cast<plan::Phase>(p)).bytes_sent;
-  constexpr int kSlots = 8;
+  enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kBytes, kSlots };
   std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
   const double mine[kSlots] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
                                loss_sum, static_cast<double>(bytes)};
@@ -201,34 +234,44 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
   StepRecord rec;
-  rec.step = step_;
+  rec.step = step_ + 1;
   rec.backend = run.name;
   rec.grad_norm = norm;
   rec.lr = lr;
-  double loss = 0, attn_sum = 0, attn_max = 0, rest_max = 0;
+  double loss = 0, attn_sum = 0, compute_sum = 0, serial_max = 0;
+  rec.attention_min_seconds = at(0, kAttention);
   for (int r = 0; r < R; ++r) {
-    loss += at(r, 6);
-    rec.attention_bytes += static_cast<int64_t>(at(r, 7));
-    rec.step_seconds = std::max(rec.step_seconds, at(r, 0));
-    rec.linear_seconds = std::max(rec.linear_seconds, at(r, 1));
-    rec.attention_seconds = std::max(rec.attention_seconds, at(r, 2));
-    rec.comm_seconds = std::max(rec.comm_seconds, at(r, 3));
-    rec.wait_seconds = std::max(rec.wait_seconds, at(r, 4));
-    rec.optimizer_seconds = std::max(rec.optimizer_seconds, at(r, 5));
-    attn_sum += at(r, 2);
-    attn_max = std::max(attn_max, at(r, 2));
-    rest_max = std::max(rest_max, at(r, 0) - at(r, 2) - at(r, 4));
+    loss += at(r, kLoss);
+    rec.attention_bytes += static_cast<int64_t>(at(r, kBytes));
+    if (at(r, kStep) > at(rec.slowest_rank, kStep)) rec.slowest_rank = r;
+    attn_sum += at(r, kAttention);
+    rec.attention_min_seconds = std::min(rec.attention_min_seconds, at(r, kAttention));
+    rec.attention_max_seconds = std::max(rec.attention_max_seconds, at(r, kAttention));
+    rec.wait_max_seconds = std::max(rec.wait_max_seconds, at(r, kWait));
+    compute_sum += at(r, kLinear) + at(r, kOptimizer) + at(r, kAttention);
+    serial_max = std::max(serial_max, at(r, kLinear) + at(r, kOptimizer));
   }
+  // The slowest rank's own parts (the all-reduce rounds each to float: "other" closes the sum).
+  const int s = rec.slowest_rank;
+  rec.step_seconds = at(s, kStep);
+  rec.linear_seconds = at(s, kLinear);
+  rec.attention_seconds = at(s, kAttention);
+  rec.comm_seconds = at(s, kComm);
+  rec.wait_seconds = at(s, kWait);
+  rec.optimizer_seconds = at(s, kOptimizer);
+  rec.other_seconds = rec.step_seconds - rec.linear_seconds - rec.attention_seconds - rec.comm_seconds -
+                      rec.wait_seconds - rec.optimizer_seconds;
   rec.loss = data.num_targets > 0 ? loss / static_cast<double>(data.num_targets) : 0.0;
   const double attn_mean = attn_sum / R;
-  rec.attention_imbalance = attn_mean > 0 ? attn_max / attn_mean : 1.0;
-  rec.ideal_seconds = rest_max + attn_mean;
+  rec.attention_imbalance = attn_mean > 0 ? rec.attention_max_seconds / attn_mean : 1.0;
+  rec.bound_seconds = std::max(serial_max, compute_sum / R);
   rec.tokens_per_second = static_cast<double>(R * options_.context) / rec.step_seconds;
-  if (!std::isfinite(rec.loss)) return internal_error(fmt::format("step {}: the loss is {} ({})", step_, rec.loss, run.name));
+  if (!std::isfinite(rec.loss)) return internal_error(fmt::format("step {}: the loss is {} ({})", rec.step, rec.loss, run.name));
   return rec;
 }
 
 nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip) {
+  DISTCA_CHECK(!records.empty()) << "summarize needs at least one step record";
   std::map<std::string, std::vector<const StepRecord*>> by;
   std::vector<std::string> order;
   for (const StepRecord& r : records) {
@@ -239,36 +282,42 @@ nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip) {
   nlohmann::json backends = nlohmann::json::object();
   for (const std::string& name : order) {
     const auto& rs = by[name];
-    const size_t first = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(skip, 0)), rs.size() - 1);
+    const size_t n = rs.size();
+    const size_t first = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(skip, 0)), n - 1);
     auto mean = [&](double StepRecord::*field, size_t from, size_t to) {
       double s = 0;
       for (size_t i = from; i < to; ++i) s += rs[i]->*field;
       return to > from ? s / static_cast<double>(to - from) : 0.0;
     };
-    const size_t n = rs.size(), k = std::min<size_t>(10, n);
+    const size_t k = n == 1 ? 1 : std::min<size_t>(10, n / 2);
     backends[name] = {{"steps", n},
                       {"timed_steps", n - first},
+                      {"first_timed_step", rs[first]->step},
                       {"step_seconds", mean(&StepRecord::step_seconds, first, n)},
                       {"tokens_per_second", mean(&StepRecord::tokens_per_second, first, n)},
                       {"linear_seconds", mean(&StepRecord::linear_seconds, first, n)},
                       {"attention_seconds", mean(&StepRecord::attention_seconds, first, n)},
                       {"comm_seconds", mean(&StepRecord::comm_seconds, first, n)},
                       {"wait_seconds", mean(&StepRecord::wait_seconds, first, n)},
+                      {"optimizer_seconds", mean(&StepRecord::optimizer_seconds, first, n)},
+                      {"other_seconds", mean(&StepRecord::other_seconds, first, n)},
+                      {"wait_max_seconds", mean(&StepRecord::wait_max_seconds, first, n)},
                       {"attention_imbalance", mean(&StepRecord::attention_imbalance, first, n)},
-                      {"ideal_seconds", mean(&StepRecord::ideal_seconds, first, n)},
+                      {"bound_seconds", mean(&StepRecord::bound_seconds, first, n)},
+                      {"loss_steps", k},
                       {"loss_first", mean(&StepRecord::loss, 0, k)},
                       {"loss_last", mean(&StepRecord::loss, n - k, n)}};
     out[name + "_step_seconds"] = backends[name]["step_seconds"];
   }
   out["backends"] = backends;
   const std::string base = by.contains("colocated") ? "colocated" : order.front();
-  out["ideal_step_seconds"] = backends[base]["ideal_seconds"];
   out["loss_first"] = backends[base]["loss_first"];
   out["loss_last"] = backends[base]["loss_last"];
   if (by.contains("colocated") && by.contains("cad")) {
     const double col = backends["colocated"]["step_seconds"], cad = backends["cad"]["step_seconds"];
     out["speedup"] = cad > 0 ? col / cad : 0.0;
-    out["cad_over_ideal"] = out["ideal_step_seconds"].get<double>() > 0 ? cad / out["ideal_step_seconds"].get<double>() : 0.0;
+    const double bound = backends["cad"]["bound_seconds"];
+    out["cad_over_bound"] = bound > 0 ? cad / bound : 0.0;
     double worst = 0;
     const auto& a = by["colocated"];
     const auto& b = by["cad"];
@@ -278,6 +327,7 @@ nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip) {
     out["loss_max_rel_diff"] = worst;
   } else {
     out["speedup"] = nullptr;
+    out["cad_over_bound"] = nullptr;
     out["loss_max_rel_diff"] = nullptr;
   }
   return out;

@@ -3,8 +3,17 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <chrono>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <string>
 
 #include "distca/core/file.h"
@@ -36,7 +45,50 @@ struct TrainArgs {
   std::string resume;
   int ranks = 2;
   int64_t skip = 1;
+  double timeout_seconds = 120;
+  // Which flags the user gave (a flag that the run would ignore is refused).
+  CLI::Option *attention_opt = nullptr, *policy_opt = nullptr, *workload_opt = nullptr, *seed_opt = nullptr,
+              *ranks_opt = nullptr, *skip_opt = nullptr, *backward_opt = nullptr, *granularity_opt = nullptr,
+              *tolerance_opt = nullptr;
+  bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
+
+bool same_file(const std::string& a, const std::string& b) {
+  namespace fs = std::filesystem;
+  std::error_code ec1, ec2;
+  const fs::path pa = fs::weakly_canonical(fs::absolute(a), ec1), pb = fs::weakly_canonical(fs::absolute(b), ec2);
+  return !ec1 && !ec2 && pa == pb;
+}
+
+int64_t available_memory_bytes() {
+  // MemAvailable: what the kernel can give without swapping; the whole machine if unreadable.
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
+}
+
+std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024)); }
+
+// Processes of this job on this machine: the threads of one process, or mpirun's local ranks.
+int ranks_on_this_machine(int local_ranks) {
+  if (!is_under_mpi()) return local_ranks;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
+  }
+  return 1;
+}
+int world_size(int local_ranks) {
+  if (!is_under_mpi()) return local_ranks;
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
+  }
+  return 1;
+}
 
 Result<model::TrainOptions> resolve(const TrainArgs& a) {
   DISTCA_ASSIGN_OR_RETURN(model::Preset p, model::find_preset(a.preset));
@@ -50,6 +102,30 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.workload = a.workload.value_or(p.workload);
   o.data_path = a.data;
   o.data_seed = a.seed;
+  // Flags that the run would silently ignore are refused.
+  if (!a.data.empty() && a.given(a.workload_opt)) {
+    return invalid_argument("--workload chooses the synthetic source's document lengths; with --data the documents "
+                            "come from the file: drop one of them");
+  }
+  if (!a.data.empty() && a.given(a.seed_opt)) {
+    return invalid_argument("--seed seeds the synthetic source; with --data it has no effect: drop it");
+  }
+  if (a.is_compare && a.given(a.attention_opt)) {
+    return invalid_argument("--compare trains both colocated and cad; --attention picks one: drop one of them");
+  }
+  const bool has_cad = a.is_compare || a.attention == "cad";
+  if (!has_cad) {
+    for (const CLI::Option* opt : {a.policy_opt, a.backward_opt, a.granularity_opt, a.tolerance_opt}) {
+      if (a.given(opt)) {
+        return invalid_argument(fmt::format("{} configures the CAD planner, but --attention colocated runs no planner: "
+                                            "use --attention cad or --compare, or drop {}",
+                                            opt->get_name(), opt->get_name()));
+      }
+    }
+  }
+  if (a.policy == "all") {
+    return invalid_argument("--policy must be one planner: none, distca or minmax ('all' is for distca plan)");
+  }
   if (a.is_compare) {
     o.backends = {"colocated", "cad"};
   } else {
@@ -69,12 +145,42 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.checkpoint_path = a.checkpoint;
   o.save_every = a.save_every;
   o.resume_path = a.resume;
-  if (a.skip < 0) return invalid_argument(fmt::format("--skip must be >= 0, got {}", a.skip));
   DISTCA_RETURN_IF_ERROR(o.validate());
+  if (o.granularity != 0 && (o.granularity < 1 || o.granularity > o.context)) {
+    return invalid_argument(fmt::format("--granularity must be 1..{} tokens (the context), or 0 for context / 32 "
+                                        "clamped to 16..128; got {}", o.context, o.granularity));
+  }
   if (o.data_path.empty()) {
     bool known = false;
     for (const std::string& w : model::synthetic_workloads()) known = known || w == o.workload;
     if (!known) return invalid_argument(fmt::format("--workload must be pretrain, prolong or skewed, got '{}'", o.workload));
+  }
+  if (a.skip < 0) return invalid_argument(fmt::format("--skip must be >= 0, got {}", a.skip));
+  if (a.given(a.skip_opt) && a.skip >= o.steps) {
+    return invalid_argument(fmt::format("--skip {} leaves no step of --steps {} to time; --skip must be below --steps",
+                                        a.skip, o.steps));
+  }
+  if (!(a.timeout_seconds >= 1) || a.timeout_seconds > 86400) {
+    return invalid_argument(fmt::format("--timeout must be 1..86400 seconds, got {}", a.timeout_seconds));
+  }
+  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}, {"--checkpoint", a.checkpoint}}));
+  if (!a.json_path.empty() && !a.resume.empty() && same_file(a.json_path, a.resume)) {
+    // (--resume and --checkpoint on one file is the usual way to continue.)
+    return invalid_argument(fmt::format("--json and --resume name the same file ({}): the report would replace the "
+                                        "checkpoint; give the report its own path", a.json_path));
+  }
+  // Memory: refuse before allocating what this machine cannot hold.
+  const int world = world_size(a.ranks);
+  const model::MemoryEstimate m = model::estimate_memory(o, world);
+  const int64_t here = m.total() * ranks_on_this_machine(a.ranks);
+  const int64_t available = available_memory_bytes();
+  if (here > available) {
+    return invalid_argument(fmt::format(
+        "this run needs about {} of memory on this machine ({} rank(s) x {}: model states {}, activations {}, "
+        "attention buffers {}, step data {}), and {} is available; lower --context or --layers, or use fewer ranks "
+        "per machine",
+        gib(here), ranks_on_this_machine(a.ranks), gib(m.total()), gib(m.states_bytes), gib(m.activations_bytes),
+        gib(m.attention_bytes), gib(m.data_bytes), gib(available)));
   }
   return o;
 }
@@ -92,52 +198,78 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
   fmt::print("  model      {} layers, d {}, heads {}/{} x {}, ffn {}, vocab {}: {} parameters\n", m.num_layers, m.d_model,
              m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim, m.vocab_size, si(static_cast<double>(m.num_parameters())));
   fmt::print("  data       {}; {} tokens per rank per step, {} steps{}\n", t.data_description(), o.context, o.steps,
-             t.steps_done() > 0 ? fmt::format(" (resumed at step {})", t.steps_done()) : "");
-  fmt::print("  cad        planner {}, granularity {}, tolerance {}, {} backward; {} thread(s) per rank\n", o.policy,
-             o.granularity, o.tolerance, plan::backward_mode_name(o.backward_mode), o.threads);
+             t.steps_done() > 0 ? fmt::format(" (resumed after step {})", t.steps_done()) : "");
+  if (std::find(o.backends.begin(), o.backends.end(), "cad") != o.backends.end()) {
+    fmt::print("  cad        planner {}, granularity {}, tolerance {}, {} backward; {} thread(s) per rank\n", o.policy,
+               o.granularity, o.tolerance, plan::backward_mode_name(o.backward_mode), o.threads);
+  } else {
+    fmt::print("  colocated  each rank attends its own documents; {} thread(s) per rank\n", o.threads);
+  }
   fmt::print("  optimizer  AdamW lr {} (warm-up {} steps), betas {}/{}, weight decay {}, clip {}\n", o.optim.lr,
              o.optim.warmup_steps, o.optim.beta1, o.optim.beta2, o.optim.weight_decay, o.optim.clip_norm);
+  fmt::print("  step time  the slowest rank's own parts (they add up); attention min-max across ranks beside it\n");
   std::fflush(stdout);
 }
 
 void print_step(const model::StepRecord& r, int64_t steps) {
-  fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  step {:.3f}s = linear {:.3f} + attention {:.3f} + comm "
-             "{:.3f} + wait {:.3f}  attn imbalance {:.2f}\n",
-             r.step + 1, steps, r.backend, r.loss, si(r.tokens_per_second), r.step_seconds, r.linear_seconds,
-             r.attention_seconds, r.comm_seconds, r.wait_seconds, r.attention_imbalance);
+  fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  {:.3f}s = linear {:.3f} + attn {:.3f} + comm {:.3f} + "
+             "wait {:.3f} + optim {:.3f} + other {:.3f} (rank {})  attn across ranks {:.3f}-{:.3f}\n",
+             r.step, steps, r.backend, r.loss, si(r.tokens_per_second), r.step_seconds, r.linear_seconds,
+             r.attention_seconds, r.comm_seconds, r.wait_seconds, r.optimizer_seconds, r.other_seconds, r.slowest_rank,
+             r.attention_min_seconds, r.attention_max_seconds);
   std::fflush(stdout);
 }
 
 void print_summary(const nlohmann::json& s) {
-  fmt::print("\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>11}  {}\n", "backend", "step (s)", "tokens/s", "wait (s)",
-             "attn (s)", "imbalance", "loss first 10 -> last 10");
+  const nlohmann::json& any = s["backends"].begin().value();
+  const int64_t k = any["loss_steps"].get<int64_t>();
+  const std::string loss_head = k == 1 ? "loss first -> last step" : fmt::format("loss, mean of first {} -> last {}", k, k);
+  fmt::print("\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>9} {:>10}  {}\n", "backend", "step (s)", "tokens/s", "wait (s)",
+             "attn (s)", "imbalance", "bound (s)", loss_head);
   for (const std::string name : {"colocated", "cad"}) {
     if (!s["backends"].contains(name)) continue;
     const nlohmann::json& b = s["backends"][name];
-    fmt::print("{:<10} {:>9.3f} {:>10} {:>10.3f} {:>10.3f} {:>11.2f}  {:.4f} -> {:.4f}\n", name,
+    fmt::print("{:<10} {:>9.3f} {:>10} {:>10.3f} {:>10.3f} {:>9.2f} {:>10.3f}  {:.4f} -> {:.4f}\n", name,
                b["step_seconds"].get<double>(), si(b["tokens_per_second"].get<double>()), b["wait_seconds"].get<double>(),
-               b["attention_seconds"].get<double>(), b["attention_imbalance"].get<double>(), b["loss_first"].get<double>(),
-               b["loss_last"].get<double>());
+               b["attention_seconds"].get<double>(), b["attention_imbalance"].get<double>(),
+               b["bound_seconds"].get<double>(), b["loss_first"].get<double>(), b["loss_last"].get<double>());
   }
-  fmt::print("{:<10} {:>9.3f}   (attention exactly at the mean on every rank)\n", "ideal", s["ideal_step_seconds"].get<double>());
+  fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step, wait and attn are the slowest rank's; "
+             "bound: the step with compute perfectly balanced and communication free, a lower bound\n",
+             any["first_timed_step"].get<int64_t>(), any["first_timed_step"].get<int64_t>() + any["timed_steps"].get<int64_t>() - 1);
   if (!s["speedup"].is_null()) {
-    fmt::print("speedup of CAD over colocated: {:.2f}x; CAD step / ideal: {:.3f}; largest relative loss difference: {:.2e}\n",
-               s["speedup"].get<double>(), s["cad_over_ideal"].get<double>(), s["loss_max_rel_diff"].get<double>());
+    fmt::print("speedup of CAD over colocated (same run, same data): {:.2f}x; CAD step / CAD bound: {:.3f}; largest "
+               "relative loss difference: {:.2e}\n",
+               s["speedup"].get<double>(), s["cad_over_bound"].get<double>(), s["loss_max_rel_diff"].get<double>());
   }
 }
 
 int run_train(const TrainArgs& a) {
   Result<model::TrainOptions> options = resolve(a);
   if (!options.is_ok()) {
-    fmt::print(stderr, "distca train: error: {}\n", options.status().message());
-    return 2;
+    print_usage_error("train", options.status().message());
+    return exit_code(options.status());
+  }
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int busy = ranks_on_this_machine(a.ranks) * options.value().threads;
+  if (cores > 0 && busy > cores && is_primary_process()) {
+    fmt::print(stderr, "distca train: warning: {} rank(s) x {} thread(s) = {} busy threads on {} cores: ranks will "
+                       "take turns on the cores, and the times measure that\n", ranks_on_this_machine(a.ranks),
+               options.value().threads, busy, cores);
   }
   kernels::blas_set_num_threads(options.value().threads);
+  WorldOptions world;
+  world.is_ranks_given = a.given(a.ranks_opt);
+  world.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_seconds * 1000));
   return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto trainer, model::Trainer::create(c, options.value()));
     const model::TrainOptions& o = trainer->options();
     const bool is_root = c.rank() == 0;
     if (is_root) print_header(o, *trainer, c);
+    if (a.given(a.skip_opt) && a.skip >= o.steps - trainer->steps_done()) {
+      return invalid_argument(fmt::format("--skip {} leaves none of the {} steps after the checkpoint's step {} to time",
+                                          a.skip, o.steps - trainer->steps_done(), trainer->steps_done()));
+    }
     std::vector<model::StepRecord> records;
     while (trainer->steps_done() < o.steps) {
       DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> step, trainer->step());
@@ -153,7 +285,7 @@ int run_train(const TrainArgs& a) {
     if (!a.json_path.empty()) {
       nlohmann::json steps = nlohmann::json::array();
       for (const model::StepRecord& r : records) steps.push_back(r.to_json());
-      const nlohmann::json out = {{"format", "distca-train"}, {"version", 1},       {"ranks", c.size()},
+      const nlohmann::json out = {{"format", "distca-train"}, {"version", 2},       {"ranks", c.size()},
                                   {"comm", c.name()},         {"preset", a.preset}, {"config", o.to_json()},
                                   {"data", trainer->data_description()},            {"steps", steps},
                                   {"summary", summary}};
@@ -161,7 +293,7 @@ int run_train(const TrainArgs& a) {
       fmt::print("wrote {}\n", a.json_path);
     }
     return Status::ok();
-  });
+  }, world);
 }
 
 }  // namespace
@@ -174,7 +306,8 @@ std::function<int()> add_train_command(CLI::App& app) {
       "Train a Llama-style model data-parallel, with colocated or CAD core attention (or both, --compare).\n"
       "Under mpirun each process is one rank; otherwise --ranks threads run in this process.");
   cmd->add_option("--preset", a.preset, "model, context, steps and data: tiny | demo")->capture_default_str();
-  cmd->add_option("--attention", a.attention, "core attention backend: colocated | cad")->capture_default_str();
+  a.attention_opt = cmd->add_option("--attention", a.attention, "core attention backend: colocated | cad")
+                        ->capture_default_str();
   cmd->add_flag("--compare", a.is_compare, "train colocated and CAD from the same weights on the same data, interleaved");
   cmd->add_option("--steps", a.steps, "optimizer steps (default: the preset's)");
   cmd->add_option("--context", a.context, "tokens per rank per step (default: the preset's)");
@@ -182,21 +315,29 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--lr", a.lr, "peak learning rate (default: the preset's)");
   cmd->add_option("--data", a.data, "a .jsonl file (a \"text\" field per line) or a directory of text files; "
                                     "default: the embedded synthetic source");
-  cmd->add_option("--workload", a.workload, "document lengths of the synthetic source: pretrain | prolong | skewed");
-  cmd->add_option("--seed", a.seed, "seed of the synthetic source")->capture_default_str();
-  cmd->add_option("--policy", a.policy, "CAD planner: minmax | distca | none")->capture_default_str();
-  cmd->add_option("--backward-mode", a.backward_mode, "stateful (servers keep forward state) | stateless (the paper's)")
-      ->capture_default_str();
+  a.workload_opt = cmd->add_option("--workload", a.workload,
+                                   "document lengths of the synthetic source: pretrain | prolong | skewed (not with --data)");
+  a.seed_opt = cmd->add_option("--seed", a.seed, "seed of the synthetic source (not with --data)")->capture_default_str();
+  a.policy_opt = cmd->add_option("--policy", a.policy, "CAD planner: minmax | distca | none")->capture_default_str();
+  a.backward_opt = cmd->add_option("--backward-mode", a.backward_mode,
+                                   "stateful (servers keep forward state) | stateless (the paper's)")
+                       ->capture_default_str();
   cmd->add_option("--threads", a.threads, "BLAS and attention threads per rank")->capture_default_str();
-  cmd->add_option("--granularity", a.granularity, "planner shard granularity in tokens (0: context / 32, 16..128)")
-      ->capture_default_str();
-  cmd->add_option("--tolerance", a.tolerance, "planner load tolerance")->capture_default_str();
+  a.granularity_opt = cmd->add_option("--granularity", a.granularity,
+                                      "planner shard granularity in tokens, 1..context (0: context / 32 clamped to 16..128)")
+                          ->capture_default_str();
+  a.tolerance_opt = cmd->add_option("--tolerance", a.tolerance, "planner load tolerance, 0..10")->capture_default_str();
   cmd->add_option("--json", a.json_path, "write per-step records and the summary to this file");
   cmd->add_option("--checkpoint", a.checkpoint, "save the model and optimizer state here (at the end, and --save-every)");
   cmd->add_option("--save-every", a.save_every, "steps between checkpoints (0: only at the end)")->capture_default_str();
   cmd->add_option("--resume", a.resume, "continue from this checkpoint (same data, ranks and context)");
-  cmd->add_option("--ranks", a.ranks, "ranks to run as threads when not under mpirun")->capture_default_str();
-  cmd->add_option("--skip", a.skip, "warm-up steps left out of the summary's time means")->capture_default_str();
+  a.ranks_opt = cmd->add_option("--ranks", a.ranks, "ranks to run as threads, 1..256 (not under mpirun: there -np sets them)")
+                    ->capture_default_str();
+  a.skip_opt = cmd->add_option("--skip", a.skip, "warm-up steps left out of the summary's time means (below --steps)")
+                   ->capture_default_str();
+  cmd->add_option("--timeout", a.timeout_seconds,
+                  "seconds any collective may wait for a peer before the job ends with an error naming it")
+      ->capture_default_str();
   return [args] { return run_train(*args); };
 }
 

@@ -2,46 +2,135 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
+#include "blas_setup.h"
 #include "cmd_bench.h"
 #include "cmd_plan.h"
 #include "cmd_profile.h"
 #include "cmd_simulate.h"
 #include "cmd_train.h"
 #include "distca/core/log.h"
+#include "distca_git_hash.h"
+#include "world.h"
+
+namespace {
+
+std::string version_text() {
+  return fmt::format(
+      "distca {} (git {}, {} build)\n"
+      "  MpiComm (mpirun): {}\n"
+      "  CUDA attention kernels: not built (no CUDA sources yet)\n"
+      "  NcclComm: not built (no NCCL communicator yet)\n",
+      DISTCA_VERSION, DISTCA_GIT_HASH, DISTCA_BUILD_TYPE, DISTCA_BUILT_MPI ? "built" : "not built (no MPI at configure time)");
+}
+
+// Levenshtein distance, for "did you mean".
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// Before CLI11 parses: the first word that is not one of distca's own options must be a command.
+// CLI11 alone answers "A subcommand is required" for `distca plna` and `distca --foo`; this names
+// the word and what is valid. Returns the error, or "" when the command line starts well.
+std::string check_command_word(int argc, char** argv, const std::vector<std::string>& commands) {
+  const std::vector<std::string> global = {"-v", "--verbose", "-q", "--quiet", "-h", "--help", "--help-all", "--version"};
+  const std::string valid = fmt::format("{}", fmt::join(commands, ", "));
+  bool is_help_or_version = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (std::find(global.begin(), global.end(), word) != global.end()) {
+      is_help_or_version = is_help_or_version || (word != "-v" && word != "--verbose" && word != "-q" && word != "--quiet");
+      continue;
+    }
+    if (word.starts_with("-")) {
+      return fmt::format("unknown option '{}' before the command; distca's own options are -v/--verbose, -q/--quiet, "
+                         "--version and --help, and each command's options follow it (distca <command> --help)",
+                         word);
+    }
+    if (std::find(commands.begin(), commands.end(), word) != commands.end()) return "";
+    std::string hint;
+    for (const std::string& c : commands) {
+      if (edit_distance(word, c) <= 2) hint = fmt::format(" (did you mean '{}'?)", c);
+    }
+    return fmt::format("unknown command '{}'{}; the commands are {}", word, hint, valid);
+  }
+  return is_help_or_version ? "" : fmt::format("a command is required: {}", valid);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
+  distca::tools::prepare_blas(argv);  // first: may re-execute this binary (blas_setup.h)
   CLI::App app{"distca: core attention disaggregation for long-context LLM training"};
   app.require_subcommand(1);
   bool is_verbose = false;
   bool is_quiet = false;
   app.add_flag("-v,--verbose", is_verbose, "log debug messages to stderr");
   app.add_flag("-q,--quiet", is_quiet, "log only errors");
+  app.set_version_flag("--version", version_text(), "print the version, git hash, build type and built parts");
 
   std::map<std::string, std::function<int()>> commands;
   commands["plan"] = distca::tools::add_plan_command(app);
-  commands["bench"] = distca::tools::add_bench_command(app);
-  commands["train"] = distca::tools::add_train_command(app);
   commands["simulate"] = distca::tools::add_simulate_command(app);
+  commands["train"] = distca::tools::add_train_command(app);
+  commands["bench"] = distca::tools::add_bench_command(app);
   commands["profile"] = distca::tools::add_profile_command(app);
 
+  const std::string bad_word = check_command_word(argc, argv, {"plan", "simulate", "train", "bench", "profile"});
+  if (!bad_word.empty()) {
+    if (distca::tools::is_primary_process()) fmt::print(stderr, "distca: error: {} (see distca --help)\n", bad_word);
+    return distca::tools::kExitBadInput;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
+    return distca::tools::is_primary_process() ? app.exit(e) : 0;
   } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
+    return distca::tools::is_primary_process() ? app.exit(e) : 0;
   } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
+    if (distca::tools::is_primary_process()) fmt::print("{}", version_text());
+    return 0;
   } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "distca: error: {} (see --help)\n", e.what());
-    return 2;
+    if (distca::tools::is_primary_process()) {
+      const CLI::App* sub = app.get_subcommands().empty() ? nullptr : app.get_subcommands().front();
+      std::string what = e.what();
+      if (sub != nullptr && !sub->get_subcommands({}).empty() && sub->get_subcommands().empty()) {
+        // `distca bench` alone: name its commands rather than CLI11's "A subcommand is required".
+        std::vector<std::string> names;
+        for (const CLI::App* s : sub->get_subcommands({})) names.push_back(s->get_name());
+        if (what.find("ubcommand") != std::string::npos) {
+          std::string unknown;  // the word after the command, if any
+          for (int i = 1; i + 1 < argc; ++i) {
+            if (argv[i] == sub->get_name() && argv[i + 1][0] != '-') unknown = argv[i + 1];
+          }
+          what = unknown.empty() ? fmt::format("{} needs one of: {}", sub->get_name(), fmt::join(names, ", "))
+                                 : fmt::format("unknown {} command '{}'; the {} commands are {}", sub->get_name(), unknown,
+                                               sub->get_name(), fmt::join(names, ", "));
+        }
+      }
+      fmt::print(stderr, "distca{}: error: {} (see distca {}--help)\n", sub ? " " + sub->get_name() : "", what,
+                 sub ? sub->get_name() + " " : "");
+    }
+    return distca::tools::kExitBadInput;
   }
   distca::set_log_level(is_verbose ? distca::LogLevel::kDebug
                                    : (is_quiet ? distca::LogLevel::kError : distca::LogLevel::kInfo));
   for (const CLI::App* sub : app.get_subcommands()) return commands.at(sub->get_name())();
-  return 2;
+  return distca::tools::kExitBadInput;
 }

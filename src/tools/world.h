@@ -1,6 +1,12 @@
 // Where a multi-rank command runs: under an MPI launcher (mpirun, srun) this process is one
 // rank of an MpiComm; otherwise `local_ranks` threads over LocalComm in this process.
+//
+// Exit codes, the same with and without mpirun (README "Exit codes"):
+//   0  done
+//   2  bad input: a flag, a file, the data, an output path, a run that cannot fit in memory
+//   1  the run failed: an I/O error while running, a timeout, a failed rank
 #pragma once
+#include <chrono>
 #include <functional>
 #include <string>
 
@@ -8,11 +14,31 @@
 
 namespace distca::tools {
 
-bool is_under_mpi();
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailed = 1;
+inline constexpr int kExitBadInput = 2;
 
-// Runs `body` on every rank. A failing rank's error is printed as "distca <command>: rank r:
-// error: ..." and ends the job (MPI: the job is aborted; LocalComm: the other ranks' pending
-// collectives fail); validate flags before calling. Returns the exit code: 0, 2 for invalid input, 1 otherwise.
-int run_world(const std::string& command, int local_ranks, const std::function<Status(comm::Communicator&)>& body);
+bool is_under_mpi();
+// This process prints usage errors: it is rank 0 of an MPI launch, or there is no launch. Under
+// mpirun every process parses the same flags and finds the same error; only one says so.
+bool is_primary_process();
+// Prints "distca <command>: error: <message>" on the primary process only.
+void print_usage_error(const std::string& command, const std::string& message);
+// The exit code of a Status: 2 for bad input (kInvalidArgument, kNotFound), 1 otherwise.
+int exit_code(const Status& s);
+
+struct WorldOptions {
+  bool is_ranks_given = false;  // --ranks was on the command line (refused under mpirun)
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};  // every collective's
+};
+
+// Runs `body` on every rank and returns the exit code. The error reaches the user once:
+// - when every rank ends (done or failed) within a few seconds of each other, as with bad data
+//   that every rank reads, the lowest failing rank prints its error and every process exits
+//   with its code after a clean finalize (no MPI_Abort);
+// - when a rank fails while its peers wait in an operation for it, it prints its error and
+//   ends the whole job (MPI: MPI_Abort with the code; LocalComm: the peers' operations fail).
+int run_world(const std::string& command, int local_ranks, const std::function<Status(comm::Communicator&)>& body,
+              const WorldOptions& options = {});
 
 }  // namespace distca::tools

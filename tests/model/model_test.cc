@@ -180,6 +180,17 @@ TEST(Model, AdamWMatchesTheHandWrittenUpdate) {
   for (size_t i = 0; i < p.size(); ++i) ASSERT_NEAR(state.params.data()[i], p[i], 1e-12) << i;
 }
 
+TEST(Model, WorkspaceEstimateIsWhatTheConstructorAllocates) {
+  // The memory check before a run relies on this formula; it must match the real layout.
+  for (int64_t tokens : {1, 37, 256}) {
+    ModelConfig c = small_config();
+    EXPECT_EQ(Model<float>::workspace_bytes(c, tokens), Model<float>(c, tokens).allocated_bytes()) << tokens;
+    c.num_layers = 3;
+    c.ffn_dim = 40;
+    EXPECT_EQ(Model<double>::workspace_bytes(c, tokens), Model<double>(c, tokens).allocated_bytes()) << tokens;
+  }
+}
+
 TEST(Model, LocalAttentionRefusesADocumentSplitAcrossRanks) {
   const ModelConfig c = small_config();
   auto batch = plan::pack_documents({30}, 2, 16);

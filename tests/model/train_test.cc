@@ -87,8 +87,45 @@ TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
       const nlohmann::json s = summarize(rs, 1);
       EXPECT_LE(s["loss_max_rel_diff"].get<double>(), 1e-5);
       // The loss falls: the last 5 steps are well below the first 5 (ln 256 = 5.55 at the start).
-      EXPECT_GT(mean_loss(rs, "cad", 0, 5) - mean_loss(rs, "cad", 15, 20), 0.5);
+      EXPECT_GT(mean_loss(rs, "cad", 1, 6) - mean_loss(rs, "cad", 16, 21), 0.5);
+      // Steps count from 1; every record's parts are the slowest rank's own and add up to its
+      // step, and the bound is never above the measured step.
+      for (size_t i = 0; i < rs.size(); ++i) {
+        const StepRecord& r = rs[i];
+        EXPECT_EQ(r.step, static_cast<int64_t>(i / 2 + 1));
+        EXPECT_NEAR(r.linear_seconds + r.attention_seconds + r.comm_seconds + r.wait_seconds + r.optimizer_seconds +
+                        r.other_seconds,
+                    r.step_seconds, 1e-9);
+        EXPECT_GE(r.other_seconds, -1e-6) << "the named parts never exceed the step";
+        EXPECT_GT(r.bound_seconds, 0);
+        EXPECT_LE(r.bound_seconds, r.step_seconds) << "step " << r.step << " " << r.backend;
+        EXPECT_LE(r.attention_min_seconds, r.attention_max_seconds);
+      }
+      EXPECT_LE(s["backends"]["cad"]["bound_seconds"].get<double>(), s["backends"]["cad"]["step_seconds"].get<double>());
+      EXPECT_EQ(s["backends"]["cad"]["loss_steps"], 10);
     }
+  }
+}
+
+TEST(Train, ShortRunsSummarizeTheirLossOverHalfTheSteps) {
+  // With 10 steps or fewer the first and last loss means must not cover the same steps.
+  for (int steps : {1, 2, 3, 10}) {
+    std::vector<StepRecord> rs;
+    for (int i = 0; i < steps; ++i) {
+      StepRecord r;
+      r.step = i + 1;
+      r.backend = "cad";
+      r.loss = 10.0 - i;
+      r.step_seconds = 1;
+      rs.push_back(r);
+    }
+    const nlohmann::json s = summarize(rs, 1);
+    const int64_t k = s["backends"]["cad"]["loss_steps"];
+    EXPECT_EQ(k, steps == 1 ? 1 : steps / 2) << steps;
+    if (steps > 1) {
+      EXPECT_GT(s["loss_first"].get<double>(), s["loss_last"].get<double>()) << steps;
+    }
+    EXPECT_EQ(s["backends"]["cad"]["timed_steps"], steps == 1 ? 1 : steps - 1);
   }
 }
 

@@ -35,4 +35,34 @@ TEST(Cli, HelpExitsZero) {
   EXPECT_NE(train.out.find("--compare"), std::string::npos);
 }
 
+TEST(Cli, UnknownCommandsAndOptionsAreNamed) {
+  CmdResult typo = distca("plna");
+  EXPECT_EQ(typo.exit_code, 2);
+  EXPECT_EQ(count_lines(typo.err), 1) << typo.err;
+  EXPECT_NE(typo.err.find("unknown command 'plna'"), std::string::npos) << typo.err;
+  EXPECT_NE(typo.err.find("did you mean 'plan'"), std::string::npos) << typo.err;
+  EXPECT_NE(typo.err.find("simulate"), std::string::npos) << "lists the commands: " << typo.err;
+  CmdResult option = distca("--foo");
+  EXPECT_EQ(option.exit_code, 2);
+  EXPECT_NE(option.err.find("'--foo'"), std::string::npos) << option.err;
+  CmdResult none = distca("");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.err.find("plan, simulate, train, bench, profile"), std::string::npos) << none.err;
+  CmdResult bench = distca("bench nothing");
+  EXPECT_EQ(bench.exit_code, 2);
+  EXPECT_NE(bench.err.find("'nothing'"), std::string::npos) << bench.err;
+  EXPECT_NE(bench.err.find("attention, dispatch, calibration"), std::string::npos) << bench.err;
+}
+
+TEST(Cli, VersionNamesTheBuild) {
+  CmdResult r = distca("--version");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("distca 0."), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("git "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("build"), std::string::npos) << r.out;
+  // What is built, not what was found: there are no CUDA sources or NCCL communicator yet.
+  EXPECT_NE(r.out.find("CUDA attention kernels: not built"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("NcclComm: not built"), std::string::npos) << r.out;
+}
+
 }  // namespace

@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string>
 
+#include <unistd.h>
+
 #include "distca/core/file.h"
 #include "distca/plan/plan_io.h"
 
@@ -35,21 +37,35 @@ TEST(Cli, TrainCompareJsonHasTheDocumentedFields) {
   EXPECT_EQ(j["format"], "distca-train");
   EXPECT_EQ(j["steps"].size(), 8u);
   const auto& s = j["summary"];
-  for (const char* field : {"colocated_step_seconds", "cad_step_seconds", "ideal_step_seconds", "speedup", "loss_first",
+  for (const char* field : {"colocated_step_seconds", "cad_step_seconds", "cad_over_bound", "speedup", "loss_first",
                             "loss_last"}) {
     EXPECT_GT(s[field].get<double>(), 0.0) << field;
   }
   EXPECT_LE(s["loss_max_rel_diff"].get<double>(), 1e-5);
+  int64_t expected_step = 1;
   for (const auto& rec : j["steps"]) {
     for (const char* field : {"loss", "step_seconds", "tokens_per_second", "linear_seconds", "attention_seconds",
-                              "comm_seconds", "wait_seconds", "attention_imbalance", "ideal_seconds"}) {
+                              "comm_seconds", "wait_seconds", "optimizer_seconds", "other_seconds",
+                              "attention_imbalance", "bound_seconds"}) {
       EXPECT_TRUE(rec.contains(field)) << field;
     }
+    // The JSON numbers steps as the console does (from 1), and the printed parts add up.
+    EXPECT_EQ(rec["step"].get<int64_t>(), expected_step) << rec.dump();
+    if (rec["backend"] == "cad") ++expected_step;
+    double parts = 0;
+    for (const char* part : {"linear_seconds", "attention_seconds", "comm_seconds", "wait_seconds", "optimizer_seconds",
+                             "other_seconds"}) {
+      parts += rec[part].get<double>();
+    }
+    EXPECT_NEAR(parts, rec["step_seconds"].get<double>(), 1e-9);
+    EXPECT_LE(rec["bound_seconds"].get<double>(), rec["step_seconds"].get<double>());
   }
+  EXPECT_NE(r.out.find("step    1/4"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("loss, mean of first 2 -> last 2"), std::string::npos) << r.out;
   // Resuming continues at step 4.
   CmdResult resumed = distca("train --preset tiny --compare --steps 6 --ranks 2 --resume " + ckpt);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
-  EXPECT_NE(resumed.out.find("resumed at step 4"), std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed after step 4"), std::string::npos) << resumed.out;
   EXPECT_NE(resumed.out.find("step    5/6"), std::string::npos) << resumed.out;
   EXPECT_EQ(resumed.out.find("step    4/6"), std::string::npos) << resumed.out;
 }
@@ -72,15 +88,108 @@ TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"bad jsonl line", "--data " + bad_jsonl, "bad.jsonl:2"},
       {"not a checkpoint", "--resume " + not_ckpt, "not a distca checkpoint"},
       {"missing checkpoint", "--resume /nonexistent.ckpt", "/nonexistent.ckpt"},
+      {"policy all", "--policy all", "one planner"},
+      {"workload with data", "--workload prolong --data " + bad_jsonl, "--workload"},
+      {"seed with data", "--seed 3 --data " + bad_jsonl, "--seed"},
+      {"attention with compare", "--attention colocated --compare", "--compare"},
+      {"policy without cad", "--attention colocated --policy distca", "--policy"},
+      {"tolerance without cad", "--attention colocated --tolerance 0.1", "--tolerance"},
+      {"granularity above the context", "--granularity 100000", "--granularity"},
+      {"negative granularity", "--granularity -1", "--granularity"},
+      {"skip every step", "--skip 10", "--skip"},
+      {"zero timeout", "--timeout 0", "--timeout"},
+      {"more memory than the machine", "--context 100000000", "GiB"},
+      {"json into a missing folder", "--checkpoint /nonexistent/ck.bin", "/nonexistent"},
+      {"json and checkpoint on one file", "--checkpoint " + json, "same file"},
   };
   for (const BadInput& c : cases) {
     const std::string preset = c.args.find("--preset") == std::string::npos ? "--preset tiny " : "";
     CmdResult r = distca("train " + preset + "--steps 2 --json " + json + " " + c.args);
     EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(r.out, "") << c.name << ": refused before any work";
     EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
     EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
     EXPECT_FALSE(fs::exists(json)) << c.name;
   }
 }
+
+TEST(Cli, TrainResumeAtOrPastTheLastStepIsRefused) {
+  // It once crashed (exit 139) summarizing an empty list of steps.
+  const std::string ckpt = (scratch() / "done.ckpt").string();
+  ASSERT_EQ(distca("train --preset tiny --steps 4 --ranks 2 --checkpoint " + ckpt + " --save-every 2").exit_code, 0);
+  for (const char* steps : {"4", "3"}) {
+    CmdResult r = distca(std::string("train --preset tiny --ranks 2 --steps ") + steps + " --resume " + ckpt);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find("nothing left to train"), std::string::npos) << r.err;
+  }
+  // --skip that leaves nothing after the resumed step is refused too.
+  CmdResult skip = distca("train --preset tiny --ranks 2 --steps 6 --skip 2 --resume " + ckpt);
+  EXPECT_EQ(skip.exit_code, 2) << skip.err;
+  EXPECT_NE(skip.err.find("--skip"), std::string::npos) << skip.err;
+}
+
+TEST(Cli, TrainOutputPathsAreCheckedBeforeTraining) {
+  // A missing folder is named at once (not after the run, not as a .tmp file).
+  CmdResult r = distca("train --preset tiny --steps 50 --ranks 2 --json /nonexistent/x.json");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find("--json /nonexistent/x.json"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(".tmp"), std::string::npos) << r.err;
+  // The report may not replace the checkpoint it resumes from.
+  const std::string ckpt = (scratch() / "keep.ckpt").string();
+  ASSERT_EQ(distca("train --preset tiny --steps 2 --ranks 2 --checkpoint " + ckpt).exit_code, 0);
+  const std::string before = distca::read_text_file(ckpt).value();
+  CmdResult same = distca("train --preset tiny --steps 4 --ranks 2 --resume " + ckpt + " --json " + ckpt);
+  EXPECT_EQ(same.exit_code, 2) << same.err;
+  EXPECT_EQ(distca::read_text_file(ckpt).value(), before);
+}
+
+TEST(Cli, TrainRuntimeFailureExitsOneWithTheRealError) {
+  // As root, /proc passes the early check (the folder is there and access() allows root) but
+  // the write fails when the checkpoint is saved: a failed run, exit 1, and the message names
+  // the path and the reason, whichever rank reports it.
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for the early check to pass";
+  CmdResult r = distca("train --preset tiny --steps 2 --ranks 2 --checkpoint /proc/distca-ck.bin");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("/proc/distca-ck.bin: cannot open for writing"), std::string::npos) << r.err;
+}
+
+#ifdef DISTCA_MPIRUN
+// Under mpirun the same exit codes, one message, and no MPI_Abort banner for errors every rank
+// knows. (mpirun -q keeps mpirun's own "a process returned non-zero" note out; the README's
+// commands use it.)
+CmdResult mpirun(int np, const std::string& args) {
+  return cli::run_shell(std::string(DISTCA_MPIRUN) + " -q --allow-run-as-root --oversubscribe --bind-to none -np " +
+                        std::to_string(np) + " " + DISTCA_BIN + " " + args);
+}
+
+TEST(Cli, TrainUnderMpirunReportsOnceWithTheSameExitCodes) {
+  const std::string bad_jsonl = write("mpi_bad.jsonl", "{\"text\": \"fine\"}\nnot json\n");
+  const BadInput cases[] = {
+      {"bad data", "train --preset tiny --data " + bad_jsonl, "mpi_bad.jsonl:2"},
+      {"--ranks under mpirun", "train --preset tiny --ranks 4", "--ranks"},
+      {"missing output folder", "train --preset tiny --checkpoint /nonexistent/ck.bin", "/nonexistent"},
+      {"usage error", "train --preset tiny --steps 0", "--steps"},
+      {"unknown command", "plna", "plan"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = mpirun(2, c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_EQ(r.err.find("MPI_ABORT"), std::string::npos) << c.name << ": " << r.err;
+  }
+  if (geteuid() == 0) {
+    CmdResult r = mpirun(2, "train --preset tiny --steps 2 --checkpoint /proc/distca-ck.bin");
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find("/proc/distca-ck.bin: cannot open for writing"), std::string::npos) << r.err;
+  }
+  CmdResult good = mpirun(2, "train --preset tiny --steps 2");
+  EXPECT_EQ(good.exit_code, 0) << good.err;
+}
+#endif
 
 }  // namespace

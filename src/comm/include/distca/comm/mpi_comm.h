@@ -1,7 +1,8 @@
 // MpiComm: the Communicator over Open MPI, the engine distca runs on across machines (launched
 // with mpirun or srun). Built when CMake finds MPI. Non-blocking operations are MPI requests
 // that progress when test()/wait() call MPI_Test; all-to-all-v is point-to-point per peer, so a
-// timeout names the peers whose bytes never came. abort() ends the whole job (MPI_Abort).
+// timeout names the peers whose bytes never came. abort() ends the whole job (MPI_Abort); a job
+// whose ranks all know the outcome ends cleanly instead (agree_on_outcome, then MPI_Finalize).
 #pragma once
 
 #include <memory>
@@ -25,11 +26,26 @@ class MpiComm final : public Communicator {
   Result<std::unique_ptr<Work>> all_reduce_sum_async(float* data, int64_t count) override;
   Result<std::unique_ptr<Work>> broadcast_async(void* data, int64_t bytes, int root) override;
   Result<std::unique_ptr<Work>> barrier_async() override;
+  // Prints `reason` (one line) and ends the whole job with exit code 1 (MPI_Abort).
   void abort(const std::string& reason) override;
+  // The same with the exit code `code`.
+  [[noreturn]] void abort_with(int code, const std::string& reason);
+
+  // Every rank gives its exit code (0: done); returns the lowest failing rank and its code, or
+  // {-1, 0} when every rank is done. Runs on a communicator of its own, so it is safe while
+  // operations of the job are still pending. kInternal when not every rank joins within
+  // `timeout` (a peer is stuck in an operation that waits for this rank): then only abort ends
+  // the job.
+  struct Outcome {
+    int first_failed_rank = -1;
+    int code = 0;
+  };
+  Result<Outcome> agree_on_outcome(int code, std::chrono::milliseconds timeout);
 
  private:
   MpiComm(int rank, int size, bool is_owner) : rank_(rank), size_(size), is_owner_(is_owner) {}
   int rank_;
+  void* outcome_comm_ = nullptr;  // an MPI_Comm (a duplicate of the world) for agree_on_outcome
   int size_;
   bool is_owner_;
   uint64_t next_seq_ = 0;

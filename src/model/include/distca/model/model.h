@@ -85,6 +85,12 @@ class Model {
   // once: a step allocates nothing.
   Model(const ModelConfig& config, int64_t max_tokens);
   const ModelConfig& config() const { return config_; }
+  // The bytes the constructor allocates, computed without allocating (memory estimates).
+  static int64_t workspace_bytes(const ModelConfig& config, int64_t max_tokens);
+  int64_t allocated_bytes() const {
+    return acts_.size() * static_cast<int64_t>(sizeof(T)) + static_cast<int64_t>(lse_.size() * sizeof(float) +
+                                                                                  tokens_.size() * sizeof(int32_t));
+  }
 
   // Runs the forward and the loss. Returns the sum over this rank's targets of the loss; keeps
   // dLoss/dlogits scaled by loss_scale (1 / the global number of targets) for backward.

@@ -43,33 +43,51 @@ struct TrainOptions {
 
 // One step of one backend, over all ranks.
 struct StepRecord {
-  int64_t step = 0;
+  int64_t step = 0;           // 1 for the first step of a run from scratch, as printed
   std::string backend;
   double loss = 0;            // mean over the step's targets
   double grad_norm = 0;       // before clipping
   double lr = 0;
   double step_seconds = 0;    // the slowest rank's
   double tokens_per_second = 0;
-  // The slowest rank's seconds in each part (max over ranks of each).
+  // The slowest rank's own breakdown of its step; the terms add up to step_seconds exactly.
+  int slowest_rank = 0;
   double linear_seconds = 0;     // everything in the model but attention (norms, GEMMs, loss)
   double attention_seconds = 0;  // attention kernels
   double comm_seconds = 0;       // attention dispatch and return, plan check, gradient all-reduce
   double wait_seconds = 0;       // at the barrier before the all-reduce: waiting for the slowest rank
   double optimizer_seconds = 0;
+  double other_seconds = 0;      // the rest of the step (planning, bookkeeping)
+  // Across ranks.
+  double attention_min_seconds = 0, attention_max_seconds = 0;
+  double wait_max_seconds = 0;
   double attention_imbalance = 0;  // max / mean over ranks of attention seconds
-  // The step time if attention were exactly the mean on every rank: the slowest rank's step
-  // without its attention and wait, plus the mean attention.
-  double ideal_seconds = 0;
+  // A lower bound on this step's time, from what each rank computed: no step can beat
+  // max(the largest rank's linear + optimizer work, the mean over ranks of linear + optimizer +
+  // attention work), the step with compute perfectly balanced and communication and waiting free.
+  double bound_seconds = 0;
   int64_t attention_bytes = 0;  // sent between ranks by the attention backend, all ranks and phases
   nlohmann::json to_json() const;
 };
+
+// A memory estimate for one rank of a run with these options, in bytes: parameters, gradients
+// and AdamW moments of every backend, the model's activation workspace, and the attention
+// buffers (CAD: the largest exchange a plan within the tolerance may ask for).
+struct MemoryEstimate {
+  int64_t states_bytes = 0;
+  int64_t activations_bytes = 0;
+  int64_t attention_bytes = 0;
+  int64_t data_bytes = 0;
+  int64_t total() const { return states_bytes + activations_bytes + attention_bytes + data_bytes; }
+};
+MemoryEstimate estimate_memory(const TrainOptions& options, int ranks);
 
 class Trainer {
  public:
   // Collective (every rank creates its trainer with the same options).
   static Result<std::unique_ptr<Trainer>> create(comm::Communicator& comm, TrainOptions options);
   ~Trainer();
-  // One step of every backend; on rank 0 `progress` gets a line per record.
+  // One step of every backend.
   Result<std::vector<StepRecord>> step();
   int64_t steps_done() const { return step_; }
   const TrainOptions& options() const { return options_; }
@@ -96,9 +114,11 @@ class Trainer {
   plan::Batch last_batch_;
 };
 
-// A summary of a whole run: per backend mean step time, tokens/s, waits and losses, and with
-// two backends the speedup and the loss agreement. The first `skip` steps (warm-up) are left
-// out of the time means.
+// A summary of a whole run: per backend mean step time (and its parts), tokens/s, waits, the
+// lower bound and losses, and with two backends the speedup and the loss agreement. The first
+// `skip` steps (warm-up) are left out of the time means (at least one step is kept). The loss
+// means are over the first and last k = min(10, steps / 2) steps (k = 1 for one step).
+// REQUIRES: records is not empty.
 nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip);
 
 }  // namespace distca::model
