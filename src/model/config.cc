@@ -1,10 +1,84 @@
 #include "distca/model/config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <set>
 
 #include <fmt/format.h>
 
 namespace distca::model {
+
+namespace {
+
+// Reads the fields of one JSON object with their types, remembering which it read, so that a
+// field of the wrong type or an unknown one is refused with a message naming it.
+class FieldReader {
+ public:
+  FieldReader(const nlohmann::json& j, std::string what) : j_(j), what_(std::move(what)) {}
+  Status object() const {
+    if (!j_.is_object()) return invalid_argument(fmt::format("{}: expected a JSON object, got {}", what_, j_.dump()));
+    return Status::ok();
+  }
+  // Integers must be JSON integers (1.5 is refused, not rounded). A missing optional field
+  // leaves `out` as it is.
+  Status integer(const char* key, int64_t& out, bool required = true) {
+    if (!present(key)) return missing(key, required);
+    const nlohmann::json& v = j_[key];
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX)) {
+      return invalid_argument(fmt::format("{}: field \"{}\" must be an integer, got {}", what_, key, v.dump()));
+    }
+    out = v.get<int64_t>();
+    return Status::ok();
+  }
+  Status unsigned_integer(const char* key, uint64_t& out) {
+    if (!present(key)) return missing(key, true);
+    const nlohmann::json& v = j_[key];
+    if (!v.is_number_unsigned()) {
+      return invalid_argument(fmt::format("{}: field \"{}\" must be an integer >= 0, got {}", what_, key, v.dump()));
+    }
+    out = v.get<uint64_t>();
+    return Status::ok();
+  }
+  Status number(const char* key, double& out, bool required = true) {
+    if (!present(key)) return missing(key, required);
+    const nlohmann::json& v = j_[key];
+    if (!v.is_number()) return invalid_argument(fmt::format("{}: field \"{}\" must be a number, got {}", what_, key, v.dump()));
+    out = v.get<double>();
+    return Status::ok();
+  }
+  Status string(const char* key, std::string& out, bool required = true) {
+    if (!present(key)) return missing(key, required);
+    const nlohmann::json& v = j_[key];
+    if (!v.is_string()) return invalid_argument(fmt::format("{}: field \"{}\" must be a string, got {}", what_, key, v.dump()));
+    out = v.get<std::string>();
+    return Status::ok();
+  }
+  // Refuses every field no call above asked for.
+  Status no_other_fields() const {
+    for (const auto& [key, value] : j_.items()) {
+      if (!read_.contains(key)) return invalid_argument(fmt::format("{}: unknown field \"{}\"", what_, key));
+    }
+    return Status::ok();
+  }
+
+ private:
+  // Whether the field is there; either way it counts as read.
+  bool present(const char* key) {
+    read_.insert(key);
+    return j_.contains(key);
+  }
+  Status missing(const char* key, bool required) const {
+    if (!required) return Status::ok();
+    return invalid_argument(fmt::format("{}: missing field \"{}\"", what_, key));
+  }
+  const nlohmann::json& j_;
+  std::string what_;
+  std::set<std::string> read_;
+};
+
+}  // namespace
 
 Status ModelConfig::validate() const {
   auto positive = [](const char* what, int64_t v, int64_t max) -> Status {
@@ -36,6 +110,25 @@ int64_t ModelConfig::num_parameters() const {
 Status OptimConfig::validate() const {
   if (!(lr > 0) || lr > 1) return invalid_argument(fmt::format("--lr must be in (0, 1], got {}", lr));
   if (warmup_steps < 0) return invalid_argument("warm-up steps must be >= 0");
+  if (schedule != "constant" && schedule != "cosine" && schedule != "linear") {
+    return invalid_argument(fmt::format("--lr-schedule must be constant, cosine or linear, got '{}'", schedule));
+  }
+  if (min_lr && (!(*min_lr >= 0) || *min_lr > lr)) {
+    return invalid_argument(fmt::format("--min-lr must be in [0, lr = {}], got {}", lr, *min_lr));
+  }
+  if (total_steps < 0) return invalid_argument(fmt::format("total steps must be >= 0, got {}", total_steps));
+  if (schedule != "constant") {
+    if (total_steps < 1) {
+      return invalid_argument(fmt::format("the {} schedule decays to the floor at the last step: it needs the total "
+                                          "steps (>= 1), got {}",
+                                          schedule, total_steps));
+    }
+    if (warmup_steps >= total_steps) {
+      return invalid_argument(fmt::format("the {} schedule needs the warm-up ({} steps) to end before the last step "
+                                          "(of {}): lower the warm-up or train more steps",
+                                          schedule, warmup_steps, total_steps));
+    }
+  }
   if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1)) return invalid_argument("AdamW betas must be in [0, 1)");
   if (!(eps > 0)) return invalid_argument("AdamW eps must be > 0");
   if (!(weight_decay >= 0) || weight_decay > 1) return invalid_argument("weight decay must be in [0, 1]");
@@ -44,9 +137,20 @@ Status OptimConfig::validate() const {
 }
 
 double OptimConfig::lr_at(int64_t step) const {
+  step = std::max<int64_t>(step, 0);
   if (step < warmup_steps) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
-  return lr;
+  if (schedule == "constant") return lr;
+  const double floor = floor_lr();
+  const int64_t last = total_steps - 1;
+  if (step >= last) return floor;
+  // validate() keeps the warm-up before the last step, so the decay spans at least one step.
+  const int64_t peak = std::max<int64_t>(warmup_steps - 1, 0);
+  const double x = static_cast<double>(step - peak) / static_cast<double>(last - peak);
+  if (schedule == "cosine") return floor + (lr - floor) * 0.5 * (1.0 + std::cos(std::numbers::pi * x));
+  return lr - (lr - floor) * x;
 }
+
+std::vector<std::string> lr_schedules() { return {"constant", "cosine", "linear"}; }
 
 std::vector<std::string> preset_names() { return {"tiny", "demo"}; }
 
@@ -86,28 +190,62 @@ nlohmann::json to_json(const ModelConfig& c) {
 }
 
 nlohmann::json to_json(const OptimConfig& c) {
-  return {{"lr", c.lr},       {"warmup_steps", c.warmup_steps}, {"beta1", c.beta1},
-          {"beta2", c.beta2}, {"eps", c.eps},                   {"weight_decay", c.weight_decay},
+  return {{"lr", c.lr},
+          {"warmup_steps", c.warmup_steps},
+          {"schedule", c.schedule},
+          {"min_lr", c.floor_lr()},
+          {"total_steps", c.total_steps},
+          {"beta1", c.beta1},
+          {"beta2", c.beta2},
+          {"eps", c.eps},
+          {"weight_decay", c.weight_decay},
           {"clip_norm", c.clip_norm}};
 }
 
 Result<ModelConfig> model_config_from_json(const nlohmann::json& j) {
   ModelConfig c;
-  try {
-    c.vocab_size = j.at("vocab_size").get<int64_t>();
-    c.d_model = j.at("d_model").get<int64_t>();
-    c.num_layers = j.at("num_layers").get<int64_t>();
-    c.num_q_heads = j.at("num_q_heads").get<int64_t>();
-    c.num_kv_heads = j.at("num_kv_heads").get<int64_t>();
-    c.head_dim = j.at("head_dim").get<int64_t>();
-    c.ffn_dim = j.at("ffn_dim").get<int64_t>();
-    c.rope_base = j.at("rope_base").get<double>();
-    c.norm_eps = j.at("norm_eps").get<double>();
-    c.init_std = j.at("init_std").get<double>();
-    c.init_seed = j.at("init_seed").get<uint64_t>();
-  } catch (const nlohmann::json::exception& e) {
-    return invalid_argument(fmt::format("model config: {}", e.what()));
+  FieldReader r(j, "model config");
+  DISTCA_RETURN_IF_ERROR(r.object());
+  DISTCA_RETURN_IF_ERROR(r.integer("vocab_size", c.vocab_size));
+  DISTCA_RETURN_IF_ERROR(r.integer("d_model", c.d_model));
+  DISTCA_RETURN_IF_ERROR(r.integer("num_layers", c.num_layers));
+  DISTCA_RETURN_IF_ERROR(r.integer("num_q_heads", c.num_q_heads));
+  DISTCA_RETURN_IF_ERROR(r.integer("num_kv_heads", c.num_kv_heads));
+  DISTCA_RETURN_IF_ERROR(r.integer("head_dim", c.head_dim));
+  DISTCA_RETURN_IF_ERROR(r.integer("ffn_dim", c.ffn_dim));
+  DISTCA_RETURN_IF_ERROR(r.number("rope_base", c.rope_base));
+  DISTCA_RETURN_IF_ERROR(r.number("norm_eps", c.norm_eps));
+  DISTCA_RETURN_IF_ERROR(r.number("init_std", c.init_std));
+  DISTCA_RETURN_IF_ERROR(r.unsigned_integer("init_seed", c.init_seed));
+  int64_t parameters = -1;
+  DISTCA_RETURN_IF_ERROR(r.integer("parameters", parameters, /*required=*/false));
+  DISTCA_RETURN_IF_ERROR(r.no_other_fields());
+  DISTCA_RETURN_IF_ERROR(c.validate());
+  if (parameters != -1 && parameters != c.num_parameters()) {
+    return invalid_argument(fmt::format("model config: field \"parameters\" is {}, but the config has {} parameters",
+                                        parameters, c.num_parameters()));
   }
+  return c;
+}
+
+Result<OptimConfig> optim_config_from_json(const nlohmann::json& j) {
+  OptimConfig c;
+  FieldReader r(j, "optimizer config");
+  DISTCA_RETURN_IF_ERROR(r.object());
+  DISTCA_RETURN_IF_ERROR(r.number("lr", c.lr));
+  DISTCA_RETURN_IF_ERROR(r.integer("warmup_steps", c.warmup_steps));
+  // Optional: JSON from before the schedules is the constant schedule it always was.
+  DISTCA_RETURN_IF_ERROR(r.string("schedule", c.schedule, /*required=*/false));
+  double min_lr = -1;
+  DISTCA_RETURN_IF_ERROR(r.number("min_lr", min_lr, /*required=*/false));
+  if (j.contains("min_lr")) c.min_lr = min_lr;
+  DISTCA_RETURN_IF_ERROR(r.integer("total_steps", c.total_steps, /*required=*/false));
+  DISTCA_RETURN_IF_ERROR(r.number("beta1", c.beta1));
+  DISTCA_RETURN_IF_ERROR(r.number("beta2", c.beta2));
+  DISTCA_RETURN_IF_ERROR(r.number("eps", c.eps));
+  DISTCA_RETURN_IF_ERROR(r.number("weight_decay", c.weight_decay));
+  DISTCA_RETURN_IF_ERROR(r.number("clip_norm", c.clip_norm));
+  DISTCA_RETURN_IF_ERROR(r.no_other_fields());
   DISTCA_RETURN_IF_ERROR(c.validate());
   return c;
 }

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "distca/core/file.h"
 #include "distca/plan/workload.h"
 
 namespace distca::model {
@@ -51,6 +52,22 @@ class MarkovText {
   int next_[kSymbols][4];
 };
 
+// The seed of a synthetic source's held-out stream is its own plus this (a prime, so nearby
+// seeds of other runs do not land on it by accident).
+constexpr uint64_t kHeldOutSeedOffset = 1000003;
+
+// DocumentSource::hold_out's common checks.
+Status check_hold_out(const std::string& what, int64_t documents, int64_t available, bool started) {
+  if (started) return invalid_argument(fmt::format("{}: hold documents out before reading any", what));
+  if (documents < 1) return invalid_argument(fmt::format("{}: hold out at least 1 document, got {}", what, documents));
+  if (available >= 0 && documents >= available) {
+    return invalid_argument(fmt::format("{}: holding out {} of its {} documents leaves none to train on; hold out at "
+                                        "most {}",
+                                        what, documents, available, available - 1));
+  }
+  return Status::ok();
+}
+
 class SyntheticSource final : public DocumentSource {
  public:
   SyntheticSource(std::string workload, plan::LengthDistribution dist, int64_t context, uint64_t seed)
@@ -58,7 +75,15 @@ class SyntheticSource final : public DocumentSource {
   std::string describe() const override {
     return fmt::format("synthetic ({} lengths, context {}, seed {})", workload_, context_, seed_);
   }
+  std::string identity() const override {
+    return fmt::format("synthetic workload {} context {} seed {}", workload_, context_, seed_);
+  }
+  Result<std::unique_ptr<DocumentSource>> hold_out(int64_t documents) override {
+    DISTCA_RETURN_IF_ERROR(check_hold_out(describe(), documents, -1, started_));
+    return std::unique_ptr<DocumentSource>(new SyntheticSource(workload_, dist_, context_, seed_ + kHeldOutSeedOffset));
+  }
   Result<std::vector<int32_t>> next() override {
+    started_ = true;
     const int64_t len = next_length();
     std::vector<int32_t> doc(static_cast<size_t>(len));
     int s = static_cast<int>(rng_.next() % MarkovText::kSymbols);
@@ -92,6 +117,7 @@ class SyntheticSource final : public DocumentSource {
   SplitMix rng_;
   MarkovText text_;
   int64_t short_left_ = 0;
+  bool started_ = false;
 };
 
 std::vector<int32_t> bytes_to_tokens(const std::string& s) {
@@ -116,52 +142,130 @@ Result<std::string> jsonl_text(const std::string& line, const std::string& path,
   return j["text"].get<std::string>();
 }
 
+constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ULL, kFnvPrime = 0x100000001b3ULL;
+
+uint64_t fnv1a(const std::string& bytes) {
+  uint64_t h = kFnvOffset;
+  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * kFnvPrime;
+  return h;
+}
+
+// The identity of a run of documents from their hashes: the count and an FNV-1a hash over the
+// documents' hashes in order (so both the text and where one document ends count).
+std::string content_identity(std::span<const uint64_t> hashes) {
+  uint64_t h = kFnvOffset;
+  for (const uint64_t d : hashes) {
+    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((d >> (8 * byte)) & 0xff)) * kFnvPrime;
+  }
+  return fmt::format("{} documents, fnv1a-64 {:016x}", hashes.size(), h);
+}
+
+// Which part of a file source's n documents [begin, end) a source reads: all of them, the
+// training part left by hold_out (a prefix), or the held-out part (the rest).
+std::string part_of(int64_t begin, int64_t end, int64_t n, const char* noun) {
+  if (begin == 0 && end == n) return fmt::format("{} {}", n, noun);
+  if (begin == 0) return fmt::format("{} of {} {}; the last {} held out", end, n, noun, n - end);
+  return fmt::format("the last {} of {} {}: held out", end - begin, n, noun);
+}
+
+// Documents [begin, end) of the non-empty lines of a JSONL file, `hashes` holding every
+// document's hash as it was when the file was opened.
 class JsonlSource final : public DocumentSource {
  public:
-  JsonlSource(std::string path, int64_t documents) : path_(std::move(path)), documents_(documents) {}
-  std::string describe() const override { return fmt::format("{} ({} documents, JSON lines)", path_, documents_); }
+  JsonlSource(std::string path, std::vector<uint64_t> hashes, int64_t begin, int64_t end)
+      : path_(std::move(path)), hashes_(std::move(hashes)), begin_(begin), end_(end) {}
+  std::string describe() const override {
+    return fmt::format("{} ({}, JSON lines)", path_, part_of(begin_, end_, std::ssize(hashes_), "documents"));
+  }
+  std::string identity() const override {
+    return content_identity(std::span(hashes_).subspan(static_cast<size_t>(begin_), static_cast<size_t>(end_ - begin_)));
+  }
+  int64_t epoch() const override { return epoch_; }
+  Result<std::unique_ptr<DocumentSource>> hold_out(int64_t documents) override {
+    DISTCA_RETURN_IF_ERROR(check_hold_out(path_, documents, end_ - begin_, index_ > 0 || epoch_ > 0));
+    auto held = std::make_unique<JsonlSource>(path_, hashes_, end_ - documents, end_);
+    end_ -= documents;
+    return std::unique_ptr<DocumentSource>(std::move(held));
+  }
   Result<std::vector<int32_t>> next() override {
-    for (int pass = 0; pass < 2; ++pass) {
-      std::string line;
-      while (std::getline(in_, line)) {
-        ++line_;
-        DISTCA_ASSIGN_OR_RETURN(std::string text, jsonl_text(line, path_, line_));
-        if (!text.empty()) return bytes_to_tokens(text);
-      }
-      in_ = std::ifstream(path_);  // the next epoch
-      line_ = 0;
+    if (index_ == end_) {  // this epoch's documents are done: start the next from the top
+      in_ = std::ifstream(path_);
       if (!in_) return not_found(fmt::format("{}: cannot reopen", path_));
+      line_ = 0;
+      index_ = 0;
+      ++epoch_;
     }
-    return internal_error(fmt::format("{}: no document on a whole pass", path_));
+    std::string line;
+    while (std::getline(in_, line)) {
+      ++line_;
+      DISTCA_ASSIGN_OR_RETURN(std::string text, jsonl_text(line, path_, line_));
+      if (text.empty()) continue;
+      const int64_t i = index_++;
+      if (i < begin_) continue;  // before this source's part
+      if (fnv1a(text) != hashes_[static_cast<size_t>(i)]) {
+        return invalid_argument(fmt::format("{}:{}: the file changed while training (document {} differs from when "
+                                            "it was opened); restart the run",
+                                            path_, line_, i + 1));
+      }
+      return bytes_to_tokens(text);
+    }
+    return invalid_argument(fmt::format("{}: the file changed while training (it had {} documents when opened, now "
+                                        "{}); restart the run",
+                                        path_, hashes_.size(), index_));
   }
 
  private:
   std::string path_;
-  int64_t documents_;
+  std::vector<uint64_t> hashes_;
+  int64_t begin_, end_;
   std::ifstream in_{path_};
-  int64_t line_ = 0;
+  int64_t line_ = 0;   // of the last line read
+  int64_t index_ = 0;  // the file's next document
+  int64_t epoch_ = 0;
 };
 
+// Files [begin, end) of a sorted list of non-empty files, `hashes` holding each file's hash as
+// it was when the directory was opened.
 class DirectorySource final : public DocumentSource {
  public:
-  DirectorySource(std::string dir, std::vector<std::string> files) : dir_(std::move(dir)), files_(std::move(files)) {}
-  std::string describe() const override { return fmt::format("{} ({} text files)", dir_, files_.size()); }
+  DirectorySource(std::string dir, std::vector<std::string> files, std::vector<uint64_t> hashes, size_t begin,
+                  size_t end)
+      : dir_(std::move(dir)), files_(std::move(files)), hashes_(std::move(hashes)), begin_(begin), end_(end),
+        next_(begin) {}
+  std::string describe() const override {
+    return fmt::format("{} ({})", dir_,
+                       part_of(static_cast<int64_t>(begin_), static_cast<int64_t>(end_), std::ssize(files_), "text files"));
+  }
+  std::string identity() const override { return content_identity(std::span(hashes_).subspan(begin_, end_ - begin_)); }
+  int64_t epoch() const override { return epoch_; }
+  Result<std::unique_ptr<DocumentSource>> hold_out(int64_t documents) override {
+    DISTCA_RETURN_IF_ERROR(check_hold_out(dir_, documents, static_cast<int64_t>(end_ - begin_),
+                                          next_ != begin_ || epoch_ > 0));
+    const size_t split = end_ - static_cast<size_t>(documents);
+    auto held = std::make_unique<DirectorySource>(dir_, files_, hashes_, split, end_);
+    end_ = split;
+    return std::unique_ptr<DocumentSource>(std::move(held));
+  }
   Result<std::vector<int32_t>> next() override {
-    for (size_t tries = 0; tries < files_.size(); ++tries) {
-      const std::string& path = files_[next_];
-      next_ = (next_ + 1) % files_.size();
-      std::ifstream in(path, std::ios::binary);
-      if (!in) return not_found(fmt::format("{}: cannot read", path));
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      if (!text.empty()) return bytes_to_tokens(text);
+    if (next_ == end_) {  // the next epoch
+      next_ = begin_;
+      ++epoch_;
     }
-    return invalid_argument(fmt::format("{}: every file is empty", dir_));
+    const size_t i = next_++;
+    DISTCA_ASSIGN_OR_RETURN(std::string text, read_text_file(files_[i]));
+    if (fnv1a(text) != hashes_[i]) {
+      return invalid_argument(fmt::format("{}: the file changed while training; restart the run", files_[i]));
+    }
+    return bytes_to_tokens(text);
   }
 
  private:
   std::string dir_;
   std::vector<std::string> files_;
-  size_t next_ = 0;
+  std::vector<uint64_t> hashes_;
+  size_t begin_, end_;
+  size_t next_;  // the next file
+  int64_t epoch_ = 0;
 };
 
 }  // namespace
@@ -185,27 +289,39 @@ Result<std::unique_ptr<DocumentSource>> open_jsonl_source(const std::string& pat
   std::ifstream in(path);
   if (!in) return not_found(fmt::format("{}: cannot open the data file", path));
   std::string line;
-  int64_t number = 0, documents = 0;
+  int64_t number = 0;
+  std::vector<uint64_t> hashes;  // one per document
   while (std::getline(in, line)) {
     ++number;
     DISTCA_ASSIGN_OR_RETURN(std::string text, jsonl_text(line, path, number));
-    documents += text.empty() ? 0 : 1;
+    if (!text.empty()) hashes.push_back(fnv1a(text));
   }
-  if (documents == 0) return invalid_argument(fmt::format("{}: no document (every line blank or with an empty text)", path));
-  return std::unique_ptr<DocumentSource>(new JsonlSource(path, documents));
+  if (hashes.empty()) return invalid_argument(fmt::format("{}: no document (every line blank or with an empty text)", path));
+  const auto n = std::ssize(hashes);
+  return std::unique_ptr<DocumentSource>(new JsonlSource(path, std::move(hashes), 0, n));
 }
 
 Result<std::unique_ptr<DocumentSource>> open_directory_source(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  std::vector<std::string> files;
+  std::vector<std::string> paths;
   for (fs::recursive_directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->is_regular_file(ec) && it->file_size(ec) > 0) files.push_back(it->path().string());
+    if (it->is_regular_file(ec) && it->file_size(ec) > 0) paths.push_back(it->path().string());
   }
   if (ec) return not_found(fmt::format("{}: cannot read the directory ({})", path, ec.message()));
+  std::sort(paths.begin(), paths.end());
+  // Every file is read once here for its hash (the source's identity).
+  std::vector<std::string> files;
+  std::vector<uint64_t> hashes;
+  for (const std::string& file : paths) {
+    DISTCA_ASSIGN_OR_RETURN(std::string text, read_text_file(file));
+    if (text.empty()) continue;
+    files.push_back(file);
+    hashes.push_back(fnv1a(text));
+  }
   if (files.empty()) return invalid_argument(fmt::format("{}: no non-empty file to train on", path));
-  std::sort(files.begin(), files.end());
-  return std::unique_ptr<DocumentSource>(new DirectorySource(path, std::move(files)));
+  const size_t n = files.size();
+  return std::unique_ptr<DocumentSource>(new DirectorySource(path, std::move(files), std::move(hashes), 0, n));
 }
 
 Result<std::unique_ptr<DocumentSource>> open_data_source(const std::string& path) {
@@ -255,6 +371,30 @@ Result<StepData> Packer::next() {
 Status Packer::skip(int64_t steps) {
   for (int64_t i = 0; i < steps; ++i) DISTCA_RETURN_IF_ERROR(next().status());
   return Status::ok();
+}
+
+Result<std::vector<StepData>> make_validation_steps(std::unique_ptr<DocumentSource> held_out, int32_t ranks,
+                                                    int64_t tokens_per_rank, int64_t steps) {
+  if (held_out == nullptr) return invalid_argument("validation steps need a held-out source");
+  if (ranks < 1) return invalid_argument(fmt::format("validation steps need >= 1 rank, got {}", ranks));
+  if (tokens_per_rank < 1 || tokens_per_rank > plan::kMaxTokens) {
+    return invalid_argument(fmt::format("validation steps need 1..{} tokens per rank, got {}", plan::kMaxTokens,
+                                        tokens_per_rank));
+  }
+  if (steps < 1 || steps > 10000) return invalid_argument(fmt::format("validation steps must be 1..10000, got {}", steps));
+  const std::string what = held_out->describe();
+  Packer packer(std::move(held_out), ranks, tokens_per_rank);
+  std::vector<StepData> out;
+  for (int64_t i = 0; i < steps; ++i) {
+    DISTCA_ASSIGN_OR_RETURN(StepData s, packer.next());
+    if (packer.epoch() > 0) {
+      return invalid_argument(fmt::format("{}: the held-out documents fill {} of the {} validation steps of {} x {} "
+                                          "tokens; hold out more documents or ask for fewer validation steps",
+                                          what, i, steps, ranks, tokens_per_rank));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 }  // namespace distca::model

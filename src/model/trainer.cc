@@ -38,6 +38,11 @@ Status TrainOptions::validate() const {
   if (!(tolerance >= 0) || tolerance > 10) return invalid_argument(fmt::format("--tolerance must be 0..10, got {}", tolerance));
   if (save_every < 0) return invalid_argument("--save-every must be >= 0");
   if (save_every > 0 && checkpoint_path.empty()) return invalid_argument("--save-every needs --checkpoint FILE");
+  if (eval_every < 0 || eval_every > steps) {
+    return invalid_argument(fmt::format("--eval-every must be 0 (never) to --steps ({}), got {}", steps, eval_every));
+  }
+  if (eval_docs < 1 || eval_docs > 10000000) return invalid_argument(fmt::format("--eval-docs must be >= 1, got {}", eval_docs));
+  if (eval_steps < 1 || eval_steps > 10000) return invalid_argument(fmt::format("--eval-steps must be 1..10000, got {}", eval_steps));
   return Status::ok();
 }
 
@@ -54,7 +59,14 @@ nlohmann::json TrainOptions::to_json() const {
           {"backward_mode", plan::backward_mode_name(backward_mode)},
           {"threads", threads},
           {"granularity", granularity},
-          {"tolerance", tolerance}};
+          {"tolerance", tolerance},
+          {"eval_every", eval_every},
+          {"eval_docs", eval_docs},
+          {"eval_steps", eval_steps}};
+}
+
+nlohmann::json EvalRecord::to_json() const {
+  return {{"step", step}, {"backend", backend}, {"loss", loss}, {"targets", targets}};
 }
 
 nlohmann::json StepRecord::to_json() const {
@@ -113,6 +125,7 @@ const plan::Plan& Trainer::last_plan(size_t i) const { return runs_.at(i)->atten
 std::string Trainer::data_description() const { return packer_->source().describe(); }
 
 Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, TrainOptions options) {
+  options.optim.total_steps = options.steps;  // a decaying schedule ends at the last step
   DISTCA_RETURN_IF_ERROR(options.validate());
   if (options.granularity == 0) options.granularity = std::clamp<int64_t>(options.context / 32, 16, 128);
   auto t = std::unique_ptr<Trainer>(new Trainer(comm, std::move(options)));
@@ -122,6 +135,11 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     DISTCA_ASSIGN_OR_RETURN(source, make_synthetic_source(o.workload, o.context, o.data_seed));
   } else {
     DISTCA_ASSIGN_OR_RETURN(source, open_data_source(o.data_path));
+  }
+  if (o.eval_every > 0) {
+    DISTCA_ASSIGN_OR_RETURN(auto held_out, source->hold_out(o.eval_docs));
+    DISTCA_ASSIGN_OR_RETURN(t->validation_,
+                            make_validation_steps(std::move(held_out), comm.size(), o.context, o.eval_steps));
   }
   t->packer_ = std::make_unique<Packer>(std::move(source), comm.size(), o.context);
   t->model_ = std::make_unique<Model<float>>(o.model, o.context);
@@ -142,7 +160,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     std::vector<NamedState> states;
     for (auto& r : t->runs_) states.push_back({r->name, &r->state});
     DISTCA_ASSIGN_OR_RETURN(nlohmann::json header, load_checkpoint(o.resume_path, states));
-    const nlohmann::json want = {{"data", t->data_description()}, {"ranks", comm.size()}, {"context", o.context}};
+    const nlohmann::json want = {{"data", t->packer_->source().identity()}, {"ranks", comm.size()}, {"context", o.context}};
     const nlohmann::json& got = header["run"];
     for (const auto& [key, value] : want.items()) {
       if (!got.contains(key) || got[key] != value) {
@@ -169,7 +187,7 @@ Status Trainer::save() const {
   if (comm_.rank() == 0) {
     std::vector<NamedState> states;
     for (const auto& r : runs_) states.push_back({r->name, &r->state});
-    const nlohmann::json run = {{"data", data_description()}, {"ranks", comm_.size()}, {"context", options_.context}};
+    const nlohmann::json run = {{"data", packer_->source().identity()}, {"ranks", comm_.size()}, {"context", options_.context}};
     status = save_checkpoint(options_.checkpoint_path, states, run);
   }
   // Every rank learns rank 0's error itself, so that whichever rank reports it, the user reads
@@ -197,6 +215,34 @@ Result<std::vector<StepRecord>> Trainer::step() {
     DISTCA_RETURN_IF_ERROR(save());
   }
   return records;
+}
+
+Result<std::vector<EvalRecord>> Trainer::evaluate() {
+  DISTCA_CHECK(!validation_.empty()) << "evaluate() without held-out steps (eval_every is 0)";
+  const int rank = comm_.rank();
+  std::vector<EvalRecord> out;
+  for (auto& run : runs_) {
+    // Sums over ranks and held-out steps of the loss and the targets; the forward alone (the
+    // next training step's begin_step and forward overwrite what it leaves).
+    std::array<float, 1> loss_sum{0};
+    int64_t targets = 0;
+    for (const StepData& data : validation_) {
+      DISTCA_RETURN_IF_ERROR(run->attention->begin_step(data.batch));
+      const StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
+      DISTCA_ASSIGN_OR_RETURN(double loss, model_->forward(run->state, in, *run->attention, 1.0, nullptr));
+      loss_sum[0] += static_cast<float>(loss);
+      targets += data.num_targets;
+    }
+    DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(loss_sum.data(), 1));
+    EvalRecord r;
+    r.step = step_;
+    r.backend = run->name;
+    r.targets = targets;
+    r.loss = targets > 0 ? static_cast<double>(loss_sum[0]) / static_cast<double>(targets) : 0.0;
+    if (!std::isfinite(r.loss)) return internal_error(fmt::format("validation at step {}: the loss is {} ({})", step_, r.loss, run->name));
+    out.push_back(r);
+  }
+  return out;
 }
 
 Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {

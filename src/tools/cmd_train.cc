@@ -30,7 +30,10 @@ struct TrainArgs {
   std::string attention = "cad";
   bool is_compare = false;
   std::optional<int64_t> steps, context, layers;
-  std::optional<double> lr;
+  std::optional<double> lr, min_lr;
+  std::optional<int64_t> warmup;
+  std::string lr_schedule = "constant";
+  int64_t eval_every = 0, eval_docs = 64, eval_steps = 1;
   std::optional<std::string> workload;
   std::string data;
   uint64_t seed = 1;
@@ -49,7 +52,7 @@ struct TrainArgs {
   // Which flags the user gave (a flag that the run would ignore is refused).
   CLI::Option *attention_opt = nullptr, *policy_opt = nullptr, *workload_opt = nullptr, *seed_opt = nullptr,
               *ranks_opt = nullptr, *skip_opt = nullptr, *backward_opt = nullptr, *granularity_opt = nullptr,
-              *tolerance_opt = nullptr;
+              *tolerance_opt = nullptr, *eval_docs_opt = nullptr, *eval_steps_opt = nullptr;
   bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
 
@@ -99,6 +102,23 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.steps = a.steps.value_or(p.steps);
   if (a.layers) o.model.num_layers = *a.layers;
   if (a.lr) o.optim.lr = *a.lr;
+  if (a.warmup) o.optim.warmup_steps = *a.warmup;
+  o.optim.schedule = a.lr_schedule;
+  o.optim.min_lr = a.min_lr;
+  o.optim.total_steps = o.steps;
+  if (a.min_lr && a.lr_schedule == "constant") {
+    return invalid_argument("--min-lr is the floor of a decaying schedule: add --lr-schedule cosine or linear");
+  }
+  if (a.eval_every == 0 && (a.given(a.eval_docs_opt) || a.given(a.eval_steps_opt))) {
+    return invalid_argument("--eval-docs and --eval-steps shape the validation: add --eval-every N");
+  }
+  if (a.data.empty() && a.given(a.eval_docs_opt)) {
+    return invalid_argument("--eval-docs holds documents of a --data source out; the synthetic source validates on "
+                            "another seed's stream: drop --eval-docs");
+  }
+  o.eval_every = a.eval_every;
+  o.eval_docs = a.eval_docs;
+  o.eval_steps = a.eval_steps;
   o.workload = a.workload.value_or(p.workload);
   o.data_path = a.data;
   o.data_seed = a.seed;
@@ -205,8 +225,15 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
   } else {
     fmt::print("  colocated  each rank attends its own documents; {} thread(s) per rank\n", o.threads);
   }
-  fmt::print("  optimizer  AdamW lr {} (warm-up {} steps), betas {}/{}, weight decay {}, clip {}\n", o.optim.lr,
-             o.optim.warmup_steps, o.optim.beta1, o.optim.beta2, o.optim.weight_decay, o.optim.clip_norm);
+  fmt::print("  optimizer  AdamW lr {} (warm-up {} steps, then {}), betas {}/{}, weight decay {}, clip {}\n", o.optim.lr,
+             o.optim.warmup_steps,
+             o.optim.schedule == "constant" ? std::string("constant")
+                                            : fmt::format("{} decay to {} at step {}", o.optim.schedule, o.optim.floor_lr(), o.steps),
+             o.optim.beta1, o.optim.beta2, o.optim.weight_decay, o.optim.clip_norm);
+  if (o.eval_every > 0) {
+    fmt::print("  validation every {} steps: {} held-out step(s) of {} x {} tokens ({})\n", o.eval_every, o.eval_steps,
+               c.size(), o.context, o.data_path.empty() ? "another seed's stream" : fmt::format("the last {} documents, never trained on", o.eval_docs));
+  }
   fmt::print("  step time  the slowest rank's own parts (they add up); attention min-max across ranks beside it\n");
   std::fflush(stdout);
 }
@@ -271,11 +298,26 @@ int run_train(const TrainArgs& a) {
                                           a.skip, o.steps - trainer->steps_done(), trainer->steps_done()));
     }
     std::vector<model::StepRecord> records;
+    std::vector<model::EvalRecord> evals;
+    int64_t epoch = trainer->epoch();
     while (trainer->steps_done() < o.steps) {
       DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> step, trainer->step());
+      if (is_root && trainer->epoch() != epoch) {
+        fmt::print("data: epoch {} begins in step {} (the source started again from its first document)\n",
+                   trainer->epoch() + 1, trainer->steps_done());
+      }
+      epoch = trainer->epoch();
       for (model::StepRecord& r : step) {
         if (is_root) print_step(r, o.steps);
         records.push_back(std::move(r));
+      }
+      if (o.eval_every > 0 && (trainer->steps_done() % o.eval_every == 0 || trainer->steps_done() == o.steps)) {
+        DISTCA_ASSIGN_OR_RETURN(std::vector<model::EvalRecord> e, trainer->evaluate());
+        for (const model::EvalRecord& r : e) {
+          if (is_root) fmt::print("eval {:>4}/{} {:<9} validation loss {:.4f} over {} held-out targets\n", r.step, o.steps, r.backend, r.loss, r.targets);
+          evals.push_back(r);
+        }
+        std::fflush(stdout);
       }
     }
     if (!is_root) return Status::ok();
@@ -285,10 +327,12 @@ int run_train(const TrainArgs& a) {
     if (!a.json_path.empty()) {
       nlohmann::json steps = nlohmann::json::array();
       for (const model::StepRecord& r : records) steps.push_back(r.to_json());
+      nlohmann::json validation = nlohmann::json::array();
+      for (const model::EvalRecord& r : evals) validation.push_back(r.to_json());
       const nlohmann::json out = {{"format", "distca-train"}, {"version", 2},       {"ranks", c.size()},
                                   {"comm", c.name()},         {"preset", a.preset}, {"config", o.to_json()},
                                   {"data", trainer->data_description()},            {"steps", steps},
-                                  {"summary", summary}};
+                                  {"validation", validation},                      {"summary", summary}};
       DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
       fmt::print("wrote {}\n", a.json_path);
     }
@@ -313,6 +357,14 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--context", a.context, "tokens per rank per step (default: the preset's)");
   cmd->add_option("--layers", a.layers, "transformer layers (default: the preset's)");
   cmd->add_option("--lr", a.lr, "peak learning rate (default: the preset's)");
+  cmd->add_option("--warmup", a.warmup, "linear warm-up steps to the peak (default: the preset's)");
+  cmd->add_option("--lr-schedule", a.lr_schedule, "after warm-up: constant | cosine | linear (decay to --min-lr at the last step)")
+      ->capture_default_str();
+  cmd->add_option("--min-lr", a.min_lr, "floor of the cosine and linear schedules (default: 0.1 x --lr)");
+  cmd->add_option("--eval-every", a.eval_every, "validation loss every N steps and at the end (0: never)")->capture_default_str();
+  a.eval_docs_opt = cmd->add_option("--eval-docs", a.eval_docs, "documents held out of a --data source for validation (the last ones)")
+      ->capture_default_str();
+  a.eval_steps_opt = cmd->add_option("--eval-steps", a.eval_steps, "held-out steps of R x context tokens per validation")->capture_default_str();
   cmd->add_option("--data", a.data, "a .jsonl file (a \"text\" field per line) or a directory of text files; "
                                     "default: the embedded synthetic source");
   a.workload_opt = cmd->add_option("--workload", a.workload,

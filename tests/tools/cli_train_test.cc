@@ -101,6 +101,12 @@ TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"more memory than the machine", "--context 100000000", "GiB"},
       {"json into a missing folder", "--checkpoint /nonexistent/ck.bin", "/nonexistent"},
       {"json and checkpoint on one file", "--checkpoint " + json, "same file"},
+      {"unknown schedule", "--lr-schedule step", "--lr-schedule"},
+      {"floor without a decay", "--min-lr 0.0001", "--lr-schedule"},
+      {"floor above the peak", "--lr-schedule cosine --lr 0.001 --min-lr 0.01", "--min-lr"},
+      {"eval docs without eval", "--eval-docs 5", "--eval-every"},
+      {"eval docs of the synthetic source", "--eval-every 1 --eval-docs 5", "--eval-docs"},
+      {"eval past the last step", "--eval-every 9", "--eval-every"},
   };
   for (const BadInput& c : cases) {
     const std::string preset = c.args.find("--preset") == std::string::npos ? "--preset tiny " : "";
@@ -111,6 +117,40 @@ TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
     EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
     EXPECT_FALSE(fs::exists(json)) << c.name;
   }
+}
+
+TEST(Cli, TrainScheduleValidationAndEpochs) {
+  // 30 small documents, 10 held out: the other 20 wrap within 8 steps, and the run says so.
+  std::string corpus;
+  for (int i = 0; i < 30; ++i) corpus += "{\"text\": \"" + std::string(40 + 7 * i, static_cast<char>('a' + i % 26)) + "\"}\n";
+  const std::string data = write("corpus.jsonl", corpus);
+  const std::string json = (scratch() / "schedule.json").string();
+  CmdResult r = distca("train --preset tiny --ranks 2 --steps 8 --warmup 2 --lr-schedule cosine --min-lr 0.0002 --data " +
+                       data + " --eval-every 4 --eval-docs 10 --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("data: epoch 2 begins"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("last 10 held out"), std::string::npos) << r.out;
+  auto j = nlohmann::json::parse(distca::read_text_file(json).value());
+  const auto& steps = j["steps"];
+  ASSERT_EQ(steps.size(), 8u);
+  EXPECT_NEAR(steps[1]["lr"].get<double>(), 0.001, 1e-12) << "the peak at the end of warm-up";
+  EXPECT_NEAR(steps[7]["lr"].get<double>(), 0.0002, 1e-12) << "the floor at the last step";
+  for (size_t i = 2; i < steps.size(); ++i) EXPECT_LT(steps[i]["lr"].get<double>(), steps[i - 1]["lr"].get<double>());
+  ASSERT_EQ(j["validation"].size(), 2u);  // after steps 4 and 8
+  EXPECT_EQ(j["validation"][0]["step"], 4);
+  EXPECT_EQ(j["validation"][1]["step"], 8);
+  EXPECT_LT(j["validation"][1]["loss"].get<double>(), j["validation"][0]["loss"].get<double>());
+}
+
+TEST(Cli, TrainResumeOnRewrittenDataIsRefused) {
+  // Same document count, other text: the data is identified by content, not name and count.
+  const std::string data = write("resume.jsonl", "{\"text\": \"first document\"}\n{\"text\": \"second one\"}\n");
+  const std::string ckpt = (scratch() / "data.ckpt").string();
+  ASSERT_EQ(distca("train --preset tiny --ranks 2 --steps 2 --data " + data + " --checkpoint " + ckpt).exit_code, 0);
+  write("resume.jsonl", "{\"text\": \"other document\"}\n{\"text\": \"other texts\"}\n");
+  CmdResult r = distca("train --preset tiny --ranks 2 --steps 4 --data " + data + " --resume " + ckpt);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("data"), std::string::npos) << r.err;
 }
 
 TEST(Cli, TrainResumeAtOrPastTheLastStepIsRefused) {

@@ -1,6 +1,7 @@
 // Model, optimizer and run configuration of the training loop, and the named presets.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,9 +32,21 @@ struct ModelConfig {
   int64_t num_parameters() const;
 };
 
+// AdamW and its learning-rate schedule. Every schedule starts with a linear warm-up: step s < W
+// (W = warmup_steps) uses lr * (s + 1) / W, so the peak `lr` is reached at step P = max(W - 1, 0).
+// After it:
+//   constant  lr on every later step
+//   cosine    from lr at step P down to the floor at the last step N - 1 (N = total_steps):
+//             floor + (lr - floor) * (1 + cos(pi * x)) / 2, x = (s - P) / (N - 1 - P)
+//   linear    the same endpoints on a straight line: lr - (lr - floor) * x
+// Steps past the last one stay at the floor. The decaying schedules need total_steps
+// (`distca train` sets it to --steps) with the warm-up ending before the last step (W < N).
 struct OptimConfig {
-  double lr = 1e-3;
-  int64_t warmup_steps = 5;  // linear warm-up from lr / warmup_steps, then constant
+  double lr = 1e-3;          // the peak
+  int64_t warmup_steps = 5;  // linear warm-up from lr / warmup_steps; 0: none
+  std::string schedule = "constant";  // constant | cosine | linear (see lr_schedules())
+  std::optional<double> min_lr;       // the floor of cosine and linear, 0..lr; unset: 0.1 * lr
+  int64_t total_steps = 0;            // the step count the decay ends at; not used by constant
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
@@ -41,8 +54,12 @@ struct OptimConfig {
   double clip_norm = 1.0;     // global gradient norm; 0: no clipping
 
   Status validate() const;
-  double lr_at(int64_t step) const;  // step counts from 0
+  double lr_at(int64_t step) const;  // step counts from 0; negative steps are step 0
+  double floor_lr() const { return min_lr.value_or(0.1 * lr); }
 };
+
+// The names OptimConfig::schedule accepts.
+std::vector<std::string> lr_schedules();
 
 // A named starting point for `distca train`; every field can be overridden by a flag.
 struct Preset {
@@ -60,8 +77,15 @@ Result<Preset> find_preset(const std::string& name);
 std::vector<std::string> preset_names();
 
 nlohmann::json to_json(const ModelConfig& c);
+// Every field; "min_lr" is the floor in effect (floor_lr()), so the JSON reads back to the same
+// schedule.
 nlohmann::json to_json(const OptimConfig& c);
-// Reads a ModelConfig written by to_json; every field is required.
+// Reads a ModelConfig written by to_json; every field is required and has its type (integer
+// fields must be JSON integers: 2.5 layers is refused, not rounded); "parameters", written by
+// to_json, is optional and must match; any other field is refused.
 Result<ModelConfig> model_config_from_json(const nlohmann::json& j);
+// Reads an OptimConfig written by to_json, with the same checks. JSON written before the
+// schedules existed (no "schedule", "min_lr", "total_steps") reads as the constant schedule.
+Result<OptimConfig> optim_config_from_json(const nlohmann::json& j);
 
 }  // namespace distca::model

@@ -7,7 +7,7 @@
 //   JSONL       one JSON object per line with a string field "text"
 //   directory   every regular file under it (sorted by path) is one document
 // Files are read again from the start when they run out (epochs). Bad input is reported with
-// file and line before training starts.
+// file and line before training starts; a file that changes while training is an error.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -23,9 +23,27 @@ namespace distca::model {
 class DocumentSource {
  public:
   virtual ~DocumentSource() = default;
+  // For people: the run header prints it (path and document count, or the synthetic settings).
   virtual std::string describe() const = 0;
+  // For comparing: equal exactly when the source yields the same documents in the same order.
+  // Files and directories: the document count and a 64-bit FNV-1a hash of every document's
+  // bytes (so a file rewritten with other text of the same document count differs, and the
+  // same text under another path is equal); synthetic: its workload, context and seed.
+  virtual std::string identity() const = 0;
   // The next document's tokens (bytes 0..255), never empty.
   virtual Result<std::vector<int32_t>> next() = 0;
+  // How many times the source ran out and started again from its first document, as of the
+  // last document next() returned: 0 in the first epoch. Endless sources stay at 0.
+  virtual int64_t epoch() const { return 0; }
+  // Holds documents out for a validation loss: returns a source of documents this one will never
+  // return. Call it before the first next(); it changes this source's describe() and identity().
+  //   files, directories  the last `documents` documents (JSONL lines, sorted files) are held out
+  //                       and this source wraps over the others; refused unless at least one
+  //                       document remains for training
+  //   synthetic           this source is unchanged; the held-out one is the same workload from
+  //                       seed + 1000003, a stream the training one never repeats (`documents`
+  //                       only has to be >= 1: the stream is endless)
+  virtual Result<std::unique_ptr<DocumentSource>> hold_out(int64_t documents) = 0;
 };
 
 // Workloads of the synthetic source: "pretrain" and "prolong" draw lengths from the built-in
@@ -67,6 +85,8 @@ class Packer {
   // Skips `steps` steps (resuming from a checkpoint replays the stream).
   Status skip(int64_t steps);
   const DocumentSource& source() const { return *source_; }
+  // The source's epoch as of the last step next() returned (see DocumentSource::epoch).
+  int64_t epoch() const { return source_->epoch(); }
 
  private:
   std::unique_ptr<DocumentSource> source_;
@@ -74,5 +94,13 @@ class Packer {
   int64_t tokens_per_rank_;
   std::vector<int32_t> carry_;  // the rest of a document cut at the end of the last step
 };
+
+// Packs `steps` steps of `ranks` x `tokens_per_rank` tokens from a held-out source (from
+// DocumentSource::hold_out), the same format as Packer::next, for a validation loss computed
+// the same way at every evaluation. Refused when the held-out documents run out before the
+// last step (a validation set that counts documents twice): hold out more documents or ask for
+// fewer steps.
+Result<std::vector<StepData>> make_validation_steps(std::unique_ptr<DocumentSource> held_out, int32_t ranks,
+                                                    int64_t tokens_per_rank, int64_t steps);
 
 }  // namespace distca::model

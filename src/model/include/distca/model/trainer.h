@@ -36,6 +36,12 @@ struct TrainOptions {
   std::string checkpoint_path;    // where to save; empty: never
   int64_t save_every = 0;         // steps between saves (0: only at the end)
   std::string resume_path;        // a checkpoint to start from
+  // Validation: every eval_every steps (0: never) the loss on eval_steps steps of held-out
+  // documents (the last eval_docs documents of a file source, never trained on; for the
+  // synthetic source another seed's stream), the same R x T tokens per step as training.
+  int64_t eval_every = 0;
+  int64_t eval_docs = 64;
+  int64_t eval_steps = 1;
 
   Status validate() const;
   nlohmann::json to_json() const;
@@ -82,6 +88,15 @@ struct MemoryEstimate {
 };
 MemoryEstimate estimate_memory(const TrainOptions& options, int ranks);
 
+// The loss of one backend on the held-out steps.
+struct EvalRecord {
+  int64_t step = 0;  // after this many training steps
+  std::string backend;
+  double loss = 0;   // mean over the held-out targets
+  int64_t targets = 0;
+  nlohmann::json to_json() const;
+};
+
 class Trainer {
  public:
   // Collective (every rank creates its trainer with the same options).
@@ -90,6 +105,10 @@ class Trainer {
   // One step of every backend.
   Result<std::vector<StepRecord>> step();
   int64_t steps_done() const { return step_; }
+  // The data source's epoch as of the last step (0 until a file source wraps).
+  int64_t epoch() const { return packer_->epoch(); }
+  // The loss of every backend on the held-out steps (collective). REQUIRES: eval_every > 0.
+  Result<std::vector<EvalRecord>> evaluate();
   const TrainOptions& options() const { return options_; }
   std::string data_description() const;
   // Saves every backend's state to options().checkpoint_path (rank 0 writes).
@@ -112,6 +131,7 @@ class Trainer {
   std::vector<std::unique_ptr<Run>> runs_;
   int64_t step_ = 0;
   plan::Batch last_batch_;
+  std::vector<StepData> validation_;
 };
 
 // A summary of a whole run: per backend mean step time (and its parts), tokens/s, waits, the
