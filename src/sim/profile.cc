@@ -35,6 +35,9 @@ Status Profile::validate() const {
       return invalid_argument(fmt::format("profile '{}': linear model entry '{}' needs positive times", name, e.model));
     }
   }
+  if (!(device_memory_bytes >= 0) || !std::isfinite(device_memory_bytes)) {
+    return invalid_argument(fmt::format("profile '{}': device memory must be >= 0 bytes (0: unknown)", name));
+  }
   for (const Link* l : {&intra_node, &inter_node}) {
     if (!(l->bytes_per_second > 0) || !(l->latency_seconds >= 0)) {
       return invalid_argument(fmt::format("profile '{}': links need bandwidth > 0 and latency >= 0", name));
@@ -117,6 +120,11 @@ Profile default_h200_profile() {
       "NVLink 4: 900 GB/s per GPU both ways (H200 datasheet), about 360 GB/s bus bandwidth achieved per direction in "
       "nccl-tests all-reduce on H100 SXM; inter-node: one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s), about 45 GB/s "
       "achieved; latencies typical of NCCL on NVLink (5 us) and InfiniBand (10 us)";
+  p.device_memory_bytes = 141e9;
+  p.device_memory_source =
+      "141 GB of HBM3e per GPU (NVIDIA H200 datasheet), read as 141e9 bytes (131.3 GiB): the lower reading of the "
+      "datasheet's GB, which leaves some room for what the simulator's memory count leaves out (CUDA context, NCCL "
+      "buffers, allocator fragmentation)";
   return p;
 }
 
@@ -148,6 +156,7 @@ nlohmann::json to_json(const Profile& p) {
           {"attention", attention},       {"linear_flops_per_second", p.linear_flops_per_second},
           {"intra_node", link(p.intra_node)}, {"inter_node", link(p.inter_node)},
           {"links_source", p.links_source},
+          {"device_memory_bytes", p.device_memory_bytes}, {"device_memory_source", p.device_memory_source},
           {"linear_models", linear_models_json(p)}};
 }
 
@@ -181,6 +190,9 @@ Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& or
     p.intra_node = link(j.at("intra_node"));
     p.inter_node = link(j.at("inter_node"));
     p.links_source = j.value("links_source", "");
+    // Optional: profiles written before it was added, and measured CPU profiles, have none.
+    p.device_memory_bytes = j.value("device_memory_bytes", 0.0);
+    p.device_memory_source = j.value("device_memory_source", "");
     if (j.contains("linear_models")) {
       for (const auto& e : j.at("linear_models")) {
         p.linear_models.push_back({e.at("model").get<std::string>(), e.at("seconds_per_token_layer").get<double>(),

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "distca/plan/cost.h"
 #include "distca/plan/planner.h"
@@ -29,6 +30,7 @@ struct Ctx {
   plan::TokenBytes tb;
   Link link;
   double act_bytes_per_token_layer = 0;  // per GPU
+  double state_bytes = 0;                // per GPU: weights, gradients, optimizer states
   double allreduce = 0;
   plan::LengthDistribution dist = plan::LengthDistribution::from_sample("none", {1});
 };
@@ -111,15 +113,58 @@ Result<Planned> plan_batch(const Ctx& c, const plan::Batch& batch, const std::st
   return out;
 }
 
+// Fills a result from its per-unit seconds (without the all-reduce, which every unit pays) and
+// its slowest replica's time. No unit computes or sends for longer than the iteration lasts, so
+// every unit's idle (the iteration less its work) is >= 0, and the means add up to the time.
 void finish(const Ctx& c, SystemResult& r, const std::vector<double>& linear, const std::vector<double>& attention,
-            const std::vector<double>& comm, double compute_seconds) {
+            std::vector<double> comm, double compute_seconds) {
   r.allreduce = c.allreduce;
   r.seconds = compute_seconds + c.allreduce;
-  r.linear = vmean(linear);
-  r.attention = vmean(attention);
-  r.comm = vmean(comm) + c.allreduce;
-  r.idle = std::max(0.0, r.seconds - r.linear - r.attention - r.comm);
+  for (double& x : comm) x += c.allreduce;
+  r.unit_linear = linear;
   r.unit_attention = attention;
+  r.unit_comm = std::move(comm);
+  r.linear = vmean(r.unit_linear);
+  r.attention = vmean(r.unit_attention);
+  r.comm = vmean(r.unit_comm);
+  r.idle = r.seconds - r.linear - r.attention - r.comm;
+  r.state_memory = c.state_bytes;
+  r.memory_per_gpu = vmax(r.unit_memory) + c.state_bytes;
+  r.device_memory = c.prof.device_memory_bytes;
+  r.iteration_cp = {r.cp};
+  r.iteration_seconds = {r.seconds};
+}
+
+// The mean of one system's iterations (see SystemResult).
+SystemResult mean_of(const std::vector<SystemResult>& runs) {
+  const double n = static_cast<double>(runs.size());
+  SystemResult m = runs[0];
+  m.iteration_cp.clear(), m.iteration_seconds.clear();
+  m.seconds = m.linear = m.attention = m.comm = m.allreduce = 0;
+  double bytes = 0;
+  for (auto* v : {&m.unit_linear, &m.unit_attention, &m.unit_comm}) v->assign(v->size(), 0.0);
+  for (const SystemResult& r : runs) {
+    m.iteration_cp.push_back(r.cp), m.iteration_seconds.push_back(r.seconds);
+    m.seconds += r.seconds / n, m.linear += r.linear / n, m.attention += r.attention / n, m.comm += r.comm / n;
+    m.allreduce += r.allreduce / n;
+    bytes += static_cast<double>(r.bytes) / n;
+    for (size_t u = 0; u < m.unit_linear.size(); ++u) {
+      m.unit_linear[u] += r.unit_linear[u] / n, m.unit_attention[u] += r.unit_attention[u] / n;
+      m.unit_comm[u] += r.unit_comm[u] / n;
+      m.unit_memory[u] = std::max(m.unit_memory[u], r.unit_memory[u]);
+    }
+    m.memory_per_gpu = std::max(m.memory_per_gpu, r.memory_per_gpu);
+  }
+  m.idle = m.seconds - m.linear - m.attention - m.comm;
+  m.bytes = static_cast<int64_t>(std::llround(bytes));
+  // The CP degree most iterations ran at (the larger one on a tie).
+  int best = 0;
+  for (int cp : m.iteration_cp) {
+    const auto count = [&](int x) { return std::count(m.iteration_cp.begin(), m.iteration_cp.end(), x); };
+    if (count(cp) > count(best) || (count(cp) == count(best) && cp > best)) best = cp;
+  }
+  m.cp = best;
+  return m;
 }
 
 // Unit index of (stage, replica, cp rank).
@@ -364,11 +409,21 @@ Result<SystemResult> cad(const Ctx& c, const std::string& name, const std::strin
   return r;
 }
 
+// One iteration of a system (a name of system_names()).
+Result<SystemResult> run_system(const Ctx& c, const std::string& system) {
+  if (system == "colocated") return colocated(c);
+  if (system == "wlb") return wlb(c);
+  if (system == "cad-distca") return cad(c, system, "distca", plan::BackwardMode::kStateless);
+  return cad(c, system, "minmax", plan::BackwardMode::kStateful);
+}
+
 }  // namespace
 
 Status Cluster::validate() const {
-  if (gpus < 1 || gpus_per_node < 1 || tp < 1 || pp < 1) return invalid_argument("--gpus, --tp and --pp must be >= 1");
-  if (cp < 1) return invalid_argument("--cp must be >= 1");
+  const std::pair<const char*, int> counts[] = {{"--gpus", gpus}, {"--gpus-per-node", gpus_per_node}, {"--tp", tp}, {"--pp", pp}, {"--cp", cp}};
+  for (const auto& [flag, value] : counts) {
+    if (value < 1) return invalid_argument(fmt::format("{} must be >= 1, got {}", flag, value));
+  }
   if (gpus % (tp * pp * cp) != 0) {
     return invalid_argument(fmt::format("--gpus ({}) must be a multiple of --tp x --pp x --cp ({} x {} x {})", gpus, tp, pp, cp));
   }
@@ -386,19 +441,45 @@ Status SimOptions::validate() const {
   if (context < 1024 || context > plan::kMaxTokens) return invalid_argument(fmt::format("--context must be 1K..2G tokens, got {}", context));
   if (context % cluster.cp != 0) return invalid_argument(fmt::format("--context {} does not split into --cp {} units", context, cluster.cp));
   if (batch < 1 || batch > 4096) return invalid_argument(fmt::format("--batch must be 1..4096, got {}", batch));
+  if (iterations < 1 || iterations > 1000) return invalid_argument(fmt::format("--iterations must be 1..1000, got {}", iterations));
   if (wlb_cp < 0 || (wlb_cp > 0 && (cluster.units() / cluster.pp) % wlb_cp != 0)) {
     return invalid_argument(fmt::format("--wlb-cp {} must divide a stage's {} units (0: the best of them)", wlb_cp,
                                         cluster.units() / cluster.pp));
   }
   DISTCA_RETURN_IF_ERROR(sampling.validate());
   if (!(tolerance >= 0) || granularity < 1) return invalid_argument("tolerance must be >= 0 and granularity >= 1");
-  return plan::builtin_distribution(workload).status();
+  // The simulator samples only the built-in workloads (the shared message names the document
+  // files `distca plan` also reads, which the simulator does not).
+  const std::vector<std::string> names = plan::builtin_distribution_names();
+  if (std::find(names.begin(), names.end(), workload) == names.end()) {
+    return invalid_argument(fmt::format("--workload must be {}, got '{}'", fmt::join(names, " or "), workload));
+  }
+  return Status::ok();
 }
 
 nlohmann::json SystemResult::to_json() const {
-  return {{"system", system},       {"cp", cp}, {"seconds", seconds}, {"linear_seconds", linear}, {"attention_seconds", attention},
-          {"comm_seconds", comm},   {"idle_seconds", idle}, {"allreduce_seconds", allreduce}, {"bytes", bytes},
-          {"unit_attention_seconds", unit_attention}, {"unit_memory_bytes", unit_memory}};
+  std::vector<double> unit_idle_seconds;
+  for (size_t u = 0; u < unit_linear.size(); ++u) unit_idle_seconds.push_back(unit_idle(u));
+  return {{"system", system},
+          {"cp", cp},
+          {"iteration_cp", iteration_cp},
+          {"seconds", seconds},
+          {"iteration_seconds", iteration_seconds},
+          {"linear_seconds", linear},
+          {"attention_seconds", attention},
+          {"comm_seconds", comm},
+          {"idle_seconds", idle},
+          {"allreduce_seconds", allreduce},
+          {"bytes", bytes},
+          {"unit_linear_seconds", unit_linear},
+          {"unit_attention_seconds", unit_attention},
+          {"unit_comm_seconds", unit_comm},
+          {"unit_idle_seconds", unit_idle_seconds},
+          {"unit_activation_bytes", unit_memory},
+          {"model_state_bytes_per_gpu", state_memory},
+          {"memory_bytes_per_gpu", memory_per_gpu},
+          {"device_memory_bytes", device_memory > 0 ? nlohmann::json(device_memory) : nlohmann::json(nullptr)},
+          {"fits_memory", device_memory > 0 ? nlohmann::json(fits_memory()) : nlohmann::json(nullptr)}};
 }
 
 StepPrediction predict_step(const Profile& profile, const plan::ModelShape& model, const plan::Batch& batch,
@@ -448,47 +529,51 @@ std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distc
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems) {
   DISTCA_RETURN_IF_ERROR(o.validate());
   DISTCA_RETURN_IF_ERROR(profile.validate());
-  Ctx c(profile, o);
-  c.model.tp = o.cluster.tp;
-  c.U = o.cluster.units();
-  c.S = o.cluster.pp;
-  c.D = o.cluster.dp();
-  c.L = o.model.num_layers;
-  c.cp = o.cluster.cp;
-  c.T = o.context / c.cp;
-  c.hq = c.model.q_heads_per_rank();
-  c.head_dim = c.model.head_dim;
-  const double h = c.model.hidden, tp = c.model.tp;
-  const double per_token_flops = 2.0 * (h * (c.model.num_q_heads + 2.0 * c.model.num_kv_heads) * c.model.head_dim +
-                                        c.model.num_q_heads * c.model.head_dim * h + 3.0 * h * c.model.ffn_hidden) / tp;
-  c.lin_f = per_token_flops / profile.linear_flops_per_second;
-  c.lin_b = 2 * c.lin_f;
-  c.tb = plan::token_bytes(c.hq, c.model.kv_heads_per_rank(), c.head_dim, c.model.dtype_bytes);
-  c.link = o.cluster.gpus > o.cluster.gpus_per_node ? profile.inter_node : profile.intra_node;
-  c.act_bytes_per_token_layer = 34.0 * h / tp;  // Korthikanti et al. 2022, with flash attention (no scores)
-  const double params = c.L * (h * (c.model.num_q_heads + 2.0 * c.model.num_kv_heads) * c.model.head_dim +
-                               c.model.num_q_heads * c.model.head_dim * h + 3.0 * h * c.model.ffn_hidden) +
-                        2.0 * kVocab * h;
-  c.allreduce = collective_seconds(Collective::kAllReduce, 2.0 * params / (tp * c.S), c.D, profile.inter_node);
-  DISTCA_ASSIGN_OR_RETURN(c.dist, plan::builtin_distribution(o.workload));
-  std::vector<SystemResult> out;
+  const std::vector<std::string> known = system_names();
   for (const std::string& s : systems) {
-    if (s == "colocated") {
-      DISTCA_ASSIGN_OR_RETURN(SystemResult r, colocated(c));
-      out.push_back(std::move(r));
-    } else if (s == "wlb") {
-      DISTCA_ASSIGN_OR_RETURN(SystemResult r, wlb(c));
-      out.push_back(std::move(r));
-    } else if (s == "cad-distca") {
-      DISTCA_ASSIGN_OR_RETURN(SystemResult r, cad(c, s, "distca", plan::BackwardMode::kStateless));
-      out.push_back(std::move(r));
-    } else if (s == "cad") {
-      DISTCA_ASSIGN_OR_RETURN(SystemResult r, cad(c, s, "minmax", plan::BackwardMode::kStateful));
-      out.push_back(std::move(r));
-    } else {
+    if (std::find(known.begin(), known.end(), s) == known.end()) {
       return invalid_argument(fmt::format("no system '{}' (known: colocated, wlb, cad-distca, cad, all)", s));
     }
   }
+  // runs[k]: system k's iterations, each sampled with its own seed.
+  std::vector<std::vector<SystemResult>> runs(systems.size());
+  for (int it = 0; it < o.iterations; ++it) {
+    SimOptions oi = o;
+    oi.seed = o.seed + static_cast<uint64_t>(it);
+    Ctx c(profile, oi);
+    c.model.tp = o.cluster.tp;
+    c.U = o.cluster.units();
+    c.S = o.cluster.pp;
+    c.D = o.cluster.dp();
+    c.L = o.model.num_layers;
+    c.cp = o.cluster.cp;
+    c.T = o.context / c.cp;
+    c.hq = c.model.q_heads_per_rank();
+    c.head_dim = c.model.head_dim;
+    const double h = c.model.hidden, tp = c.model.tp;
+    const double per_token_flops = 2.0 * (h * (c.model.num_q_heads + 2.0 * c.model.num_kv_heads) * c.model.head_dim +
+                                          c.model.num_q_heads * c.model.head_dim * h + 3.0 * h * c.model.ffn_hidden) / tp;
+    c.lin_f = per_token_flops / profile.linear_flops_per_second;
+    c.lin_b = 2 * c.lin_f;
+    c.tb = plan::token_bytes(c.hq, c.model.kv_heads_per_rank(), c.head_dim, c.model.dtype_bytes);
+    c.link = o.cluster.gpus > o.cluster.gpus_per_node ? profile.inter_node : profile.intra_node;
+    c.act_bytes_per_token_layer = 34.0 * h / tp;  // Korthikanti et al. 2022, with flash attention (no scores)
+    const double params = c.L * (h * (c.model.num_q_heads + 2.0 * c.model.num_kv_heads) * c.model.head_dim +
+                                 c.model.num_q_heads * c.model.head_dim * h + 3.0 * h * c.model.ffn_hidden) +
+                          2.0 * kVocab * h;
+    // Megatron-LM's distributed optimizer, bf16 parameters and gradients: 4 bytes per parameter
+    // on every GPU holding it, 16 (fp32 main parameter and gradient, Adam's two moments) sharded
+    // over the stage's DP x CP group.
+    c.state_bytes = params / (tp * c.S) * (4.0 + 16.0 / (c.U / c.S));
+    c.allreduce = collective_seconds(Collective::kAllReduce, 2.0 * params / (tp * c.S), c.D, profile.inter_node);
+    DISTCA_ASSIGN_OR_RETURN(c.dist, plan::builtin_distribution(o.workload));
+    for (size_t k = 0; k < systems.size(); ++k) {
+      DISTCA_ASSIGN_OR_RETURN(SystemResult r, run_system(c, systems[k]));
+      runs[k].push_back(std::move(r));
+    }
+  }
+  std::vector<SystemResult> out;
+  for (const auto& system_runs : runs) out.push_back(mean_of(system_runs));
   return out;
 }
 

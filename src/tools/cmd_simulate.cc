@@ -1,10 +1,14 @@
 #include "cmd_simulate.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
-#include <array>
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,12 +34,16 @@ struct SimArgs {
   std::string workload = "pretrain";
   std::string system = "all";
   std::string profile;
-  uint64_t seed = 1;
+  int64_t seed = 1;
   bool is_json = false;
   bool is_paper = false;
   std::string plot;
-  int iterations = 0;  // 0: 1, or 5 with --paper
+  std::optional<int> iterations;  // default: 1, or 15 with --paper
+  // The options of one configuration, which --paper sets itself for each of its runs.
+  std::vector<const CLI::Option*> one_config_options;
 };
+
+constexpr double kGB = 1e9;  // memory is printed in GB, as device datasheets give it
 
 // "512K", "1M" or a plain number of tokens.
 Result<int64_t> parse_tokens(const std::string& s) {
@@ -53,6 +61,10 @@ Result<int64_t> parse_tokens(const std::string& s) {
   return std::stoll(digits) * mult;
 }
 
+std::string tokens_text(int64_t tokens) {
+  return tokens % 1024 == 0 ? fmt::format("{}K", tokens / 1024) : fmt::format("{}", tokens);
+}
+
 // Context parallelism so that a unit holds at most 64K tokens of a sequence (what an 8-GPU
 // group holds in activations for these models), within what the GPUs allow.
 int auto_cp(int64_t context, int gpus, int tp, int pp) {
@@ -67,12 +79,20 @@ double imbalance(const std::vector<double>& v) {
   return sum > 0 ? mx / (sum / static_cast<double>(v.size())) : 1.0;
 }
 
-std::pair<double, double> min_max(const std::vector<double>& v) {
-  if (v.empty()) return {0, 0};
-  return {*std::min_element(v.begin(), v.end()), *std::max_element(v.begin(), v.end())};
+// "does not fit: 1095.2 GB per GPU > 141.0 GB", or "" when it fits (or the device is unknown).
+std::string fit_note(const nlohmann::json& s) {
+  if (!s["fits_memory"].is_boolean() || s["fits_memory"].get<bool>()) return "";
+  return fmt::format("does not fit: {:.1f} GB per GPU > {:.1f} GB", s["memory_bytes_per_gpu"].get<double>() / kGB,
+                     s["device_memory_bytes"].get<double>() / kGB);
 }
 
-nlohmann::json report(const sim::SimOptions& o, const std::vector<sim::SystemResult>& rs) {
+// The CP degrees a system ran at over the iterations: "4", or "4,8" when they differ.
+std::string cp_text(const nlohmann::json& s) {
+  const auto cps = s["iteration_cp"].get<std::set<int>>();
+  return fmt::format("{}", fmt::join(cps, ","));
+}
+
+nlohmann::json report(const sim::SimOptions& o, const sim::Profile& profile, const std::vector<sim::SystemResult>& rs) {
   nlohmann::json systems = nlohmann::json::array();
   double wlb = 0, col = 0;
   for (const auto& r : rs) {
@@ -86,26 +106,310 @@ nlohmann::json report(const sim::SimOptions& o, const std::vector<sim::SystemRes
     j["speedup_over_colocated"] = col > 0 ? nlohmann::json(col / r.seconds) : nlohmann::json(nullptr);
     systems.push_back(j);
   }
-  return {{"model", o.model.name}, {"gpus", o.cluster.gpus}, {"tp", o.cluster.tp}, {"pp", o.cluster.pp}, {"cp", o.cluster.cp},
-          {"dp", o.cluster.dp()},  {"context", o.context},   {"batch", o.batch},     {"workload", o.workload},
+  return {{"model", o.model.name},
+          {"gpus", o.cluster.gpus},
+          {"tp", o.cluster.tp},
+          {"pp", o.cluster.pp},
+          {"cp", o.cluster.cp},
+          {"dp", o.cluster.dp()},
+          {"units", o.cluster.units()},
+          {"context", o.context},
+          {"batch", o.batch},
+          {"workload", o.workload},
+          {"seed", o.seed},
+          {"iterations", o.iterations},
+          {"profile", profile.name},
+          {"device_memory_bytes", profile.device_memory_bytes > 0 ? nlohmann::json(profile.device_memory_bytes) : nlohmann::json(nullptr)},
+          {"speedup", "the baseline's iteration time / the system's, of the mean times with several iterations "
+                      "(speedup_over_wlb: over wlb, speedup_over_colocated: over colocated; null: not simulated)"},
           {"systems", systems}};
 }
 
+// "llama-8b on 64 GPUs (...), context 128K, 4 micro-batches per replica, pretrain workload".
+std::string config_text(const nlohmann::json& j) {
+  const int batch = j["batch"].get<int>();
+  return fmt::format("{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {} micro-batch{} per replica, {} workload",
+                     j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(),
+                     j["cp"].get<int>(), j["dp"].get<int>(), tokens_text(j["context"].get<int64_t>()), batch,
+                     batch == 1 ? "" : "es", j["workload"].get<std::string>());
+}
+
+// "1 iteration (seed 1)" or "mean of 3 iterations (seeds 1..3)".
+std::string iterations_text(const nlohmann::json& j) {
+  const int iterations = j["iterations"].get<int>();
+  const uint64_t seed = j["seed"].get<uint64_t>();
+  return iterations == 1 ? fmt::format("1 iteration (seed {})", seed)
+                         : fmt::format("mean of {} iterations (seeds {}..{})", iterations, seed, seed + iterations - 1);
+}
+
+// The table: each iteration time as the sum of its parts (means over units), so it can be
+// checked by eye; every ratio says what it is relative to.
 void print_table(const nlohmann::json& j) {
-  fmt::print("{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {} micro-batches per replica, {} workload\n",
-             j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(), j["cp"].get<int>(), j["dp"].get<int>(),
-             j["context"].get<int64_t>(), j["batch"].get<int>(), j["workload"].get<std::string>());
-  fmt::print("{:<11} {:>3} {:>9} {:>8} {:>9} {:>7} {:>7} {:>9} {:>13} {:>8} {:>8}\n", "system", "cp", "iter (s)", "linear", "attention",
-             "comm", "idle", "attn imb", "mem GiB min-max", "vs wlb", "vs coloc");
+  fmt::print("{}, {}\n", config_text(j), iterations_text(j));
+  fmt::print("{:<11} {:>5} {:>9}   {:>7}   {:>9}   {:>7}   {:>7} {:>14} {:>7} {:>17} {:>15}\n", "system", "cp", "iter (s)",
+             "linear", "attention", "comm", "idle", "attn max/mean", "GB/GPU", "speedup over wlb", "over colocated");
   for (const auto& s : j["systems"]) {
-    const auto mem = min_max(s["unit_memory_bytes"].get<std::vector<double>>());
     auto ratio = [](const nlohmann::json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.3f}x", v.get<double>()); };
-    fmt::print("{:<11} {:>3} {:>9.3f} {:>8.3f} {:>9.3f} {:>7.3f} {:>7.3f} {:>9.2f} {:>6.1f}-{:<6.1f} {:>8} {:>8}\n",
-               s["system"].get<std::string>(), s["cp"].get<int>(), s["seconds"].get<double>(), s["linear_seconds"].get<double>(),
+    const std::string note = fit_note(s);
+    fmt::print("{:<11} {:>5} {:>9.3f} = {:>7.3f} + {:>9.3f} + {:>7.3f} + {:>7.3f} {:>14.2f} {:>7.1f} {:>17} {:>15}{}\n",
+               s["system"].get<std::string>(), cp_text(s), s["seconds"].get<double>(), s["linear_seconds"].get<double>(),
                s["attention_seconds"].get<double>(), s["comm_seconds"].get<double>(), s["idle_seconds"].get<double>(),
-               s["attention_imbalance"].get<double>(), mem.first / (1 << 30), mem.second / (1 << 30),
-               ratio(s["speedup_over_wlb"]), ratio(s["speedup_over_colocated"]));
+               s["attention_imbalance"].get<double>(), s["memory_bytes_per_gpu"].get<double>() / kGB,
+               ratio(s["speedup_over_wlb"]), ratio(s["speedup_over_colocated"]), note.empty() ? "" : "  " + note);
   }
+  const int units = j["units"].get<int>();
+  fmt::print("iter: one iteration, its slowest unit (a unit is {} GPUs); linear, attention, comm (exposed, with the gradient "
+             "all-reduce) and idle (waiting: stragglers, pipeline bubbles) are means over the {} unit{}\n",
+             j["tp"].get<int>(), units, units == 1 ? "" : "s");
+  fmt::print("attn max/mean: the busiest unit's attention seconds over the mean; GB/GPU: the fullest GPU's peak, activations "
+             "+ weights, gradients and optimizer states (1 GB = 1e9 bytes); speedup over X: X's iteration time / the "
+             "system's (-: X not simulated)\n");
+  const auto& device = j["device_memory_bytes"];
+  fmt::print("profile: {} ({})\n", j["profile"].get<std::string>(),
+             device.is_null() ? std::string("no device memory given: memory not checked")
+                              : fmt::format("device memory {:.1f} GB per GPU", device.get<double>() / kGB));
+}
+
+// One warning line naming the systems whose memory exceeds the device's.
+void warn_memory(const nlohmann::json& j) {
+  std::vector<std::string> over;
+  for (const auto& s : j["systems"]) {
+    if (!fit_note(s).empty()) {
+      over.push_back(fmt::format("{} needs {:.1f} GB", s["system"].get<std::string>(), s["memory_bytes_per_gpu"].get<double>() / kGB));
+    }
+  }
+  if (over.empty()) return;
+  fmt::print(stderr, "distca simulate: warning: does not fit in {:.1f} GB per GPU: {} (the times assume it did)\n",
+             j["device_memory_bytes"].get<double>() / kGB, fmt::join(over, ", "));
+}
+
+// --- SVG drawing (hand-written, no dependencies) ---
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    switch (ch) {
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '&': out += "&amp;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += ch;
+    }
+  }
+  return out;
+}
+
+// An axis step of 1, 2 or 5 times a power of ten that cuts `span` into 3 to 10 ticks.
+double tick_step(double span) {
+  const double raw = span / 5;
+  const double power = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0}) {
+    if (m * power >= raw) return m * power;
+  }
+  return 10 * power;
+}
+
+std::string tick_label(double v, double step) {
+  const int decimals = std::max(0, static_cast<int>(-std::floor(std::log10(step) + 1e-9)));
+  return fmt::format("{:.{}f}", v, decimals);
+}
+
+// The parts of a unit's iteration, bottom to top, with their colours.
+struct Part {
+  const char* name;   // JSON field stem (unit_<name>_seconds, <name>_seconds)
+  const char* label;  // legend
+  const char* color;
+};
+constexpr Part kParts[] = {{"linear", "linear layers", "#4c78a8"},
+                           {"attention", "core attention", "#f58518"},
+                           {"comm", "exposed communication", "#e45756"},
+                           {"idle", "idle (waiting for other units, pipeline bubbles)", "#c8c8c8"}};
+
+std::string legend(int x, int y) {
+  std::string svg;
+  for (const Part& p : kParts) {
+    svg += fmt::format(R"(<rect x="{}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{}</text>)" "\n", x,
+                       y - 10, p.color, x + 16, y, p.label);
+    x += 40 + 7 * static_cast<int>(std::string(p.label).size());
+  }
+  return svg;
+}
+
+// The report drawn: (1) per system, the iteration time as a bar of the mean linear, attention,
+// exposed communication and idle seconds per unit, with the speedup over the named baseline;
+// (2) per system, one stacked bar per unit of the same four parts, each reaching the iteration
+// time, so imbalance shows as idle. All panels share one time scale. Every bar part carries
+// data-system / data-unit / data-part / data-seconds attributes (data-unit "mean" in (1)).
+std::string plot_svg(const nlohmann::json& j) {
+  const auto& systems = j["systems"];
+  const int n = static_cast<int>(systems.size());
+  const int units = j["units"].get<int>();
+  const int W = 1000, left = 110, width = 750;  // plot area: x from left to left + width
+  const int bar_row = 28, unit_height = 160, panel = unit_height + 80;
+  double longest = 0;
+  for (const auto& s : systems) longest = std::max(longest, s["seconds"].get<double>());
+  const double step = tick_step(longest);
+  const double top = std::ceil(longest / step - 1e-9) * step;  // axis end, seconds
+  // The baseline the speedups are over: wlb when it ran, else colocated, else none.
+  std::string baseline;
+  for (const auto& s : systems) {
+    if (s["system"] == "wlb" || (s["system"] == "colocated" && baseline.empty())) baseline = s["system"].get<std::string>();
+  }
+  const int top_a = 110;
+  const int top_b = top_a + n * bar_row + 70;
+  const int H = top_b + n * panel + 10;
+  std::string svg = fmt::format(
+      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" viewBox="0 0 {} {}" font-family="sans-serif" font-size="12">)" "\n"
+      R"(<rect width="100%" height="100%" fill="white"/>)" "\n",
+      W, H, W, H);
+  svg += fmt::format(R"(<text x="10" y="22" font-size="15" font-weight="bold">{}</text>)" "\n", xml_escape(config_text(j)));
+  svg += fmt::format(R"(<text x="10" y="42">{}; profile {}; a unit is {} GPUs (one tensor-parallel group){}</text>)" "\n",
+                     iterations_text(j), xml_escape(j["profile"].get<std::string>()), j["tp"].get<int>(),
+                     baseline.empty() ? "" : fmt::format("; speedup over {}: {}'s iteration time / the system's", baseline, baseline));
+  svg += legend(10, 66);
+
+  // (1) Iteration time per system.
+  const double xscale = 0.8 * width / top;  // px per second (room for the labels right of the bars)
+  svg += fmt::format(R"(<text x="10" y="{}" font-weight="bold">Iteration time per system (seconds): mean seconds per unit of each part, adding up to the iteration time</text>)" "\n",
+                     top_a - 12);
+  for (int i = 0; i < n; ++i) {
+    const auto& s = systems[i];
+    const std::string name = s["system"].get<std::string>();
+    const int y = top_a + i * bar_row;
+    svg += fmt::format(R"(<text x="{}" y="{}" text-anchor="end">{}</text>)", left - 6, y + 15, name);
+    double x = left;
+    for (const Part& p : kParts) {
+      const double sec = s[fmt::format("{}_seconds", p.name)].get<double>();
+      svg += fmt::format(R"(<rect x="{:.2f}" y="{}" width="{:.2f}" height="20" fill="{}" data-system="{}" data-unit="mean" data-part="{}" data-seconds="{:.9g}"/>)",
+                         x, y, sec * xscale, p.color, name, p.name, sec);
+      x += sec * xscale;
+    }
+    const auto& vs = s[fmt::format("speedup_over_{}", baseline.empty() ? "wlb" : baseline)];
+    std::string speedup;
+    if (name == baseline) {
+      speedup = ", the baseline";
+    } else if (!vs.is_null()) {
+      speedup = fmt::format(", {:.3f}x over {}", vs.get<double>(), baseline);
+    }
+    svg += fmt::format(R"(<text x="{:.2f}" y="{}">{:.3f} s{}</text>)" "\n", x + 6, y + 15, s["seconds"].get<double>(), speedup);
+  }
+  const int axis_a = top_a + n * bar_row;
+  svg += fmt::format(R"(<line x1="{}" y1="{}" x2="{:.2f}" y2="{}" stroke="black"/>)" "\n", left, axis_a, left + top * xscale, axis_a);
+  for (double t = 0; t <= top + step / 2; t += step) {
+    const double x = left + t * xscale;
+    svg += fmt::format(R"(<line x1="{:.2f}" y1="{}" x2="{:.2f}" y2="{}" stroke="black"/><text x="{:.2f}" y="{}" text-anchor="middle">{}</text>)" "\n",
+                       x, axis_a, x, axis_a + 5, x, axis_a + 18, tick_label(t, step));
+  }
+  svg += fmt::format(R"(<text x="{:.2f}" y="{}" text-anchor="middle">seconds per iteration</text>)" "\n",
+                     left + top * xscale / 2, axis_a + 34);
+
+  // (2) Per system, one stacked bar per unit.
+  const double yscale = unit_height / top;  // px per second
+  const double bar = static_cast<double>(width) / units;
+  const int label_every = std::max(1, (units + 15) / 16);
+  for (int i = 0; i < n; ++i) {
+    const auto& s = systems[i];
+    const std::string name = s["system"].get<std::string>();
+    const double seconds = s["seconds"].get<double>();
+    const int y0 = top_b + i * panel;        // panel title
+    const int base = y0 + 16 + unit_height;  // the time axis' zero
+    const std::string note = fit_note(s);
+    svg += fmt::format(R"(<g data-system="{}" data-seconds="{:.9g}">)" "\n", name, seconds);
+    svg += fmt::format(R"(<text x="10" y="{}" font-weight="bold">{} (cp {}) per unit: iteration {:.3f} s; attention max/mean {:.2f}; peak {:.1f} GB per GPU{}</text>)" "\n",
+                       y0, name, cp_text(s), seconds, s["attention_imbalance"].get<double>(),
+                       s["memory_bytes_per_gpu"].get<double>() / kGB,
+                       note.empty() ? "" : fmt::format(R"(; <tspan fill="#c00000">does not fit in {:.1f} GB</tspan>)",
+                                                       s["device_memory_bytes"].get<double>() / kGB));
+    for (int u = 0; u < units; ++u) {
+      double y = base;
+      for (const Part& p : kParts) {
+        const double sec = s[fmt::format("unit_{}_seconds", p.name)][u].get<double>();
+        y -= sec * yscale;
+        svg += fmt::format(R"(<rect x="{:.2f}" y="{:.2f}" width="{:.2f}" height="{:.2f}" fill="{}" data-system="{}" data-unit="{}" data-part="{}" data-seconds="{:.9g}"/>)",
+                           left + u * bar, y, std::max(bar - 1, 0.5), sec * yscale, p.color, name, u, p.name, sec);
+      }
+      svg += "\n";
+      if (u % label_every == 0) {
+        svg += fmt::format(R"(<text x="{:.2f}" y="{}" text-anchor="middle">{}</text>)" "\n", left + (u + 0.5) * bar, base + 16, u);
+      }
+    }
+    // Axes: time (seconds) on the left, units along the bottom, the iteration time dashed.
+    svg += fmt::format(R"(<line x1="{}" y1="{}" x2="{}" y2="{:.2f}" stroke="black"/><line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/>)" "\n",
+                       left, base, left, base - top * yscale, left, base, left + width, base);
+    for (double t = 0; t <= top + step / 2; t += step) {
+      const double y = base - t * yscale;
+      svg += fmt::format(R"(<line x1="{}" y1="{:.2f}" x2="{}" y2="{:.2f}" stroke="black"/><text x="{}" y="{:.2f}" text-anchor="end">{}</text>)" "\n",
+                         left - 5, y, left, y, left - 8, y + 4, tick_label(t, step));
+    }
+    svg += fmt::format(R"(<line x1="{}" y1="{:.2f}" x2="{}" y2="{:.2f}" stroke="black" stroke-dasharray="4 3"/><text x="{}" y="{:.2f}">iteration {:.3f} s</text>)" "\n",
+                       left, base - seconds * yscale, left + width, base - seconds * yscale, left + width + 4,
+                       base - seconds * yscale + 4, seconds);
+    svg += fmt::format(R"svg(<text x="30" y="{}" text-anchor="middle" transform="rotate(-90 30 {})">seconds</text>)svg" "\n",
+                       base - unit_height / 2, base - unit_height / 2);
+    svg += fmt::format(R"(<text x="{}" y="{}" text-anchor="middle">unit ({} GPUs each; in stage, replica, CP-rank order)</text>)" "\n",
+                       left + width / 2, base + 34, j["tp"].get<int>());
+    svg += "</g>\n";
+  }
+  return svg + "</svg>\n";
+}
+
+// The paper grid drawn: per configuration, the published range of cad-distca's speedup over
+// WLB-ideal as a band, and the simulated speedups of cad-distca and cad over wlb as markers.
+std::string paper_svg(const nlohmann::json& records, int iterations, const std::string& profile) {
+  const int n = static_cast<int>(records.size());
+  const int W = 1000, left = 330, width = 560, row = 18, top_y = 100;
+  double lo = 1.0, hi = 1.0;
+  for (const auto& r : records) {
+    for (const char* f : {"speedup_cad_distca", "speedup_cad", "paper_low", "paper_high"}) {
+      lo = std::min(lo, r[f].get<double>()), hi = std::max(hi, r[f].get<double>());
+    }
+  }
+  const double step = tick_step(hi - lo);
+  lo = std::floor(lo / step) * step, hi = std::ceil(hi / step) * step;
+  auto x_of = [&](double v) { return left + width * (v - lo) / (hi - lo); };
+  const int axis = top_y + n * row + 6;
+  const int H = axis + 60;
+  std::string svg = fmt::format(
+      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" viewBox="0 0 {} {}" font-family="sans-serif" font-size="12">)" "\n"
+      R"(<rect width="100%" height="100%" fill="white"/>)" "\n",
+      W, H, W, H);
+  svg += fmt::format(R"(<text x="10" y="22" font-size="15" font-weight="bold">distca simulate --paper: speedup over wlb (WLB-ideal) per configuration, mean of {} iteration{}</text>)" "\n",
+                     iterations, iterations == 1 ? "" : "s");
+  svg += fmt::format(R"(<text x="10" y="42">speedup over wlb: wlb's iteration time / the system's; profile {}</text>)" "\n", xml_escape(profile));
+  svg += R"(<rect x="10" y="56" width="24" height="10" fill="#c8c8c8"/><text x="40" y="66">the paper's published range (cad-distca over WLB-ideal)</text>)"
+         R"(<circle cx="400" cy="61" r="5" fill="#4c78a8"/><text x="410" y="66">cad-distca (simulated)</text>)"
+         R"(<rect x="575" y="56" width="10" height="10" fill="#f58518"/><text x="591" y="66">cad (simulated)</text>)" "\n";
+  for (int i = 0; i < n; ++i) {
+    const auto& r = records[i];
+    const int y = top_y + i * row;
+    svg += fmt::format(R"(<text x="{}" y="{}" text-anchor="end">{} {} GPUs pp {} {} {} {}</text>)", left - 8, y + 4,
+                       r["model"].get<std::string>(), r["gpus"].get<int>(), r["pp"].get<int>(),
+                       tokens_text(r["context"].get<int64_t>()), r["dataset"].get<std::string>(), r["parallelism"].get<std::string>());
+    svg += fmt::format(R"(<rect x="{:.2f}" y="{}" width="{:.2f}" height="10" fill="#c8c8c8"/>)", x_of(r["paper_low"].get<double>()), y - 5,
+                       x_of(r["paper_high"].get<double>()) - x_of(r["paper_low"].get<double>()));
+    svg += fmt::format(R"(<rect x="{:.2f}" y="{}" width="10" height="10" fill="#f58518" data-record="{}" data-speedup-cad="{:.9g}"/>)",
+                       x_of(r["speedup_cad"].get<double>()) - 5, y - 5, i, r["speedup_cad"].get<double>());
+    svg += fmt::format(R"(<circle cx="{:.2f}" cy="{}" r="5" fill="#4c78a8" data-record="{}" data-speedup-cad-distca="{:.9g}"/>)",
+                       x_of(r["speedup_cad_distca"].get<double>()), y, i, r["speedup_cad_distca"].get<double>());
+    if (r["fits_memory"] == false) {
+      std::vector<std::string> over;
+      for (const auto& [system, bytes] : r["memory_bytes_per_gpu"].items()) {
+        if (bytes.get<double>() > r["device_memory_bytes"].get<double>()) over.push_back(system);
+      }
+      svg += fmt::format(R"(<text x="{}" y="{}" fill="#c00000">{} does not fit</text>)", left + width + 8, y + 4, fmt::join(over, ", "));
+    }
+    svg += "\n";
+  }
+  svg += fmt::format(R"(<line x1="{:.2f}" y1="{}" x2="{:.2f}" y2="{}" stroke="black" stroke-dasharray="4 3"/>)" "\n", x_of(1.0),
+                     top_y - 10, x_of(1.0), axis);
+  svg += fmt::format(R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/>)" "\n", left, axis, left + width, axis);
+  for (double t = lo; t <= hi + step / 2; t += step) {
+    svg += fmt::format(R"(<line x1="{:.2f}" y1="{}" x2="{:.2f}" y2="{}" stroke="black"/><text x="{:.2f}" y="{}" text-anchor="middle">{}x</text>)" "\n",
+                       x_of(t), axis, x_of(t), axis + 5, x_of(t), axis + 18, tick_label(t, step));
+  }
+  svg += fmt::format(R"(<text x="{}" y="{}" text-anchor="middle">speedup over wlb (1.0x: as fast as wlb)</text>)" "\n",
+                     left + width / 2, axis + 36);
+  return svg + "</svg>\n";
 }
 
 // The paper's experiment grid (its Tables 3 and 4), as its published benchmark scripts run it
@@ -170,13 +474,16 @@ plan::SamplingOptions paper_sampling(const std::string& dataset) {
   return so;
 }
 
-int run_paper(const SimArgs& a, const sim::Profile& profile) {
+int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
   nlohmann::json records = nlohmann::json::array();
   const auto begin = std::chrono::steady_clock::now();
   if (!a.is_json) {
-    fmt::print("{:<10} {:>5} {:>3} {:>7} {:<9} {:<3} {:>11} {:>8} {:>13}  {}\n", "model", "gpus", "pp", "context", "dataset",
-               "par", "cad-distca", "cad", "paper", "");
+    fmt::print("speedup over wlb (WLB-ideal): wlb's iteration time / the system's, mean of {} iteration{} per configuration\n",
+               iterations, iterations == 1 ? "" : "s");
+    fmt::print("{:<10} {:>5} {:>3} {:>7} {:<9} {:<3} {:>11} {:>8} {:>18}  {}\n", "model", "gpus", "pp", "context", "dataset",
+               "par", "cad-distca", "cad", "paper (cad-distca)", "");
   }
+  int over_memory = 0;
   for (const PaperCase& pc : paper_cases()) {
     sim::SimOptions o;
     o.model = plan::model_preset(pc.model).value();
@@ -187,88 +494,111 @@ int run_paper(const SimArgs& a, const sim::Profile& profile) {
     o.batch = pc.micro_batches;
     o.sampling = paper_sampling(pc.dataset);
     o.workload = pc.dataset;
-    o.seed = a.seed;
+    o.seed = static_cast<uint64_t>(a.seed);
     // Mean iteration times over several sampled iterations (one iteration's documents are a
     // small sample of the workload).
-    std::array<double, 4> mean{0, 0, 0, 0};
-    for (int it = 0; it < a.iterations; ++it) {
-      o.seed = a.seed + static_cast<uint64_t>(it);
-      auto rs = sim::simulate(profile, o, {"wlb", "cad-distca", "cad", "colocated"});
-      if (!rs.is_ok()) {
-        fmt::print(stderr, "distca simulate --paper: error: {}\n", rs.status().message());
-        return 1;
-      }
-      for (size_t k = 0; k < 4; ++k) mean[k] += rs.value()[k].seconds / a.iterations;
+    o.iterations = iterations;
+    const std::vector<std::string> systems = {"wlb", "cad-distca", "cad", "colocated"};
+    auto rs = sim::simulate(profile, o, systems);
+    if (!rs.is_ok()) {
+      fmt::print(stderr, "distca simulate --paper: error: {}\n", rs.status().message());
+      return 1;
     }
-    const double s_distca = mean[0] / mean[1], s_cad = mean[0] / mean[2];
+    const auto& r = rs.value();
+    const double s_distca = r[0].seconds / r[1].seconds, s_cad = r[0].seconds / r[2].seconds;
     const bool inside = s_distca >= pc.low - 0.05 && s_distca <= pc.high + 0.05;
+    std::vector<std::string> over;  // systems that do not fit in device memory, with their GB per GPU
+    nlohmann::json memory = nlohmann::json::object();
+    for (size_t k = 0; k < systems.size(); ++k) {
+      memory[systems[k]] = r[k].memory_per_gpu;
+      if (!r[k].fits_memory()) over.push_back(fmt::format("{} {:.1f} GB", systems[k], r[k].memory_per_gpu / kGB));
+    }
+    over_memory += over.empty() ? 0 : 1;
     records.push_back({{"model", pc.model}, {"gpus", pc.gpus}, {"pp", pc.pp}, {"context", pc.context},
-                       {"dataset", pc.dataset}, {"parallelism", pc.parallelism}, {"speedup_cad_distca", s_distca},
-                       {"speedup_cad", s_cad}, {"speedup_cad_distca_over_colocated", mean[3] / mean[1]},
-                       {"paper_low", pc.low}, {"paper_high", pc.high}, {"within_0.05", inside}});
+                       {"dataset", pc.dataset}, {"parallelism", pc.parallelism}, {"iterations", iterations},
+                       {"speedup_over", "wlb"}, {"speedup_cad_distca", s_distca}, {"speedup_cad", s_cad},
+                       {"speedup_cad_distca_over_colocated", r[3].seconds / r[1].seconds},
+                       {"paper_low", pc.low}, {"paper_high", pc.high}, {"within_0.05", inside},
+                       {"memory_bytes_per_gpu", memory},
+                       {"device_memory_bytes", profile.device_memory_bytes > 0 ? nlohmann::json(profile.device_memory_bytes) : nlohmann::json(nullptr)},
+                       {"fits_memory", profile.device_memory_bytes > 0 ? nlohmann::json(over.empty()) : nlohmann::json(nullptr)}});
     if (!a.is_json) {
-      fmt::print("{:<10} {:>5} {:>3} {:>6}K {:<9} {:<3} {:>10.3f}x {:>7.3f}x {:>6.2f}-{:.2f}x  {}\n", pc.model, pc.gpus,
-                 pc.pp, pc.context >> 10, pc.dataset, pc.parallelism, s_distca, s_cad, pc.low, pc.high,
-                 inside ? "" : "outside");
+      std::string note = inside ? "" : "outside";
+      if (!over.empty()) {
+        note += fmt::format("{}does not fit: {} per GPU > {:.1f} GB", note.empty() ? "" : "; ", fmt::join(over, ", "),
+                            profile.device_memory_bytes / kGB);
+      }
+      fmt::print("{:<10} {:>5} {:>3} {:>6}K {:<9} {:<3} {:>10.3f}x {:>7.3f}x {:>11.2f}-{:.2f}x  {}\n", pc.model, pc.gpus,
+                 pc.pp, pc.context >> 10, pc.dataset, pc.parallelism, s_distca, s_cad, pc.low, pc.high, note);
       std::fflush(stdout);
     }
+  }
+  if (!a.plot.empty()) {
+    if (Status st = write_file_atomic(a.plot, paper_svg(records, iterations, profile.name)); !st.is_ok()) {
+      fmt::print(stderr, "distca simulate --paper: error: {}\n", st.message());
+      return 1;
+    }
+  }
+  if (over_memory > 0) {
+    fmt::print(stderr, "distca simulate --paper: warning: {} of {} configurations do not fit in {:.1f} GB per GPU\n",
+               over_memory, records.size(), profile.device_memory_bytes / kGB);
   }
   if (a.is_json) {
     fmt::print("{}\n", records.dump(2));
   } else {
     int inside = 0;
     for (const auto& r : records) inside += r["within_0.05"].get<bool>() ? 1 : 0;
-    fmt::print("{} of {} configurations within 0.05 of the published range; {:.1f} s\n", inside, records.size(),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+    fmt::print("{} of {} configurations within 0.05 of the published range; profile {}; {:.1f} s\n", inside, records.size(),
+               profile.name, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
   }
   return 0;
 }
 
-// An SVG of the report: iteration time per system (with its speedup over wlb), then each
-// system's per-unit attention seconds as bars, so stragglers show.
-std::string plot_svg(const nlohmann::json& j) {
-  const auto& systems = j["systems"];
-  const int W = 900, row = 150, top = 60;
-  const int H = top + 40 * static_cast<int>(systems.size()) + row * static_cast<int>(systems.size()) + 20;
-  std::string svg = fmt::format(R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)"
-                                "\n",
-                                W, H);
-  svg += fmt::format(R"(<text x="10" y="20" font-size="14">{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {}</text>)" "\n",
-                     j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(),
-                     j["cp"].get<int>(), j["dp"].get<int>(), j["context"].get<int64_t>(), j["workload"].get<std::string>());
-  double longest = 0, peak = 0;
-  for (const auto& s : systems) {
-    longest = std::max(longest, s["seconds"].get<double>());
-    for (double a : s["unit_attention_seconds"].get<std::vector<double>>()) peak = std::max(peak, a);
-  }
-  const char* colors[] = {"#888888", "#d08c2c", "#4c78a8", "#2ca02c"};
-  int y = top - 20;
-  for (size_t i = 0; i < systems.size(); ++i) {
-    const auto& s = systems[i];
-    const double w = 600 * s["seconds"].get<double>() / longest;
-    const auto& vs = s["speedup_over_wlb"];
-    svg += fmt::format(R"(<text x="10" y="{}">{}</text><rect x="110" y="{}" width="{:.1f}" height="22" fill="{}"/>)"
-                       R"(<text x="{:.1f}" y="{}">{:.3f} s{}</text>)" "\n",
-                       y + 15, s["system"].get<std::string>(), y, w, colors[i % 4], 115 + w, y + 15, s["seconds"].get<double>(),
-                       vs.is_null() ? std::string() : fmt::format(" ({:.2f}x over wlb)", vs.get<double>()));
-    y += 30;
-  }
-  y += 20;
-  for (size_t i = 0; i < systems.size(); ++i) {
-    const auto& s = systems[i];
-    const auto units = s["unit_attention_seconds"].get<std::vector<double>>();
-    svg += fmt::format(R"(<text x="10" y="{}">{}: attention per unit (max/mean {:.2f})</text>)" "\n", y + 12,
-                       s["system"].get<std::string>(), s["attention_imbalance"].get<double>());
-    const double bw = 780.0 / std::max<size_t>(units.size(), 1);
-    for (size_t u = 0; u < units.size(); ++u) {
-      const double h = peak > 0 ? 110 * units[u] / peak : 0;
-      svg += fmt::format(R"(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="{}"/>)", 110 + u * bw,
-                         y + 130 - h, std::max(bw - 1, 0.5), h, colors[i % 4]);
+// Everything about the command line that can be wrong, checked before any work: a failure
+// here is bad input (exit 2).
+Status check_args(const SimArgs& a, int iterations) {
+  if (a.is_paper) {
+    std::vector<std::string> fixed;
+    for (const CLI::Option* opt : a.one_config_options) {
+      if (opt->count() > 0) fixed.push_back(opt->get_name());
     }
-    svg += "\n";
-    y += row;
+    if (!fixed.empty()) {
+      return invalid_argument(fmt::format("--paper runs the paper's own configurations, which set {} themselves: drop {} "
+                                          "(or drop --paper to simulate one configuration)",
+                                          fmt::join(fixed, ", "), fixed.size() == 1 ? "it" : "them"));
+    }
   }
-  return svg + "</svg>\n";
+  if (iterations < 1 || iterations > 1000) return invalid_argument(fmt::format("--iterations must be 1..1000, got {}", iterations));
+  if (a.seed < 0) return invalid_argument(fmt::format("--seed must be >= 0, got {}", a.seed));
+  // Options whose 0 means "choose for me": only negative values are wrong.
+  if (a.cp < 0) return invalid_argument(fmt::format("--cp must be >= 1, or 0 for context / 64K, got {}", a.cp));
+  if (a.wlb_cp < 0) return invalid_argument(fmt::format("--wlb-cp must be >= 1, or 0 for WLB-ideal, got {}", a.wlb_cp));
+  return check_output_paths({{"--plot", a.plot}});
+}
+
+// The one configuration the flags describe.
+Result<sim::SimOptions> sim_options(const SimArgs& a, int iterations) {
+  DISTCA_ASSIGN_OR_RETURN(plan::ModelShape model, plan::model_preset(a.model));
+  DISTCA_ASSIGN_OR_RETURN(int64_t context, parse_tokens(a.context));
+  sim::SimOptions o;
+  o.model = model;
+  o.cluster = {a.gpus, a.gpus_per_node, a.tp, a.pp, a.cp};
+  if (a.cp == 0 && a.tp > 0 && a.pp > 0) o.cluster.cp = auto_cp(context, a.gpus, a.tp, a.pp);
+  o.context = context;
+  o.batch = a.batch;
+  o.wlb_cp = a.wlb_cp;
+  o.sampling = a.sampling;
+  o.workload = a.workload;
+  o.seed = static_cast<uint64_t>(a.seed);
+  o.iterations = iterations;
+  if (a.system != "all") {
+    const auto names = sim::system_names();
+    if (std::find(names.begin(), names.end(), a.system) == names.end()) {
+      return invalid_argument(fmt::format("--system must be {} or all, got '{}'", fmt::join(names, ", "), a.system));
+    }
+  }
+  DISTCA_RETURN_IF_ERROR(o.validate());
+  return o;
 }
 
 int run_simulate(const SimArgs& a) {
@@ -276,45 +606,38 @@ int run_simulate(const SimArgs& a) {
     fmt::print(stderr, "distca simulate: error: {}\n", s.message());
     return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? 2 : 1;
   };
+  const int iterations = a.iterations.value_or(a.is_paper ? 15 : 1);
+  if (Status st = check_args(a, iterations); !st.is_ok()) return fail(st);
+  sim::SimOptions o;
+  if (!a.is_paper) {
+    auto options = sim_options(a, iterations);
+    if (!options.is_ok()) return fail(options.status());
+    o = options.value();
+  }
   sim::Profile profile = sim::default_h200_profile();
   if (!a.profile.empty()) {
     auto loaded = sim::load_profile(a.profile);
     if (!loaded.is_ok()) return fail(loaded.status());
     profile = loaded.value();
   }
-  if (a.is_paper) {
-    SimArgs p = a;
-    if (p.iterations == 0) p.iterations = 15;
-    if (p.iterations < 1 || p.iterations > 1000) return fail(invalid_argument("--iterations must be 1..1000"));
-    return run_paper(p, profile);
+  if (a.is_paper) return run_paper(a, iterations, profile);
+  auto rs = sim::simulate(profile, o, a.system == "all" ? sim::system_names() : std::vector<std::string>{a.system});
+  if (!rs.is_ok()) {  // the options were checked: what fails here is the run
+    fmt::print(stderr, "distca simulate: error: {}\n", rs.status().message());
+    return 1;
   }
-  auto model = plan::model_preset(a.model);
-  if (!model.is_ok()) return fail(model.status());
-  auto context = parse_tokens(a.context);
-  if (!context.is_ok()) return fail(context.status());
-  sim::SimOptions o;
-  o.model = model.value();
-  o.cluster = {a.gpus, a.gpus_per_node, a.tp, a.pp, a.cp};
-  if (a.cp == 0 && a.tp > 0 && a.pp > 0) o.cluster.cp = auto_cp(context.value(), a.gpus, a.tp, a.pp);
-  o.context = context.value();
-  o.batch = a.batch;
-  o.wlb_cp = a.wlb_cp;
-  o.sampling = a.sampling;
-  o.workload = a.workload;
-  o.seed = a.seed;
-  std::vector<std::string> systems = sim::system_names();
-  if (a.system != "all") systems = {a.system};
-  auto rs = sim::simulate(profile, o, systems);
-  if (!rs.is_ok()) return fail(rs.status());
-  const nlohmann::json j = report(o, rs.value());
+  const nlohmann::json j = report(o, profile, rs.value());
   if (!a.plot.empty()) {
-    if (Status st = write_file_atomic(a.plot, plot_svg(j)); !st.is_ok()) return fail(st);
+    if (Status st = write_file_atomic(a.plot, plot_svg(j)); !st.is_ok()) {
+      fmt::print(stderr, "distca simulate: error: {}\n", st.message());
+      return 1;
+    }
   }
+  warn_memory(j);
   if (a.is_json) {
     fmt::print("{}\n", j.dump(2));
   } else {
     print_table(j);
-    fmt::print("profile: {}\n", profile.name);
   }
   return 0;
 }
@@ -326,32 +649,41 @@ std::function<int()> add_simulate_command(CLI::App& app) {
   SimArgs& a = *args;
   CLI::App* cmd = app.add_subcommand("simulate", "Price one training iteration of colocated, WLB-style and CAD training on a "
                                                  "simulated cluster (profiles: the default H200 one, or --profile)");
-  cmd->add_option("--model", a.model, "llama-8b | llama-34b")->capture_default_str();
-  cmd->add_option("--gpus", a.gpus, "GPUs in all")->capture_default_str();
-  cmd->add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node")->capture_default_str();
-  cmd->add_option("--tp", a.tp, "tensor-parallel degree (one unit = tp GPUs)")->capture_default_str();
-  cmd->add_option("--pp", a.pp, "pipeline stages")->capture_default_str();
-  cmd->add_option("--cp", a.cp, "context-parallel units per sequence (0: context / 64K, as the GPUs allow)")->capture_default_str();
-  cmd->add_option("--wlb-cp", a.wlb_cp, "wlb's context-parallel degree (0: WLB-ideal, the faster of the two largest it may use)")->capture_default_str();
-  cmd->add_option("--context", a.context, "tokens per sequence (one micro-batch of a replica, over cp units), e.g. 128K, 512K")
-      ->capture_default_str();
-  cmd->add_option("--batch", a.batch, "micro-batches per data-parallel replica per iteration")->capture_default_str();
-  cmd->add_option("--workload", a.workload, "document lengths: pretrain | prolong")->capture_default_str();
-  cmd->add_option("--keep-short", a.sampling.keep_short, "sampling: share of documents of at most 64K tokens kept")
-      ->capture_default_str();
-  cmd->add_option("--upsample", a.sampling.upsample, "sampling: how many times more often longer documents are drawn")
-      ->capture_default_str();
-  cmd->add_option("--elongation", a.sampling.elongation, "sampling: length multiplier (0: context / 64K)")->capture_default_str();
-  cmd->add_option("--full-context-share", a.sampling.full_context_share,
-                  "sampling: share of longer documents made exactly one sequence long")
-      ->capture_default_str();
-  cmd->add_option("--system", a.system, "colocated | wlb | cad-distca | cad | all")->capture_default_str();
+  auto& one = a.one_config_options;
+  one.push_back(cmd->add_option("--model", a.model, "llama-8b | llama-34b")->capture_default_str());
+  one.push_back(cmd->add_option("--gpus", a.gpus, "GPUs in all")->capture_default_str());
+  one.push_back(cmd->add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node")->capture_default_str());
+  one.push_back(cmd->add_option("--tp", a.tp, "tensor-parallel degree (one unit = tp GPUs)")->capture_default_str());
+  one.push_back(cmd->add_option("--pp", a.pp, "pipeline stages")->capture_default_str());
+  one.push_back(cmd->add_option("--cp", a.cp, "context-parallel units per sequence (0: context / 64K, as the GPUs allow)")
+                    ->capture_default_str());
+  one.push_back(cmd->add_option("--wlb-cp", a.wlb_cp, "wlb's context-parallel degree (0: WLB-ideal, the faster of the two largest it may use)")
+                    ->capture_default_str());
+  one.push_back(cmd->add_option("--context", a.context, "tokens per sequence (one micro-batch of a replica, over cp units), e.g. 128K, 512K")
+                    ->capture_default_str());
+  one.push_back(cmd->add_option("--batch", a.batch, "micro-batches per data-parallel replica per iteration")->capture_default_str());
+  one.push_back(cmd->add_option("--workload", a.workload, "document lengths: pretrain | prolong")->capture_default_str());
+  one.push_back(cmd->add_option("--keep-short", a.sampling.keep_short, "sampling: share of documents of at most 64K tokens kept")
+                    ->capture_default_str());
+  one.push_back(cmd->add_option("--upsample", a.sampling.upsample, "sampling: how many times more often longer documents are drawn")
+                    ->capture_default_str());
+  one.push_back(cmd->add_option("--elongation", a.sampling.elongation, "sampling: length multiplier (0: context / 64K)")
+                    ->capture_default_str());
+  one.push_back(cmd->add_option("--full-context-share", a.sampling.full_context_share,
+                                "sampling: share of longer documents made exactly one sequence long")
+                    ->capture_default_str());
+  one.push_back(cmd->add_option("--system", a.system, "colocated | wlb | cad-distca | cad | all")->capture_default_str());
   cmd->add_option("--profile", a.profile, "a profile JSON (distca-profile, version 1); default: the built-in H200 one");
-  cmd->add_option("--seed", a.seed, "sampling seed")->capture_default_str();
-  cmd->add_flag("--json", a.is_json, "print JSON");
-  cmd->add_option("--plot", a.plot, "also draw the iteration times and per-unit attention bars into this SVG file");
-  cmd->add_option("--iterations", a.iterations, "--paper: sampled iterations averaged per configuration (default 15, as the paper's runs)");
-  cmd->add_flag("--paper", a.is_paper, "run the paper's 3D and 4D configurations and compare with its published speedups");
+  cmd->add_option("--seed", a.seed, "sampling seed of the first iteration (iteration i uses seed + i)")->capture_default_str();
+  cmd->add_flag("--json", a.is_json, "print JSON instead of the table");
+  cmd->add_option("--plot", a.plot,
+                  "also draw an SVG into this file: per system, the iteration time and each unit's linear / attention / "
+                  "communication / idle seconds (with --paper: each configuration's speedups beside the published range)");
+  cmd->add_option("--iterations", a.iterations,
+                  "sampled iterations averaged, 1..1000 (default 1, or 15 with --paper as the paper's runs)");
+  cmd->add_flag("--paper", a.is_paper,
+                "run the paper's 3D and 4D configurations and compare with its published speedups (sets the model, "
+                "cluster, context, batch, workload, sampling and systems itself)");
   return [args] { return run_simulate(*args); };
 }
 

@@ -80,6 +80,22 @@ TEST(Profile, DefaultIsValidRoundTripsAndPricesShortShardsWorse) {
   EXPECT_GT(thin, 0.9 * tile);
 }
 
+TEST(Profile, DeviceMemoryIsTheH200sAndOptional) {
+  const Profile p = default_h200_profile();
+  EXPECT_EQ(p.device_memory_bytes, 141e9);
+  EXPECT_FALSE(p.device_memory_source.empty());
+  // A profile without the field (older files, measured CPU profiles) has no device memory.
+  nlohmann::json j = to_json(p);
+  j.erase("device_memory_bytes");
+  auto loaded = profile_from_json(j, "old.json");
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  EXPECT_EQ(loaded.value().device_memory_bytes, 0.0);
+  j["device_memory_bytes"] = -1;
+  auto bad = profile_from_json(j, "neg.json");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("device memory"), std::string::npos) << bad.status().message();
+}
+
 TEST(Profile, BadProfilesAreRefusedWithTheirOrigin) {
   nlohmann::json good = to_json(default_h200_profile());
   auto expect_bad = [](nlohmann::json j, const std::string& what) {
@@ -189,6 +205,132 @@ TEST(Simulate, WlbIdealIsTheFasterOfItsSweepsCpDegrees) {
   auto bad = simulate(p, o, {"wlb"});
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.status().message().find("--wlb-cp"), std::string::npos);
+}
+
+// Every unit's linear + attention + comm + idle is the iteration time, with no negative idle,
+// and the summary's parts are the means over units, adding up to the iteration time too.
+TEST(Simulate, EveryUnitsPartsAddUpToTheIterationTime) {
+  for (int pp : {1, 2}) {
+    for (int iterations : {1, 3}) {
+      SCOPED_TRACE(testing::Message() << "pp " << pp << ", iterations " << iterations);
+      SimOptions o = small(pp);
+      o.iterations = iterations;
+      auto rs = simulate(default_h200_profile(), o, system_names());
+      ASSERT_TRUE(rs.is_ok()) << rs.status().to_string();
+      for (const SystemResult& r : rs.value()) {
+        SCOPED_TRACE(r.system);
+        ASSERT_EQ(r.unit_linear.size(), 8u);
+        ASSERT_EQ(r.unit_comm.size(), 8u);
+        const double eps = 1e-9 * r.seconds;
+        double lin = 0, attn = 0, comm = 0, idle = 0;
+        for (size_t u = 0; u < 8; ++u) {
+          EXPECT_GE(r.unit_idle(u), -eps) << "unit " << u;
+          EXPECT_GE(r.unit_comm[u], r.allreduce - eps) << "unit " << u;  // every unit pays the all-reduce
+          EXPECT_NEAR(r.unit_linear[u] + r.unit_attention[u] + r.unit_comm[u] + r.unit_idle(u), r.seconds, eps);
+          lin += r.unit_linear[u] / 8, attn += r.unit_attention[u] / 8, comm += r.unit_comm[u] / 8, idle += r.unit_idle(u) / 8;
+        }
+        EXPECT_NEAR(lin, r.linear, eps);
+        EXPECT_NEAR(attn, r.attention, eps);
+        EXPECT_NEAR(comm, r.comm, eps);
+        EXPECT_NEAR(idle, r.idle, eps);
+        EXPECT_NEAR(r.linear + r.attention + r.comm + r.idle, r.seconds, eps);
+        const nlohmann::json j = r.to_json();
+        EXPECT_NEAR(j["linear_seconds"].get<double>() + j["attention_seconds"].get<double>() + j["comm_seconds"].get<double>() +
+                        j["idle_seconds"].get<double>(),
+                    j["seconds"].get<double>(), eps);
+        EXPECT_EQ(j["unit_idle_seconds"].size(), 8u);
+      }
+    }
+  }
+}
+
+// --iterations n is the mean of the n single iterations of seeds seed .. seed + n - 1.
+TEST(Simulate, IterationsAreTheMeanOfTheSampledIterations) {
+  const Profile p = default_h200_profile();
+  SimOptions o = small(1);
+  o.seed = 5;
+  o.iterations = 3;
+  auto mean = simulate(p, o, {"wlb", "cad"});
+  ASSERT_TRUE(mean.is_ok()) << mean.status().to_string();
+  for (size_t k = 0; k < 2; ++k) {
+    const SystemResult& m = mean.value()[k];
+    SCOPED_TRACE(m.system);
+    ASSERT_EQ(m.iteration_seconds.size(), 3u);
+    ASSERT_EQ(m.iteration_cp.size(), 3u);
+    double seconds = 0, attention = 0, unit0 = 0, peak = 0;
+    for (int it = 0; it < 3; ++it) {
+      SimOptions one = o;
+      one.iterations = 1;
+      one.seed = 5 + it;
+      const SystemResult r = simulate(p, one, {m.system}).value()[0];
+      EXPECT_EQ(m.iteration_seconds[it], r.seconds);
+      EXPECT_EQ(m.iteration_cp[it], r.cp);
+      seconds += r.seconds / 3, attention += r.attention / 3, unit0 += r.unit_attention[0] / 3;
+      peak = std::max(peak, r.memory_per_gpu);
+    }
+    EXPECT_NEAR(m.seconds, seconds, 1e-12 * seconds);
+    EXPECT_NEAR(m.attention, attention, 1e-12 * attention);
+    EXPECT_NEAR(m.unit_attention[0], unit0, 1e-12 * unit0);
+    EXPECT_EQ(m.memory_per_gpu, peak);
+  }
+  // The seeds differ, so the iterations do.
+  EXPECT_NE(mean.value()[1].iteration_seconds[0], mean.value()[1].iteration_seconds[1]);
+  for (int bad : {0, -1, 1001}) {
+    o.iterations = bad;
+    auto r = simulate(p, o, {"cad"});
+    ASSERT_FALSE(r.is_ok()) << bad;
+    EXPECT_NE(r.status().message().find("--iterations must be 1..1000"), std::string::npos) << r.status().message();
+  }
+}
+
+// Memory per GPU: the peak activations plus Megatron's distributed-optimizer states, checked
+// against the profile's device memory.
+TEST(Simulate, MemoryPerGpuIsCheckedAgainstTheDeviceMemory) {
+  const Profile p = default_h200_profile();
+  SimOptions o = small(1);  // llama-8b, 64 GPUs, tp 8: 8 units, one stage
+  const SystemResult r = simulate(p, o, {"cad"}).value()[0];
+  // Llama-8B's parameters (32 layers, hidden 4096, 32 / 8 heads of 128, FFN 14336, 128256 tokens):
+  // per layer 4096 x 6144 (QKV) + 4096 x 4096 (out) + 3 x 4096 x 14336, and both embeddings.
+  const double params = 32 * (4096.0 * 6144 + 4096.0 * 4096 + 3 * 4096.0 * 14336) + 2 * 128256.0 * 4096;
+  EXPECT_NEAR(r.state_memory, params / 8 * (4 + 16.0 / 8), 1.0);
+  // CAD keeps context / cp = 64K tokens per unit: 34 h / tp bytes per token per layer per GPU.
+  const double activations = 65536.0 * 32 * 34 * 4096 / 8;
+  EXPECT_NEAR(r.memory_per_gpu, activations + r.state_memory, 1.0);
+  EXPECT_EQ(r.device_memory, 141e9);
+  EXPECT_TRUE(r.fits_memory());
+  EXPECT_EQ(r.to_json()["fits_memory"], true);
+  // 2M tokens on one 8-GPU unit: about 1.2 TB of activations per GPU.
+  o.cluster.gpus = 8;
+  o.cluster.cp = 1;
+  o.context = 2 << 20;
+  o.batch = 1;
+  const SystemResult big = simulate(p, o, {"cad"}).value()[0];
+  EXPECT_GT(big.memory_per_gpu, 1e12);
+  EXPECT_FALSE(big.fits_memory());
+  EXPECT_EQ(big.to_json()["fits_memory"], false);
+  EXPECT_EQ(big.to_json()["memory_bytes_per_gpu"].get<double>(), big.memory_per_gpu);
+  // A profile without a device memory checks nothing.
+  Profile unknown = p;
+  unknown.device_memory_bytes = 0;
+  const SystemResult unchecked = simulate(unknown, o, {"cad"}).value()[0];
+  EXPECT_TRUE(unchecked.fits_memory());
+  EXPECT_TRUE(unchecked.to_json()["fits_memory"].is_null());
+  EXPECT_TRUE(unchecked.to_json()["device_memory_bytes"].is_null());
+}
+
+TEST(Simulate, MessagesNameTheSimulatorsOwnFlags) {
+  SimOptions o = small(1);
+  o.workload = "skewed";
+  auto r = simulate(default_h200_profile(), o, {"cad"});
+  ASSERT_FALSE(r.is_ok());
+  const std::string m = r.status().message();
+  EXPECT_NE(m.find("--workload must be pretrain or prolong, got 'skewed'"), std::string::npos) << m;
+  EXPECT_EQ(m.find("--doc-lengths"), std::string::npos) << m;
+  o = small(1);
+  o.cluster.gpus_per_node = 0;
+  r = simulate(default_h200_profile(), o, {"cad"});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("--gpus-per-node must be >= 1, got 0"), std::string::npos) << r.status().message();
 }
 
 TEST(Simulate, BadOptionsAreRefused) {

@@ -6,8 +6,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "distca/core/file.h"
 #include "distca/plan/plan_io.h"
@@ -29,30 +32,205 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
   ASSERT_EQ(j["systems"].size(), 4u);
+  EXPECT_EQ(j["iterations"], 1);
+  EXPECT_EQ(j["device_memory_bytes"], 141e9);
   for (const auto& s : j["systems"]) {
     for (const char* field : {"seconds", "linear_seconds", "attention_seconds", "comm_seconds", "idle_seconds",
-                              "speedup_over_wlb", "speedup_over_colocated", "attention_imbalance"}) {
+                              "speedup_over_wlb", "speedup_over_colocated", "attention_imbalance", "memory_bytes_per_gpu",
+                              "device_memory_bytes"}) {
       EXPECT_TRUE(s[field].is_number()) << field;
     }
-    EXPECT_EQ(s["unit_attention_seconds"].size(), 8u);
+    EXPECT_EQ(s["fits_memory"], true);
+    for (const char* field : {"unit_linear_seconds", "unit_attention_seconds", "unit_comm_seconds", "unit_idle_seconds",
+                              "unit_activation_bytes"}) {
+      EXPECT_EQ(s[field].size(), 8u) << field;
+    }
   }
-  const std::string svg = (scratch() / "sim.svg").string();
-  CmdResult plot = distca("simulate --gpus 64 --pp 2 --context 128K --plot " + svg);
-  ASSERT_EQ(plot.exit_code, 0) << plot.err;
-  const std::string drawing = distca::read_text_file(svg).value();
-  EXPECT_EQ(drawing.rfind("<svg", 0), 0u);
-  for (const char* system : {"colocated", "wlb", "cad-distca", "cad:"}) EXPECT_NE(drawing.find(system), std::string::npos) << system;
   CmdResult paper = distca("simulate --paper --iterations 1 --json");
   ASSERT_EQ(paper.exit_code, 0) << paper.err;
   auto records = nlohmann::json::parse(paper.out);
   ASSERT_GT(records.size(), 10u);
   for (const auto& rec : records) {
     for (const char* field : {"model", "gpus", "context", "dataset", "parallelism", "speedup_cad_distca", "speedup_cad",
-                              "paper_low", "paper_high"}) {
+                              "paper_low", "paper_high", "fits_memory", "memory_bytes_per_gpu"}) {
       EXPECT_TRUE(rec.contains(field)) << field;
     }
+    EXPECT_EQ(rec["speedup_over"], "wlb");
     EXPECT_TRUE(rec["parallelism"] == "3D" || rec["parallelism"] == "4D");
   }
+}
+
+// Issue 15, point 17a: every speedup names its baseline, in the table and in the JSON.
+TEST(Cli, SimulateSpeedupsNameTheirBaseline) {
+  CmdResult table = distca("simulate --gpus 64 --context 128K");
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("speedup over wlb"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("over colocated"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("speedup over X: X's iteration time / the system's"), std::string::npos) << table.out;
+  CmdResult j = distca("simulate --gpus 64 --context 128K --json");
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  const auto report = nlohmann::json::parse(j.out);
+  double wlb = 0;
+  for (const auto& s : report["systems"]) {
+    if (s["system"] == "wlb") wlb = s["seconds"].get<double>();
+  }
+  for (const auto& s : report["systems"]) {
+    EXPECT_NEAR(s["speedup_over_wlb"].get<double>(), wlb / s["seconds"].get<double>(), 1e-12) << s["system"];
+  }
+  CmdResult paper = distca("simulate --paper --iterations 1");
+  ASSERT_EQ(paper.exit_code, 0) << paper.err;
+  EXPECT_EQ(paper.out.rfind("speedup over wlb (WLB-ideal): wlb's iteration time / the system's", 0), 0u) << paper.out;
+}
+
+// Issue 15, point 6: in the table and the JSON, iter = linear + attention + comm + idle.
+TEST(Cli, SimulateSummaryTermsAddUpToTheIterationTime) {
+  for (const std::string args : {"--gpus 64 --context 128K", "--gpus 128 --pp 2 --context 256K --iterations 2"}) {
+    SCOPED_TRACE(args);
+    CmdResult table = distca("simulate " + args);
+    ASSERT_EQ(table.exit_code, 0) << table.err;
+    int rows = 0;
+    std::istringstream lines(table.out);
+    for (std::string line; std::getline(lines, line);) {
+      // "cad  2  4.087 =  2.775 +  1.143 +  0.116 +  0.054  ..."
+      std::istringstream in(line);
+      std::string system, cp, eq, p1, p2, p3;
+      double iter = 0, linear = 0, attention = 0, comm = 0, idle = 0;
+      if (!(in >> system >> cp >> iter >> eq >> linear >> p1 >> attention >> p2 >> comm >> p3 >> idle) || eq != "=") continue;
+      ++rows;
+      // Five numbers rounded to 0.001: the printed parts add up to the printed time within 0.0025.
+      EXPECT_NEAR(linear + attention + comm + idle, iter, 0.0025) << line;
+      EXPECT_GE(idle, 0) << line;
+    }
+    EXPECT_EQ(rows, 4) << table.out;
+    CmdResult j = distca("simulate " + args + " --json");
+    ASSERT_EQ(j.exit_code, 0) << j.err;
+    const auto report = nlohmann::json::parse(j.out);
+    for (const auto& s : report["systems"]) {
+      const double seconds = s["seconds"].get<double>();
+      EXPECT_NEAR(s["linear_seconds"].get<double>() + s["attention_seconds"].get<double>() + s["comm_seconds"].get<double>() +
+                      s["idle_seconds"].get<double>(),
+                  seconds, 1e-9 * seconds)
+          << s["system"];
+      for (size_t u = 0; u < s["unit_linear_seconds"].size(); ++u) {
+        EXPECT_NEAR(s["unit_linear_seconds"][u].get<double>() + s["unit_attention_seconds"][u].get<double>() +
+                        s["unit_comm_seconds"][u].get<double>() + s["unit_idle_seconds"][u].get<double>(),
+                    seconds, 1e-9 * seconds)
+            << s["system"] << " unit " << u;
+      }
+    }
+  }
+}
+
+// Issue 15, point 2: --iterations without --paper is honoured, averaging seeds seed, seed + 1, ...
+TEST(Cli, SimulateIterationsAverageSampledIterations) {
+  CmdResult three = distca("simulate --system cad --seed 4 --iterations 3 --json");
+  ASSERT_EQ(three.exit_code, 0) << three.err;
+  const auto mean = nlohmann::json::parse(three.out);
+  EXPECT_EQ(mean["iterations"], 3);
+  const auto& cad = mean["systems"][0];
+  ASSERT_EQ(cad["iteration_seconds"].size(), 3u);
+  double sum = 0;
+  for (int seed : {4, 5, 6}) {
+    CmdResult one = distca("simulate --system cad --seed " + std::to_string(seed) + " --json");
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    const double t = nlohmann::json::parse(one.out)["systems"][0]["seconds"].get<double>();
+    EXPECT_EQ(cad["iteration_seconds"][seed - 4].get<double>(), t) << seed;
+    sum += t;
+  }
+  EXPECT_NEAR(cad["seconds"].get<double>(), sum / 3, 1e-12 * sum);
+  CmdResult table = distca("simulate --system cad --seed 4 --iterations 3");
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("mean of 3 iterations (seeds 4..6)"), std::string::npos) << table.out;
+}
+
+// Issue 15, point 17b: a configuration whose memory exceeds the device's is marked in the
+// table, the JSON and a warning line; it still runs (exit 0).
+TEST(Cli, SimulateFlagsConfigurationsThatDoNotFitInDeviceMemory) {
+  const std::string args = "simulate --gpus 8 --context 2M --batch 1 --system cad";
+  CmdResult table = distca(args);
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("does not fit: "), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find(" GB per GPU > 141.0 GB"), std::string::npos) << table.out;
+  EXPECT_EQ(count_lines(table.err), 1) << table.err;
+  EXPECT_EQ(table.err.rfind("distca simulate: warning: does not fit in 141.0 GB per GPU: cad needs ", 0), 0u) << table.err;
+  CmdResult j = distca(args + " --json");
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  const auto report = nlohmann::json::parse(j.out);
+  const auto& cad = report["systems"][0];
+  EXPECT_EQ(cad["fits_memory"], false);
+  EXPECT_GT(cad["memory_bytes_per_gpu"].get<double>(), cad["device_memory_bytes"].get<double>());
+  EXPECT_EQ(count_lines(j.err), 1) << j.err;
+  // A fitting configuration: no marker, no warning.
+  CmdResult fits = distca("simulate --gpus 64 --context 128K");
+  ASSERT_EQ(fits.exit_code, 0) << fits.err;
+  EXPECT_EQ(fits.out.find("does not fit"), std::string::npos) << fits.out;
+  EXPECT_TRUE(fits.err.empty()) << fits.err;
+}
+
+// Issue 15, point 17c: the SVG has axes, tick labels, units, a legend and a title; every
+// unit's stacked parts add up to its system's iteration time, in seconds and in pixels.
+TEST(Cli, SimulatePlotStacksEachUnitsPartsUpToTheIterationTime) {
+  const std::string svg = (scratch() / "sim.svg").string();
+  CmdResult r = distca("simulate --gpus 64 --pp 2 --context 128K --json --plot " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto report = nlohmann::json::parse(r.out);
+  const std::string drawing = distca::read_text_file(svg).value();
+  EXPECT_EQ(drawing.rfind("<svg", 0), 0u);
+  for (const char* text : {"llama-8b on 64 GPUs (tp 8, pp 2, cp 2, dp 2), context 128K", "seconds per iteration", ">seconds<",
+                           "unit (8 GPUs each", "linear layers", "core attention", "exposed communication", "idle (waiting",
+                           "speedup over wlb: wlb's iteration time / the system's", "x over wlb", ">0<"}) {
+    EXPECT_NE(drawing.find(text), std::string::npos) << text;
+  }
+  // Per (system, unit): the seconds of the parts and their bar heights in pixels.
+  std::map<std::string, std::map<std::string, double>> seconds, pixels;
+  std::map<std::string, std::map<std::string, int>> parts;
+  const std::regex rect(R"re(height="([0-9.]+)" fill="#[0-9a-f]+" data-system="([a-z-]+)" data-unit="([0-9]+|mean)" data-part="([a-z]+)" data-seconds="([0-9.e+-]+)")re");
+  for (auto it = std::sregex_iterator(drawing.begin(), drawing.end(), rect); it != std::sregex_iterator(); ++it) {
+    const std::string system = (*it)[2], unit = (*it)[3];
+    pixels[system][unit] += std::stod((*it)[1]);
+    seconds[system][unit] += std::stod((*it)[5]);
+    ++parts[system][unit];
+  }
+  ASSERT_EQ(seconds.size(), 4u);
+  for (const auto& s : report["systems"]) {
+    const std::string system = s["system"];
+    SCOPED_TRACE(system);
+    ASSERT_EQ(seconds[system].size(), 9u);  // 8 units and the mean
+    const double iteration = s["seconds"].get<double>();
+    const double unit_pixels = pixels[system]["0"];
+    for (const auto& [unit, sum] : seconds[system]) {
+      EXPECT_EQ(parts[system][unit], 4) << unit;
+      EXPECT_NEAR(sum, iteration, 1e-6 * iteration) << "unit " << unit;
+      if (unit != "mean") EXPECT_NEAR(pixels[system][unit], unit_pixels, 0.02) << "unit " << unit;
+    }
+  }
+  // The per-unit bars share one scale: the longer iteration has the taller bars.
+  double longest = 0, shortest = 1e300;
+  std::string slow, fast;
+  for (const auto& s : report["systems"]) {
+    const double t = s["seconds"].get<double>();
+    if (t > longest) longest = t, slow = s["system"];
+    if (t < shortest) shortest = t, fast = s["system"];
+  }
+  EXPECT_NEAR(pixels[fast]["0"] / pixels[slow]["0"], shortest / longest, 0.001);
+}
+
+TEST(Cli, SimulatePaperPlotDrawsEveryConfiguration) {
+  const std::string svg = (scratch() / "paper.svg").string();
+  CmdResult r = distca("simulate --paper --iterations 1 --json --plot " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto records = nlohmann::json::parse(r.out);
+  const std::string drawing = distca::read_text_file(svg).value();
+  for (const char* text : {"speedup over wlb", "published range", "cad-distca (simulated)", "cad (simulated)", "1.0x"}) {
+    EXPECT_NE(drawing.find(text), std::string::npos) << text;
+  }
+  const std::regex marker(R"re(data-record="([0-9]+)" data-speedup-cad-distca="([0-9.e+-]+)")re");
+  size_t markers = 0;
+  for (auto it = std::sregex_iterator(drawing.begin(), drawing.end(), marker); it != std::sregex_iterator(); ++it, ++markers) {
+    const auto& rec = records[std::stoul((*it)[1])];
+    EXPECT_NEAR(std::stod((*it)[2]), rec["speedup_cad_distca"].get<double>(), 1e-6);
+  }
+  EXPECT_EQ(markers, records.size());
 }
 
 TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
@@ -61,13 +239,29 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
       {"unknown model", "--model llama-1t", "llama-1t"},
       {"gpus not a multiple", "--gpus 60", "--gpus"},
       {"bad context", "--context 12Q", "--context"},
-      {"unknown system", "--system magic", "magic"},
-      {"unknown workload", "--workload web", "web"},
+      {"unknown system", "--system magic", "--system must be colocated, wlb, cad-distca, cad or all, got 'magic'"},
+      {"unknown workload", "--workload web", "--workload must be pretrain or prolong, got 'web'"},
       {"layers do not split", "--gpus 48 --pp 3", "stages"},
       {"missing profile", "--profile /nonexistent.json", "/nonexistent.json"},
       {"bad profile", "--profile " + bad_profile, "version 9"},
       {"wlb cp does not divide", "--wlb-cp 3", "--wlb-cp 3"},
       {"share above one", "--full-context-share 2", "full-context share"},
+      {"gpus per node zero", "--gpus-per-node 0", "--gpus-per-node must be >= 1, got 0"},
+      {"batch zero", "--batch 0", "--batch must be 1..4096, got 0"},
+      {"negative seed", "--seed -1", "--seed must be >= 0"},
+      // Options whose 0 means "choose for me" refuse only negative values, and say so.
+      {"negative cp", "--cp -1", "--cp must be >= 1, or 0 for context / 64K"},
+      {"negative wlb cp", "--wlb-cp -2", "--wlb-cp must be >= 1, or 0 for WLB-ideal"},
+      // --iterations has no "0 = default": given, it must be 1..1000, with or without --paper.
+      {"zero iterations", "--iterations 0", "--iterations must be 1..1000, got 0"},
+      {"negative iterations", "--iterations -1", "--iterations must be 1..1000, got -1"},
+      {"zero paper iterations", "--paper --iterations 0", "--iterations must be 1..1000, got 0"},
+      {"too many iterations", "--paper --iterations 1001", "--iterations must be 1..1000, got 1001"},
+      // --paper sets the configuration itself: what it would ignore is refused, by name.
+      {"paper with model and gpus", "--paper --model llama-34b --gpus 8", "set --model, --gpus themselves"},
+      {"paper with workload", "--paper --workload prolong", "set --workload themselves"},
+      {"paper with sampling", "--paper --keep-short 0.5", "set --keep-short themselves"},
+      {"paper with system", "--paper --system cad", "set --system themselves"},
   };
   for (const BadInput& c : cases) {
     CmdResult r = distca("simulate " + c.args);
@@ -76,6 +270,34 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
     EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
     EXPECT_TRUE(r.out.empty()) << c.name;
   }
+  // Issue 15, point 1: the workload message lists only what simulate accepts.
+  CmdResult skewed = distca("simulate --workload skewed");
+  EXPECT_EQ(skewed.exit_code, 2);
+  EXPECT_NE(skewed.err.find("--workload must be pretrain or prolong, got 'skewed'"), std::string::npos) << skewed.err;
+  for (const char* foreign : {"--doc-lengths", "--batch FILE", "FILE"}) {
+    EXPECT_EQ(skewed.err.find(foreign), std::string::npos) << foreign << ": " << skewed.err;
+  }
+}
+
+// Issue 15, point 4: an output that cannot be written is refused at once (exit 2), before any
+// work, and nothing is printed or written.
+TEST(Cli, SimulateUnwritableOutputsAreRefusedBeforeAnyWork) {
+  const std::string missing = (scratch() / "no_such_folder" / "x.svg").string();
+  for (const std::string args : {"simulate --plot " + missing, "simulate --json --plot " + missing,
+                                 "simulate --paper --plot " + missing}) {
+    SCOPED_TRACE(args);
+    CmdResult r = distca(args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find("--plot"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+  EXPECT_FALSE(fs::exists(scratch() / "no_such_folder"));
+  // --json prints to standard output and takes no path: a path after it is refused too.
+  CmdResult json = distca("simulate --json " + (scratch() / "no_such_folder" / "x.json").string());
+  EXPECT_EQ(json.exit_code, 2) << json.err;
+  EXPECT_TRUE(json.out.empty()) << json.out;
 }
 
 }  // namespace

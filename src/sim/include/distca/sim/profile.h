@@ -8,6 +8,7 @@
 //              whole tile. Other head configurations scale by FLOPs.
 //   linear     FLOP/s of the linear layers (GEMMs, norms and the TP collectives inside them).
 //   links      intra-node and inter-node, per GPU and direction (alpha-beta).
+//   memory     bytes of device memory per GPU (optional: 0 when unknown, and then not checked).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -55,6 +56,8 @@ struct Profile {
   Link intra_node;
   Link inter_node;
   std::string links_source;
+  double device_memory_bytes = 0;  // per GPU; 0: unknown
+  std::string device_memory_source;
   std::vector<LinearEntry> linear_models;
   const LinearEntry* find_linear(const std::string& model) const;
 

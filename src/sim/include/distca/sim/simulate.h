@@ -21,6 +21,11 @@
 //               micro-batches (those in flight together) are balanced across all stages and
 //               replicas, and the link time that ping-pong cannot hide is exposed
 // All systems end with the DP gradient all-reduce (bf16 gradients).
+// Memory per GPU: the activations a unit holds at its peak (Korthikanti et al. 2022, with flash
+// attention) plus the model states of Megatron's distributed optimizer with 16-bit parameters and
+// gradients, 4 + 16 / d bytes per parameter (Megatron Core developer guide, "Distributed
+// Optimizer"), d = a stage's units (its DP x CP group). It is checked against the profile's
+// device memory; nothing else on the GPU (CUDA context, NCCL buffers) is counted.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -58,21 +63,35 @@ struct SimOptions {
   double tolerance = 0.05;
   int64_t granularity = 128;
   int wlb_cp = 0;             // wlb's CP degree (0: WLB-ideal, the fastest of the degrees it may use)
+  int iterations = 1;         // sampled iterations averaged: seeds seed, seed + 1, ...
   Status validate() const;
 };
 
+// One system's iteration; with several iterations, the mean of each time and per-unit number,
+// and the peak of the memory numbers. Every unit's linear + attention + comm + idle is the
+// iteration time, and so is the sum of the means over units (linear + attention + comm + idle).
 struct SystemResult {
   std::string system;
-  int cp = 1;              // context-parallel degree the system ran at
-  double seconds = 0;      // one iteration
+  int cp = 1;              // context-parallel degree the system ran at (most iterations', if they differ)
+  std::vector<int> iteration_cp;          // (iterations) the CP degree of each iteration
+  std::vector<double> iteration_seconds;  // (iterations) each iteration's time
+  double seconds = 0;      // one iteration: its slowest unit, with the gradient all-reduce
   double linear = 0;       // mean over units of seconds in linear layers
   double attention = 0;    // mean over units of seconds in core attention
   double comm = 0;         // mean over units of exposed communication
   double idle = 0;         // the rest: waiting for stragglers, pipeline bubbles
   double allreduce = 0;    // the gradient all-reduce (inside comm)
   int64_t bytes = 0;       // moved between units for attention (dispatch, return, KV gathers), all units
+  std::vector<double> unit_linear;     // (units) linear seconds per iteration
   std::vector<double> unit_attention;  // (units) attention seconds per iteration
+  std::vector<double> unit_comm;       // (units) exposed communication seconds, with the all-reduce
   std::vector<double> unit_memory;     // (units) activation bytes per GPU at the peak
+  double state_memory = 0;    // bytes per GPU of weights, gradients and optimizer states
+  double memory_per_gpu = 0;  // the fullest GPU's bytes: its activations + state_memory
+  double device_memory = 0;   // the profile's bytes per GPU (0: unknown, not checked)
+  // Seconds unit u waits: the iteration time less its linear, attention and communication.
+  double unit_idle(size_t u) const { return seconds - unit_linear[u] - unit_attention[u] - unit_comm[u]; }
+  bool fits_memory() const { return device_memory <= 0 || memory_per_gpu <= device_memory; }
   nlohmann::json to_json() const;
 };
 
@@ -92,6 +111,7 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
                             double linear_seconds_per_token_layer, double fixed_seconds);
 
 std::vector<std::string> system_names();  // colocated, wlb, cad-distca, cad
+// One result per system, in the order asked, each the mean of options.iterations iterations.
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& options,
                                            const std::vector<std::string>& systems);
 
