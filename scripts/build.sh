@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Configures and builds distca (Release, Ninja) into build/.
+# Configures and builds distca (Release, Ninja) into build/. Ninja prints one progress line per
+# file ([done/total]); the configure summary says which optional parts are built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_BUILD_TESTS=ON -DDISTCA_BUILD_BENCH=ON
+mkdir -p build
+if ! cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_BUILD_TESTS=ON -DDISTCA_BUILD_BENCH=ON \
+    >build/configure.log 2>&1; then
+  cat build/configure.log
+  echo "build.sh: configure failed (full log above, also in build/configure.log)" >&2
+  exit 1
+fi
+grep -E "^-- (distca|  )" build/configure.log || true
 cmake --build build -j "$(nproc)"
