@@ -137,6 +137,7 @@ Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
 
 Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
                                const std::string& origin) {
+  constexpr const char* kShape = "{\"ranks\": [[len, ...], ...]}";
   nlohmann::json json;
   try {
     json = nlohmann::json::parse(text);
@@ -144,19 +145,38 @@ Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
     return invalid_argument(fmt::format("{}: malformed JSON: {}", origin, e.what()));
   }
   if (!json.is_object() || !json.contains("ranks") || !json["ranks"].is_array()) {
-    return invalid_argument(
-        fmt::format("{}: expected an object {{\"ranks\": [[len, ...], ...]}}", origin));
+    return invalid_argument(fmt::format("{}: expected an object {}", origin, kShape));
+  }
+  for (const auto& [key, value] : json.items()) {
+    if (key != "ranks") {
+      return invalid_argument(fmt::format("{}: unknown key \"{}\" (a batch file is {} and nothing else)", origin,
+                                          key, kShape));
+    }
   }
   std::vector<std::vector<int64_t>> ranks;
   for (const auto& rank : json["ranks"]) {
+    const size_t r = ranks.size();
     if (!rank.is_array()) {
-      return invalid_argument(fmt::format("{}: rank {} is not an array of lengths", origin, ranks.size()));
+      return invalid_argument(fmt::format("{}: rank {} is {}, expected an array of document lengths", origin, r,
+                                          rank.dump()));
+    }
+    // A rank of a training step always holds tokens: an empty one is a mistake in the file.
+    if (rank.empty()) {
+      return invalid_argument(fmt::format("{}: rank {} lists no documents; every rank needs at least one "
+                                          "document length (a positive integer)", origin, r));
     }
     std::vector<int64_t> lengths;
     for (const auto& length : rank) {
-      if (!length.is_number_integer()) {
-        return invalid_argument(fmt::format("{}: rank {} holds a non-integer length {}", origin,
-                                            ranks.size(), length.dump()));
+      // JSON reads 0 and up as unsigned, negative integers as signed.
+      const bool is_positive_integer = length.is_number_unsigned() ? length.get<uint64_t>() > 0
+                                                                   : length.is_number_integer() && length.get<int64_t>() > 0;
+      if (!is_positive_integer) {
+        return invalid_argument(fmt::format("{}: rank {} document {} has length {}, expected a positive integer",
+                                            origin, r, lengths.size(), length.dump()));
+      }
+      if (length.get<uint64_t>() > static_cast<uint64_t>(kMaxTokens)) {
+        return invalid_argument(fmt::format("{}: rank {} document {} has length {}, more than {} tokens", origin, r,
+                                            lengths.size(), length.dump(), kMaxTokens));
       }
       lengths.push_back(length.get<int64_t>());
     }

@@ -98,9 +98,12 @@ Result<LengthDistribution> load_doc_lengths(const std::string& path) {
   std::vector<int64_t> lengths;
   lengths.reserve(json.size());
   for (const auto& v : json) {
-    if (!v.is_number_integer() || v.get<int64_t>() <= 0) {
-      return invalid_argument(fmt::format("{}: entry {} is {}, expected a positive integer length",
-                                          path, lengths.size(), v.dump()));
+    // JSON reads 0 and up as unsigned, negative integers as signed.
+    const bool is_positive_integer = v.is_number_unsigned() ? v.get<uint64_t>() > 0
+                                                            : v.is_number_integer() && v.get<int64_t>() > 0;
+    if (!is_positive_integer || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(kMaxTokens))) {
+      return invalid_argument(fmt::format("{}: entry {} is {}, expected a positive integer length of at most {}",
+                                          path, lengths.size(), v.dump(), kMaxTokens));
     }
     lengths.push_back(v.get<int64_t>());
   }
@@ -108,20 +111,24 @@ Result<LengthDistribution> load_doc_lengths(const std::string& path) {
 }
 
 Status SamplingOptions::validate() const {
-  if (long_threshold <= 0) {
-    return invalid_argument(fmt::format("long threshold must be positive, got {}", long_threshold));
+  // Messages name the command-line flags (distca plan and distca simulate share them).
+  if (long_threshold <= 0 || long_threshold > kMaxTokens) {
+    return invalid_argument(fmt::format("--long-threshold must be in [1, {}] tokens, got {}", kMaxTokens, long_threshold));
   }
   if (!(keep_short >= 0 && keep_short <= 1)) {
-    return invalid_argument(fmt::format("keep-short must be in [0, 1], got {}", keep_short));
+    return invalid_argument(fmt::format("--keep-short must be in [0, 1], got {}", keep_short));
   }
   if (!(upsample >= 1 && upsample <= 1e6)) {
-    return invalid_argument(fmt::format("upsample must be in [1, 1e6], got {}", upsample));
+    return invalid_argument(fmt::format("--upsample must be in [1, 1e6], got {}", upsample));
   }
   if (!(full_context_share >= 0 && full_context_share <= 1)) {
-    return invalid_argument(fmt::format("full-context share must be in [0, 1], got {}", full_context_share));
+    return invalid_argument(
+        fmt::format("--full-context-share (the full-context share) must be in [0, 1], got {}", full_context_share));
   }
-  if (!(elongation >= 0 && elongation <= 1024)) {
-    return invalid_argument(fmt::format("elongation must be in [0, 1024] (0 = auto), got {}", elongation));
+  // Below 1 the multiplier would shrink the published lengths into another distribution (and
+  // towards one-token documents, millions of them per step).
+  if (!(elongation == 0 || (elongation >= 1 && elongation <= 1024))) {
+    return invalid_argument(fmt::format("--elongation must be 0 (auto) or in [1, 1024], got {}", elongation));
   }
   return Status::ok();
 }

@@ -43,6 +43,14 @@ TEST(BatchFromRanks, EmptyRanksAndDerivedTokensPerRank) {
   EXPECT_FALSE(batch_from_ranks({{kMaxTokens + 1}}, 0).is_ok());
 }
 
+TEST(BatchFromRanks, RanksMayHoldDifferentTokenCounts) {
+  Batch b = batch_from_ranks({{100, 28}, {1000}, {7}}, 0).value();
+  EXPECT_EQ(b.tokens_per_rank, 1000);  // the largest rank's
+  EXPECT_TRUE(b.validate().is_ok());
+  Batch capped = batch_from_ranks({{100, 28}, {1000}, {7}}, 4096).value();
+  EXPECT_EQ(capped.tokens_per_rank, 4096);  // a capacity every rank fits in
+}
+
 TEST(ParseBatchJson, AcceptsTheDocumentedShapeAndNamesErrors) {
   Batch b = parse_batch_json(R"({"ranks": [[4, 4], [8]]})", 8, "b.json").value();
   EXPECT_EQ(b.num_docs(), 3);
@@ -53,6 +61,37 @@ TEST(ParseBatchJson, AcceptsTheDocumentedShapeAndNamesErrors) {
   EXPECT_FALSE(parse_batch_json(R"({"ranks": [4]})", 8, "b").is_ok());
   EXPECT_FALSE(parse_batch_json(R"({"ranks": [["4"]]})", 8, "b").is_ok());
   EXPECT_FALSE(parse_batch_json(R"({"ranks": [[0]]})", 8, "b").is_ok());
+}
+
+// Each refusal names the file and the rank, and says what was expected.
+TEST(ParseBatchJson, RefusesEmptyRanksAndBadLengthsNamingTheRank) {
+  struct Case {
+    const char* text;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {R"({"ranks": [[], []]})", "b.json: rank 0 lists no documents"},
+      {R"({"ranks": [[4], [4], []]})", "b.json: rank 2 lists no documents"},
+      {R"({"ranks": []})", "b.json: a batch needs at least one rank"},
+      {R"({"ranks": [[4, 0]]})", "b.json: rank 0 document 1 has length 0, expected a positive integer"},
+      {R"({"ranks": [[4], [-2]]})", "b.json: rank 1 document 0 has length -2"},
+      {R"({"ranks": [[2.5]]})", "b.json: rank 0 document 0 has length 2.5"},
+      {R"({"ranks": [[4.0]]})", "expected a positive integer"},
+      {R"({"ranks": [[true]]})", "expected a positive integer"},
+      {R"({"ranks": [[null]]})", "expected a positive integer"},
+      {R"({"ranks": [[18446744073709551615]]})", "b.json: rank 0 document 0 has length 18446744073709551615, more than"},
+      {R"({"ranks": [[2147483648]]})", "more than 2147483647 tokens"},
+      {R"({"ranks": [{"docs": [4]}]})", "b.json: rank 0 is {\"docs\":[4]}, expected an array"},
+      {R"({"ranks": [[4]], "seed": 3})", "b.json: unknown key \"seed\""},
+  };
+  for (const Case& c : cases) {
+    auto r = parse_batch_json(c.text, 0, "b.json");
+    ASSERT_FALSE(r.is_ok()) << c.text;
+    EXPECT_NE(r.status().message().find(c.expected), std::string::npos) << c.text << ": " << r.status().message();
+  }
+  // The largest accepted length and unequal ranks are fine.
+  Batch b = parse_batch_json(R"({"ranks": [[2147483647], [1]]})", 0, "b.json").value();
+  EXPECT_EQ(b.tokens_per_rank, kMaxTokens);
 }
 
 TEST(BatchValidate, CatchesGapsAndOverfullRanks) {

@@ -95,7 +95,9 @@ TEST(SampleBatch, TheProlongRunsDrawOnlyLongDocumentsSomeOfThemFullLength) {
     const Batch b = sample_batch(d, opt, 8, 131072).value();
     for (size_t i = 0; i < b.doc_lengths.size(); ++i) {
       // Every document is long; the last one may be cut where the step ends.
-      if (i + 1 < b.doc_lengths.size()) EXPECT_GT(b.doc_lengths[i], opt.long_threshold);
+      if (i + 1 < b.doc_lengths.size()) {
+        EXPECT_GT(b.doc_lengths[i], opt.long_threshold);
+      }
       full += b.doc_lengths[i] == 131072 ? 1 : 0, ++docs;
     }
   }
@@ -117,6 +119,31 @@ TEST(SampleBatch, RejectsBadOptions) {
   EXPECT_EQ(builtin_distribution("books").status().code(), StatusCode::kNotFound);
 }
 
+TEST(SamplingOptions, ElongationIsAutoOrOneTo1024AndMessagesNameTheFlags) {
+  for (double e : {0.0, 1.0, 2.5, 1024.0}) {
+    SamplingOptions opt;
+    opt.elongation = e;
+    EXPECT_TRUE(opt.validate().is_ok()) << e;
+  }
+  // Below 1 it would shrink the published lengths (towards millions of one-token documents).
+  for (double e : {0.5, 1e-9, -1.0, 1025.0}) {
+    SamplingOptions opt;
+    opt.elongation = e;
+    const Status s = opt.validate();
+    ASSERT_FALSE(s.is_ok()) << e;
+    EXPECT_NE(s.message().find("--elongation"), std::string::npos) << s.message();
+  }
+  SamplingOptions opt;
+  opt.long_threshold = kMaxTokens + 1;
+  EXPECT_NE(opt.validate().message().find("--long-threshold"), std::string::npos);
+  opt = SamplingOptions{};
+  opt.keep_short = -0.1;
+  EXPECT_NE(opt.validate().message().find("--keep-short"), std::string::npos);
+  opt = SamplingOptions{};
+  opt.upsample = 2e6;
+  EXPECT_NE(opt.validate().message().find("--upsample"), std::string::npos);
+}
+
 TEST(LoadDocLengths, RejectsMalformedFiles) {
   const auto dir = std::filesystem::temp_directory_path();
   const std::string bad = (dir / "distca_bad_lengths.json").string();
@@ -126,7 +153,18 @@ TEST(LoadDocLengths, RejectsMalformedFiles) {
   EXPECT_FALSE(load_doc_lengths(bad).is_ok());
   ASSERT_TRUE(write_file_atomic(bad, "[]").is_ok());
   EXPECT_FALSE(load_doc_lengths(bad).is_ok());
+  // Too long to scale and pack without overflow: refused, not wrapped to a negative length.
+  for (const char* text : {"[5, 18446744073709551615]", "[5, 2147483648]", "[0]"}) {
+    ASSERT_TRUE(write_file_atomic(bad, text).is_ok());
+    auto r = load_doc_lengths(bad);
+    ASSERT_FALSE(r.is_ok()) << text;
+    EXPECT_NE(r.status().message().find("expected a positive integer length of at most 2147483647"), std::string::npos)
+        << r.status().message();
+  }
+  ASSERT_TRUE(write_file_atomic(bad, "[5, 2147483647]").is_ok());
+  EXPECT_TRUE(load_doc_lengths(bad).is_ok());
   EXPECT_EQ(load_doc_lengths("/nonexistent.json").status().code(), StatusCode::kNotFound);
+  EXPECT_NE(load_doc_lengths(dir.string()).status().message().find("is a directory"), std::string::npos);
   std::filesystem::remove(bad);
 }
 

@@ -2,12 +2,14 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "distca/core/file.h"
 #include "distca/plan/plan_io.h"
@@ -50,7 +52,7 @@ TEST(Cli, PolicyAllComparesEveryPolicy) {
 }
 
 TEST(Cli, BatchFileAndPlanOutputRoundTrip) {
-  const std::string batch = write("batch.json", R"({"ranks": [[4096], [512, 512], [], [1, 7, 1000]]})");
+  const std::string batch = write("batch.json", R"({"ranks": [[4096], [512, 512], [16], [1, 7, 1000]]})");
   const std::string out = (scratch() / "plan.json").string();
   fs::remove(out);
   CmdResult r = distca("plan --batch " + batch + " --ranks 4 --out " + out);
@@ -92,6 +94,19 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"two sources", "--batch " + three + " --doc-lengths " + bad_lengths, "at most one"},
       {"unknown flag", "--frobnicate 3", "frobnicate"},
       {"out with all", "--policy all", "--out"},
+      {"tolerance above one", "--tolerance 2", "--tolerance must be in [0, 1]"},
+      {"negative seed", "--seed -1", "--seed must be >= 0"},
+      {"zero gpus per node", "--gpus-per-node 0", "--gpus-per-node"},
+      {"odd dtype bytes", "--dtype-bytes 3", "--dtype-bytes"},
+      {"too many layers", "--layers 5000", "--layers must be in [1, 1024]"},
+      {"zero heads", "--heads 0", "--heads"},
+      {"negative budget", "--max-rank-bytes -1", "--max-rank-bytes"},
+      {"shrinking elongation", "--elongation 0.5", "--elongation must be 0 (auto) or in [1, 1024]"},
+      {"zero long threshold", "--long-threshold 0", "--long-threshold"},
+      {"keep-short above one", "--keep-short 1.5", "--keep-short"},
+      {"upsample below one", "--upsample 0.5", "--upsample"},
+      {"huge tokens per rank", "--tokens-per-rank 3000000000", "--tokens-per-rank must be in"},
+      {"missing profile", "--profile /nonexistent/p.json", "no such file"},
   };
   for (const BadInput& c : cases) {
     fs::remove(out);
@@ -102,6 +117,178 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
     EXPECT_TRUE(r.out.empty()) << c.name;
     EXPECT_FALSE(fs::exists(out)) << c.name;
   }
+}
+
+// Runs each bad command line and checks the common contract: exit 2, one line naming the
+// problem, nothing on stdout, no plan file.
+void expect_refused(const std::vector<BadInput>& cases) {
+  const std::string out = (scratch() / "refused.json").string();
+  for (const BadInput& c : cases) {
+    fs::remove(out);
+    CmdResult r = distca("plan " + c.args + " --out " + out);
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.name;
+    EXPECT_FALSE(fs::exists(out)) << c.name;
+  }
+}
+
+TEST(Cli, PlanGranularityIsAPowerOfTwoFrom16To4096) {
+  expect_refused({{"one", "--granularity 1", "power of two from 16 to 4096"},
+                  {"seven", "--granularity 7", "power of two from 16 to 4096"},
+                  {"eight", "--granularity 8", "power of two from 16 to 4096"},
+                  {"not a power of two", "--granularity 96", "power of two from 16 to 4096"},
+                  {"one hundred thousand", "--granularity 100000", "power of two from 16 to 4096"},
+                  {"above 4096", "--granularity 8192", "power of two from 16 to 4096"}});
+  // The ends of the range are honoured: minmax cuts every document at multiples of g.
+  const std::string out = (scratch() / "granular.json").string();
+  for (int64_t g : {16, 4096}) {
+    fs::remove(out);
+    CmdResult r = distca("plan --ranks 8 --tokens-per-rank 32768 --workload prolong --policy minmax --granularity " +
+                         std::to_string(g) + " --out " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto loaded = distca::plan::plan_from_json(nlohmann::json::parse(distca::read_text_file(out).value())).value();
+    int num_cut = 0;
+    for (const auto& t : loaded.plan.tasks) {
+      EXPECT_EQ(t.q0 % g, 0) << "g " << g;
+      EXPECT_TRUE(t.q1 % g == 0 || t.q1 == loaded.batch.doc_lengths[t.doc]) << "g " << g;
+      if (t.q0 > 0 || t.q1 < loaded.batch.doc_lengths[t.doc]) ++num_cut;
+    }
+    EXPECT_GT(num_cut, 0) << "g " << g << ": no document was cut, so the check above proves nothing";
+  }
+}
+
+TEST(Cli, PlanRefusesFlagsItWouldIgnore) {
+  const std::string batch = write("flags_batch.json", R"({"ranks": [[4096], [1024, 1024]]})");
+  const std::string lengths = write("flags_lengths.json", R"([100, 2000, 30000])");
+  expect_refused({
+      {"workload with batch", "--batch " + batch + " --workload prolong", "--workload"},
+      {"seed with batch", "--batch " + batch + " --seed 5", "--seed"},
+      {"all sampling flags with batch",
+       "--batch " + batch + " --workload prolong --seed 5 --upsample 3 --keep-short 0.5 --long-threshold 9 --elongation 2",
+       "--workload, --seed, --long-threshold, --keep-short, --upsample, --elongation"},
+      {"workload with doc lengths", "--doc-lengths " + lengths + " --workload prolong", "--workload"},
+      {"batch with doc lengths", "--batch " + batch + " --doc-lengths " + lengths, "at most one"},
+      {"granularity with none", "--policy none --granularity 256", "--granularity"},
+      {"budget with none", "--policy none --max-rank-bytes 1000", "--max-rank-bytes"},
+      {"budget with distca", "--policy distca --max-rank-bytes 1000", "--max-rank-bytes"},
+      {"custom model without its shape", "--model custom --layers 2 --heads 8", "add --hidden, --kv-heads, --head-dim, --ffn-hidden"},
+  });
+  for (const char* args : {"--out -", "--out ''", "--out /nonexistent/dir/plan.json", "--out /tmp"}) {
+    CmdResult r = distca(std::string("plan --ranks 2 --tokens-per-rank 4096 ") + args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
+    EXPECT_NE(r.err.find("--out"), std::string::npos) << args << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << args;
+  }
+  // What stays allowed: --ranks and --tokens-per-rank with --batch (a check and a capacity), the
+  // sampling flags with --doc-lengths, and a budget with --policy all (minmax keeps it).
+  EXPECT_EQ(distca("plan --batch " + batch + " --ranks 2 --tokens-per-rank 4096").exit_code, 0);
+  EXPECT_EQ(distca("plan --doc-lengths " + lengths + " --ranks 4 --tokens-per-rank 8192 --seed 3 --upsample 2").exit_code, 0);
+  EXPECT_EQ(distca("plan --ranks 4 --tokens-per-rank 8192 --policy all --max-rank-bytes 100000000").exit_code, 0);
+}
+
+TEST(Cli, PlanBatchFileErrorsNameTheRank) {
+  const std::string folder = (scratch() / "a_folder.json").string();
+  fs::create_directories(folder);
+  auto batch = [](const std::string& name, const std::string& text) { return "--batch " + write(name, text); };
+  expect_refused({
+      {"every rank empty", batch("empty.json", R"({"ranks": [[], []]})"), "rank 0 lists no documents"},
+      {"one rank empty", batch("one_empty.json", R"({"ranks": [[5], []]})"), "rank 1 lists no documents"},
+      {"no ranks", batch("no_ranks.json", R"({"ranks": []})"), "at least one rank"},
+      {"zero length", batch("zero.json", R"({"ranks": [[5, 0]]})"), "rank 0 document 1 has length 0"},
+      {"negative length", batch("negative.json", R"({"ranks": [[5], [-3]]})"), "rank 1 document 0 has length -3"},
+      {"fractional length", batch("fraction.json", R"({"ranks": [[1.5]]})"), "expected a positive integer"},
+      {"string length", batch("string.json", R"({"ranks": [["4"]]})"), "expected a positive integer"},
+      {"huge length", batch("unsigned.json", R"({"ranks": [[10000000000000000000]]})"), "more than 2147483647"},
+      {"rank not an array", batch("flat.json", R"({"ranks": [4, 5]})"), "rank 0 is 4"},
+      {"unknown key", batch("key.json", R"({"ranks": [[4]], "tokens_per_rank": 8})"), "unknown key \"tokens_per_rank\""},
+      {"rank over capacity", batch("over.json", R"({"ranks": [[4096], [100]]})") + " --tokens-per-rank 1024",
+       "rank 0 holds 4096 tokens"},
+      {"batch is a folder", "--batch " + folder, "is a directory"},
+      {"doc lengths is a folder", "--doc-lengths " + folder, "is a directory"},
+      {"profile is a folder", "--profile " + folder, "is a directory"},
+  });
+  // Ranks may hold different numbers of tokens: the header says so instead of claiming T each.
+  CmdResult r = distca("plan " + batch("unequal.json", R"({"ranks": [[4096], [1000, 24]]})"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("2 ranks x up to 4096 tokens (1024..4096 held)"), std::string::npos) << r.out;
+}
+
+// A profile whose numbers make every per-layer time easy to compute by hand.
+std::string simple_profile(double inter_node_bytes_per_second) {
+  nlohmann::json p = {
+      {"format", "distca-profile"},
+      {"version", 1},
+      {"name", "hand-made"},
+      {"attention",
+       {{{"num_q_heads", 32},
+         {"num_kv_heads", 8},
+         {"head_dim", 128},
+         {"points", {{{"q_tokens", 1024}, {"kv_tokens", 1024}, {"fwd_seconds", 1e-3}, {"bwd_seconds", 2e-3}}}}}}},
+      {"linear_flops_per_second", 1e15},
+      {"intra_node", {{"latency_seconds", 0.0}, {"bytes_per_second", 1e12}}},
+      {"inter_node", {{"latency_seconds", 0.0}, {"bytes_per_second", inter_node_bytes_per_second}}}};
+  return write("profile_" + std::to_string(static_cast<int64_t>(inter_node_bytes_per_second)) + ".json", p.dump());
+}
+
+TEST(Cli, PlanPricesOneLayerOnTheProfileAndSaysWhetherCommIsHidden) {
+  const std::string args = "plan --ranks 16 --tokens-per-rank 32768 --workload prolong --policy minmax --json";
+  // 16 ranks on 8 GPUs per node span two nodes: the inter-node link prices the exchange.
+  CmdResult fast = distca(args + " --profile " + simple_profile(1e12));
+  ASSERT_EQ(fast.exit_code, 0) << fast.err;
+  auto j = nlohmann::json::parse(fast.out);
+  EXPECT_EQ(j["profile"], "hand-made");
+  EXPECT_EQ(j["link"]["name"], "inter-node");
+  EXPECT_EQ(j["link"]["nodes"], 2);
+  EXPECT_EQ(j["link"]["bytes_per_second"].get<double>(), 1e12);
+  // Linear: llama-8b's 2 x (4096 x 48 x 128 + 32 x 128 x 4096 + 3 x 4096 x 14336) FLOPs per token
+  // over 32768 tokens at 1e15 FLOP/s.
+  EXPECT_NEAR(j["linear_seconds_per_layer"].get<double>(), 32768.0 * 436207616.0 / 1e15, 1e-12);
+  // Comm: the busiest rank's two phases, each max(send, recv) / bandwidth with no latency, lies
+  // between the largest per-rank send or receive and their sum, over the bandwidth.
+  const double send = j["comm"]["max_send_bytes"].get<double>(), recv = j["comm"]["max_recv_bytes"].get<double>();
+  const double comm = j["comm_seconds_per_layer"].get<double>();
+  EXPECT_GT(send, 0);
+  EXPECT_GE(comm, std::max(send, recv) / 1e12 * (1 - 1e-12));
+  EXPECT_LE(comm, (send + recv) / 1e12 * (1 + 1e-12));
+  EXPECT_GT(j["attention_seconds_per_layer"].get<double>(), 0);
+  EXPECT_TRUE(j["comm_hidden"].get<bool>());
+  EXPECT_EQ(fast.err.find("warning"), std::string::npos) << fast.err;
+
+  // The same plan over a link a million times slower cannot hide: the flag flips and one
+  // warning line says so.
+  CmdResult slow = distca(args + " --profile " + simple_profile(1e6));
+  ASSERT_EQ(slow.exit_code, 0) << slow.err;
+  auto k = nlohmann::json::parse(slow.out);
+  EXPECT_EQ(k["hash"], j["hash"]);
+  EXPECT_NEAR(k["comm_seconds_per_layer"].get<double>(), comm * 1e6, comm * 1e6 * 1e-9);
+  EXPECT_FALSE(k["comm_hidden"].get<bool>());
+  EXPECT_EQ(count_lines(slow.err), 1) << slow.err;
+  EXPECT_NE(slow.err.find("warning: communication cannot be hidden"), std::string::npos) << slow.err;
+
+  // One node holds all 16 GPUs: the intra-node link prices the same exchange.
+  auto one_node = nlohmann::json::parse(distca(args + " --profile " + simple_profile(1e6) + " --gpus-per-node 16").out);
+  EXPECT_EQ(one_node["link"]["name"], "intra-node");
+  EXPECT_NEAR(one_node["comm_seconds_per_layer"].get<double>(), comm, comm * 1e-9);
+  // With tp 8 each rank is a TP group of 8 GPUs: 2 ranks already span two nodes.
+  auto tp8 = nlohmann::json::parse(distca("plan --ranks 2 --tokens-per-rank 8192 --tp 8 --json").out);
+  EXPECT_EQ(tp8["link"]["name"], "inter-node");
+  EXPECT_EQ(tp8["link"]["gpus"], 16);
+}
+
+TEST(Cli, PlanTablesShowUnitsAndTheHiddenColumn) {
+  CmdResult r = distca("plan --ranks 512 --tokens-per-rank 131072 --workload prolong --policy all --tolerance 0.02");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* header : {"max load (s)", "total (MiB)", "max send (MiB)", "max recv (MiB)", "comm (ms)",
+                             "linear (ms)", "attention (ms)", "hidden", "inter-node link: 45.0 GB/s"}) {
+    EXPECT_NE(r.out.find(header), std::string::npos) << header << "\n" << r.out;
+  }
+  // The issue's case: at 512 ranks the busiest rank sends tens of GB per layer, which the
+  // default profile's inter-node link cannot hide behind one layer's compute.
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("minmax:"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("NO"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -56,13 +56,16 @@ void for_each_owner(const Batch& batch, int32_t doc, int64_t begin, int64_t end,
 Result<Batch> pack_documents(const std::vector<int64_t>& lengths, int32_t num_ranks,
                              int64_t tokens_per_rank);
 
-// An explicit batch: ranks[r] lists the lengths of the documents rank r holds, in order.
-// tokens_per_rank = 0 takes the largest rank's total.
+// An explicit batch: ranks[r] lists the lengths of the documents rank r holds, in order; a rank
+// may be empty. tokens_per_rank = 0 takes the largest rank's total (1 if every rank is empty).
 Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
                                int64_t tokens_per_rank);
 
-// Parses {"ranks": [[len, ...], ...]} (see batch_from_ranks). `origin` names the input in
-// errors (a file path).
+// Parses a batch file, {"ranks": [[len, ...], ...]} and no other key (see batch_from_ranks):
+// every rank lists at least one document, every length is a positive integer of at most
+// kMaxTokens. Ranks may hold different numbers of tokens; tokens_per_rank = 0 takes the largest
+// rank's total, else every rank must fit in it. `origin` names the input in errors (a file
+// path), and each error names the rank.
 Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
                                const std::string& origin);
 

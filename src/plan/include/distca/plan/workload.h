@@ -34,7 +34,7 @@ class LengthDistribution {
 // described by its published quantiles.
 Result<LengthDistribution> builtin_distribution(const std::string& name);
 std::vector<std::string> builtin_distribution_names();
-// A JSON array of positive integer lengths.
+// A JSON array of positive integer lengths, each at most kMaxTokens.
 Result<LengthDistribution> load_doc_lengths(const std::string& path);
 
 // The paper's sampling: documents longer than long_threshold form a long pool drawn
@@ -50,6 +50,8 @@ struct SamplingOptions {
   double full_context_share = 0.0;
   uint64_t seed = 0;
 
+  // long_threshold in [1, kMaxTokens], keep_short and full_context_share in [0, 1], upsample in
+  // [1, 1e6], elongation 0 (auto) or in [1, 1024].
   Status validate() const;
 };
 
