@@ -127,7 +127,12 @@ std::string Trainer::data_description() const { return packer_->source().describ
 Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, TrainOptions options) {
   options.optim.total_steps = options.steps;  // a decaying schedule ends at the last step
   DISTCA_RETURN_IF_ERROR(options.validate());
-  if (options.granularity == 0) options.granularity = std::clamp<int64_t>(options.context / 32, 16, 128);
+  if (options.granularity == 0) {
+    // The largest power of two <= context / 32, within 16..128 (tile boundaries; see distca plan).
+    int64_t g = 16;
+    while (g * 2 <= std::min<int64_t>(options.context / 32, 128)) g *= 2;
+    options.granularity = g;
+  }
   auto t = std::unique_ptr<Trainer>(new Trainer(comm, std::move(options)));
   const TrainOptions& o = t->options_;
   std::unique_ptr<DocumentSource> source;

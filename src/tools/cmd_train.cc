@@ -166,11 +166,12 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.save_every = a.save_every;
   o.resume_path = a.resume;
   DISTCA_RETURN_IF_ERROR(o.validate());
-  if (o.granularity != 0 && (o.granularity < 1 || o.granularity > o.context)) {
-    return invalid_argument(fmt::format("--granularity must be 1..{} tokens (the context), or 0 for context / 32 "
-                                        "clamped to 16..128; got {}", o.context, o.granularity));
-  }
-  if (o.data_path.empty()) {
+  const bool is_power_of_two = o.granularity > 0 && (o.granularity & (o.granularity - 1)) == 0;
+  if (o.granularity != 0 && (!is_power_of_two || o.granularity < 16 || o.granularity > 4096)) {
+    // As distca plan: every cut on a kernel tile boundary (see cmd_plan.cc).
+    return invalid_argument(fmt::format("--granularity must be a power of two from 16 to 4096, or 0 for the largest "
+                                        "power of two <= context / 32 clamped to 16..128; got {}", o.granularity));
+  }  if (o.data_path.empty()) {
     bool known = false;
     for (const std::string& w : model::synthetic_workloads()) known = known || w == o.workload;
     if (!known) return invalid_argument(fmt::format("--workload must be pretrain, prolong or skewed, got '{}'", o.workload));
@@ -376,7 +377,7 @@ std::function<int()> add_train_command(CLI::App& app) {
                        ->capture_default_str();
   cmd->add_option("--threads", a.threads, "BLAS and attention threads per rank")->capture_default_str();
   a.granularity_opt = cmd->add_option("--granularity", a.granularity,
-                                      "planner shard granularity in tokens, 1..context (0: context / 32 clamped to 16..128)")
+                                      "planner shard granularity: a power of two 16..4096 (0: context / 32 rounded down to a power of two, 16..128)")
                           ->capture_default_str();
   a.tolerance_opt = cmd->add_option("--tolerance", a.tolerance, "planner load tolerance, 0..10")->capture_default_str();
   cmd->add_option("--json", a.json_path, "write per-step records and the summary to this file");

@@ -96,6 +96,8 @@ TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"tolerance without cad", "--attention colocated --tolerance 0.1", "--tolerance"},
       {"granularity above the context", "--granularity 100000", "--granularity"},
       {"negative granularity", "--granularity -1", "--granularity"},
+      {"granularity not a power of two", "--granularity 7", "power of two"},
+      {"granularity below a tile", "--granularity 1", "power of two"},
       {"skip every step", "--skip 10", "--skip"},
       {"zero timeout", "--timeout 0", "--timeout"},
       {"more memory than the machine", "--context 100000000", "GiB"},

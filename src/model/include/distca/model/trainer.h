@@ -31,7 +31,7 @@ struct TrainOptions {
   std::string policy = "minmax";  // the CAD planner
   plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
   int threads = 1;                // BLAS and attention threads per rank
-  int64_t granularity = 0;        // planner granularity; 0: context / 32 clamped to 16..128
+  int64_t granularity = 0;        // planner granularity; 0: context / 32 rounded down to a power of two, 16..128
   double tolerance = 0.05;
   std::string checkpoint_path;    // where to save; empty: never
   int64_t save_every = 0;         // steps between saves (0: only at the end)
