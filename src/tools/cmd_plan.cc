@@ -124,9 +124,10 @@ Status check_args(const PlanArgs& a) {
     return invalid_argument("--policy none cuts and moves no work, so --granularity and --max-rank-bytes would be "
                             "ignored: drop them, or pick --policy distca, minmax or all");
   }
-  if (a.policy == "distca" && a.given("--max-rank-bytes")) {
-    return invalid_argument("--max-rank-bytes is minmax's byte budget and would be ignored by --policy distca: drop "
-                            "it, or pick --policy minmax (or all, where only minmax keeps it)");
+  if (a.policy == "distca" && (a.given("--granularity") || a.given("--max-rank-bytes"))) {
+    return invalid_argument("--policy distca cuts at token granularity and has no byte budget, as the paper's planner: "
+                            "--granularity and --max-rank-bytes are minmax's; drop them, or pick --policy minmax (or "
+                            "all, where only minmax uses them)");
   }
 
   // 4. The model: every shape flag within bounds that keep a step's byte counts in 64 bits.
@@ -424,8 +425,10 @@ int run_plan(const PlanArgs& a) {
                                 : fmt::format("{} ranks x up to {} tokens ({}..{} held)", batch.num_ranks,
                                               batch.tokens_per_rank, fewest, most);
   const ModelShape& m = cost.model();
-  fmt::print("distca plan: {}, {} ({} documents), {} (tp {}), eps {}, g {}\n\n", sizes, workload_name,
-             batch.num_docs(), m.name, m.tp, a.tolerance, a.granularity);
+  fmt::print("distca plan: {}, {} ({} documents), {} (tp {}), eps {}{}\n\n", sizes, workload_name, batch.num_docs(),
+             m.name, m.tp, a.tolerance,
+             a.policy == "none" ? "" : a.policy == "distca" ? ", distca cuts at token granularity"
+                                                           : fmt::format(", g {} (minmax; distca cuts at token granularity)", a.granularity));
 
   fmt::print("Balance and bytes\n");
   fmt::print("{:<8} {:>7} {:>8} {:>10} {:>10} {:>13} {:>12} {:>10} {:>15} {:>15} {:>9}\n", "policy", "tasks",

@@ -173,6 +173,7 @@ TEST(Cli, PlanRefusesFlagsItWouldIgnore) {
       {"granularity with none", "--policy none --granularity 256", "--granularity"},
       {"budget with none", "--policy none --max-rank-bytes 1000", "--max-rank-bytes"},
       {"budget with distca", "--policy distca --max-rank-bytes 1000", "--max-rank-bytes"},
+      {"granularity with distca", "--policy distca --granularity 64", "token granularity"},
       {"custom model without its shape", "--model custom --layers 2 --heads 8", "add --hidden, --kv-heads, --head-dim, --ffn-hidden"},
   });
   for (const char* args : {"--out -", "--out ''", "--out /nonexistent/dir/plan.json", "--out /tmp"}) {
