@@ -74,13 +74,18 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
   auto& bwd_return = acc[static_cast<int>(Phase::kBwdReturn)];
   CommSummary fwd;
 
-  // 1. Query-side rows: from their owners to the server and back.
+  // 1. Query-side rows: from their owners to each task's server and back (a row in several
+  //    tasks, a key-range split, travels once per task). Stateful, the rows of a split task
+  //    (k0 > 0 or non-causal: each of its rows is in several tasks) also carry the final O and
+  //    LSE to the server, whose own are partial.
   for (const Task& t : tasks) {
+    const bool is_split = t.k0 > 0 || !t.is_causal();
+    const int64_t bwd_q = is_stateless ? bytes.bwd_q : bytes.bwd_do + (is_split ? bytes.out : 0);
     for_each_owner(batch, t.doc, t.q0, t.q1, [&](int32_t owner, int64_t rows) {
       if (owner == t.server) return;
       fwd_dispatch.add(owner, t.server, rows * bytes.q);
       fwd_return.add(t.server, owner, rows * bytes.out);
-      bwd_dispatch.add(owner, t.server, rows * (is_stateless ? bytes.bwd_q : bytes.bwd_do));
+      bwd_dispatch.add(owner, t.server, rows * bwd_q);
       bwd_return.add(t.server, owner, rows * bytes.bwd_dq);
       fwd.q_bytes += rows * bytes.q;
       fwd.out_bytes += rows * bytes.out;

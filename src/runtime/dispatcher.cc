@@ -2,26 +2,45 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
+
+#include "distca/kernels/attention.h"
 
 namespace distca::runtime {
 
 using plan::Phase;
 
-// One tensor of a message: rows of row_bytes bytes at base (linear or server layout). A field
-// that accumulates receives fp32 sums instead of copies.
+// How the receiver of a part puts its rows where they go. Dispatches always copy; a return
+// copies the rows of unsplit tasks and combines the partial results of the others.
+enum class Combine {
+  kCopy,
+  kAdd,    // fp32 sum: dK/dV of a key row read by several tasks, dQ of a split query row
+  kMerge,  // LSE merge of partial (O, LSE); the part's fields are exactly {O, LSE}
+};
+
+// One tensor of a message: rows of row_bytes bytes at base (linear or server layout).
 struct Dispatcher::Field {
   std::byte* base = nullptr;
   int64_t row_bytes = 0;
-  bool accumulate = false;
+};
+
+// One part of every message (route.h): its segments, the fields it carries on the owner's side
+// and on the server's (the same tensors, one to one), and how a return combines them.
+struct Dispatcher::Part {
+  const std::vector<std::vector<Segment>>* to_server = nullptr;   // the route's, as an owner
+  const std::vector<std::vector<Segment>>* from_owner = nullptr;  // the route's, as a server
+  std::vector<Field> owner, server;
+  Combine combine = Combine::kCopy;
 };
 
 struct Dispatcher::Exchange {
   Phase phase = Phase::kFwdDispatch;
   std::vector<std::byte> send, recv;
   std::vector<int64_t> send_counts, send_offsets, recv_counts, recv_offsets;
-  std::vector<Field> owner_q, owner_kv, server_q, server_kv;
+  std::array<Part, 3> parts;  // unsplit Q rows, split Q rows, K/V rows: the message order
   std::unique_ptr<comm::Work> work;
 };
 
@@ -54,6 +73,51 @@ void add_floats(std::byte* dst, const std::byte* src, int64_t bytes) {
   }
 }
 
+// At most Q, O, dO and LSE travel in one part.
+constexpr size_t kMaxFields = 4;
+
+// Puts `rows` rows of every field, read from src[i] (rows contiguous), at row `row` of dst.
+template <typename F>
+void combine_rows(Combine how, const std::vector<F>& dst, int64_t row, int64_t rows,
+                  const std::array<const std::byte*, kMaxFields>& src) {
+  if (how == Combine::kMerge) {
+    // dst = {O [rows, Hq, D], LSE [rows, Hq]}; the partial src are fp32 and 4-byte aligned.
+    const int64_t heads = dst[1].row_bytes / static_cast<int64_t>(sizeof(float));
+    const int64_t head_dim = dst[0].row_bytes / dst[1].row_bytes;
+    kernels::lse_merge<float>(rows, heads, head_dim, reinterpret_cast<const float*>(src[0]),
+                              reinterpret_cast<const float*>(src[1]),
+                              reinterpret_cast<float*>(dst[0].base + row * dst[0].row_bytes),
+                              reinterpret_cast<float*>(dst[1].base + row * dst[1].row_bytes));
+    return;
+  }
+  for (size_t i = 0; i < dst.size(); ++i) {
+    std::byte* to = dst[i].base + row * dst[i].row_bytes;
+    if (how == Combine::kAdd) {
+      add_floats(to, src[i], rows * dst[i].row_bytes);
+    } else {
+      std::memcpy(to, src[i], rows * dst[i].row_bytes);
+    }
+  }
+}
+
+// Readies the destination rows of a combining part before the first contribution arrives:
+// zero for a sum, (O = 0, LSE = -inf) for a merge, so that the first one lands unchanged.
+template <typename F>
+void clear_rows(Combine how, const std::vector<F>& dst, const std::vector<Segment>& segments, bool is_local) {
+  for (const Segment& s : segments) {
+    for (size_t i = 0; i < dst.size(); ++i) {
+      std::byte* to = dst[i].base + row_of(s, is_local) * dst[i].row_bytes;
+      const int64_t n = s.rows * dst[i].row_bytes;
+      if (how == Combine::kMerge && i == 1) {
+        float* lse = reinterpret_cast<float*>(to);
+        std::fill(lse, lse + n / static_cast<int64_t>(sizeof(float)), -std::numeric_limits<float>::infinity());
+      } else {
+        std::memset(to, 0, n);
+      }
+    }
+  }
+}
+
 // Message layout: segment after segment, each as one block per field.
 template <typename F>
 std::byte* pack(const std::vector<Segment>& segments, bool is_local, const std::vector<F>& fields,
@@ -69,19 +133,15 @@ std::byte* pack(const std::vector<Segment>& segments, bool is_local, const std::
 }
 
 template <typename F>
-const std::byte* unpack(const std::vector<Segment>& segments, bool is_local,
-                        const std::vector<F>& fields, const std::byte* in) {
+const std::byte* unpack(const std::vector<Segment>& segments, bool is_local, const std::vector<F>& fields,
+                        Combine how, const std::byte* in) {
+  std::array<const std::byte*, kMaxFields> src{};
   for (const Segment& s : segments) {
-    for (const F& f : fields) {
-      const int64_t n = s.rows * f.row_bytes;
-      std::byte* dst = f.base + row_of(s, is_local) * f.row_bytes;
-      if (f.accumulate) {
-        add_floats(dst, in, n);
-      } else {
-        std::memcpy(dst, in, n);
-      }
-      in += n;
+    for (size_t i = 0; i < fields.size(); ++i) {
+      src[i] = in;
+      in += s.rows * fields[i].row_bytes;
     }
+    combine_rows(how, fields, row_of(s, is_local), s.rows, src);
   }
   return in;
 }
@@ -89,18 +149,11 @@ const std::byte* unpack(const std::vector<Segment>& segments, bool is_local,
 // The rows a rank serves itself: straight from one layout to the other.
 template <typename F>
 void copy_own(const std::vector<Segment>& segments, bool from_local, const std::vector<F>& src,
-              const std::vector<F>& dst) {
+              const std::vector<F>& dst, Combine how) {
+  std::array<const std::byte*, kMaxFields> from{};
   for (const Segment& s : segments) {
-    for (size_t i = 0; i < src.size(); ++i) {
-      const int64_t n = s.rows * src[i].row_bytes;
-      const std::byte* from = src[i].base + row_of(s, from_local) * src[i].row_bytes;
-      std::byte* to = dst[i].base + row_of(s, !from_local) * dst[i].row_bytes;
-      if (dst[i].accumulate) {
-        add_floats(to, from, n);
-      } else {
-        std::memcpy(to, from, n);
-      }
-    }
+    for (size_t i = 0; i < src.size(); ++i) from[i] = src[i].base + row_of(s, from_local) * src[i].row_bytes;
+    combine_rows(how, dst, row_of(s, !from_local), s.rows, from);
   }
 }
 
@@ -125,6 +178,10 @@ Dispatcher::Dispatcher(comm::Communicator& comm, Route route, HeadShape heads, D
   if (options_.kernel == nullptr) own_kernel_ = std::make_unique<CpuKernel>(options_.num_threads);
   kernel_ = options_.kernel ? options_.kernel : own_kernel_.get();
   const auto r = static_cast<size_t>(route_.num_ranks);
+  std::array<Part, 3>& parts = exchange_->parts;
+  parts[0].to_server = &route_.to_server_q, parts[0].from_owner = &route_.from_owner_q;
+  parts[1].to_server = &route_.to_server_split_q, parts[1].from_owner = &route_.from_owner_split_q;
+  parts[2].to_server = &route_.to_server_kv, parts[2].from_owner = &route_.from_owner_kv;
   exchange_->send_counts.assign(r, 0);
   exchange_->send_offsets.assign(r, 0);
   exchange_->recv_counts.assign(r, 0);
@@ -188,40 +245,55 @@ void Dispatcher::size_server_buffers(bool is_backward) {
   if (is_backward) s.d_o.resize(q), s.dq.resize(q), s.dk.resize(kv), s.dv.resize(kv);
 }
 
-void Dispatcher::fields(Phase phase, std::vector<Field>& owner_q, std::vector<Field>& owner_kv,
-                        std::vector<Field>& server_q, std::vector<Field>& server_kv) const {
+void Dispatcher::fields(Phase phase, std::array<Part, 3>& parts) const {
   const int64_t qr = heads_.num_q_heads * heads_.head_dim * 4;
   const int64_t kr = heads_.num_kv_heads * heads_.head_dim * 4;
   const int64_t lr = heads_.num_q_heads * 4;
   ServerBuffers& s = *server_;
-  owner_q.clear(), owner_kv.clear(), server_q.clear(), server_kv.clear();
+  Part& q = parts[0];
+  Part& split_q = parts[1];
+  Part& kv = parts[2];
+  for (Part& part : parts) part.owner.clear(), part.server.clear(), part.combine = Combine::kCopy;
   switch (phase) {
     case Phase::kFwdDispatch:
-      owner_q = {{bytes(fwd_.q), qr}};
-      owner_kv = {{bytes(fwd_.k), kr}, {bytes(fwd_.v), kr}};
-      server_q = {{bytes(s.q), qr}};
-      server_kv = {{bytes(s.k), kr}, {bytes(s.v), kr}};
+      q.owner = {{bytes(fwd_.q), qr}};
+      q.server = {{bytes(s.q), qr}};
+      split_q.owner = q.owner, split_q.server = q.server;
+      kv.owner = {{bytes(fwd_.k), kr}, {bytes(fwd_.v), kr}};
+      kv.server = {{bytes(s.k), kr}, {bytes(s.v), kr}};
       break;
     case Phase::kFwdReturn:
-      owner_q = {{bytes(fwd_.o), qr}, {bytes(fwd_.lse), lr}};
-      server_q = {{bytes(s.o), qr}, {bytes(s.lse), lr}};
+      // A split row's partial outputs are merged at the owner, in the order finish_comm meets
+      // them (servers in rank order, segments in route order): the same bits on every run.
+      q.owner = {{bytes(fwd_.o), qr}, {bytes(fwd_.lse), lr}};
+      q.server = {{bytes(s.o), qr}, {bytes(s.lse), lr}};
+      split_q.owner = q.owner, split_q.server = q.server;
+      split_q.combine = Combine::kMerge;
       break;
     case Phase::kBwdDispatch:
       if (options_.backward_mode == plan::BackwardMode::kStateful) {
-        owner_q = {{bytes(bwd_.d_o), qr}};
-        server_q = {{bytes(s.d_o), qr}};
+        // The server kept its forward's Q/K/V and O/LSE. The O/LSE of a split row there are its
+        // partial ones, but the gradient needs the final (merged) ones: they travel with dO.
+        q.owner = {{bytes(bwd_.d_o), qr}};
+        q.server = {{bytes(s.d_o), qr}};
+        split_q.owner = {{bytes(bwd_.d_o), qr}, {bytes(bwd_.o), qr}, {bytes(bwd_.lse), lr}};
+        split_q.server = {{bytes(s.d_o), qr}, {bytes(s.o), qr}, {bytes(s.lse), lr}};
       } else {
-        owner_q = {{bytes(bwd_.q), qr}, {bytes(bwd_.o), qr}, {bytes(bwd_.d_o), qr}, {bytes(bwd_.lse), lr}};
-        owner_kv = {{bytes(bwd_.k), kr}, {bytes(bwd_.v), kr}};
-        server_q = {{bytes(s.q), qr}, {bytes(s.o), qr}, {bytes(s.d_o), qr}, {bytes(s.lse), lr}};
-        server_kv = {{bytes(s.k), kr}, {bytes(s.v), kr}};
+        q.owner = {{bytes(bwd_.q), qr}, {bytes(bwd_.o), qr}, {bytes(bwd_.d_o), qr}, {bytes(bwd_.lse), lr}};
+        q.server = {{bytes(s.q), qr}, {bytes(s.o), qr}, {bytes(s.d_o), qr}, {bytes(s.lse), lr}};
+        split_q.owner = q.owner, split_q.server = q.server;
+        kv.owner = {{bytes(bwd_.k), kr}, {bytes(bwd_.v), kr}};
+        kv.server = {{bytes(s.k), kr}, {bytes(s.v), kr}};
       }
       break;
     case Phase::kBwdReturn:
-      owner_q = {{bytes(bwd_.dq), qr}};
-      owner_kv = {{bytes(bwd_.dk), kr, true}, {bytes(bwd_.dv), kr, true}};
-      server_q = {{bytes(s.dq), qr}};
-      server_kv = {{bytes(s.dk), kr}, {bytes(s.dv), kr}};
+      q.owner = {{bytes(bwd_.dq), qr}};
+      q.server = {{bytes(s.dq), qr}};
+      split_q.owner = q.owner, split_q.server = q.server;
+      split_q.combine = Combine::kAdd;
+      kv.owner = {{bytes(bwd_.dk), kr}, {bytes(bwd_.dv), kr}};
+      kv.server = {{bytes(s.dk), kr}, {bytes(s.dv), kr}};
+      kv.combine = Combine::kAdd;
       break;
   }
 }
@@ -229,29 +301,27 @@ void Dispatcher::fields(Phase phase, std::vector<Field>& owner_q, std::vector<Fi
 Status Dispatcher::post(Phase phase) {
   Exchange& x = *exchange_;
   x.phase = phase;
-  fields(phase, x.owner_q, x.owner_kv, x.server_q, x.server_kv);
+  fields(phase, x.parts);
   const bool to_server = is_to_server(phase);
   // Sender: owners in a dispatch, servers in a return; the receiver is the other side.
-  const auto& send_q = to_server ? route_.to_server_q : route_.from_owner_q;
-  const auto& send_kv = to_server ? route_.to_server_kv : route_.from_owner_kv;
-  const auto& recv_q = to_server ? route_.from_owner_q : route_.to_server_q;
-  const auto& recv_kv = to_server ? route_.from_owner_kv : route_.to_server_kv;
-  const auto& send_fq = to_server ? x.owner_q : x.server_q;
-  const auto& send_fkv = to_server ? x.owner_kv : x.server_kv;
-  const auto& recv_fq = to_server ? x.server_q : x.owner_q;
-  const auto& recv_fkv = to_server ? x.server_kv : x.owner_kv;
+  auto send_segments = [&](const Part& part) -> const auto& { return to_server ? *part.to_server : *part.from_owner; };
+  auto recv_segments = [&](const Part& part) -> const auto& { return to_server ? *part.from_owner : *part.to_server; };
+  auto send_fields = [&](const Part& part) -> const auto& { return to_server ? part.owner : part.server; };
+  auto recv_fields = [&](const Part& part) -> const auto& { return to_server ? part.server : part.owner; };
   const int self = route_.rank;
   int64_t send_total = 0;
   int64_t recv_total = 0;
   for (int p = 0; p < route_.num_ranks; ++p) {
     x.send_offsets[p] = send_total;
     x.recv_offsets[p] = recv_total;
-    x.send_counts[p] = p == self ? 0
-                                 : sum_rows(send_q[p]) * sum_row_bytes(send_fq) +
-                                       sum_rows(send_kv[p]) * sum_row_bytes(send_fkv);
-    x.recv_counts[p] = p == self ? 0
-                                 : sum_rows(recv_q[p]) * sum_row_bytes(recv_fq) +
-                                       sum_rows(recv_kv[p]) * sum_row_bytes(recv_fkv);
+    x.send_counts[p] = 0;
+    x.recv_counts[p] = 0;
+    if (p != self) {
+      for (const Part& part : x.parts) {
+        x.send_counts[p] += sum_rows(send_segments(part)[p]) * sum_row_bytes(send_fields(part));
+        x.recv_counts[p] += sum_rows(recv_segments(part)[p]) * sum_row_bytes(recv_fields(part));
+      }
+    }
     send_total += x.send_counts[p];
     recv_total += x.recv_counts[p];
   }
@@ -260,8 +330,7 @@ Status Dispatcher::post(Phase phase) {
   for (int p = 0; p < route_.num_ranks; ++p) {
     if (p == self) continue;
     std::byte* out = x.send.data() + x.send_offsets[p];
-    out = pack(send_q[p], to_server, send_fq, out);
-    if (!send_fkv.empty()) out = pack(send_kv[p], to_server, send_fkv, out);
+    for (const Part& part : x.parts) out = pack(send_segments(part)[p], to_server, send_fields(part), out);
     DISTCA_CHECK(out == x.send.data() + x.send_offsets[p] + x.send_counts[p]) << "packed size";
   }
   comm::AllToAllV a{x.send.data(), x.send_counts, x.send_offsets, x.recv.data(), x.recv_counts, x.recv_offsets};
@@ -272,11 +341,10 @@ Status Dispatcher::post(Phase phase) {
   ++st.calls;
   st.bytes_sent += send_total;
   st.bytes_received += recv_total;
-  // Own rows go straight across while the messages travel (a return's wait, which may sum into
-  // the owner's dK/dV, keeps rank order instead).
+  // Own rows go straight across while the messages travel (a return, which may sum or merge
+  // into the owner's rows, copies them in finish_comm at this rank's place in rank order).
   if (to_server) {
-    copy_own(route_.to_server_q[self], true, x.owner_q, x.server_q);
-    if (!x.owner_kv.empty()) copy_own(route_.to_server_kv[self], true, x.owner_kv, x.server_kv);
+    for (const Part& part : x.parts) copy_own((*part.to_server)[self], true, part.owner, part.server, Combine::kCopy);
   }
   return Status::ok();
 }
@@ -294,26 +362,32 @@ Status Dispatcher::finish_comm() {
     return waited;
   }
   const bool to_server = is_to_server(x.phase);
-  const auto& recv_q = to_server ? route_.from_owner_q : route_.to_server_q;
-  const auto& recv_kv = to_server ? route_.from_owner_kv : route_.to_server_kv;
-  const auto& recv_fq = to_server ? x.server_q : x.owner_q;
-  const auto& recv_fkv = to_server ? x.server_kv : x.owner_kv;
   if (x.phase == Phase::kBwdReturn) {
+    // Every key row's dK/dV is a sum (zero where no task reads the row).
     const auto n = static_cast<size_t>(route_.num_local_rows * heads_.num_kv_heads * heads_.head_dim);
     std::memset(bwd_.dk, 0, n * sizeof(float));
     std::memset(bwd_.dv, 0, n * sizeof(float));
   }
+  if (!to_server) {
+    const Part& split_q = x.parts[1];
+    for (const std::vector<Segment>& segments : route_.to_server_split_q) {
+      clear_rows(split_q.combine, split_q.owner, segments, true);
+    }
+  }
+  // Servers in rank order, this rank's own rows at its place: a return sums and merges in an
+  // order that does not depend on which message arrived first.
   for (int p = 0; p < route_.num_ranks; ++p) {
     if (p == route_.rank) {
       if (!to_server) {
-        copy_own(route_.to_server_q[p], false, x.server_q, x.owner_q);
-        if (!x.owner_kv.empty()) copy_own(route_.to_server_kv[p], false, x.server_kv, x.owner_kv);
+        for (const Part& part : x.parts) copy_own((*part.to_server)[p], false, part.server, part.owner, part.combine);
       }
       continue;
     }
     const std::byte* in = x.recv.data() + x.recv_offsets[p];
-    in = unpack(recv_q[p], !to_server, recv_fq, in);
-    if (!recv_fkv.empty()) in = unpack(recv_kv[p], !to_server, recv_fkv, in);
+    for (const Part& part : x.parts) {
+      in = to_server ? unpack((*part.from_owner)[p], false, part.server, Combine::kCopy, in)
+                     : unpack((*part.to_server)[p], true, part.owner, part.combine, in);
+    }
     DISTCA_CHECK(in == x.recv.data() + x.recv_offsets[p] + x.recv_counts[p]) << "unpacked size";
   }
   stats_[static_cast<int>(x.phase)].wait_seconds +=
@@ -348,6 +422,10 @@ Status Dispatcher::start_backward(const BackwardArgs& args, ServerBuffers& serve
        (!is_stateful && (!args.q || !args.k || !args.v || !args.o || !args.lse)))) {
     return invalid_argument(is_stateful ? "backward: d_o, dq, dk and dv must all be given"
                                         : "backward: q, k, v, o, lse, d_o, dq, dk and dv must all be given");
+  }
+  if (is_stateful && route_.owns_split_rows() && (!args.o || !args.lse)) {
+    return invalid_argument("stateful backward of a plan that splits key ranges: o and lse (the forward's "
+                            "merged outputs) must be given too");
   }
   bwd_ = args;
   server_ = &server;

@@ -71,11 +71,14 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-Status timed(const std::function<Status()>& fn, double& seconds) {
+// Adds fn's time to `seconds` and to the nano-batch's own counter.
+Status timed(const std::function<Status()>& fn, double& seconds, double& nano_seconds) {
   if (!fn) return Status::ok();
   const auto t = Clock::now();
   Status st = fn();
-  seconds += since(t);
+  const double s = since(t);
+  seconds += s;
+  nano_seconds += s;
   return st;
 }
 
@@ -100,11 +103,11 @@ Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>&
   DISTCA_RETURN_IF_ERROR(check_chains(a, b));
   ScheduleTiming t;
   const auto start = Clock::now();
-  for (auto* chain : {&a, &b}) {
-    for (Stage& s : *chain) {
-      DISTCA_RETURN_IF_ERROR(timed(s.compute, t.compute_seconds));
-      DISTCA_RETURN_IF_ERROR(timed(s.start_comm, t.comm_seconds));
-      DISTCA_RETURN_IF_ERROR(timed(s.finish_comm, t.comm_seconds));
+  for (int n = 0; n < 2; ++n) {
+    for (Stage& s : n == 0 ? a : b) {
+      DISTCA_RETURN_IF_ERROR(timed(s.compute, t.compute_seconds, t.nano_compute_seconds[n]));
+      DISTCA_RETURN_IF_ERROR(timed(s.start_comm, t.comm_seconds, t.nano_comm_seconds[n]));
+      DISTCA_RETURN_IF_ERROR(timed(s.finish_comm, t.comm_seconds, t.nano_comm_seconds[n]));
     }
   }
   t.seconds = since(start);
@@ -116,15 +119,16 @@ Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b
   ScheduleTiming t;
   const auto start = Clock::now();
   for (size_t i = 0; i < a.size(); ++i) {
-    for (auto* chain : {&a, &b}) {
-      if (i > 0) DISTCA_RETURN_IF_ERROR(timed((*chain)[i - 1].finish_comm, t.comm_seconds));
-      DISTCA_RETURN_IF_ERROR(timed((*chain)[i].compute, t.compute_seconds));
-      DISTCA_RETURN_IF_ERROR(timed((*chain)[i].start_comm, t.comm_seconds));
+    for (int n = 0; n < 2; ++n) {
+      std::vector<Stage>& chain = n == 0 ? a : b;
+      if (i > 0) DISTCA_RETURN_IF_ERROR(timed(chain[i - 1].finish_comm, t.comm_seconds, t.nano_comm_seconds[n]));
+      DISTCA_RETURN_IF_ERROR(timed(chain[i].compute, t.compute_seconds, t.nano_compute_seconds[n]));
+      DISTCA_RETURN_IF_ERROR(timed(chain[i].start_comm, t.comm_seconds, t.nano_comm_seconds[n]));
     }
   }
   if (!a.empty()) {
-    DISTCA_RETURN_IF_ERROR(timed(a.back().finish_comm, t.comm_seconds));
-    DISTCA_RETURN_IF_ERROR(timed(b.back().finish_comm, t.comm_seconds));
+    DISTCA_RETURN_IF_ERROR(timed(a.back().finish_comm, t.comm_seconds, t.nano_comm_seconds[0]));
+    DISTCA_RETURN_IF_ERROR(timed(b.back().finish_comm, t.comm_seconds, t.nano_comm_seconds[1]));
   }
   t.seconds = since(start);
   return t;

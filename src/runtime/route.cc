@@ -45,14 +45,6 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
   }
   DISTCA_RETURN_IF_ERROR(batch.validate());
   DISTCA_RETURN_IF_ERROR(plan::verify_tasks(batch, tasks));
-  for (const plan::Task& t : tasks) {
-    if (t.k0 != 0 || t.k1 != t.q1) {
-      return invalid_argument(fmt::format(
-          "task of document {} (queries [{}, {}), keys [{}, {})) splits the key range; the "
-          "runtime runs whole causal prefixes only (k0 = 0, k1 = q1)",
-          t.doc, t.q0, t.q1, t.k0, t.k1));
-    }
-  }
 
   // Each piece's first row in its owner's linear layout.
   std::vector<int64_t> piece_row(batch.pieces.size());
@@ -68,8 +60,10 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
   route.num_ranks = r;
   route.num_local_rows = rank_rows[rank];
   route.to_server_q.resize(r);
+  route.to_server_split_q.resize(r);
   route.to_server_kv.resize(r);
   route.from_owner_q.resize(r);
+  route.from_owner_split_q.resize(r);
   route.from_owner_kv.resize(r);
 
   // Cuts document rows [begin, end), which start at `server_row` on `server`, at the owners'
@@ -89,7 +83,8 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
     }
   };
 
-  // Q: task after task in plan order, per server.
+  // Q: task after task in plan order, per server; split tasks' rows in their own lists (verified
+  // above: a causal task with k0 > 0 or a non-causal task shares each of its rows with others).
   std::vector<int64_t> q_rows(r, 0);
   std::vector<size_t> order(tasks.size());
   for (size_t i = 0; i < tasks.size(); ++i) order[i] = i;
@@ -99,7 +94,10 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
   for (size_t i : order) {
     const plan::Task& t = tasks[i];
     task_q_row[i] = q_rows[t.server];
-    route_rows(t.doc, t.q0, t.q1, t.server, q_rows[t.server], route.to_server_q, route.from_owner_q);
+    const bool is_split = t.k0 > 0 || !t.is_causal();
+    route_rows(t.doc, t.q0, t.q1, t.server, q_rows[t.server],
+               is_split ? route.to_server_split_q : route.to_server_q,
+               is_split ? route.from_owner_split_q : route.from_owner_q);
     q_rows[t.server] += t.q_len();
   }
 
@@ -135,9 +133,16 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
     const plan::Task& t = tasks[i];
     if (t.server != rank) continue;
     route.tasks.push_back(kernels::AttnTask{task_q_row[i], t.q_len(), task_kv_row[i], t.k1 - t.k0,
-                                            /*is_causal=*/true});
+                                            t.is_causal()});
   }
   return route;
+}
+
+bool Route::owns_split_rows() const {
+  for (const std::vector<Segment>& segments : to_server_split_q) {
+    if (!segments.empty()) return true;
+  }
+  return false;
 }
 
 }  // namespace distca::runtime

@@ -54,6 +54,59 @@ TEST(CountTraffic, KeysOwnedByTheServerAreNotSent) {
   EXPECT_EQ(t.forward.q_bytes, 0);
 }
 
+// One document over two ranks of 32 rows. Rows [32, 64) (rank 1's) see keys [0, 16) on server 1,
+// [16, 32) on server 0 (non-causal pieces) and [32, q] on server 1 (causal). tiny_cost: q = kv =
+// 16, out = 24, bwd_q = 56, bwd_do = 16, bwd_dq = 16, bwd_dkv = 32 bytes per row.
+TEST(CountTraffic, KeySplitSendsQueriesPerTaskAndStatefulSendsTheMergedOutputs) {
+  Batch b = pack_documents({64}, 2, 32).value();
+  const TokenBytes tb = tiny_cost().token_bytes();
+  ASSERT_EQ(tb.bwd_q, 56);
+  ASSERT_EQ(tb.bwd_dkv, 32);
+  const std::vector<Task> tasks = {causal_task(0, 0, 32, 0), {0, 32, 64, 0, 16, 1}, {0, 32, 64, 16, 32, 0},
+                                   {0, 32, 64, 32, 64, 1}};
+  for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
+    SCOPED_TRACE(backward_mode_name(mode));
+    const Traffic t = count_traffic(b, tb, tasks, mode);
+    // Forward: rank 1's 32 query rows to server 0 for keys [16, 32); rank 0's keys [0, 16) to
+    // server 1 (its keys [32, 64) are its own); O/LSE of those 32 rows back.
+    EXPECT_EQ(t.forward.q_bytes, 32 * 16);
+    EXPECT_EQ(t.forward.kv_bytes, 16 * 16);
+    EXPECT_EQ(t.forward.out_bytes, 32 * 24);
+    const auto& d = phase(t, Phase::kFwdDispatch);
+    EXPECT_EQ(d.send_bytes, (std::vector<int64_t>{16 * 16, 32 * 16}));
+    const auto& r = phase(t, Phase::kFwdReturn);
+    EXPECT_EQ(r.send_bytes, (std::vector<int64_t>{32 * 24, 0}));
+    // Backward dispatch: stateless re-sends Q, O, dO, LSE and the keys; stateful sends dO and,
+    // the rows being split, their merged O and LSE, and no keys.
+    const auto& bd = phase(t, Phase::kBwdDispatch);
+    if (mode == BackwardMode::kStateless) {
+      EXPECT_EQ(bd.send_bytes, (std::vector<int64_t>{16 * 16, 32 * 56}));
+    } else {
+      EXPECT_EQ(bd.send_bytes, (std::vector<int64_t>{0, 32 * (16 + 24)}));
+    }
+    // Backward return: server 0's dQ partials of rank 1's rows, server 1's fp32 dK/dV of [0, 16).
+    const auto& br = phase(t, Phase::kBwdReturn);
+    EXPECT_EQ(br.send_bytes, (std::vector<int64_t>{32 * 16, 16 * 32}));
+    EXPECT_EQ(br.recv_bytes, (std::vector<int64_t>{16 * 32, 32 * 16}));
+  }
+}
+
+// A query row in two tasks on one server travels there twice (once per task's Q slot); the
+// server's key ranges of the document are one union.
+TEST(CountTraffic, KeySplitOnOneServerSendsTheRowOncePerTask) {
+  Batch b = pack_documents({64}, 2, 32).value();
+  const TokenBytes tb = tiny_cost().token_bytes();
+  const std::vector<Task> tasks = {causal_task(0, 0, 32, 0), {0, 32, 64, 0, 32, 0}, {0, 32, 64, 32, 64, 0}};
+  const Traffic stateful = count_traffic(b, tb, tasks, BackwardMode::kStateful);
+  EXPECT_EQ(stateful.forward.q_bytes, 2 * 32 * 16);
+  EXPECT_EQ(stateful.forward.kv_bytes, 32 * 16);  // keys [32, 64) from rank 1, [0, 32) are server 0's
+  EXPECT_EQ(stateful.forward.out_bytes, 2 * 32 * 24);
+  EXPECT_EQ(phase(stateful, Phase::kBwdDispatch).total_bytes, 2 * 32 * (16 + 24));
+  EXPECT_EQ(phase(stateful, Phase::kBwdReturn).total_bytes, 2 * 32 * 16 + 32 * 32);
+  EXPECT_EQ(phase(count_traffic(b, tb, tasks, BackwardMode::kStateless), Phase::kBwdDispatch).total_bytes,
+            2 * 32 * 56 + 32 * 16);
+}
+
 TEST(FinalizePlan, LoadsPairsAndHashAreCanonical) {
   Batch b = batch_from_ranks({{64}, {32}}, 0).value();
   const CostModel cost = tiny_cost();

@@ -9,7 +9,10 @@
 //
 // check_routing: self-describing rows (each element encodes document, position, owner and
 // tensor) through a server kernel that copies instead of attending: every row must reach the
-// server slot the plan gives it and come back to exactly where it started.
+// server slot the plan gives it and come back to exactly where it started (a row in several
+// tasks of a key-range split: its dQ once per task).
+//
+// split_key_ranges: a plan whose tasks split the key range, made from a causal one.
 #pragma once
 
 #include <fmt/format.h>
@@ -24,6 +27,7 @@
 #include "distca/comm/emulated_link.h"
 #include "distca/kernels/cpu.h"
 #include "distca/plan/planner.h"
+#include "distca/plan/verify.h"
 #include "distca/runtime/dispatcher.h"
 
 namespace distca::runtime::testing {
@@ -57,6 +61,37 @@ inline Result<plan::Plan> make_plan(const plan::Batch& batch, const std::string&
   options.granularity = granularity;
   options.tolerance = 0.05;
   return fn(batch, cost, options);
+}
+
+// Splits the key range of about half of the plan's tasks: a task over queries [q0, q1) and keys
+// [k0, q1) becomes a causal task over keys [c, q1) (k0 < c <= q0) and non-causal tasks tiling
+// keys [k0, c), each key range over one or two query sub-ranges of [q0, q1); every new task on
+// a random server. The result passes plan::verify_tasks (checked).
+inline Result<plan::Plan> split_key_ranges(const plan::Batch& batch, const plan::Plan& causal, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto server = [&] { return static_cast<int32_t>(uniform(0, batch.num_ranks - 1)); };
+  std::vector<plan::Task> tasks;
+  for (const plan::Task& t : causal.tasks) {
+    if (!t.is_causal() || t.q0 <= t.k0 || uniform(0, 1) == 0) {
+      tasks.push_back(t);
+      continue;
+    }
+    const int64_t c = uniform(t.k0 + 1, t.q0);
+    tasks.push_back({t.doc, t.q0, t.q1, c, t.q1, server()});
+    for (int64_t a = t.k0; a < c;) {
+      const int64_t b = uniform(0, 2) == 0 ? c : uniform(a + 1, c);
+      const int64_t m = t.q_len() > 1 && uniform(0, 1) == 0 ? uniform(t.q0 + 1, t.q1 - 1) : t.q1;
+      tasks.push_back({t.doc, t.q0, m, a, b, server()});
+      if (m < t.q1) tasks.push_back({t.doc, m, t.q1, a, b, server()});
+      a = b;
+    }
+  }
+  DISTCA_ASSIGN_OR_RETURN(plan::ModelShape model, plan::model_preset("llama-8b"));
+  const plan::CostModel cost(model, plan::ThroughputProfile{});
+  plan::Plan split = plan::finalize_plan(causal.policy + "+split", causal.tolerance, batch, cost, std::move(tasks));
+  DISTCA_RETURN_IF_ERROR(plan::verify_tasks(batch, split.tasks));
+  return split;
 }
 
 // Gathers rows `rows` of a [N, width] array.
@@ -94,13 +129,13 @@ struct DispatchCase {
   int num_threads = 1;
 };
 
-inline Status check_against_colocated(comm::Communicator& base, const plan::Batch& batch, const plan::Plan& plan,
-                                      const DispatchCase& c) {
-  const int rank = base.rank();
-  const GlobalLayout g = global_layout(batch);
-  const int64_t hq = c.heads.num_q_heads, hkv = c.heads.num_kv_heads, d = c.heads.head_dim;
-  const int64_t qw = hq * d, kw = hkv * d;
-  // The same data on every rank.
+// Random Q/K/V/dO of the whole batch, [N, Hq, D] and [N, Hkv, D]: the same on every rank (one seed).
+struct GlobalInputs {
+  std::vector<float> q, k, v, d_o;
+};
+
+inline GlobalInputs random_inputs(const GlobalLayout& g, const DispatchCase& c) {
+  const int64_t qw = c.heads.num_q_heads * c.heads.head_dim, kw = c.heads.num_kv_heads * c.heads.head_dim;
   std::mt19937_64 rng(c.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   auto random = [&](int64_t n) {
@@ -108,8 +143,45 @@ inline Status check_against_colocated(comm::Communicator& base, const plan::Batc
     for (float& x : v) x = normal(rng);
     return v;
   };
-  const auto q = random(g.num_rows * qw), k = random(g.num_rows * kw), v = random(g.num_rows * kw),
-             d_o = random(g.num_rows * qw);
+  GlobalInputs in;
+  in.q = random(g.num_rows * qw), in.k = random(g.num_rows * kw), in.v = random(g.num_rows * kw);
+  in.d_o = random(g.num_rows * qw);
+  return in;
+}
+
+// This rank's outputs of one forward and one backward through the dispatcher.
+struct LocalOutputs {
+  std::vector<float> o, lse, dq, dk, dv;
+};
+
+// Runs this rank's linear rows `rows` (global row of each) of `in` forward and backward.
+inline Result<LocalOutputs> run_local(Dispatcher& dispatcher, const std::vector<int64_t>& rows, const GlobalInputs& in) {
+  const HeadShape& h = dispatcher.heads();
+  const int64_t qw = h.num_q_heads * h.head_dim, kw = h.num_kv_heads * h.head_dim;
+  if (dispatcher.num_local_rows() != static_cast<int64_t>(rows.size())) {
+    return internal_error(fmt::format("{} local rows, want {}", dispatcher.num_local_rows(), rows.size()));
+  }
+  const auto lq = gather(in.q, rows, qw), lk = gather(in.k, rows, kw), lv = gather(in.v, rows, kw),
+             ld_o = gather(in.d_o, rows, qw);
+  const auto n = static_cast<int64_t>(rows.size());
+  LocalOutputs out;
+  out.o.assign(n * qw, NAN), out.lse.assign(n * h.num_q_heads, NAN), out.dq.assign(n * qw, NAN);
+  out.dk.assign(n * kw, NAN), out.dv.assign(n * kw, NAN);
+  ServerBuffers server;
+  DISTCA_RETURN_IF_ERROR(dispatcher.forward({lq.data(), lk.data(), lv.data(), out.o.data(), out.lse.data()}, server));
+  DISTCA_RETURN_IF_ERROR(dispatcher.backward({lq.data(), lk.data(), lv.data(), out.o.data(), out.lse.data(), ld_o.data(),
+                                              out.dq.data(), out.dk.data(), out.dv.data()},
+                                             server));
+  return out;
+}
+
+inline Status check_against_colocated(comm::Communicator& base, const plan::Batch& batch, const plan::Plan& plan,
+                                      const DispatchCase& c) {
+  const int rank = base.rank();
+  const GlobalLayout g = global_layout(batch);
+  const int64_t hq = c.heads.num_q_heads, hkv = c.heads.num_kv_heads, d = c.heads.head_dim;
+  const int64_t qw = hq * d, kw = hkv * d;
+  const GlobalInputs in = random_inputs(g, c);
 
   // Colocated: one call over the whole batch, a causal task per document.
   std::vector<kernels::AttnTask> tasks;
@@ -121,10 +193,11 @@ inline Status check_against_colocated(comm::Communicator& base, const plan::Batc
   std::vector<float> o(g.num_rows * qw), lse(g.num_rows * hq), dq(g.num_rows * qw), dk(g.num_rows * kw),
       dv(g.num_rows * kw);
   kernels::CpuAttention attention({c.num_threads, false});
-  DISTCA_RETURN_IF_ERROR(attention.forward(kernels::AttnFwdParams<float>{dims, q.data(), k.data(), v.data(), tasks,
-                                                                         {}, o.data(), lse.data()}));
-  DISTCA_RETURN_IF_ERROR(attention.backward(kernels::AttnBwdParams<float>{
-      dims, q.data(), k.data(), v.data(), o.data(), lse.data(), d_o.data(), tasks, {}, dq.data(), dk.data(), dv.data()}));
+  DISTCA_RETURN_IF_ERROR(attention.forward(kernels::AttnFwdParams<float>{dims, in.q.data(), in.k.data(), in.v.data(),
+                                                                         tasks, {}, o.data(), lse.data()}));
+  DISTCA_RETURN_IF_ERROR(attention.backward(kernels::AttnBwdParams<float>{dims, in.q.data(), in.k.data(), in.v.data(),
+                                                                          o.data(), lse.data(), in.d_o.data(), tasks,
+                                                                          {}, dq.data(), dk.data(), dv.data()}));
 
   // CAD: this rank's linear rows through the dispatcher, counted by a link with no delay.
   comm::EmulatedLink link(base, {});
@@ -134,24 +207,16 @@ inline Status check_against_colocated(comm::Communicator& base, const plan::Batc
   DISTCA_ASSIGN_OR_RETURN(auto dispatcher, Dispatcher::create(link, batch, plan, c.heads, options));
   link.reset_counters();
   const std::vector<int64_t>& rows = g.local_rows[rank];
-  if (dispatcher->num_local_rows() != static_cast<int64_t>(rows.size())) {
-    return internal_error(fmt::format("rank {}: {} local rows, want {}", rank, dispatcher->num_local_rows(), rows.size()));
-  }
-  const auto lq = gather(q, rows, qw), lk = gather(k, rows, kw), lv = gather(v, rows, kw), ld_o = gather(d_o, rows, qw);
-  const auto n = static_cast<int64_t>(rows.size());
-  std::vector<float> lo(n * qw), llse(n * hq), ldq(n * qw), ldk(n * kw, NAN), ldv(n * kw, NAN);
-  ServerBuffers server;
-  DISTCA_RETURN_IF_ERROR(dispatcher->forward({lq.data(), lk.data(), lv.data(), lo.data(), llse.data()}, server));
-  DISTCA_RETURN_IF_ERROR(dispatcher->backward(
-      {lq.data(), lk.data(), lv.data(), lo.data(), llse.data(), ld_o.data(), ldq.data(), ldk.data(), ldv.data()},
-      server));
+  auto local = run_local(*dispatcher, rows, in);
+  if (!local.is_ok()) return internal_error(fmt::format("rank {}: {}", rank, local.status().to_string()));
+  const LocalOutputs& out = local.value();
 
   const double tol = 2e-5;
-  DISTCA_RETURN_IF_ERROR(compare("O", rank, lo, gather(o, rows, qw), rows, qw, tol));
-  DISTCA_RETURN_IF_ERROR(compare("LSE", rank, llse, gather(lse, rows, hq), rows, hq, tol));
-  DISTCA_RETURN_IF_ERROR(compare("dQ", rank, ldq, gather(dq, rows, qw), rows, qw, tol));
-  DISTCA_RETURN_IF_ERROR(compare("dK", rank, ldk, gather(dk, rows, kw), rows, kw, tol));
-  DISTCA_RETURN_IF_ERROR(compare("dV", rank, ldv, gather(dv, rows, kw), rows, kw, tol));
+  DISTCA_RETURN_IF_ERROR(compare("O", rank, out.o, gather(o, rows, qw), rows, qw, tol));
+  DISTCA_RETURN_IF_ERROR(compare("LSE", rank, out.lse, gather(lse, rows, hq), rows, hq, tol));
+  DISTCA_RETURN_IF_ERROR(compare("dQ", rank, out.dq, gather(dq, rows, qw), rows, qw, tol));
+  DISTCA_RETURN_IF_ERROR(compare("dK", rank, out.dk, gather(dk, rows, kw), rows, kw, tol));
+  DISTCA_RETURN_IF_ERROR(compare("dV", rank, out.dv, gather(dv, rows, kw), rows, kw, tol));
 
   // Bytes: the dispatcher's own count, and what crossed the link per peer, against the plan's.
   const plan::Traffic want = plan::count_traffic(batch, plan::token_bytes(hq, hkv, d, 4), plan.tasks, c.mode);
@@ -193,18 +258,25 @@ inline float code(int64_t doc, int64_t pos, int owner, int tag, int64_t h, int64
 
 // A server "kernel" that copies: O = Q, LSE = Q's doc code, dQ = dO, dK/dV = the sum of K/V over
 // the tasks that read the row. It checks that each task's rows are the document rows the task
-// names: Q rows consecutive positions ending at the last key, K/V rows positions 0.. of the
-// same document; in stateless backward also that O and LSE came back as the forward made them.
+// names: K/V rows consecutive positions k0.. of one document, Q rows consecutive positions of
+// the same document ending at the last key (causal) or starting after it (non-causal); in the
+// backward also that O and LSE came back as the forward made them (after the owner's merge).
+//
+// Key-range splits: a non-causal task's LSE is its doc code - 200, so that in fp32 the merge of
+// a row's partials is exactly the causal task's (O = Q, LSE = doc code): exp(-200) is 0.
 class CopyKernel final : public ServerKernel {
  public:
+  static constexpr float kNonCausalLseOffset = -200.0f;
+
   Status forward(const kernels::AttnFwdParams<float>& p) override {
     const int64_t hq = p.dims.num_q_heads, d = p.dims.head_dim;
     for (const kernels::AttnTask& t : p.tasks) {
       DISTCA_RETURN_IF_ERROR(check_task(t, p.q, p.k, p.v, p.dims));
+      const float offset = t.is_causal ? 0.0f : kNonCausalLseOffset;
       for (int64_t i = 0; i < t.q_len; ++i) {
         const int64_t row = t.q_offset + i;
         std::memcpy(p.o + row * hq * d, p.q + row * hq * d, hq * d * sizeof(float));
-        for (int64_t h = 0; h < hq; ++h) p.lse[row * hq + h] = p.q[(row * hq + h) * d];
+        for (int64_t h = 0; h < hq; ++h) p.lse[row * hq + h] = p.q[(row * hq + h) * d] + offset;
       }
     }
     return Status::ok();
@@ -218,6 +290,13 @@ class CopyKernel final : public ServerKernel {
       for (int64_t i = 0; i < t.q_len * hq * d; ++i) {
         const int64_t at = t.q_offset * hq * d + i;
         if (p.o[at] != p.q[at]) return internal_error(fmt::format("server Q row {}: O did not come back as sent", t.q_offset + i / (hq * d)));
+      }
+      for (int64_t i = 0; i < t.q_len * hq; ++i) {
+        const int64_t at = t.q_offset * hq + i;
+        if (p.lse[at] != p.q[at * d]) {
+          return internal_error(fmt::format("server Q row {}: LSE {} is not the merged one ({})", t.q_offset + i / hq,
+                                            p.lse[at], p.q[at * d]));
+        }
       }
       std::memcpy(p.dq + t.q_offset * hq * d, p.d_o + t.q_offset * hq * d, t.q_len * hq * d * sizeof(float));
       for (int64_t i = 0; i < t.kv_len * hkv * d; ++i) {
@@ -233,19 +312,27 @@ class CopyKernel final : public ServerKernel {
                            const kernels::AttnDims& dims) {
     const int64_t hq = dims.num_q_heads, hkv = dims.num_kv_heads, d = dims.head_dim;
     const float doc = q[t.q_offset * hq * d];
+    const float k0 = k[t.kv_offset * hkv * d + 1];
+    const float last_key = k0 + static_cast<float>(t.kv_len - 1);
+    // Causal: the last query sits at the last key; non-causal: the first query after it.
+    const float q0 = t.is_causal ? last_key - static_cast<float>(t.q_len - 1) : q[t.q_offset * hq * d + 1];
+    if (!t.is_causal && q0 < last_key) {
+      return internal_error(fmt::format("non-causal task: first query at {} before its last key {}", q0, last_key));
+    }
     for (int64_t i = 0; i < t.q_len; ++i) {
       const float* row = q + (t.q_offset + i) * hq * d;
-      if (row[0] != doc || row[1] != static_cast<float>(t.kv_len - t.q_len + i) || row[3] != 1) {
+      if (row[0] != doc || row[1] != q0 + static_cast<float>(i) || row[3] != 1) {
         return internal_error(fmt::format("server Q row {} holds (doc {}, pos {}, tensor {}), want (doc {}, pos {}, Q)",
-                                          t.q_offset + i, row[0], row[1], row[3], doc, t.kv_len - t.q_len + i));
+                                          t.q_offset + i, row[0], row[1], row[3], doc, q0 + static_cast<float>(i)));
       }
     }
     for (int64_t j = 0; j < t.kv_len; ++j) {
       const float* kr = k + (t.kv_offset + j) * hkv * d;
       const float* vr = v + (t.kv_offset + j) * hkv * d;
-      if (kr[0] != doc || kr[1] != static_cast<float>(j) || kr[3] != 2 || vr[0] != doc || vr[1] != kr[1] || vr[3] != 3) {
+      const float pos = k0 + static_cast<float>(j);
+      if (kr[0] != doc || kr[1] != pos || kr[3] != 2 || vr[0] != doc || vr[1] != kr[1] || vr[3] != 3) {
         return internal_error(fmt::format("server K/V row {} holds (doc {}, pos {}), want (doc {}, pos {})",
-                                          t.kv_offset + j, kr[0], kr[1], doc, j));
+                                          t.kv_offset + j, kr[0], kr[1], doc, pos));
       }
     }
     return Status::ok();
@@ -286,21 +373,28 @@ inline Status check_routing(comm::Communicator& comm, const plan::Batch& batch, 
   DISTCA_RETURN_IF_ERROR(dispatcher->backward(
       {q.data(), k.data(), v.data(), o.data(), lse.data(), d_o.data(), dq.data(), dk.data(), dv.data()}, server));
 
-  // How many tasks read each key row: tasks of the document whose queries end after it.
+  // How many tasks read each key row, and how many have each query row (dQ comes from each).
   auto readers = [&](int32_t doc, int64_t pos) {
     int64_t count = 0;
     for (const plan::Task& t : plan.tasks) count += t.doc == doc && t.k0 <= pos && pos < t.k1;
     return static_cast<float>(count);
   };
+  auto queriers = [&](int32_t doc, int64_t pos) {
+    int64_t count = 0;
+    for (const plan::Task& t : plan.tasks) count += t.doc == doc && t.q0 <= pos && pos < t.q1;
+    return static_cast<float>(count);
+  };
   for (int64_t r = 0; r < n; ++r) {
     const auto [doc, pos] = mine[r];
+    const float tasks_of_row = queriers(doc, pos);
     for (int64_t i = 0; i < hq * d; ++i) {
       const int64_t at = r * hq * d + i;
-      if (o[at] != q[at] || dq[at] != d_o[at]) {
+      if (o[at] != q[at] || dq[at] != tasks_of_row * d_o[at]) {
         return internal_error(fmt::format("rank {}: row {} (doc {}, pos {}) came back as O (doc {}, pos {}, owner {}), "
-                                          "dQ (doc {}, pos {})",
+                                          "dQ (doc {}, pos {}) over its {} task(s)",
                                           rank, r, doc, pos, o[r * hq * d], o[r * hq * d + 1], o[r * hq * d + 2],
-                                          dq[r * hq * d], dq[r * hq * d + 1]));
+                                          dq[r * hq * d] / tasks_of_row, dq[r * hq * d + 1] / tasks_of_row,
+                                          tasks_of_row));
       }
     }
     for (int64_t h = 0; h < hq; ++h) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "distca/comm/local_comm.h"
@@ -165,6 +166,17 @@ TEST(PingPong, HidesCommunicationBehindTheOtherNanoBatch) {
     const double u = std::chrono::duration<double>(unit).count();
     // Sequential: 2 * stages * (compute + comm) = 16 units; ping-pong: 2 * stages compute + 1 comm = 9.
     if (seq.seconds < 2 * stages * 2 * u * 0.99) return internal_error(fmt::format("sequential took {} s, less than its sleeps", seq.seconds));
+    for (const ScheduleTiming& t : {seq, pp}) {
+      // Each nano-batch's own compute and communication add up to the schedule's.
+      if (std::abs(t.nano_compute_seconds[0] + t.nano_compute_seconds[1] - t.compute_seconds) > 1e-9 ||
+          std::abs(t.nano_comm_seconds[0] + t.nano_comm_seconds[1] - t.comm_seconds) > 1e-9) {
+        return internal_error("the nano-batches' times do not add up to the schedule's");
+      }
+      // Both nano-batches slept `stages` units of compute.
+      for (double c : t.nano_compute_seconds) {
+        if (c < stages * u * 0.99) return internal_error(fmt::format("a nano-batch computed {} s, less than its sleeps", c));
+      }
+    }
     if (pp.seconds > seq.seconds * 0.75) {
       return internal_error(fmt::format("ping-pong {:.3f} s vs sequential {:.3f} s: the communication was not hidden", pp.seconds, seq.seconds));
     }

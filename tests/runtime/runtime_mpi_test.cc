@@ -1,7 +1,7 @@
 // The CAD runtime under mpirun (`-np 2` and `-np 4` under ctest): distributed equals colocated
-// and exact routing for every policy and both backward modes, on MpiComm. With --fault, rank 1
-// exits in the middle of a pass: the job must end with a non-zero exit well before the timeout
-// (ctest's TIMEOUT guards it).
+// and exact routing for every policy, and for a plan that splits key ranges, in both backward
+// modes, on MpiComm. With --fault, rank 1 exits in the middle of a pass: the job must end with
+// a non-zero exit well before the timeout (ctest's TIMEOUT guards it).
 #include <fmt/format.h>
 
 #include <chrono>
@@ -42,6 +42,21 @@ int main(int argc, char** argv) {
       if (Status st = runtime::testing::check_routing(c, batch.value(), plan.value(), mode); !st.is_ok()) return fail(st);
       checks += 2;
     }
+  }
+  // Key-range splits of a causal plan: partial results from several servers merged at the owners.
+  auto causal = runtime::testing::make_plan(batch.value(), "minmax");
+  if (!causal.is_ok()) return fail(causal.status());
+  auto split = runtime::testing::split_key_ranges(batch.value(), causal.value(), 17);
+  if (!split.is_ok()) return fail(split.status());
+  for (auto mode : {plan::BackwardMode::kStateless, plan::BackwardMode::kStateful}) {
+    runtime::testing::DispatchCase dc;
+    dc.mode = mode;
+    dc.seed = 1000 + checks;
+    if (Status st = runtime::testing::check_against_colocated(c, batch.value(), split.value(), dc); !st.is_ok()) {
+      return fail(st);
+    }
+    if (Status st = runtime::testing::check_routing(c, batch.value(), split.value(), mode); !st.is_ok()) return fail(st);
+    checks += 2;
   }
   if (c.rank() == 0) fmt::print("runtime checks passed on {} ranks ({} checks)\n", R, checks);
   return 0;

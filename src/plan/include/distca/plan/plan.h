@@ -71,13 +71,17 @@ struct Traffic {
 
 // What the backward sends to the servers. Stateless (the paper's): the server keeps nothing
 // between forward and backward, so Q, O, dO, LSE and K/V are sent again. Stateful: the server
-// keeps the forward's received Q/K/V and its O/LSE, so only dO is sent.
+// keeps the forward's received Q/K/V and its O/LSE, so only dO is sent, plus the merged O and LSE
+// for the rows of tasks that split the key range (the server holds only its partial ones).
 enum class BackwardMode { kStateless = 0, kStateful = 1 };
 const char* backward_mode_name(BackwardMode mode);
 
 // The bytes of one layer that a task list moves, phase by phase. Q rows go from their owners
-// to the task's server and O/LSE back; KV rows go once per (document, server): the union of
+// to the task's server and O/LSE back, once per task (a query row in several tasks of a
+// key-range split travels once for each); KV rows go once per (document, server): the union of
 // the key ranges of that server's tasks of the document, less the rows the server owns.
+// Stateful backward dispatch: dO per task row, plus O and LSE (bytes.out) for the rows of a
+// split task (k0 > 0 or non-causal), since the server's own O/LSE of those rows are partial.
 // The runtime sends exactly these bytes.
 Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
                       BackwardMode mode = BackwardMode::kStateless);

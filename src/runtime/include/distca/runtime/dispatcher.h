@@ -5,6 +5,13 @@
 // LSE, K, V again) to the servers, dQ and fp32 dK/dV back; dK/dV of a row used by several
 // tasks are summed in fp32 on the server, then at the owner in rank order of the servers.
 //
+// Key-range splits (route.h): a query row in several tasks gets one partial (O, LSE) from each;
+// the owner folds them by the LSE merge (kernels::lse_merge) and sums their dQ in fp32, in a
+// fixed order (servers in rank order, this rank's own at its place, segments in route order),
+// so a run's results do not depend on message timing. The backward of such a row needs its
+// final O and LSE: stateless sends them anyway; stateful sends them with dO for split rows
+// (the server's own are partial). Rows in one task only are copied, as without splits.
+//
 // Every call is collective: all ranks make the same calls in the same order. A pass runs whole
 // (forward / backward) or in stages for ping-pong: start_* (pack, post the dispatch, copy the
 // rows this rank serves itself), finish_comm (wait, unpack), compute (the server's kernel),
@@ -48,7 +55,9 @@ struct ForwardArgs {
   float* lse = nullptr;  // out
 };
 struct BackwardArgs {
-  const float* q = nullptr;    // q, k, v, o, lse: read in stateless mode only
+  // q, k, v, o, lse: the forward's inputs and (merged) outputs, read in stateless mode; o and
+  // lse also in stateful mode when the plan splits key ranges (for the split rows).
+  const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
   const float* o = nullptr;
@@ -114,6 +123,7 @@ class Dispatcher {
 
  private:
   struct Field;
+  struct Part;
   struct Exchange;
   enum class Stage { kIdle, kDispatching, kDispatched, kComputed, kReturning };
 
@@ -121,8 +131,8 @@ class Dispatcher {
   // Packs and posts one phase; copies this rank's own rows at once unless they accumulate.
   Status post(plan::Phase phase);
   void size_server_buffers(bool is_backward);
-  void fields(plan::Phase phase, std::vector<Field>& owner_q, std::vector<Field>& owner_kv,
-              std::vector<Field>& server_q, std::vector<Field>& server_kv) const;
+  // The tensors each part of the phase's messages carries, and how a return combines them.
+  void fields(plan::Phase phase, std::array<Part, 3>& parts) const;
 
   comm::Communicator& comm_;
   Route route_;

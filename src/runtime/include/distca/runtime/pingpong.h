@@ -44,6 +44,9 @@ struct ScheduleTiming {
   double seconds = 0;          // wall time of the whole schedule
   double compute_seconds = 0;  // in compute
   double comm_seconds = 0;     // in start_comm and finish_comm (packing, waiting, unpacking)
+  // The same two, per nano-batch (chain a, chain b); they add up to the totals above.
+  std::array<double, 2> nano_compute_seconds{0, 0};
+  std::array<double, 2> nano_comm_seconds{0, 0};
 };
 
 // Both chains must have the same number of stages.

@@ -4,9 +4,19 @@
 //
 // Server layout of rank s: the Q rows of its tasks, task after task in plan order; then its K/V
 // rows, once per (document, server): the union of the key ranges of s's tasks of the document,
-// interval after interval in (document, first key) order. A message from owner o to server s
-// holds o's Q segments for s in server order, then its K/V segments; the reverse message holds
-// the same segments in the same order. Rows the server owns itself are copied, never sent.
+// interval after interval in (document, first key) order.
+//
+// Key-range splits: a query row may be in several tasks (one causal task over keys [k0, q] and
+// non-causal tasks tiling [0, k0), plan::verify_tasks). Each of them has the row in its Q slot,
+// so a row can reach one server twice, and each returns a partial result that the owner combines
+// (O/LSE by the LSE merge, dQ summed). A task is split when k0 > 0 or it is non-causal; then
+// every one of its rows is in several tasks, and a task with k0 = 0 that is causal is its rows'
+// only task. The Q segments of the two kinds are kept apart (q and split_q) so that unsplit rows
+// are plainly copied and split rows combined.
+//
+// A message from owner o to server s holds o's unsplit Q segments for s in server order, then
+// its split Q segments in server order, then its K/V segments; the reverse message holds the
+// same segments in the same order. Rows the server owns itself are copied, never sent.
 #pragma once
 
 #include <cstdint>
@@ -46,15 +56,18 @@ struct Route {
   std::vector<kernels::AttnTask> tasks;  // this server's tasks, in server-buffer rows
 
   // As an owner: [server] the segments this rank sends to that server (its own index holds
-  // the rows it serves itself).
-  std::vector<std::vector<Segment>> to_server_q, to_server_kv;
+  // the rows it serves itself). Q rows of unsplit tasks, Q rows of split tasks, K/V rows.
+  std::vector<std::vector<Segment>> to_server_q, to_server_split_q, to_server_kv;
   // As a server: [owner] the segments that owner sends here (local_row is the owner's row).
-  std::vector<std::vector<Segment>> from_owner_q, from_owner_kv;
+  std::vector<std::vector<Segment>> from_owner_q, from_owner_split_q, from_owner_kv;
+
+  // Whether this rank owns a query row of a split task (its O/LSE are merged and its dQ summed
+  // here, and a stateful backward sends it the final O/LSE).
+  bool owns_split_rows() const;
 };
 
-// Checks the tasks (plan::verify_tasks: every causal pair exactly once) and that every task is
-// a whole causal prefix (k0 = 0, k1 = q1): the runtime does not run KV-range splits, whose
-// partial outputs would need an LSE merge at the owner. None of the planners makes them.
+// Checks the tasks (plan::verify_tasks: every causal pair of every document exactly once) and
+// lays them out. Tasks may split the key range (see above).
 Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
                           int32_t rank);
 
