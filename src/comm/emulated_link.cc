@@ -44,9 +44,14 @@ Status LinkOptions::validate() const {
   return Status::ok();
 }
 
-EmulatedLink::EmulatedLink(Communicator& inner, LinkOptions options) : inner_(inner), options_(options) {
-  DISTCA_CHECK(options_.validate().is_ok()) << options_.validate().to_string();
+EmulatedLink::EmulatedLink(Communicator& inner, LinkOptions options) : inner_(inner) {
+  set_options(options);
   counters_.bytes_sent_to.assign(inner_.size(), 0);
+}
+
+void EmulatedLink::set_options(const LinkOptions& options) {
+  DISTCA_CHECK(options.validate().is_ok()) << options.validate().to_string();
+  options_ = options;
 }
 
 std::string EmulatedLink::name() const {

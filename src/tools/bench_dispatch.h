@@ -3,7 +3,10 @@
 // stage (OpenBLAS sgemm sized against the attention FLOPs) and a CAD attention stage through
 // the Dispatcher. Reports the bytes per phase (checked against the plan's counts), the achieved
 // GB/s, and sequential against ping-pong time on the communicator as it is and over an emulated
-// link, all in the same run.
+// link, all in the same run: each figure the median of --repeats runs with its min..max, taken
+// on the slowest rank of each run. With --link auto the link's bandwidth is calibrated on the
+// compute time measured in the same runs (communication = compute) and checked on the repeats.
+// A hidden fraction outside [0, 1] is reported as a measurement error, never clamped.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -30,7 +33,7 @@ struct DispatchBenchOptions {
   double linear_ratio = 2.0;           // linear FLOPs per stage / attention FLOPs per stage
   std::string link = "auto";           // emulated link: "auto" (comm = compute), "off", or GB/s
   double latency_us = 20;
-  int repeats = 3;
+  int repeats = 5;                     // sequential + ping-pong runs per link: median and min..max
   uint64_t seed = 1;
 };
 

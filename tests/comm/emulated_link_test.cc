@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include <chrono>
+#include <cmath>
 #include <vector>
 
 #include "distca/comm/emulated_link.h"
@@ -50,6 +51,31 @@ TEST(EmulatedLink, DeliversAfterLatencyPlusBytesOverBandwidthWithoutSpinning) {
     if (c.operations != 2 || c.bytes_sent != 4'000'000 || c.bytes_received != 4'000'000 || c.bytes_sent_to[peer] != 4'000'000 ||
         c.bytes_sent_to[base.rank()] != 0) {
       return internal_error("counters do not match the traffic");
+    }
+    return Status::ok();
+  });
+  for (const Status& st : statuses) EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+TEST(EmulatedLink, NewOptionsPriceTheOperationsPostedAfterThem) {
+  auto statuses = LocalWorld::run(2, [](Communicator& base) -> Status {
+    // 2 MB at 1 GB/s: 2 ms; then at 100 MB/s + 10 ms: 30 ms, on the link's own clock.
+    EmulatedLink link(base, {0, 1e9});
+    const int peer = 1 - base.rank();
+    std::vector<std::byte> send(2'000'000), recv(2'000'000);
+    std::vector<int64_t> counts(2, 0), offsets(2, 0);
+    counts[peer] = 2'000'000;
+    AllToAllV a{send.data(), counts, offsets, recv.data(), counts, offsets};
+    DISTCA_RETURN_IF_ERROR(link.all_to_all_v(a));
+    link.set_options({0.010, 100e6});
+    const auto start = std::chrono::steady_clock::now();
+    DISTCA_RETURN_IF_ERROR(link.all_to_all_v(a));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds < 0.030) return internal_error(fmt::format("delivered after {} s, before the new link's 30 ms", seconds));
+    const double busy = link.counters().busy_seconds;
+    if (std::abs(busy - 0.032) > 1e-9) return internal_error(fmt::format("busy {} s; the two prices add up to 0.032 s", busy));
+    if (link.options().bytes_per_second != 100e6 || link.options().latency_seconds != 0.010) {
+      return internal_error("options() does not return the new options");
     }
     return Status::ok();
   });

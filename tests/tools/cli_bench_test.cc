@@ -2,12 +2,14 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "distca/core/file.h"
 #include "distca/plan/plan_io.h"
@@ -23,6 +25,19 @@ using cli::distca;
 using cli::scratch;
 using cli::write;
 namespace fs = std::filesystem;
+
+bool cpu_has_avx512f() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.starts_with("flags") && line.find(" avx512f") != std::string::npos) return true;
+  }
+  return false;
+}
+
+bool is_avx512_blas_core(const std::string& core) {
+  return core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
+}
 
 TEST(Cli, BenchAttentionJsonHasTheDocumentedFields) {
   CmdResult r = distca("bench attention --docs 512 --shard-doc 1024 --shards 64,128 --head-dim 64 --heads 4 --kv-heads 2 --json");
@@ -50,22 +65,95 @@ TEST(Cli, BenchAttentionBadInputGetsOneLineErrorExitTwo) {
       {"zero repeats", "--repeats 0", "--repeats"},
       {"negative threads", "--threads -1", "--threads"},
       {"non-numeric", "--docs many", "docs"},
+      {"shard longer than its document", "--shard-doc 1024 --shards 2048", "--shards: size 2048"},
+      {"negative seed (would wrap around)", "--seed -1", "--seed"},
   };
   for (const BadInput& c : cases) {
     CmdResult r = distca("bench attention " + c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
-    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
-    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
-    EXPECT_TRUE(r.out.empty()) << c.name;
+    cli::expect_refused(r, c);
   }
   EXPECT_EQ(distca("bench").exit_code, 2);
 }
 
+// OpenBLAS reads OPENBLAS_CORETYPE when it is loaded, before main(): distca sets it and
+// re-executes itself, so the sgemm ceiling is the AVX-512 one whoever starts the program.
+TEST(Cli, BenchAttentionRunsTheAvx512BlasCoreWithoutOpenblasCoretype) {
+  if (!cpu_has_avx512f()) GTEST_SKIP() << "this CPU has no AVX-512 (no avx512f in /proc/cpuinfo)";
+  // --quick leaves the sizes given on the command line alone.
+  CmdResult r = cli::run_shell(std::string("env -u OPENBLAS_CORETYPE ") + DISTCA_BIN +
+                               " bench attention --quick --docs 512 --shard-doc 512 --shards 128 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_TRUE(is_avx512_blas_core(j["blas_core"])) << j["blas_core"];
+  EXPECT_EQ(j["machine"]["openblas_coretype"], "SkylakeX");
+  EXPECT_EQ(j["machine"]["coretype_set_by_distca"], true);
+  EXPECT_EQ(j["machine"]["cpu_isa"], "AVX-512");
+  EXPECT_EQ(j["ceiling_trusted"], true);
+  EXPECT_EQ(r.err.find("WARNING"), std::string::npos) << r.err;
+  EXPECT_EQ(j["config"]["docs"], nlohmann::json::array({512}));
+  EXPECT_EQ(j["config"]["shard_doc"], 512);
+}
+
+TEST(Cli, BenchAttentionWarnsWhenOpenblasCoretypeIsNarrowerThanTheCpu) {
+  if (!cpu_has_avx512f()) GTEST_SKIP() << "this CPU has no AVX-512 (no avx512f in /proc/cpuinfo)";
+  const std::string run = std::string("env OPENBLAS_CORETYPE=Haswell ") + DISTCA_BIN +
+                          " bench attention --quick --docs 256 --shard-doc 256 --shards 64";
+  CmdResult r = cli::run_shell(run + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  if (j["blas_core"] != "Haswell") GTEST_SKIP() << "this OpenBLAS ignores OPENBLAS_CORETYPE (no DYNAMIC_ARCH)";
+  EXPECT_EQ(j["machine"]["openblas_coretype"], "Haswell");  // the user's choice is kept...
+  EXPECT_EQ(j["machine"]["coretype_set_by_distca"], false);
+  EXPECT_EQ(j["ceiling_trusted"], false);  // ...and called out
+  EXPECT_NE(j["blas_warning"].get<std::string>().find("Haswell"), std::string::npos);
+  EXPECT_NE(r.err.find("WARNING: OpenBLAS runs its Haswell kernels"), std::string::npos) << r.err;
+  CmdResult text = cli::run_shell(run);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("WARNING: OpenBLAS runs its Haswell kernels"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("NOT this machine's ceiling"), std::string::npos) << text.out;
+}
+
+// One run's figures: each the median of its samples, between its min and max.
+void expect_median_and_range(const nlohmann::json& run, int repeats) {
+  ASSERT_EQ(run["repeats"], repeats);
+  ASSERT_EQ(run["samples"].size(), static_cast<size_t>(repeats));
+  for (const char* field : {"seq_seconds", "pingpong_seconds", "compute_seconds", "comm_seconds", "hidden_fraction",
+                            "cover_fraction"}) {
+    std::vector<double> v;
+    for (const auto& s : run["samples"]) v.push_back(s[field].get<double>());
+    std::sort(v.begin(), v.end());
+    const double median = v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+    EXPECT_DOUBLE_EQ(run[field].get<double>(), median) << field;
+    EXPECT_DOUBLE_EQ(run["range"][field][0].get<double>(), v.front()) << field;
+    EXPECT_DOUBLE_EQ(run["range"][field][1].get<double>(), v.back()) << field;
+  }
+  int outside = 0;
+  for (const auto& s : run["samples"]) {
+    // The nano-batches' own times add up to the run's, and the other nano-batch's compute
+    // covers a share of the communication between 0 and 1.
+    EXPECT_NEAR(s["nano_compute_seconds"][0].get<double>() + s["nano_compute_seconds"][1].get<double>(),
+                s["compute_seconds"].get<double>(), 1e-9);
+    EXPECT_NEAR(s["nano_comm_seconds"][0].get<double>() + s["nano_comm_seconds"][1].get<double>(),
+                s["comm_seconds"].get<double>(), 1e-9);
+    EXPECT_GE(s["cover_fraction"].get<double>(), 0.0);
+    EXPECT_LE(s["cover_fraction"].get<double>(), 1.0);
+    const double hidden = s["hidden_fraction"].get<double>();
+    EXPECT_NEAR(hidden, (s["seq_seconds"].get<double>() - s["pingpong_seconds"].get<double>()) / s["comm_seconds"].get<double>(), 1e-12);
+    outside += hidden < 0 || hidden > 1;
+  }
+  EXPECT_EQ(run["hidden_fraction_out_of_range"], outside);
+  // A fraction hidden outside [0, 1] is reported as a measurement error, never clamped.
+  const double hidden = run["hidden_fraction"];
+  EXPECT_EQ(run["hidden_fraction_is_measurement_error"].get<bool>(), hidden < 0 || hidden > 1) << hidden;
+  EXPECT_EQ(run.contains("measurement_error"), hidden < 0 || hidden > 1);
+}
+
 TEST(Cli, BenchDispatchJsonHasTheDocumentedFields) {
-  CmdResult r = distca("bench dispatch --quick --link 2 --latency-us 5 --json");
+  CmdResult r = distca("bench dispatch --quick --link 2 --latency-us 5 --repeats 2 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["format"], "distca-bench-dispatch");
+  EXPECT_FALSE(j["blas_core"].get<std::string>().empty());
   EXPECT_EQ(j["comm"], "local");
   EXPECT_EQ(j["headline"], "emulated");
   for (const char* field : {"bytes_fwd", "bytes_bwd", "bytes_bwd_stateless", "bytes_bwd_stateful"}) {
@@ -77,10 +165,76 @@ TEST(Cli, BenchDispatchJsonHasTheDocumentedFields) {
       EXPECT_GT(j[run][field].get<double>(), 0.0) << run << "." << field;
     }
     EXPECT_TRUE(std::isfinite(j[run]["hidden_fraction"].get<double>())) << run;
+    SCOPED_TRACE(run);
+    expect_median_and_range(j[run], 2);
   }
   EXPECT_DOUBLE_EQ(j["emulated"]["link_gbps"].get<double>(), 2.0);
+  EXPECT_FALSE(j["emulated"].contains("calibration"));  // a given bandwidth is not calibrated
   EXPECT_EQ(j["seq_seconds"], j["emulated"]["seq_seconds"]);
   EXPECT_EQ(j["hidden_fraction"], j["emulated"]["hidden_fraction"]);
+  EXPECT_EQ(j["hidden_fraction_is_measurement_error"], j["emulated"]["hidden_fraction_is_measurement_error"]);
+}
+
+// --link auto: the bandwidth is chosen on the compute measured in the same runs and verified
+// on the repeats; the table says whether it met communication = compute, and names a hidden
+// fraction outside 0..100% a measurement error.
+TEST(Cli, BenchDispatchCalibratesTheLinkOnMeasuredComputeAndSaysHowClose) {
+  CmdResult r = distca("bench dispatch --quick --repeats 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  const auto& cal = j["emulated"]["calibration"];
+  ASSERT_GE(cal["tries"].size(), 2u) << cal;  // the first guess comes from another run: always checked
+  ASSERT_LE(cal["tries"].size(), 4u) << cal;
+  for (const auto& t : cal["tries"]) {
+    EXPECT_NEAR(t["comm_over_compute"].get<double>(), t["comm_seconds"].get<double>() / t["compute_seconds"].get<double>(), 1e-12);
+    EXPECT_GT(t["run_compute_seconds"].get<double>(), 0.0);
+  }
+  const double ratio = j["emulated"]["comm_over_compute"];
+  EXPECT_NEAR(ratio, j["emulated"]["comm_seconds"].get<double>() / j["emulated"]["compute_seconds"].get<double>(), 1e-12);
+  EXPECT_EQ(cal["comm_over_compute"], ratio);
+  EXPECT_EQ(cal["is_verified"].get<bool>(), std::abs(ratio - 1) <= 0.1) << ratio;
+  // A try within 5 % (the second or later) ends the search; the last one then used the chosen bandwidth.
+  const auto& last = cal["tries"].back();
+  if (cal["is_met"].get<bool>()) {
+    EXPECT_LE(std::abs(last["comm_over_compute"].get<double>() - 1), 0.05);
+    EXPECT_DOUBLE_EQ(last["link_gbps"].get<double>(), j["emulated"]["link_gbps"].get<double>());
+  }
+  EXPECT_NE(r.err.find("try 1:"), std::string::npos) << r.err;
+
+  CmdResult text = distca("bench dispatch --quick --repeats 1");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("min..max"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("the other nano-batch's compute covers"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("calibration tries on the measured compute: communication / compute"), std::string::npos)
+      << text.out;
+  for (const char* run : {"as is", "emulated"}) {
+    std::istringstream lines(text.out);
+    std::string line;
+    while (std::getline(lines, line) && !line.starts_with(run)) {
+    }
+    ASSERT_TRUE(line.starts_with(run)) << text.out;
+    std::istringstream cells(line);
+    std::string cell, hidden;
+    while (cells >> cell) {
+      if (cell.ends_with("%")) hidden = cell;
+    }
+    ASSERT_FALSE(hidden.empty()) << line;
+    const double percent = std::stod(hidden);
+    const std::string error = std::string("measurement error (") + (std::string(run) == "as is" ? "real" : "emulated");
+    // The cell is rounded to a whole percent: "-0%" or "100%" may stand for a fraction just
+    // outside 0..100 % (an error) or just inside it, so only cells clear of both ends decide.
+    if (std::abs(percent) <= 0.5 || std::abs(percent - 100) <= 0.5) continue;
+    EXPECT_EQ(text.out.find(error) != std::string::npos, percent < 0 || percent > 100) << text.out;
+  }
+}
+
+// --linear-ratio 0 means no linear stage, not one column of it.
+TEST(Cli, BenchDispatchLinearRatioZeroRunsNoLinearStage) {
+  CmdResult r = distca("bench dispatch --quick --linear-ratio 0 --link off --repeats 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  for (const auto& nano : j["nano_batches"]) EXPECT_EQ(nano["linear_columns"], 0) << nano;
+  EXPECT_EQ(j["headline"], "real");
 }
 
 TEST(Cli, BenchDispatchBadInputGetsOneLineErrorExitTwo) {
@@ -95,13 +249,15 @@ TEST(Cli, BenchDispatchBadInputGetsOneLineErrorExitTwo) {
       {"negative latency", "--latency-us -1", "--latency-us"},
       {"zero layers", "--layers 0", "--layers"},
       {"tiny batch", "--tokens-per-rank 10", "--tokens-per-rank"},
+      {"zero repeats", "--repeats 0", "--repeats"},
+      {"negative seed (would wrap around)", "--seed -1", "--seed"},
+      {"latency of no link", "--link off --latency-us 5", "--latency-us"},
+      {"a link with one rank", "--ranks 1", "--ranks 1"},
+      {"zero timeout", "--timeout 0", "--timeout"},
   };
   for (const BadInput& c : cases) {
     CmdResult r = distca("bench dispatch --quick " + c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
-    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
-    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
-    EXPECT_TRUE(r.out.empty()) << c.name;
+    cli::expect_refused(r, c);
   }
 }
 
@@ -120,6 +276,26 @@ TEST(Cli, ProfileWritesAProfileTheSimulatorReads) {
   EXPECT_EQ(distca("profile --preset tiny --context 10").exit_code, 2);
 }
 
+// A bad output path fails at once, before the minutes of measuring: exit 2, one line naming
+// the path, no progress line, no file.
+TEST(Cli, ProfileRefusesABadOutputPathBeforeAnyWork) {
+  const std::string missing = (scratch() / "no-such-folder" / "profile.json").string();
+  const std::string folder = scratch().string();
+  const BadInput cases[] = {
+      {"missing folder", "--out " + missing, "no-such-folder"},
+      {"a directory", "--out " + folder, folder.c_str()},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = distca("profile --preset tiny --ranks 2 " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;  // no "[profile] ..." progress: nothing ran
+    EXPECT_NE(r.err.find("--out"), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.name;
+  }
+  EXPECT_FALSE(fs::exists(missing));
+}
+
 TEST(Cli, BenchCalibrationReportsPredictedAndMeasuredSteps) {
   CmdResult r = distca("bench calibration --preset tiny --steps 3 --ranks 2 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -129,6 +305,46 @@ TEST(Cli, BenchCalibrationReportsPredictedAndMeasuredSteps) {
   }
   EXPECT_EQ(j["steps"].size(), 6u);
   EXPECT_EQ(distca("bench calibration --steps 1").exit_code, 2);
+  for (const char* args : {"bench calibration --timeout 0", "profile --timeout 100000", "bench dispatch --timeout -1"}) {
+    CmdResult bad = distca(args);
+    EXPECT_EQ(bad.exit_code, 2) << args;
+    EXPECT_EQ(count_lines(bad.err), 1) << args << ": " << bad.err;
+    EXPECT_NE(bad.err.find("--timeout must be 1..86400"), std::string::npos) << args << ": " << bad.err;
+  }
 }
+
+#ifdef DISTCA_MPIRUN
+CmdResult mpirun(int np, const std::string& args) {
+  return cli::run_shell(std::string("env -u OPENBLAS_CORETYPE ") + DISTCA_MPIRUN +
+                        " -q --allow-run-as-root --oversubscribe --bind-to none -np " + std::to_string(np) + " " +
+                        DISTCA_BIN + " " + args);
+}
+
+// Every rank re-executes itself for OpenBLAS before MPI starts; the job runs as before.
+TEST(Cli, BenchDispatchUnderMpirunRunsTheAvx512BlasCore) {
+  CmdResult r = mpirun(2, "bench dispatch --quick --link off --repeats 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["comm"], "mpi");
+  EXPECT_EQ(j["ranks"], 2);
+  if (cpu_has_avx512f()) {
+    EXPECT_TRUE(is_avx512_blas_core(j["blas_core"])) << j["blas_core"];
+  }
+}
+
+// --ranks sets thread ranks; under mpirun it would be ignored, so it is refused.
+TEST(Cli, BenchAndProfileRefuseRanksUnderMpirun) {
+  for (const char* args : {"bench dispatch --quick --ranks 2", "bench calibration --ranks 2", "profile --ranks 2"}) {
+    CmdResult r = mpirun(2, args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << args << ": " << r.err;
+    EXPECT_NE(r.err.find("--ranks"), std::string::npos) << args << ": " << r.err;
+  }
+  CmdResult r = mpirun(2, "profile --preset tiny --out " + (scratch() / "no-such-folder" / "p.json").string());
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("no-such-folder"), std::string::npos) << r.err;
+}
+#endif
 
 }  // namespace

@@ -54,6 +54,10 @@ class EmulatedLink final : public Communicator {
   const LinkCounters& counters() const { return counters_; }
   void reset_counters();
   const LinkOptions& options() const { return options_; }
+  // A new latency and bandwidth for the operations posted from now on (those in flight keep
+  // theirs): a benchmark tunes the link between runs without rebuilding what holds it.
+  // REQUIRES: options.validate() is ok.
+  void set_options(const LinkOptions& options);
 
  private:
   Result<std::unique_ptr<Work>> delay(Result<std::unique_ptr<Work>> inner, int64_t bytes_out,
