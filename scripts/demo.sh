@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== demo 1/3: dependencies (Debian packages; a first install takes a few minutes)"
 scripts/install-deps.sh
-echo "== demo 2/3: build (a first build takes about 2-4 minutes on 2 cores; later ones seconds)"
+echo "== demo 2/3: build (a first build takes 12-20 minutes on 2 cores; later ones seconds)"
 scripts/build.sh
 # OpenBLAS misdetects some AVX-512 CPUs (this one among them); distca re-executes itself with the
 # right kernel family, so nothing needs setting here.

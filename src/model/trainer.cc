@@ -294,7 +294,11 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   for (int r = 0; r < R; ++r) {
     loss += at(r, kLoss);
     rec.attention_bytes += static_cast<int64_t>(at(r, kBytes));
-    if (at(r, kStep) > at(rec.slowest_rank, kStep)) rec.slowest_rank = r;
+    // The straggler: the rank that worked longest (step less waiting), whom the others waited
+    // for. Every rank's step ends at the same all-reduce, so step time alone would pick a rank
+    // by noise (often one that spent most of its step waiting).
+    const int w = rec.slowest_rank;
+    if (at(r, kStep) - at(r, kWait) > at(w, kStep) - at(w, kWait)) rec.slowest_rank = r;
     attn_sum += at(r, kAttention);
     rec.attention_min_seconds = std::min(rec.attention_min_seconds, at(r, kAttention));
     rec.attention_max_seconds = std::max(rec.attention_max_seconds, at(r, kAttention));
@@ -302,7 +306,7 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
     compute_sum += at(r, kLinear) + at(r, kOptimizer) + at(r, kAttention);
     serial_max = std::max(serial_max, at(r, kLinear) + at(r, kOptimizer));
   }
-  // The slowest rank's own parts (the all-reduce rounds each to float: "other" closes the sum).
+  // The straggler's own parts (the all-reduce rounds each to float: "other" closes the sum).
   const int s = rec.slowest_rank;
   rec.step_seconds = at(s, kStep);
   rec.linear_seconds = at(s, kLinear);

@@ -18,6 +18,7 @@
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/kernels/ref.h"
+#include "blas_setup.h"
 
 namespace distca::tools {
 namespace {
@@ -145,7 +146,9 @@ Status validate(const AttentionBenchOptions& o) {
   }
   if (o.shard_doc < 1 || o.shard_doc > (1 << 20)) return invalid_argument(fmt::format("--shard-doc {} is outside [1, 1048576]", o.shard_doc));
   for (int64_t s : o.shards) {
-    if (s < 1) return invalid_argument(fmt::format("--shards: size {} must be >= 1", s));
+    if (s < 1 || s > o.shard_doc) {
+      return invalid_argument(fmt::format("--shards: size {} is outside [1, --shard-doc {}]", s, o.shard_doc));
+    }
   }
   if (o.head_dim != 32 && o.head_dim != 64 && o.head_dim != 128 && o.head_dim != 256) {
     return invalid_argument(fmt::format("--head-dim {}: the CPU kernels are built for 32, 64, 128 and 256", o.head_dim));
@@ -167,7 +170,17 @@ Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const
   nlohmann::json out;
   out["format"] = "distca-bench-attention";
   out["version"] = 1;
-  out["machine"] = {{"threads", all}, {"isa", fused1.isa()}, {"blas_core", blas_core_name()}};
+  // The sgemm ceiling is the machine's only if OpenBLAS runs the kernels of the CPU's widest
+  // vector unit (blas_setup.h).
+  const BlasCheck blas = blas_check();
+  out["machine"] = {{"threads", all}, {"isa", fused1.isa()}, {"cpu_isa", blas.cpu_isa},
+                    {"openblas_coretype", blas.coretype}, {"coretype_set_by_distca", blas.is_set_by_distca}};
+  out["blas_core"] = blas.core;
+  out["ceiling_trusted"] = blas.is_trusted;
+  if (!blas.is_trusted) {
+    out["blas_warning"] = blas.warning;
+    progress(blas.warning);
+  }
   out["config"] = {{"head_dim", o.head_dim}, {"q_heads", o.q_heads}, {"kv_heads", o.kv_heads}, {"dtype", "fp32"},
                    {"docs", o.docs}, {"shard_doc", o.shard_doc}, {"shards", o.shards}, {"repeats", o.repeats}};
   DISTCA_ASSIGN_OR_RETURN(out["check"], check_correctness(o, fused1, gemm1));
@@ -251,11 +264,17 @@ Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const
 void print_attention_report(const nlohmann::json& r) {
   const auto& c = r["config"];
   const int all = r["machine"]["threads"];
-  fmt::print("attention benchmark: D={} Hq={} Hkv={} fp32, kernels {}, {} threads, OpenBLAS {}\n", c["head_dim"].get<int>(),
-             c["q_heads"].get<int>(), c["kv_heads"].get<int>(), r["machine"]["isa"].get<std::string>(), all,
-             r["machine"]["blas_core"].get<std::string>());
-  fmt::print("sgemm 2048x2048x2048: {:.1f} GFLOP/s on 1 thread, {:.1f} on {}\n\n", r["sgemm_gflops"].get<double>(),
-             r["sgemm_gflops_all_threads"].get<double>(), all);
+  const bool is_trusted = r["ceiling_trusted"].get<bool>();
+  const std::string coretype = r["machine"]["openblas_coretype"].get<std::string>();
+  fmt::print("attention benchmark: D={} Hq={} Hkv={} fp32, kernels {}, {} threads, OpenBLAS {} core ({})\n",
+             c["head_dim"].get<int>(), c["q_heads"].get<int>(), c["kv_heads"].get<int>(),
+             r["machine"]["isa"].get<std::string>(), all, r["blas_core"].get<std::string>(),
+             coretype.empty() ? "detected by OpenBLAS"
+                              : fmt::format("OPENBLAS_CORETYPE={}{}", coretype,
+                                            r["machine"]["coretype_set_by_distca"].get<bool>() ? ", set by distca" : ""));
+  if (!is_trusted) fmt::print("{}\n", r["blas_warning"].get<std::string>());
+  fmt::print("sgemm 2048x2048x2048: {:.1f} GFLOP/s on 1 thread, {:.1f} on {}{}\n\n", r["sgemm_gflops"].get<double>(),
+             r["sgemm_gflops_all_threads"].get<double>(), all, is_trusted ? "" : " (NOT this machine's ceiling)");
   fmt::print("{:<16} {:>7} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10}   GFLOP/s\n", "case", "tokens", "fwd 1t",
              fmt::format("fwd {}t", all), "bwd 1t", fmt::format("bwd {}t", all), "gemm 1t", fmt::format("gemm {}t", all));
   std::vector<std::pair<std::string, int64_t>> rows;
@@ -276,9 +295,11 @@ void print_attention_report(const nlohmann::json& r) {
                cell("gemm", "fwd", all));
   }
   const auto& q = r["ratios"];
-  fmt::print("\n{} tokens, one thread: forward {:.2f}x sgemm, backward {:.2f}x sgemm, forward {:.2f}x GEMM attention\n",
+  fmt::print("\n{} tokens, one thread: forward {:.2f}x sgemm, backward {:.2f}x sgemm, forward {:.2f}x GEMM attention{}\n",
              r["headline"]["tokens"].get<int64_t>(), q["fwd_over_sgemm"].get<double>(), q["bwd_over_sgemm"].get<double>(),
-             q["fwd_over_gemm_attention"].get<double>());
+             q["fwd_over_gemm_attention"].get<double>(),
+             is_trusted ? "" : fmt::format(" (both baselines on OpenBLAS's {} kernels: see the warning)",
+                                           r["blas_core"].get<std::string>()));
   for (const auto& [name, v] : q.items()) {
     if (name.rfind("shard", 0) == 0) fmt::print("  {}: {:.3f}\n", name, v.get<double>());
   }

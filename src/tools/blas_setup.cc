@@ -63,8 +63,8 @@ BlasCheck blas_check() {
     const std::string fix = c.cpu_isa == "AVX-512"
                                 ? fmt::format("unset OPENBLAS_CORETYPE (distca then sets {0}) or set it to {0}", kAvx512Core)
                                 : std::string("unset OPENBLAS_CORETYPE so that OpenBLAS detects the CPU");
-    c.warning = fmt::format("WARNING: OpenBLAS runs its {} kernels{} on this {} CPU: sgemm here is not this machine's GEMM "
-                            "ceiling; {}",
+    c.warning = fmt::format("WARNING: OpenBLAS runs its {} kernels{} on this {} CPU: its sgemm (the ceiling, the GEMM "
+                            "baselines, the linear layers) is not this machine's; {}",
                             c.core, c.coretype.empty() ? "" : fmt::format(" (OPENBLAS_CORETYPE={})", c.coretype),
                             c.cpu_isa, fix);
   }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <charconv>
 #include <optional>
 
 #include "distca/core/file.h"
@@ -48,7 +49,7 @@ struct PlanArgs {
   std::string policy = std::string(kDefaultPlanner);
   double tolerance = 0.05;
   int64_t granularity = 128;
-  int64_t max_rank_bytes = 0;
+  std::string max_rank_bytes = "0";  // bytes, or "auto" (from the profile: see auto_byte_budget)
   int64_t seed = 0;
   SamplingOptions sampling;
   std::string profile_path;
@@ -66,6 +67,17 @@ std::string join_flags(const std::vector<std::string>& flags) { return fmt::form
 
 // Everything about the command line that can be wrong without reading a file, checked before
 // any work: a failure here is bad input (exit 2).
+// --max-rank-bytes as a number of bytes, 0 = no budget.
+Result<int64_t> parse_byte_budget(const std::string& text) {
+  int64_t bytes = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), bytes);
+  if (error != std::errc() || end != text.data() + text.size() || bytes < 0) {
+    return invalid_argument(fmt::format(
+        "--max-rank-bytes must be a whole number of bytes >= 0 (0 = no budget) or auto, got '{}'", text));
+  }
+  return bytes;
+}
+
 Status check_args(const PlanArgs& a) {
   // 1. Where the documents come from: one of --batch, --doc-lengths, --workload (the default).
   if (!a.batch_path.empty() && !a.doc_lengths_path.empty()) {
@@ -117,8 +129,8 @@ Status check_args(const PlanArgs& a) {
         "on a kernel tile boundary, got {}",
         kMinGranularity, kMaxGranularity, g));
   }
-  if (a.max_rank_bytes < 0) {
-    return invalid_argument(fmt::format("--max-rank-bytes must be >= 0 (0 = no budget), got {}", a.max_rank_bytes));
+  if (a.max_rank_bytes != "auto") {
+    DISTCA_RETURN_IF_ERROR(parse_byte_budget(a.max_rank_bytes).status());
   }
   if (a.policy == "none" && (a.given("--granularity") || a.given("--max-rank-bytes"))) {
     return invalid_argument("--policy none cuts and moves no work, so --granularity and --max-rank-bytes would be "
@@ -313,6 +325,34 @@ LayerTime layer_time(const Plan& plan, const Batch& batch, const ModelShape& mod
   return t;
 }
 
+// --max-rank-bytes auto: the most a rank may send and receive in one layer's forward (dispatch +
+// return) so that the exchange fits in the fullest rank's linear time on the profile's link, the
+// compute ping-pong hides it behind. A rank's dispatch send and its return receive run one after
+// the other (as do its dispatch receive and return send), each paying one latency, so the time
+// is at most 2 x latency + 2 x budget / bandwidth: the budget is half of what the link moves in
+// the linear time less two latencies. Not positive: the link cannot hide any exchange.
+struct AutoBudget {
+  int64_t bytes = 0;
+  double linear_seconds = 0;
+};
+
+Result<AutoBudget> auto_byte_budget(const Batch& batch, const ModelShape& model, const sim::Profile& profile,
+                                    const sim::Link& link) {
+  const std::vector<int64_t> tokens = rank_tokens(batch);
+  AutoBudget b;
+  b.linear_seconds = static_cast<double>(*std::max_element(tokens.begin(), tokens.end())) *
+                     linear_seconds_per_token(model, profile);
+  const double bytes = (b.linear_seconds - 2 * link.latency_seconds) * link.bytes_per_second / 2;
+  if (!(bytes >= 1)) {
+    return invalid_argument(fmt::format(
+        "--max-rank-bytes auto: the link's two latencies ({:.1f} us) exceed the layer's linear time ({:.1f} us), so no "
+        "exchange can be hidden; give a budget in bytes",
+        2e6 * link.latency_seconds, 1e6 * b.linear_seconds));
+  }
+  b.bytes = static_cast<int64_t>(bytes);
+  return b;
+}
+
 nlohmann::json layer_time_json(const LayerTime& t) {
   return {{"comm_seconds_per_layer", t.comm},
           {"linear_seconds_per_layer", t.linear},
@@ -342,10 +382,17 @@ int run_plan(const PlanArgs& a) {
   const Batch& batch = batch_or.value();
   if (Status s = batch.validate(); !s.is_ok()) return fail(s);
 
-  const PlannerOptions options{a.tolerance, a.granularity, a.max_rank_bytes};
   const std::vector<std::string> policies = a.policy == "all" ? planner_names() : std::vector<std::string>{a.policy};
   const CostModel cost(model.value(), ThroughputProfile{});
   const LinkChoice link = choose_link(profile, batch, model.value(), a.gpus_per_node);
+  std::optional<AutoBudget> auto_budget;
+  if (a.max_rank_bytes == "auto") {
+    auto b = auto_byte_budget(batch, model.value(), profile, link.link);
+    if (!b.is_ok()) return fail(b.status());
+    auto_budget = b.value();
+  }
+  const int64_t budget = auto_budget ? auto_budget->bytes : parse_byte_budget(a.max_rank_bytes).value();
+  const PlannerOptions options{a.tolerance, a.granularity, budget};
 
   const PolicyRun before = run_policy(plan_none, batch, cost, options);
   std::vector<PolicyRun> runs;
@@ -408,6 +455,12 @@ int run_plan(const PlanArgs& a) {
     out["workload"] = workload_name;
     out["seed"] = a.seed;
     out["granularity"] = a.granularity;
+    out["max_rank_bytes"] = budget;
+    if (auto_budget) {
+      out["max_rank_bytes_auto"] = {{"linear_seconds_per_layer", auto_budget->linear_seconds},
+                                    {"rule", "(linear - 2 x latency) x bandwidth / 2: dispatch and return fit in the "
+                                             "fullest rank's linear time"}};
+    }
     out["profile"] = profile.name;
     out["link"] = link_json;
     out["time_unit"] = "seconds of one layer's forward on the profile: comm = the busiest rank's dispatch + return "
@@ -430,6 +483,12 @@ int run_plan(const PlanArgs& a) {
              a.policy == "none" ? "" : a.policy == "distca" ? ", distca cuts at token granularity"
                                                            : fmt::format(", g {} (minmax; distca cuts at token granularity)", a.granularity));
 
+  if (auto_budget) {
+    fmt::print("byte budget (--max-rank-bytes auto): {:.1f} MiB per rank per layer = ({:.2f} ms linear - 2 x {:.0f} us) x "
+               "{:.1f} GB/s / 2, so that the forward exchange fits in the linear time ({} link)\n\n",
+               mib(budget), 1e3 * auto_budget->linear_seconds, 1e6 * link.link.latency_seconds,
+               link.link.bytes_per_second / 1e9, link.name);
+  }
   fmt::print("Balance and bytes\n");
   fmt::print("{:<8} {:>7} {:>8} {:>10} {:>10} {:>13} {:>12} {:>10} {:>15} {:>15} {:>9}\n", "policy", "tasks",
              "plan ms", "imbalance", "pairs imb", "max load (s)", "total (MiB)", "KV (MiB)", "max send (MiB)",
@@ -506,7 +565,8 @@ std::function<int()> add_plan_command(CLI::App& app) {
                   "g: shard size in tokens, a power of two from 16 to 4096 (cuts on kernel tile boundaries)")
       ->capture_default_str();
   cmd->add_option("--max-rank-bytes", args->max_rank_bytes,
-                  "minmax only: per-rank forward send and receive byte budget per layer (0 = none)")
+                  "minmax only: per-rank forward send and receive byte budget per layer (0 = none), or auto: what the "
+                  "profile's link moves while the layer's linear work runs (the exchange ping-pong can hide)")
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "sampling seed, >= 0")->capture_default_str();
   cmd->add_option("--long-threshold", args->sampling.long_threshold, "sampling: documents above this are long")

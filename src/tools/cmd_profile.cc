@@ -26,6 +26,7 @@ struct ProfileArgs {
   int repeats = 3;
   int ranks = 2;
   std::string out;
+  double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
 Result<CpuProfileOptions> resolve(const std::string& preset_name, std::optional<int64_t> context, int threads, int repeats) {
@@ -47,12 +48,19 @@ auto progress_to_stderr(const char* what) {
   return [what](const std::string& line) { fmt::print(stderr, "[{}] {}\n", what, line); };
 }
 
-int run_profile(const ProfileArgs& a) {
+int run_profile(const ProfileArgs& a, const CLI::App& cmd) {
   auto options = resolve(a.preset, a.context, a.threads, a.repeats);
-  if (!options.is_ok()) {
-    fmt::print(stderr, "distca profile: error: {}\n", options.status().message());
-    return 2;
+  Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
+  Status s = options.status();
+  if (s.is_ok()) s = timeout.status();
+  if (s.is_ok()) s = check_output_paths({{"--out", a.out}});  // before any work: a bad path fails now, not after
+  if (!s.is_ok()) {
+    print_usage_error("profile", s.message());
+    return kExitBadInput;
   }
+  WorldOptions world;
+  world.is_ranks_given = cmd.count("--ranks") > 0;
+  world.timeout = timeout.value();
   return run_world("profile", a.ranks, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(sim::Profile p, measure_cpu_profile(c, options.value(), progress_to_stderr("profile")));
     if (c.rank() != 0) return Status::ok();
@@ -64,7 +72,7 @@ int run_profile(const ProfileArgs& a) {
       fmt::print(stderr, "wrote {}\n", a.out);
     }
     return Status::ok();
-  });
+  }, world);
 }
 
 struct CalibrationArgs {
@@ -73,16 +81,24 @@ struct CalibrationArgs {
   int64_t skip = 1;
   int ranks = 2;
   bool is_json = false;
+  double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
-int run_calibration(const CalibrationArgs& a) {
+int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
   auto options = resolve(a.preset, std::nullopt, 1, 3);
-  if (!options.is_ok() || a.steps < 2 || a.skip < 0 || a.skip >= a.steps) {
-    fmt::print(stderr, "distca bench calibration: error: {}\n",
-               options.is_ok() ? fmt::format("--steps must be >= 2 and --skip in 0..steps-1, got {} and {}", a.steps, a.skip)
-                               : options.status().message());
-    return 2;
+  Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
+  Status s = options.status();
+  if (s.is_ok() && (a.steps < 2 || a.skip < 0 || a.skip >= a.steps)) {
+    s = invalid_argument(fmt::format("--steps must be >= 2 and --skip in 0..steps-1, got {} and {}", a.steps, a.skip));
   }
+  if (s.is_ok()) s = timeout.status();
+  if (!s.is_ok()) {
+    print_usage_error("bench calibration", s.message());
+    return kExitBadInput;
+  }
+  WorldOptions world;
+  world.is_ranks_given = cmd.count("--ranks") > 0;
+  world.timeout = timeout.value();
   return run_world("bench calibration", a.ranks, [&](comm::Communicator& c) -> Status {
     auto say = [&c](const std::string& line) {
       if (c.rank() == 0) progress_to_stderr("bench calibration")(line);
@@ -147,7 +163,7 @@ int run_calibration(const CalibrationArgs& a) {
       fmt::print("speedup: measured {:.2f}x, predicted {:.2f}x\n", measured[0] / measured[1], predicted[0] / predicted[1]);
     }
     return Status::ok();
-  });
+  }, world);
 }
 
 }  // namespace
@@ -164,7 +180,8 @@ std::function<int()> add_profile_command(CLI::App& app) {
   cmd->add_option("--repeats", a.repeats, "each time is the best of this many")->capture_default_str();
   cmd->add_option("--ranks", a.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
   cmd->add_option("--out", a.out, "write the profile here (default: standard output)");
-  return [args] { return run_profile(*args); };
+  cmd->add_option("--timeout", a.timeout_seconds, kTimeoutHelp)->capture_default_str();
+  return [args, cmd] { return run_profile(*args, *cmd); };
 }
 
 std::function<int()> add_calibration_command(CLI::App& bench) {
@@ -178,7 +195,8 @@ std::function<int()> add_calibration_command(CLI::App& bench) {
   cmd->add_option("--skip", a.skip, "warm-up steps left out of the means")->capture_default_str();
   cmd->add_option("--ranks", a.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print one JSON object");
-  return [args] { return run_calibration(*args); };
+  cmd->add_option("--timeout", a.timeout_seconds, kTimeoutHelp)->capture_default_str();
+  return [args, cmd] { return run_calibration(*args, *cmd); };
 }
 
 }  // namespace distca::tools

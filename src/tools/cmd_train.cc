@@ -48,7 +48,7 @@ struct TrainArgs {
   std::string resume;
   int ranks = 2;
   int64_t skip = 1;
-  double timeout_seconds = 120;
+  double timeout_seconds = kDefaultTimeoutSeconds;
   // Which flags the user gave (a flag that the run would ignore is refused).
   CLI::Option *attention_opt = nullptr, *policy_opt = nullptr, *workload_opt = nullptr, *seed_opt = nullptr,
               *ranks_opt = nullptr, *skip_opt = nullptr, *backward_opt = nullptr, *granularity_opt = nullptr,
@@ -181,9 +181,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
     return invalid_argument(fmt::format("--skip {} leaves no step of --steps {} to time; --skip must be below --steps",
                                         a.skip, o.steps));
   }
-  if (!(a.timeout_seconds >= 1) || a.timeout_seconds > 86400) {
-    return invalid_argument(fmt::format("--timeout must be 1..86400 seconds, got {}", a.timeout_seconds));
-  }
+  DISTCA_RETURN_IF_ERROR(timeout_from_seconds(a.timeout_seconds).status());
   DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}, {"--checkpoint", a.checkpoint}}));
   if (!a.json_path.empty() && !a.resume.empty() && same_file(a.json_path, a.resume)) {
     // (--resume and --checkpoint on one file is the usual way to continue.)
@@ -235,7 +233,8 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
     fmt::print("  validation every {} steps: {} held-out step(s) of {} x {} tokens ({})\n", o.eval_every, o.eval_steps,
                c.size(), o.context, o.data_path.empty() ? "another seed's stream" : fmt::format("the last {} documents, never trained on", o.eval_docs));
   }
-  fmt::print("  step time  the slowest rank's own parts (they add up); attention min-max across ranks beside it\n");
+  fmt::print("  step time  the straggler's own parts (the rank the others waited for; they add up); attention min-max "
+             "across ranks beside it\n");
   std::fflush(stdout);
 }
 
@@ -258,11 +257,12 @@ void print_summary(const nlohmann::json& s) {
     if (!s["backends"].contains(name)) continue;
     const nlohmann::json& b = s["backends"][name];
     fmt::print("{:<10} {:>9.3f} {:>10} {:>10.3f} {:>10.3f} {:>9.2f} {:>10.3f}  {:.4f} -> {:.4f}\n", name,
-               b["step_seconds"].get<double>(), si(b["tokens_per_second"].get<double>()), b["wait_seconds"].get<double>(),
+               b["step_seconds"].get<double>(), si(b["tokens_per_second"].get<double>()), b["wait_max_seconds"].get<double>(),
                b["attention_seconds"].get<double>(), b["attention_imbalance"].get<double>(),
                b["bound_seconds"].get<double>(), b["loss_first"].get<double>(), b["loss_last"].get<double>());
   }
-  fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step, wait and attn are the slowest rank's; "
+  fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step and attn are the straggler's, wait the longest "
+             "any rank waited for it; "
              "bound: the step with compute perfectly balanced and communication free, a lower bound\n",
              any["first_timed_step"].get<int64_t>(), any["first_timed_step"].get<int64_t>() + any["timed_steps"].get<int64_t>() - 1);
   if (!s["speedup"].is_null()) {
@@ -288,7 +288,7 @@ int run_train(const TrainArgs& a) {
   kernels::blas_set_num_threads(options.value().threads);
   WorldOptions world;
   world.is_ranks_given = a.given(a.ranks_opt);
-  world.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_seconds * 1000));
+  world.timeout = timeout_from_seconds(a.timeout_seconds).value();
   return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto trainer, model::Trainer::create(c, options.value()));
     const model::TrainOptions& o = trainer->options();
@@ -388,9 +388,7 @@ std::function<int()> add_train_command(CLI::App& app) {
                     ->capture_default_str();
   a.skip_opt = cmd->add_option("--skip", a.skip, "warm-up steps left out of the summary's time means (below --steps)")
                    ->capture_default_str();
-  cmd->add_option("--timeout", a.timeout_seconds,
-                  "seconds any collective may wait for a peer before the job ends with an error naming it")
-      ->capture_default_str();
+  cmd->add_option("--timeout", a.timeout_seconds, kTimeoutHelp)->capture_default_str();
   return [args] { return run_train(*args); };
 }
 

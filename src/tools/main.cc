@@ -60,7 +60,7 @@ std::string check_command_word(int argc, char** argv, const std::vector<std::str
     }
     if (word.starts_with("-")) {
       return fmt::format("unknown option '{}' before the command; distca's own options are -v/--verbose, -q/--quiet, "
-                         "--version and --help, and each command's options follow it (distca <command> --help)",
+                         "--version and --help, and each command's options follow it (distca <command> --help lists them)",
                          word);
     }
     if (std::find(commands.begin(), commands.end(), word) != commands.end()) return "";
@@ -94,7 +94,8 @@ int main(int argc, char** argv) {
 
   const std::string bad_word = check_command_word(argc, argv, {"plan", "simulate", "train", "bench", "profile"});
   if (!bad_word.empty()) {
-    if (distca::tools::is_primary_process()) fmt::print(stderr, "distca: error: {} (see distca --help)\n", bad_word);
+    if (distca::tools::is_primary_process()) fmt::print(stderr, "distca: error: {}{}\n", bad_word,
+                                                          bad_word.find("--help") == std::string::npos ? " (see distca --help)" : "");
     return distca::tools::kExitBadInput;
   }
   try {
@@ -131,6 +132,12 @@ int main(int argc, char** argv) {
   }
   distca::set_log_level(is_verbose ? distca::LogLevel::kDebug
                                    : (is_quiet ? distca::LogLevel::kError : distca::LogLevel::kInfo));
-  for (const CLI::App* sub : app.get_subcommands()) return commands.at(sub->get_name())();
+  for (const CLI::App* sub : app.get_subcommands()) {
+    // plan and simulate are one-process commands: under mpirun rank 0 runs them (one report, one
+    // error line, its exit code) and the other ranks end at once.
+    const bool is_single_process = sub->get_name() == "plan" || sub->get_name() == "simulate";
+    if (is_single_process && !distca::tools::is_primary_process()) return distca::tools::kExitOk;
+    return commands.at(sub->get_name())();
+  }
   return distca::tools::kExitBadInput;
 }

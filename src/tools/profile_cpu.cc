@@ -11,6 +11,7 @@
 #include "distca/kernels/gemm_attention.h"
 #include "distca/model/model.h"
 #include "distca/model/optimizer.h"
+#include "blas_setup.h"
 
 namespace distca::tools {
 
@@ -74,9 +75,13 @@ Result<sim::Profile> measure_cpu_profile(comm::Communicator& c, const CpuProfile
   kernels::blas_set_num_threads(o.threads);
   sim::Profile p;
   p.name = fmt::format("cpu-measured ({} rank(s), {} thread(s) each)", c.size(), o.threads);
-  p.source = fmt::format("measured by distca profile on this machine: CpuAttention ({}), OpenBLAS {}, {} communicator",
-                         kernels::CpuAttention(kernels::CpuAttentionOptions{o.threads, false}).isa(),
-                         kernels::blas_core_name(), c.name());
+  // The linear work runs on OpenBLAS: on the wrong kernel family it is not this machine's.
+  const BlasCheck blas = blas_check();
+  if (!blas.is_trusted) say(blas.warning);
+  p.source = fmt::format("measured by distca profile on this machine: CpuAttention ({}), OpenBLAS {}{}, {} communicator",
+                         kernels::CpuAttention(kernels::CpuAttentionOptions{o.threads, false}).isa(), blas.core,
+                         blas.is_trusted ? "" : fmt::format(" (narrower than this {} CPU: linear work too slow)", blas.cpu_isa),
+                         c.name());
   // Attention: whole causal documents of 128 .. max_tokens rows.
   sim::AttentionProfile a;
   a.num_q_heads = m.num_q_heads;

@@ -14,6 +14,13 @@
 
 namespace distca::tools {
 
+Result<std::chrono::milliseconds> timeout_from_seconds(double seconds) {
+  if (!(seconds >= 1) || seconds > 86400) {
+    return invalid_argument(fmt::format("--timeout must be 1..86400 seconds, got {}", seconds));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 bool is_under_mpi() {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
     if (std::getenv(var) != nullptr) return true;

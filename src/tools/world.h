@@ -32,6 +32,13 @@ struct WorldOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};  // every collective's
 };
 
+// --timeout's help, default and range (1..86400 s), the same on every multi-rank command.
+inline constexpr double kDefaultTimeoutSeconds = 120;
+inline constexpr const char* kTimeoutHelp =
+    "seconds any collective may wait for a peer before the job ends with an error naming it (1..86400)";
+// `seconds` as a collective timeout, or kInvalidArgument naming --timeout.
+Result<std::chrono::milliseconds> timeout_from_seconds(double seconds);
+
 // Runs `body` on every rank and returns the exit code. The error reaches the user once:
 // - when every rank ends (done or failed) within a few seconds of each other, as with bad data
 //   that every rank reads, the lowest failing rank prints its error and every process exits

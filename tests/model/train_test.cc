@@ -88,7 +88,7 @@ TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
       EXPECT_LE(s["loss_max_rel_diff"].get<double>(), 1e-5);
       // The loss falls: the last 5 steps are well below the first 5 (ln 256 = 5.55 at the start).
       EXPECT_GT(mean_loss(rs, "cad", 1, 6) - mean_loss(rs, "cad", 16, 21), 0.5);
-      // Steps count from 1; every record's parts are the slowest rank's own and add up to its
+      // Steps count from 1; every record's parts are the straggler's own and add up to its
       // step, and the bound is never above the measured step.
       for (size_t i = 0; i < rs.size(); ++i) {
         const StepRecord& r = rs[i];
@@ -97,6 +97,7 @@ TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
                         r.other_seconds,
                     r.step_seconds, 1e-9);
         EXPECT_GE(r.other_seconds, -1e-6) << "the named parts never exceed the step";
+        EXPECT_LE(r.wait_seconds, r.wait_max_seconds + 1e-9) << "the straggler waits no longer than any rank";
         EXPECT_GT(r.bound_seconds, 0);
         EXPECT_LE(r.bound_seconds, r.step_seconds) << "step " << r.step << " " << r.backend;
         EXPECT_LE(r.attention_min_seconds, r.attention_max_seconds);

@@ -111,10 +111,7 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
   for (const BadInput& c : cases) {
     fs::remove(out);
     CmdResult r = distca("plan " + c.args + " --out " + out);
-    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
-    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
-    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
-    EXPECT_TRUE(r.out.empty()) << c.name;
+    cli::expect_refused(r, c);
     EXPECT_FALSE(fs::exists(out)) << c.name;
   }
 }
@@ -126,10 +123,7 @@ void expect_refused(const std::vector<BadInput>& cases) {
   for (const BadInput& c : cases) {
     fs::remove(out);
     CmdResult r = distca("plan " + c.args + " --out " + out);
-    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
-    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
-    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
-    EXPECT_TRUE(r.out.empty()) << c.name;
+    cli::expect_refused(r, c);
     EXPECT_FALSE(fs::exists(out)) << c.name;
   }
 }
@@ -290,6 +284,39 @@ TEST(Cli, PlanTablesShowUnitsAndTheHiddenColumn) {
   EXPECT_EQ(count_lines(r.err), 1) << r.err;
   EXPECT_NE(r.err.find("minmax:"), std::string::npos) << r.err;
   EXPECT_NE(r.out.find("NO"), std::string::npos) << r.out;
+}
+
+// --max-rank-bytes auto: the budget is what the profile's link moves in the fullest rank's linear
+// time (less two latencies, halved: dispatch then return), and minmax keeps it or says why not.
+TEST(Cli, PlanAutoByteBudgetComesFromTheProfileAndIsKept) {
+  CmdResult r = distca(
+      "plan --ranks 8 --tokens-per-rank 32768 --workload prolong --policy minmax --max-rank-bytes auto --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  const double linear = j["max_rank_bytes_auto"]["linear_seconds_per_layer"];
+  const double latency = j["link"]["latency_seconds"], bandwidth = j["link"]["bytes_per_second"];
+  EXPECT_DOUBLE_EQ(linear, j["linear_seconds_per_layer"].get<double>());
+  const auto budget = j["max_rank_bytes"].get<int64_t>();
+  EXPECT_EQ(budget, static_cast<int64_t>((linear - 2 * latency) * bandwidth / 2));
+  EXPECT_GT(budget, 0);
+  if (j["within_budget"].get<bool>()) {
+    EXPECT_LE(j["comm"]["max_send_bytes"].get<int64_t>(), budget);
+    EXPECT_LE(j["comm"]["max_recv_bytes"].get<int64_t>(), budget);
+  } else {
+    EXPECT_NE(j["note"].get<std::string>().find("max-rank-bytes"), std::string::npos) << j["note"];
+  }
+  CmdResult text = distca("plan --ranks 8 --tokens-per-rank 32768 --policy minmax --max-rank-bytes auto");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("byte budget (--max-rank-bytes auto):"), std::string::npos) << text.out;
+  const BadInput cases[] = {
+      {"not a number", "--max-rank-bytes 12x", "--max-rank-bytes must be a whole number of bytes >= 0"},
+      {"negative", "--max-rank-bytes -5", "got '-5'"},
+      {"auto with the paper's planner", "--policy distca --max-rank-bytes auto", "no byte budget"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult bad = distca("plan " + c.args);
+    cli::expect_refused(bad, c);
+  }
 }
 
 }  // namespace

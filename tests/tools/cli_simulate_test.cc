@@ -60,7 +60,7 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   }
 }
 
-// Issue 15, point 17a: every speedup names its baseline, in the table and in the JSON.
+// Every speedup names its baseline, in the table and in the JSON.
 TEST(Cli, SimulateSpeedupsNameTheirBaseline) {
   CmdResult table = distca("simulate --gpus 64 --context 128K");
   ASSERT_EQ(table.exit_code, 0) << table.err;
@@ -82,7 +82,7 @@ TEST(Cli, SimulateSpeedupsNameTheirBaseline) {
   EXPECT_EQ(paper.out.rfind("speedup over wlb (WLB-ideal): wlb's iteration time / the system's", 0), 0u) << paper.out;
 }
 
-// Issue 15, point 6: in the table and the JSON, iter = linear + attention + comm + idle.
+// In the table and the JSON, iter = linear + attention + comm + idle.
 TEST(Cli, SimulateSummaryTermsAddUpToTheIterationTime) {
   for (const std::string args : {"--gpus 64 --context 128K", "--gpus 128 --pp 2 --context 256K --iterations 2"}) {
     SCOPED_TRACE(args);
@@ -121,7 +121,7 @@ TEST(Cli, SimulateSummaryTermsAddUpToTheIterationTime) {
   }
 }
 
-// Issue 15, point 2: --iterations without --paper is honoured, averaging seeds seed, seed + 1, ...
+// --iterations without --paper is honoured, averaging seeds seed, seed + 1, ...
 TEST(Cli, SimulateIterationsAverageSampledIterations) {
   CmdResult three = distca("simulate --system cad --seed 4 --iterations 3 --json");
   ASSERT_EQ(three.exit_code, 0) << three.err;
@@ -143,7 +143,7 @@ TEST(Cli, SimulateIterationsAverageSampledIterations) {
   EXPECT_NE(table.out.find("mean of 3 iterations (seeds 4..6)"), std::string::npos) << table.out;
 }
 
-// Issue 15, point 17b: a configuration whose memory exceeds the device's is marked in the
+// A configuration whose memory exceeds the device's is marked in the
 // table, the JSON and a warning line; it still runs (exit 0).
 TEST(Cli, SimulateFlagsConfigurationsThatDoNotFitInDeviceMemory) {
   const std::string args = "simulate --gpus 8 --context 2M --batch 1 --system cad";
@@ -167,7 +167,7 @@ TEST(Cli, SimulateFlagsConfigurationsThatDoNotFitInDeviceMemory) {
   EXPECT_TRUE(fits.err.empty()) << fits.err;
 }
 
-// Issue 15, point 17c: the SVG has axes, tick labels, units, a legend and a title; every
+// The SVG has axes, tick labels, units, a legend and a title; every
 // unit's stacked parts add up to its system's iteration time, in seconds and in pixels.
 TEST(Cli, SimulatePlotStacksEachUnitsPartsUpToTheIterationTime) {
   const std::string svg = (scratch() / "sim.svg").string();
@@ -201,7 +201,9 @@ TEST(Cli, SimulatePlotStacksEachUnitsPartsUpToTheIterationTime) {
     for (const auto& [unit, sum] : seconds[system]) {
       EXPECT_EQ(parts[system][unit], 4) << unit;
       EXPECT_NEAR(sum, iteration, 1e-6 * iteration) << "unit " << unit;
-      if (unit != "mean") EXPECT_NEAR(pixels[system][unit], unit_pixels, 0.02) << "unit " << unit;
+      if (unit != "mean") {
+        EXPECT_NEAR(pixels[system][unit], unit_pixels, 0.02) << "unit " << unit;
+      }
     }
   }
   // The per-unit bars share one scale: the longer iteration has the taller bars.
@@ -265,12 +267,9 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
   };
   for (const BadInput& c : cases) {
     CmdResult r = distca("simulate " + c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
-    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
-    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
-    EXPECT_TRUE(r.out.empty()) << c.name;
+    cli::expect_refused(r, c);
   }
-  // Issue 15, point 1: the workload message lists only what simulate accepts.
+  // The workload message lists only what simulate accepts.
   CmdResult skewed = distca("simulate --workload skewed");
   EXPECT_EQ(skewed.exit_code, 2);
   EXPECT_NE(skewed.err.find("--workload must be pretrain or prolong, got 'skewed'"), std::string::npos) << skewed.err;
@@ -279,11 +278,11 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
   }
 }
 
-// Issue 15, point 4: an output that cannot be written is refused at once (exit 2), before any
+// An output that cannot be written is refused at once (exit 2), before any
 // work, and nothing is printed or written.
 TEST(Cli, SimulateUnwritableOutputsAreRefusedBeforeAnyWork) {
   const std::string missing = (scratch() / "no_such_folder" / "x.svg").string();
-  for (const std::string args : {"simulate --plot " + missing, "simulate --json --plot " + missing,
+  for (const std::string& args : {"simulate --plot " + missing, "simulate --json --plot " + missing,
                                  "simulate --paper --plot " + missing}) {
     SCOPED_TRACE(args);
     CmdResult r = distca(args);

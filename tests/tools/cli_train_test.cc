@@ -1,4 +1,5 @@
 // The `distca train` command line, run as a user runs it (see cli_util.h).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include <unistd.h>
 
@@ -121,6 +123,18 @@ TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
   }
 }
 
+// More busy threads than cores: the times measure ranks taking turns, and the user is told.
+TEST(Cli, TrainWarnsWhenRanksTimesThreadsExceedTheCores) {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores < 1 || cores > 16) GTEST_SKIP() << cores << " cores: too many ranks to start for this check";
+  CmdResult over = distca("train --preset tiny --steps 1 --threads 1 --ranks " + std::to_string(cores + 1));
+  ASSERT_EQ(over.exit_code, 0) << over.err;
+  EXPECT_NE(over.err.find(fmt::format("{} busy threads on {} cores", cores + 1, cores)), std::string::npos) << over.err;
+  CmdResult fits = distca("train --preset tiny --steps 1 --threads 1 --ranks 1");
+  ASSERT_EQ(fits.exit_code, 0) << fits.err;
+  EXPECT_EQ(fits.err.find("busy threads"), std::string::npos) << fits.err;
+}
+
 TEST(Cli, TrainScheduleValidationAndEpochs) {
   // 30 small documents, 10 held out: the other 20 wrap within 8 steps, and the run says so.
   std::string corpus;
@@ -218,9 +232,7 @@ TEST(Cli, TrainUnderMpirunReportsOnceWithTheSameExitCodes) {
   };
   for (const BadInput& c : cases) {
     CmdResult r = mpirun(2, c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
-    EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
-    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+    expect_refused(r, c);
     EXPECT_EQ(r.err.find("MPI_ABORT"), std::string::npos) << c.name << ": " << r.err;
   }
   if (geteuid() == 0) {
@@ -231,6 +243,24 @@ TEST(Cli, TrainUnderMpirunReportsOnceWithTheSameExitCodes) {
   }
   CmdResult good = mpirun(2, "train --preset tiny --steps 2");
   EXPECT_EQ(good.exit_code, 0) << good.err;
+}
+
+// plan and simulate run in one process: under mpirun rank 0 alone reports, once.
+TEST(Cli, PlanAndSimulateUnderMpirunReportOnce) {
+  const BadInput cases[] = {
+      {"plan usage error", "plan --granularity 7", "--granularity"},
+      {"plan unknown policy", "plan --policy fastest", "fastest"},
+      {"simulate usage error", "simulate --paper --iterations 0", "--iterations"},
+  };
+  for (const BadInput& c : cases) expect_refused(mpirun(2, c.args), c);
+  CmdResult good = mpirun(2, "plan --ranks 8 --tokens-per-rank 4096 --policy minmax");
+  EXPECT_EQ(good.exit_code, 0) << good.err;
+  size_t reports = 0;
+  for (size_t at = good.out.find("Balance and bytes"); at != std::string::npos;
+       at = good.out.find("Balance and bytes", at + 1)) {
+    ++reports;
+  }
+  EXPECT_EQ(reports, 1u) << good.out;
 }
 #endif
 

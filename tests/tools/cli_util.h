@@ -58,4 +58,12 @@ struct BadInput {
 
 inline int count_lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
 
+// A refused command line: exit 2, one line on stderr that contains `c.expected`, nothing on stdout.
+inline void expect_refused(const CmdResult& r, const BadInput& c) {
+  EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
+  EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+  EXPECT_TRUE(r.out.empty()) << c.name << ": " << r.out;
+}
+
 }  // namespace cli

@@ -54,9 +54,11 @@ struct StepRecord {
   double loss = 0;            // mean over the step's targets
   double grad_norm = 0;       // before clipping
   double lr = 0;
-  double step_seconds = 0;    // the slowest rank's
+  double step_seconds = 0;    // the straggler's (slowest_rank's)
   double tokens_per_second = 0;
-  // The slowest rank's own breakdown of its step; the terms add up to step_seconds exactly.
+  // The straggler's own breakdown of its step; the terms add up to step_seconds exactly. The
+  // straggler (slowest_rank) is the rank with the most busy time, step - wait: the others wait
+  // for it at the all-reduce, so its breakdown is the step's critical path.
   int slowest_rank = 0;
   double linear_seconds = 0;     // everything in the model but attention (norms, GEMMs, loss)
   double attention_seconds = 0;  // attention kernels
