@@ -23,6 +23,7 @@
 #include <cmath>
 #include <set>
 
+#include "budget.h"
 #include "distca/plan/planner.h"
 
 namespace distca::plan {
@@ -172,14 +173,8 @@ class MinmaxPlanner {
   void start_budget() {
     std::vector<Task> tasks;
     for (const Run& run : runs_) tasks.push_back(causal_task(run.doc, run.lo, run.hi, run.server));
-    const Traffic t = count_traffic(batch_, cost_.token_bytes(), tasks);
-    const auto& d = t.phases[static_cast<int>(Phase::kFwdDispatch)];
-    const auto& r = t.phases[static_cast<int>(Phase::kFwdReturn)];
-    send_.resize(num_ranks_);
-    recv_.resize(num_ranks_);
+    forward_rank_bytes(batch_, cost_.token_bytes(), tasks, send_, recv_);
     for (int32_t k = 0; k < num_ranks_; ++k) {
-      send_[k] = d.send_bytes[k] + r.send_bytes[k];
-      recv_[k] = d.recv_bytes[k] + r.recv_bytes[k];
       if (is_budget_feasible_ && (send_[k] > options_.max_rank_bytes || recv_[k] > options_.max_rank_bytes)) {
         is_budget_feasible_ = false;
         budget_failure_ = fmt::format(
@@ -198,18 +193,7 @@ class MinmaxPlanner {
       sends.emplace_back(src, bytes);
       recvs.emplace_back(to, bytes);
     });
-    auto is_over = [&](std::vector<std::pair<int32_t, int64_t>>& adds, const std::vector<int64_t>& base) {
-      std::sort(adds.begin(), adds.end());
-      for (size_t i = 0; i < adds.size();) {
-        int64_t sum = 0;
-        size_t j = i;
-        for (; j < adds.size() && adds[j].first == adds[i].first; ++j) sum += adds[j].second;
-        if (base[adds[i].first] + sum > options_.max_rank_bytes) return true;
-        i = j;
-      }
-      return false;
-    };
-    return !is_over(sends, send_) && !is_over(recvs, recv_);
+    return !exceeds_budget(sends, send_, options_.max_rank_bytes) && !exceeds_budget(recvs, recv_, options_.max_rank_bytes);
   }
 
   // The slice of `run` to cut from one end: the fewest whole shards whose removal clears

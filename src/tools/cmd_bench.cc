@@ -7,6 +7,7 @@
 
 #include "bench_attention.h"
 #include "bench_dispatch.h"
+#include "bench_planner.h"
 #include "cmd_profile.h"
 #include "world.h"
 
@@ -19,72 +20,117 @@ struct AttentionArgs {
   bool is_quick = false;
 };
 
-int run_attention(AttentionArgs a) {
+// --quick sets the sizes that were not given on the command line.
+auto quick_default(const CLI::App& cmd) {
+  return [&cmd](const char* flag, auto& field, auto value) {
+    if (cmd.count(flag) == 0) field = value;
+  };
+}
+
+int run_attention(AttentionArgs a, const CLI::App& cmd) {
   if (a.is_quick) {
-    a.options.docs = {1024, 2048};
-    a.options.shard_doc = 2048;
+    auto quick = quick_default(cmd);
+    quick("--docs", a.options.docs, std::vector<int64_t>{1024, 2048});
+    quick("--shard-doc", a.options.shard_doc, int64_t{2048});
   }
   if (Status s = validate(a.options); !s.is_ok()) {
-    fmt::print(stderr, "distca bench attention: error: {}\n", s.message());
-    return 2;
+    print_usage_error("bench attention", s.message());
+    return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench attention] {}\n", line); };
   Result<nlohmann::json> report = run_attention_bench(a.options, progress);
   if (!report.is_ok()) {
     fmt::print(stderr, "distca bench attention: error: {}\n", report.status().message());
-    return report.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+    return exit_code(report.status());
   }
   if (a.is_json) {
     fmt::print("{}\n", report.value().dump(2));
   } else {
     print_attention_report(report.value());
   }
-  return 0;
+  return kExitOk;
 }
 
 struct DispatchArgs {
   DispatchBenchOptions options;
   bool is_json = false;
   bool is_quick = false;
+  double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
 int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
-  if (a.is_quick) {  // small sizes, for whatever was not given explicitly
-    auto quick = [&](const char* flag, auto& field, auto value) {
-      if (cmd.count(flag) == 0) field = value;
-    };
+  if (a.is_quick) {
+    auto quick = quick_default(cmd);
     quick("--tokens-per-rank", a.options.tokens_per_rank, int64_t{2048});
     quick("--layers", a.options.layers, 2);
-    quick("--repeats", a.options.repeats, 1);
     quick("--heads", a.options.q_heads, int64_t{4});
     quick("--kv-heads", a.options.kv_heads, int64_t{2});
     quick("--head-dim", a.options.head_dim, int64_t{64});
+    quick("--repeats", a.options.repeats, 3);
   }
-  if (Status s = validate(a.options); !s.is_ok()) {
-    fmt::print(stderr, "distca bench dispatch: error: {}\n", s.message());
-    return 2;
+  Status s = validate(a.options);
+  if (s.is_ok() && a.options.link == "off" && cmd.count("--latency-us") > 0) {
+    s = invalid_argument("--latency-us is the emulated link's latency, and --link off runs no emulated link: drop one");
+  }
+  if (s.is_ok() && a.options.link != "off" && a.options.ranks == 1 && !is_under_mpi()) {
+    s = invalid_argument("--ranks 1: nothing crosses a link between one rank and itself, so there is nothing to "
+                         "emulate; pass --link off or --ranks 2 or more");
+  }
+  Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
+  if (s.is_ok()) s = timeout.status();
+  if (!s.is_ok()) {
+    print_usage_error("bench dispatch", s.message());
+    return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench dispatch] {}\n", line); };
-  auto finish = [&](const Result<nlohmann::json>& report) {
-    if (!report.is_ok()) {
-      fmt::print(stderr, "distca bench dispatch: error: {}\n", report.status().message());
-      return report.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    if (a.is_json) {
-      fmt::print("{}\n", report.value().dump(2));
-    } else {
-      print_dispatch_report(report.value());
-    }
-    return 0;
-  };
   std::optional<nlohmann::json> root_report;
-  const int code = run_world("bench dispatch", a.options.ranks, [&](comm::Communicator& c) -> Status {
-    DISTCA_ASSIGN_OR_RETURN(nlohmann::json report, run_dispatch_bench(c, a.options, progress));
-    if (c.rank() == 0) root_report = std::move(report);
-    return Status::ok();
-  });
-  if (code != 0 || !root_report) return code;  // under MPI only rank 0 reports
-  return finish(*root_report);
+  WorldOptions world;
+  world.is_ranks_given = cmd.count("--ranks") > 0;
+  world.timeout = timeout.value();
+  const int code = run_world(
+      "bench dispatch", a.options.ranks,
+      [&](comm::Communicator& c) -> Status {
+        DISTCA_ASSIGN_OR_RETURN(nlohmann::json report, run_dispatch_bench(c, a.options, progress));
+        if (c.rank() == 0) root_report = std::move(report);
+        return Status::ok();
+      },
+      world);
+  if (code != kExitOk || !root_report) return code;  // under MPI only rank 0 reports
+  if (a.is_json) {
+    fmt::print("{}\n", root_report->dump(2));
+  } else {
+    print_dispatch_report(*root_report);
+  }
+  return kExitOk;
+}
+
+struct PlannerArgs {
+  PlannerBenchOptions options;
+  bool is_json = false;
+};
+
+int run_planner(const PlannerArgs& a) {
+  if (Status s = validate(a.options); !s.is_ok()) {
+    print_usage_error("bench planner", s.message());
+    return kExitBadInput;
+  }
+  Result<nlohmann::json> report = run_planner_bench(a.options);
+  if (!report.is_ok()) {
+    fmt::print(stderr, "distca bench planner: error: {}\n", report.status().message());
+    return exit_code(report.status());
+  }
+  if (a.is_json) {
+    fmt::print("{}\n", report.value().dump(2));
+  } else {
+    print_planner_report(report.value());
+  }
+  return kExitOk;
+}
+
+// An unsigned option refuses "-1" (which would wrap around to 2^64 - 1).
+CLI::Validator non_negative() {
+  return CLI::Validator([](std::string& value) { return value.starts_with("-") ? "must be >= 0, got " + value : std::string(); },
+                        "", "non-negative");
 }
 
 }  // namespace
@@ -108,9 +154,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
   cmd->add_option("--kv-heads", o.kv_heads, "Hkv: key/value heads")->capture_default_str();
   cmd->add_option("--threads", o.threads, "threads of the all-threads runs (0 = one per hardware thread)")
       ->capture_default_str();
-  cmd->add_option("--repeats", o.repeats, "each time is the best of this many runs")->capture_default_str();
-  cmd->add_option("--seed", o.seed, "seed of the random inputs")->capture_default_str();
-  cmd->add_flag("--quick", attention->is_quick, "small sizes (1K and 2K tokens) for a smoke run");
+  cmd->add_option("--repeats", o.repeats, "each time is the best of this many runs (1..100)")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed of the random inputs (>= 0)")->check(non_negative())->capture_default_str();
+  cmd->add_flag("--quick", attention->is_quick,
+                "small sizes for a smoke run: --docs 1024,2048 --shard-doc 2048 unless given");
   cmd->add_flag("--json", attention->is_json, "print one JSON object instead of the table");
 
   auto dispatch = std::make_shared<DispatchArgs>();
@@ -126,7 +173,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   dcmd->add_option("--kv-heads", d.kv_heads, "Hkv: key/value heads")->capture_default_str();
   dcmd->add_option("--head-dim", d.head_dim, "D: 32, 64, 128 or 256")->capture_default_str();
   dcmd->add_option("--layers", d.layers, "layers of forward and backward per step")->capture_default_str();
-  dcmd->add_option("--policy", d.policy, "planner: none, distca or minmax")->capture_default_str();
+  dcmd->add_option("--policy", d.policy, "planner: none, distca, minmax or minbytes")->capture_default_str();
   dcmd->add_option("--backward", d.backward_mode, "stateless (re-send Q/K/V/O) or stateful (server keeps them)")
       ->capture_default_str();
   dcmd->add_option("--threads", d.threads, "attention and BLAS threads per rank")->capture_default_str();
@@ -135,16 +182,37 @@ std::function<int()> add_bench_command(CLI::App& app) {
   dcmd->add_option("--link", d.link, "emulated link: auto (communication = compute), off, or GB/s")
       ->capture_default_str();
   dcmd->add_option("--latency-us", d.latency_us, "emulated link latency per operation")->capture_default_str();
-  dcmd->add_option("--repeats", d.repeats, "each time is the best of this many runs")->capture_default_str();
-  dcmd->add_option("--seed", d.seed, "seed of the batch and the inputs")->capture_default_str();
-  dcmd->add_flag("--quick", dispatch->is_quick, "small sizes for a smoke run");
+  dcmd->add_option("--repeats", d.repeats,
+                   "sequential and ping-pong runs per link; the report gives each figure's median and min..max (1..100)")
+      ->capture_default_str();
+  dcmd->add_option("--seed", d.seed, "seed of the batch and the inputs (>= 0)")
+      ->check(non_negative())
+      ->capture_default_str();
+  dcmd->add_flag("--quick", dispatch->is_quick,
+                 "small sizes for a smoke run: 2048 tokens per rank, 2 layers, 4 heads, 2 KV heads, D=64, 3 repeats, unless given");
   dcmd->add_flag("--json", dispatch->is_json, "print one JSON object instead of the table");
+  dcmd->add_option("--timeout", dispatch->timeout_seconds, kTimeoutHelp)->capture_default_str();
+
+  auto planner = std::make_shared<PlannerArgs>();
+  PlannerBenchOptions& po = planner->options;
+  CLI::App* pcmd = bench->add_subcommand(
+      "planner",
+      "every policy on the batches the paper's planner was run on (shared/data/reference), beside its figures and "
+      "the lower bounds; planning times in the same run");
+  pcmd->add_option("--reference-dir", po.reference_dir,
+                   "the folder of reference_planner.json and its batches (default: $DISTCA_SHARED_DATA/reference, "
+                   "else ../shared/data/reference)");
+  pcmd->add_option("--tolerance", po.tolerance, "eps: 0.02 or 0.1, the ones the reference was run at")->capture_default_str();
+  pcmd->add_option("--policies", po.policies, "the planners to run")->delimiter(',')->capture_default_str();
+  pcmd->add_option("--repeats", po.repeats, "planning time: the median of this many runs (1..1000)")->capture_default_str();
+  pcmd->add_flag("--json", planner->is_json, "print one JSON object instead of the table");
 
   auto calibration = add_calibration_command(*bench);
 
-  return [bench, attention, dispatch, dcmd, calibration]() -> int {
-    if (bench->got_subcommand("attention")) return run_attention(*attention);
+  return [bench, attention, cmd, dispatch, dcmd, planner, calibration]() -> int {
+    if (bench->got_subcommand("attention")) return run_attention(*attention, *cmd);
     if (bench->got_subcommand("dispatch")) return run_dispatch(*dispatch, *dcmd);
+    if (bench->got_subcommand("planner")) return run_planner(*planner);
     if (bench->got_subcommand("calibration")) return calibration();
     return 2;
   };

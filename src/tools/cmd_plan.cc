@@ -134,12 +134,12 @@ Status check_args(const PlanArgs& a) {
   }
   if (a.policy == "none" && (a.given("--granularity") || a.given("--max-rank-bytes"))) {
     return invalid_argument("--policy none cuts and moves no work, so --granularity and --max-rank-bytes would be "
-                            "ignored: drop them, or pick --policy distca, minmax or all");
+                            "ignored: drop them, or pick --policy minmax, minbytes or all");
   }
   if (a.policy == "distca" && (a.given("--granularity") || a.given("--max-rank-bytes"))) {
     return invalid_argument("--policy distca cuts at token granularity and has no byte budget, as the paper's planner: "
-                            "--granularity and --max-rank-bytes are minmax's; drop them, or pick --policy minmax (or "
-                            "all, where only minmax uses them)");
+                            "--granularity and --max-rank-bytes are minmax's and minbytes'; drop them, or pick --policy minmax "
+                            "or minbytes (or all, where only those two use them)");
   }
 
   // 4. The model: every shape flag within bounds that keep a step's byte counts in 64 bits.
@@ -558,14 +558,14 @@ std::function<int()> add_plan_command(CLI::App& app) {
   cmd->add_option("--ffn-hidden", args->ffn_hidden, "override: FFN hidden size, 1..2^22");
   cmd->add_option("--dtype-bytes", args->dtype_bytes, "override: bytes per activation element: 1, 2 (bf16) or 4");
   cmd->add_option("--tp", args->tp, "override: tensor-parallel degree, dividing Hq");
-  cmd->add_option("--policy", args->policy, "none, distca, minmax or all")->capture_default_str();
+  cmd->add_option("--policy", args->policy, "none, distca, minmax, minbytes or all")->capture_default_str();
   cmd->add_option("--tolerance", args->tolerance, "eps in [0, 1]: target max load <= (1 + eps) x mean")
       ->capture_default_str();
   cmd->add_option("--granularity", args->granularity,
                   "g: shard size in tokens, a power of two from 16 to 4096 (cuts on kernel tile boundaries)")
       ->capture_default_str();
   cmd->add_option("--max-rank-bytes", args->max_rank_bytes,
-                  "minmax only: per-rank forward send and receive byte budget per layer (0 = none), or auto: what the "
+                  "minmax and minbytes: per-rank forward send and receive byte budget per layer (0 = none), or auto: what the "
                   "profile's link moves while the layer's linear work runs (the exchange ping-pong can hide)")
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "sampling seed, >= 0")->capture_default_str();

@@ -144,7 +144,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
     }
   }
   if (a.policy == "all") {
-    return invalid_argument("--policy must be one planner: none, distca or minmax ('all' is for distca plan)");
+    return invalid_argument("--policy must be one planner: none, distca, minmax or minbytes ('all' is for distca plan)");
   }
   if (a.is_compare) {
     o.backends = {"colocated", "cad"};
@@ -371,7 +371,7 @@ std::function<int()> add_train_command(CLI::App& app) {
   a.workload_opt = cmd->add_option("--workload", a.workload,
                                    "document lengths of the synthetic source: pretrain | prolong | skewed (not with --data)");
   a.seed_opt = cmd->add_option("--seed", a.seed, "seed of the synthetic source (not with --data)")->capture_default_str();
-  a.policy_opt = cmd->add_option("--policy", a.policy, "CAD planner: minmax | distca | none")->capture_default_str();
+  a.policy_opt = cmd->add_option("--policy", a.policy, "CAD planner: minmax | minbytes | distca | none")->capture_default_str();
   a.backward_opt = cmd->add_option("--backward-mode", a.backward_mode,
                                    "stateful (servers keep forward state) | stateless (the paper's)")
                        ->capture_default_str();

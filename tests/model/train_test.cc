@@ -65,7 +65,7 @@ double mean_loss(const std::vector<StepRecord>& rs, const std::string& backend, 
 
 TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
   for (int ranks : {2, 4}) {
-    for (const std::string policy : {"minmax", "distca", "none"}) {
+    for (const std::string policy : {"minmax", "minbytes", "distca", "none"}) {
       SCOPED_TRACE(fmt::format("{} ranks, policy {}", ranks, policy));
       TrainOptions o = tiny(20);
       o.backends = {"colocated", "cad"};

@@ -1,11 +1,14 @@
 // Property test over 10,000 random batches: every policy's plan passes the verifier and
 // conserves work; minmax meets its bound whenever the bound is provably reachable, and its
-// shards are g-aligned; distca never fills a receiver above the mean nor drains a donor below.
+// shards are g-aligned; minbytes (key-range splits) meets it too and cuts only on multiples of
+// g, piece boundaries and document ends; distca never fills a receiver above the mean nor
+// drains a donor below; no plan's dispatch beats the lower bounds of plan/bounds.h.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <random>
 
+#include "distca/plan/bounds.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
 #include "test_util.h"
@@ -77,6 +80,8 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
   int num_reachable = 0;
   int num_with_long_docs = 0;
   int num_with_empty_ranks = 0;
+  int num_minbytes_reachable = 0;
+  int num_bounded = 0;
   for (int i = 0; i < kNumBatches; ++i) {
     const Case c = random_case(1000 + i);
     ASSERT_TRUE(c.batch.validate().is_ok());
@@ -117,6 +122,36 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
           ASSERT_LE(plan.load.max, (1 + c.options.tolerance) * plan.load.mean * (1 + 1e-12));
         }
       }
+      if (name == "minbytes") {
+        std::vector<int64_t> cuts;  // piece boundaries, per document
+        auto is_cut = [&](int32_t doc, int64_t at) {
+          if (at % c.options.granularity == 0 || at == c.batch.doc_lengths[doc]) return true;
+          for (int32_t p : c.batch.doc_pieces[doc]) {
+            if (c.batch.pieces[p].begin == at || c.batch.pieces[p].end == at) return true;
+          }
+          return false;
+        };
+        for (const Task& t : plan.tasks) {
+          ASSERT_TRUE(is_cut(t.doc, t.q0) && is_cut(t.doc, t.q1) && is_cut(t.doc, t.k0) && is_cut(t.doc, t.k1))
+              << "doc " << t.doc << " q [" << t.q0 << ", " << t.q1 << ") k [" << t.k0 << ", " << t.k1 << ")";
+        }
+        if (bound_is_reachable(c, plan)) {
+          ++num_minbytes_reachable;
+          ASSERT_TRUE(plan.is_balanced) << plan.note << " imbalance " << plan.load.imbalance;
+        }
+        if (plan.is_balanced) ASSERT_LE(plan.load.max, (1 + c.options.tolerance) * plan.load.mean * (1 + 1e-12));
+      }
+      // The lower bounds hold for every plan as balanced as this one.
+      const DispatchBounds bound = dispatch_lower_bounds(
+          c.batch, c.cost.token_bytes(), *std::max_element(plan.server_pairs.begin(), plan.server_pairs.end()));
+      if (bound.is_computed) {
+        ++num_bounded;
+        const auto& d = plan.traffic.phases[static_cast<int>(Phase::kFwdDispatch)];
+        const double slack = 1 + 1e-9;
+        ASSERT_LE(bound.total, static_cast<double>(d.total_bytes) * slack);
+        ASSERT_LE(bound.max_send, static_cast<double>(*std::max_element(d.send_bytes.begin(), d.send_bytes.end())) * slack);
+        ASSERT_LE(bound.max_recv, static_cast<double>(*std::max_element(d.recv_bytes.begin(), d.recv_bytes.end())) * slack);
+      }
       if (name == "distca") {
         // The reference's moves take min(donor surplus, receiver need, item): no receiver ends
         // above the mean and no donor below it (one pair of slack for the float bookkeeping).
@@ -141,6 +176,8 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
   EXPECT_GT(num_reachable, kNumBatches / 10);
   EXPECT_GT(num_with_long_docs, kNumBatches / 10);
   EXPECT_GT(num_with_empty_ranks, kNumBatches / 10);
+  EXPECT_GT(num_minbytes_reachable, kNumBatches / 10);
+  EXPECT_GT(num_bounded, kNumBatches / 10);
   std::printf("reachable bound: %d, long documents: %d, empty ranks: %d of %d batches\n", num_reachable,
               num_with_long_docs, num_with_empty_ranks, kNumBatches);
 }

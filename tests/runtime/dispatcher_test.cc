@@ -2,6 +2,8 @@
 // bytes, edge cases, hash checks and failures.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <array>
 #include <chrono>
 #include <cstring>
@@ -58,12 +60,18 @@ plan::Plan hand_plan(const plan::Batch& batch, std::vector<plan::Task> tasks) {
 }
 
 TEST(Dispatcher, DistributedEqualsColocatedForEveryPolicyAndRankCount) {
+  int minbytes_splits = 0;  // minbytes' key-range splits: the cases must really have them
   for (int R : {1, 2, 3, 4, 7}) {
-    for (const std::string policy : {"none", "distca", "minmax"}) {
+    for (const std::string policy : {"none", "distca", "minmax", "minbytes"}) {
       for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
         SCOPED_TRACE(fmt::format("R={} policy={} mode={}", R, policy, plan::backward_mode_name(mode)));
         const plan::Batch batch = random_batch(100 + R, R, 160);
         const plan::Plan plan = must_plan(batch, policy);
+        if (policy == "minbytes") {
+          minbytes_splits += static_cast<int>(std::count_if(plan.tasks.begin(), plan.tasks.end(), [](const plan::Task& t) {
+            return t.k0 > 0 || !t.is_causal();
+          }));
+        }
         testing::DispatchCase c;
         c.seed = 7 * R + 1;
         c.mode = mode;
@@ -73,6 +81,33 @@ TEST(Dispatcher, DistributedEqualsColocatedForEveryPolicyAndRankCount) {
       }
     }
   }
+  // One long document on rank 0 and short ones elsewhere: minbytes cuts it into key-split blocks.
+  for (int R : {2, 3, 4, 7}) {
+    std::vector<std::vector<int64_t>> ranks(R, std::vector<int64_t>(8, 20));
+    ranks[0] = {160};
+    const plan::Batch batch = plan::batch_from_ranks(ranks, 160).value();
+    // At 160 tokens the default GPU profile's per-task overhead (64 us a step) outweighs any
+    // block, and the planner rightly cuts nothing: price tasks by their pairs alone here.
+    plan::ThroughputProfile free_tasks;
+    free_tasks.task_overhead_seconds = 0;
+    free_tasks.tile_rows = 16;
+    const plan::CostModel cost(plan::model_preset("llama-8b").value(), free_tasks);
+    const plan::Plan plan = plan::plan_minbytes(batch, cost, plan::PlannerOptions{0.05, 16, 0}).value();
+    ASSERT_TRUE(plan::verify_tasks(batch, plan.tasks).is_ok());
+    minbytes_splits += static_cast<int>(std::count_if(plan.tasks.begin(), plan.tasks.end(), [](const plan::Task& t) {
+      return t.k0 > 0 || !t.is_causal();
+    }));
+    for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
+      SCOPED_TRACE(fmt::format("skewed R={} mode={}", R, plan::backward_mode_name(mode)));
+      testing::DispatchCase c;
+      c.seed = 11 * R;
+      c.mode = mode;
+      expect_all_ok(LocalWorld::run(R, [&](Communicator& comm) {
+        return testing::check_against_colocated(comm, batch, plan, c);
+      }));
+    }
+  }
+  EXPECT_GT(minbytes_splits, 0);
 }
 
 TEST(Dispatcher, GqaAndWideHeads) {
@@ -88,7 +123,7 @@ TEST(Dispatcher, GqaAndWideHeads) {
 
 TEST(Dispatcher, EveryRowGoesToItsServerSlotAndComesBackToItsPlace) {
   for (int R : {1, 2, 3, 4, 7}) {
-    for (const std::string policy : {"none", "distca", "minmax"}) {
+    for (const std::string policy : {"none", "distca", "minmax", "minbytes"}) {
       for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
         SCOPED_TRACE(fmt::format("R={} policy={} mode={}", R, policy, plan::backward_mode_name(mode)));
         const plan::Batch batch = random_batch(300 + R, R, 256);
@@ -230,7 +265,7 @@ plan::Plan must_split(const plan::Batch& batch, const plan::Plan& causal, uint64
 TEST(Dispatcher, KeySplitPlansEqualColocated) {
   int num_split = 0;
   for (int R = 1; R <= 7; ++R) {
-    for (const std::string policy : {"none", "distca", "minmax"}) {
+    for (const std::string policy : {"none", "distca", "minmax", "minbytes"}) {
       const plan::Batch batch = random_batch(500 + R, R, 160);
       const plan::Plan plan = must_split(batch, must_plan(batch, policy), 40 + R);
       for (const plan::Task& t : plan.tasks) num_split += !t.is_causal();

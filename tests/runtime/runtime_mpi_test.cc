@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
     return st.is_ok() ? 0 : 1;
   }
   int checks = 0;
-  for (const std::string policy : {"none", "distca", "minmax"}) {
+  for (const std::string policy : {"none", "distca", "minmax", "minbytes"}) {
     auto plan = runtime::testing::make_plan(batch.value(), policy);
     if (!plan.is_ok()) return fail(plan.status());
     for (auto mode : {plan::BackwardMode::kStateless, plan::BackwardMode::kStateful}) {

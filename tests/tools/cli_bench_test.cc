@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -235,6 +236,56 @@ TEST(Cli, BenchDispatchLinearRatioZeroRunsNoLinearStage) {
   auto j = nlohmann::json::parse(r.out);
   for (const auto& nano : j["nano_batches"]) EXPECT_EQ(nano["linear_columns"], 0) << nano;
   EXPECT_EQ(j["headline"], "real");
+}
+
+// bench planner: every policy on the shipped reference batches, beside the reference's figures
+// and the lower bounds; minbytes balanced, verified, above its bounds and below minmax's bytes.
+TEST(Cli, BenchPlannerComparesWithTheReferenceAndTheBounds) {
+  CmdResult r = distca("bench planner --repeats 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["batches"].size(), 4u);
+  for (const auto& b : j["batches"]) {
+    std::map<std::string, nlohmann::json> by;
+    for (const auto& p : b["plans"]) by[p["policy"]] = p;
+    ASSERT_EQ(by.size(), 3u) << b["batch"];
+    for (const auto& [name, p] : by) {
+      EXPECT_TRUE(p["verified"].get<bool>()) << name;
+      EXPECT_NEAR(p["dispatch_bytes"].get<double>(), p["q_bytes"].get<double>() + p["kv_bytes"].get<double>(), 1.0);
+      const auto& bound = p["bound"];
+      ASSERT_TRUE(bound.contains("dispatch_bytes")) << bound;  // every shipped document lies on one rank
+      EXPECT_LE(bound["dispatch_bytes"].get<double>(), p["dispatch_bytes"].get<double>()) << name;
+      EXPECT_LE(bound["max_send_bytes"].get<double>(), p["max_send_bytes"].get<double>()) << name;
+      EXPECT_LE(bound["max_recv_bytes"].get<double>(), p["max_recv_bytes"].get<double>()) << name;
+    }
+    // The faithful reproduction is the reference, figure for figure.
+    EXPECT_NEAR(by["distca"]["dispatch_over_reference"].get<double>(), 1.0, 1e-9) << b["batch"];
+    const auto& m = by["minbytes"];
+    EXPECT_LE(m["imbalance"].get<double>(), 1.03) << b["batch"];
+    EXPECT_GT(m["split_tasks"].get<int>(), 0) << b["batch"];
+    for (const char* f : {"dispatch_bytes", "max_send_bytes", "max_recv_bytes"}) {
+      EXPECT_LT(m[f].get<double>(), by["minmax"][f].get<double>()) << b["batch"] << " " << f;
+      EXPECT_LT(m[f].get<double>(), by["distca"][f].get<double>()) << b["batch"] << " " << f;
+    }
+  }
+  CmdResult text = distca("bench planner --repeats 1 --policies minbytes");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("reference planner"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("lower bound"), std::string::npos) << text.out;
+}
+
+TEST(Cli, BenchPlannerBadInputGetsOneLineErrorExitTwo) {
+  const BadInput cases[] = {
+      {"tolerance not in the reference", "--tolerance 0.05", "0.05"},
+      {"tolerance out of range", "--tolerance 2", "--tolerance"},
+      {"unknown policy", "--policies minmax,fastest", "fastest"},
+      {"zero repeats", "--repeats 0", "--repeats"},
+      {"missing folder", "--reference-dir /nonexistent/reference", "/nonexistent/reference"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = distca("bench planner " + c.args);
+    cli::expect_refused(r, c);
+  }
 }
 
 TEST(Cli, BenchDispatchBadInputGetsOneLineErrorExitTwo) {

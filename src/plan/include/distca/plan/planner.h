@@ -2,6 +2,8 @@
 //   none    colocated attention: each rank attends its own pieces (the baseline)
 //   distca  the paper's communication-aware greedy scheduler, reproduced faithfully
 //   minmax  ours: max load <= (1 + eps) * mean whenever the shards allow it, fewest bytes
+//   minbytes ours: the same bound, moving query x key blocks (key-range splits) shaped for the
+//           fewest bytes on the busiest rank
 #pragma once
 
 #include <cstdint>
@@ -29,8 +31,9 @@ using PlanFn = Result<Plan> (*)(const Batch&, const CostModel&, const PlannerOpt
 Result<Plan> plan_none(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 Result<Plan> plan_minmax(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
+Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 
-// "none", "distca", "minmax" (the default).
+// "none", "distca", "minmax" (the default), "minbytes".
 Result<PlanFn> find_planner(std::string_view name);
 std::vector<std::string> planner_names();
 inline constexpr std::string_view kDefaultPlanner = "minmax";

@@ -1,0 +1,58 @@
+#include "distca/plan/bounds.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace distca::plan {
+
+DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs) {
+  DispatchBounds b;
+  b.max_pairs = max_pairs;
+  for (const auto& pieces : batch.doc_pieces) {
+    if (pieces.size() > 1) {
+      b.why_not = "a document spans ranks (its other owners hold rows for free)";
+      return b;
+    }
+  }
+  const int32_t r = batch.num_ranks;
+  std::vector<double> load(r, 0.0);
+  for (const Piece& p : batch.pieces) load[p.rank] += static_cast<double>(causal_pairs(p.begin, p.end));
+  const auto m = static_cast<double>(max_pairs);
+  const double unit = 2 * std::sqrt(static_cast<double>(bytes.q) * static_cast<double>(bytes.kv));
+  // Senders: out >= excess (more if they also take work in), in pieces of at most m (no server
+  // ends above m); fewest bytes in whole pieces of m.
+  std::vector<double> room;  // of the servers below m
+  double excess = 0;
+  for (int32_t s = 0; s < r; ++s) {
+    if (load[s] <= m) {
+      room.push_back(m - load[s]);
+      continue;
+    }
+    double left = load[s] - m;
+    excess += left;
+    double send = 0;
+    for (int32_t k = 0; k + 1 < r && left > 0; ++k) {
+      const double w = std::min(m, left);
+      send += unit * std::sqrt(w);
+      left -= w;
+    }
+    b.max_send = std::max(b.max_send, send);
+    b.total += send;
+  }
+  // Receivers: the servers below m take in, net of what they send on, all the excess, each at
+  // most its room; so the busiest takes in at least the water level t with
+  // sum of min(room, t) = excess.
+  double lo = 0, hi = m;
+  for (int it = 0; it < 100; ++it) {
+    const double t = (lo + hi) / 2;
+    double sum = 0;
+    for (double c : room) sum += std::min(c, t);
+    if (sum >= excess) hi = t; else lo = t;
+  }
+  b.max_recv = excess > 0 ? unit * std::sqrt(lo) : 0.0;
+  b.is_computed = true;
+  return b;
+}
+
+}  // namespace distca::plan

@@ -1,0 +1,496 @@
+// minbytes: balances like minmax (max load <= (1 + eps) * mean) but moves query x key blocks,
+// shaped so that the busiest rank sends and receives as few bytes as possible.
+//
+// Why blocks: a query shard moved with its whole causal key prefix (the paper's task shape)
+// makes the receiver pay for every key before the shard, however little work it takes. A block
+// of a rows x b keys computes a * b pairs and costs a * q + b * kv bytes of dispatch (Q rows and
+// K/V rows, token_bytes()); for a given amount of work that is least when a * q = b * kv, and
+// grows only as the square root of the work. With q = 2 kv (32 query, 8 KV heads) the best
+// block has twice as many keys as rows.
+//
+//   1. Every piece starts at home as one causal task: a band of rows [r0, r1) with keys [c, q]
+//      for each row q (c = 0 at first).
+//   2. cap = (1 + eps) * mean_lb (mean_lb: every document one task, a floor of the true mean).
+//   3. Receivers get a soft intake t (water filling): min(room, t) over the servers below cap
+//      adds up to the senders' excess, so the work spreads over many receivers instead of
+//      filling the emptiest ones first (the largest intake sets the largest receive).
+//   4. Senders, largest excess first, shed to the receiver with the most intake left: among
+//      their bands, the block of about the receiver's intake with the fewest bytes per second
+//      of work moved. A block takes rows [x, r1) of a band and keys [c, e), e <= x, so it lies
+//      wholly below the diagonal (a non-causal task); the band's rows [x, r1) keep keys [e, q].
+//      A band small enough to move whole moves as one causal task. Keys the receiver owns or
+//      already receives cost nothing. Cuts land on multiples of g.
+//   5. The owner of a query row merges the partial O/LSE of its row's tasks (the runtime does).
+// A per-rank byte budget (forward dispatch + return, send and receive, as minmax's) skips moves
+// that would break it; when the plan cannot keep it, the note names the smallest budget this
+// planner keeps, found by bisection.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "distca/core/check.h"
+#include "budget.h"
+#include "distca/plan/planner.h"
+
+namespace distca::plan {
+namespace {
+
+struct Band {  // causal task: rows [r0, r1), each row q sees keys [c, q]
+  int32_t doc;
+  int64_t r0, r1, c;
+  int32_t server;
+};
+
+struct Block {  // non-causal task: rows [q0, q1) see keys [k0, k1), k1 <= q0
+  int32_t doc;
+  int64_t q0, q1, k0, k1;
+  int32_t server;
+};
+
+struct Move {
+  int32_t band = -1;
+  bool is_whole = false;
+  int64_t x = 0;  // rows [x, r1) of the band
+  int64_t e = 0;  // keys [c, e); -1: rows [x, r1) move as a causal task (a suffix)
+  int32_t dst = -1;
+  double seconds = 0;  // what the receiver gains
+  double shed = 0;     // what the sender loses (less than seconds when the cut adds a task there)
+  double bytes = 0;    // forward dispatch bytes
+  double score = 0;    // bytes per second of work moved
+};
+
+class MinbytesPlanner {
+ public:
+  MinbytesPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget)
+      : batch_(batch), cost_(cost), options_(options), budget_(budget), g_(options.granularity),
+        num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0), server_bands_(num_ranks_),
+        held_(batch.num_docs()) {
+    const TokenBytes& tb = cost_.token_bytes();
+    q_ = static_cast<double>(tb.q);
+    kv_ = static_cast<double>(tb.kv);
+    seconds_per_pair_ = cost_.pair_seconds(1);
+    overhead_ = cost_.task_seconds(cost_.profile().tile_rows, 0);
+  }
+
+  Plan run() {
+    for (const Piece& p : batch_.pieces) add_band(Band{p.doc, p.begin, p.end, 0, p.rank});
+    double lower_total = 0;
+    for (int32_t d = 0; d < batch_.num_docs(); ++d) lower_total += causal_seconds(0, batch_.doc_lengths[d], 0);
+    cap_ = (1.0 + options_.tolerance) * lower_total / num_ranks_;
+    if (budget_ > 0) start_budget();
+
+    // 3. The soft intake t: sum over receivers of min(room, t) covers the excess.
+    double excess = 0;
+    std::vector<int32_t> senders;
+    for (int32_t s = 0; s < num_ranks_; ++s) {
+      if (load_[s] > cap_) {
+        excess += load_[s] - cap_;
+        senders.push_back(s);
+      }
+    }
+    double lo = 0, hi = 0;
+    for (int32_t s = 0; s < num_ranks_; ++s) hi = std::max(hi, cap_ - load_[s]);
+    for (int it = 0; it < 60 && hi > 0; ++it) {
+      const double t = (lo + hi) / 2;
+      double sum = 0;
+      for (int32_t s = 0; s < num_ranks_; ++s) sum += std::clamp(cap_ - load_[s], 0.0, t);
+      if (sum >= 1.05 * excess) hi = t; else lo = t;
+    }
+    intake_.assign(num_ranks_, 0.0);
+    for (int32_t s = 0; s < num_ranks_; ++s) {
+      intake_[s] = std::clamp(cap_ - load_[s], 0.0, hi);
+      if (intake_[s] > 0) receivers_.insert({-intake_[s], s});
+    }
+
+    std::stable_sort(senders.begin(), senders.end(), [&](int32_t a, int32_t b) { return load_[a] > load_[b]; });
+    for (int32_t s : senders) shed(s);
+
+    std::vector<Task> tasks;
+    for (const Band& b : bands_) {
+      if (b.r0 < b.r1) tasks.push_back(Task{b.doc, b.r0, b.r1, b.c, b.r1, b.server});
+    }
+    for (const Block& b : blocks_) tasks.push_back(Task{b.doc, b.q0, b.q1, b.k0, b.k1, b.server});
+    Plan plan = finalize_plan("minbytes", options_.tolerance, batch_, cost_, std::move(tasks));
+    if (budget_ > 0) {
+      const auto& fwd = plan.traffic.forward;
+      plan.is_within_budget = is_budget_feasible_ && fwd.max_send_bytes <= budget_ && fwd.max_recv_bytes <= budget_;
+    }
+    plan.note = plan.is_balanced ? "bound met" : (failure_.empty() ? "bound not met" : failure_);
+    return plan;
+  }
+
+ private:
+  // Seconds of a causal band and of a block.
+  double causal_seconds(int64_t r0, int64_t r1, int64_t c) const {
+    return r1 > r0 ? cost_.task_seconds(r1 - r0, causal_pairs(r0, r1) - c * (r1 - r0)) : 0.0;
+  }
+  double block_seconds(int64_t rows, int64_t keys) const {
+    return rows > 0 && keys > 0 ? cost_.task_seconds(rows, rows * keys) : 0.0;
+  }
+  double band_seconds(const Band& b) const { return causal_seconds(b.r0, b.r1, b.c); }
+  int64_t floor_g(int64_t x) const { return x / g_ * g_; }
+  int64_t ceil_g(int64_t x) const { return (x + g_ - 1) / g_ * g_; }
+
+  void add_band(const Band& b) {
+    server_bands_[b.server].push_back(static_cast<int32_t>(bands_.size()));
+    bands_.push_back(b);
+    load_[b.server] += band_seconds(b);
+    hold(b.doc, b.server, b.c, b.r1);
+  }
+
+  // held_[doc]: (server, [lo, hi)) key rows a server receives or owns for its tasks; merged
+  // lazily (a handful per document).
+  void hold(int32_t doc, int32_t server, int64_t lo, int64_t hi) { held_[doc].push_back({server, lo, hi}); }
+
+  // Calls fn(owner, rows) for the rows of keys [k0, k1) of `doc` that `dst` neither owns nor
+  // already receives.
+  template <typename Fn>
+  void for_each_missing_key(int32_t doc, int64_t k0, int64_t k1, int32_t dst, Fn&& fn) const {
+    std::vector<std::pair<int64_t, int64_t>> have;
+    for (const auto& [s, lo, hi] : held_[doc]) {
+      if (s == dst) have.emplace_back(lo, hi);
+    }
+    std::sort(have.begin(), have.end());
+    int64_t at = k0;
+    auto emit = [&](int64_t a, int64_t b) {
+      if (a < b) {
+        for_each_owner(batch_, doc, a, b, [&](int32_t owner, int64_t rows) {
+          if (owner != dst) fn(owner, rows);
+        });
+      }
+    };
+    for (const auto& [lo, hi] : have) {
+      if (hi <= at) continue;
+      if (lo >= k1) break;
+      emit(at, std::min(lo, k1));
+      at = std::max(at, hi);
+      if (at >= k1) return;
+    }
+    emit(at, k1);
+  }
+
+  // Forward flows of running rows [q0, q1) x keys [k0, k1) of `doc` on `dst`: Q out and O/LSE
+  // back for rows dst does not own, keys it lacks. Calls fn(src, dst, bytes).
+  template <typename Fn>
+  void for_each_flow(int32_t doc, int64_t q0, int64_t q1, int64_t k0, int64_t k1, int32_t dst, Fn&& fn) const {
+    const TokenBytes& tb = cost_.token_bytes();
+    for_each_owner(batch_, doc, q0, q1, [&](int32_t owner, int64_t rows) {
+      if (owner == dst) return;
+      fn(owner, dst, rows * tb.q);
+      fn(dst, owner, rows * tb.out);
+    });
+    for_each_missing_key(doc, k0, k1, dst, [&](int32_t owner, int64_t rows) { fn(owner, dst, rows * tb.kv); });
+  }
+
+  double dispatch_bytes(int32_t doc, int64_t q0, int64_t q1, int64_t k0, int64_t k1, int32_t dst) const {
+    const TokenBytes& tb = cost_.token_bytes();
+    double bytes = 0;
+    for_each_owner(batch_, doc, q0, q1, [&](int32_t owner, int64_t rows) {
+      if (owner != dst) bytes += static_cast<double>(rows * tb.q);
+    });
+    for_each_missing_key(doc, k0, k1, dst, [&](int32_t, int64_t rows) { bytes += static_cast<double>(rows * tb.kv); });
+    return bytes;
+  }
+
+  // The block of band `id` for `dst` that moves about `want` seconds with the fewest bytes
+  // (or the band's largest block when it cannot hold that much), never above `room`.
+  void consider_block(int32_t id, int32_t dst, double want, double room, Move& best) const {
+    const Band& b = bands_[id];
+    const double want_pairs = std::max(1.0, (want - overhead_) / seconds_per_pair_);
+    const double span = static_cast<double>(b.r1 - b.c);  // rows + keys of a block fit in it
+    const double ideal = std::sqrt(want_pairs * kv_ / q_);  // rows of the cheapest block
+    const double disc = span * span - 4 * want_pairs;
+    double options[5] = {ideal, span / 2};
+    int count = 2;
+    if (disc >= 0) {  // rows a with a * (span - a) = want: the block's extremes that still hold it
+      options[count++] = (span - std::sqrt(disc)) / 2;
+      options[count++] = (span + std::sqrt(disc)) / 2;
+    }
+    options[count++] = static_cast<double>(b.r1 - b.r0);
+    for (int i = 0; i < count; ++i) {
+      const auto a_want = static_cast<int64_t>(std::ceil(options[i]));
+      int64_t x = std::max(b.r0, floor_g(b.r1 - std::max<int64_t>(a_want, 1)));
+      if (x >= b.r1) x = b.r0;
+      const int64_t rows = b.r1 - x;
+      const int64_t max_keys = x - b.c;
+      if (rows <= 0 || max_keys <= 0) continue;
+      const auto keys_want = static_cast<int64_t>(std::ceil(want_pairs / static_cast<double>(rows)));
+      int64_t e = std::min(x, ceil_g(b.c + std::min(keys_want, max_keys)));
+      while (e > b.c && block_seconds(rows, e - b.c) > room) e = std::max(b.c, floor_g(e - 1));
+      if (e <= b.c) continue;
+      const double seconds = block_seconds(rows, e - b.c);
+      const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c) - causal_seconds(x, b.r1, e);
+      if (shed <= 0) continue;
+      const double bytes = dispatch_bytes(b.doc, x, b.r1, b.c, e, dst);
+      const double score = bytes / shed;
+      if (best.band < 0 || score < best.score) best = Move{id, false, x, e, dst, seconds, shed, bytes, score};
+    }
+  }
+
+  // Rows [x, r1) of band `id` moved as one causal task (keys [c, q]): the tail of the band
+  // whose seconds come closest to `want` from below, never above `room`. It is what a band too
+  // narrow for a block (near the diagonal, or a short document) can still give.
+  void consider_suffix(int32_t id, int32_t dst, double want, double room, Move& best) const {
+    const Band& b = bands_[id];
+    const double limit = std::min(want, room);
+    // Largest tail within the limit: x from the aligned cuts in (r0, r1), by bisection.
+    int64_t lo = floor_g(b.r0) + g_, hi = floor_g(b.r1 - 1);  // candidate cuts x, multiples of g
+    if (lo > hi) return;
+    if (causal_seconds(hi, b.r1, b.c) > limit) return;
+    while (lo < hi) {  // smallest aligned x with seconds(x, r1) <= limit
+      const int64_t mid = floor_g(lo + (hi - lo) / 2);
+      const int64_t x = std::max(mid, lo);
+      if (causal_seconds(x, b.r1, b.c) <= limit) hi = x; else lo = x + g_;
+    }
+    const int64_t x = hi;
+    if (x <= b.r0 || x >= b.r1 || x < b.c) return;
+    const double seconds = causal_seconds(x, b.r1, b.c);
+    const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c);
+    if (shed <= 0) return;
+    const double bytes = dispatch_bytes(b.doc, x, b.r1, b.c, b.r1, dst);
+    const double score = bytes / shed;
+    if (best.band < 0 || score < best.score) best = Move{id, false, x, -1, dst, seconds, shed, bytes, score};
+  }
+
+  void consider_whole(int32_t id, int32_t dst, double room, Move& best) const {
+    const Band& b = bands_[id];
+    const double seconds = band_seconds(b);
+    if (seconds > room || seconds <= 0) return;
+    const double bytes = dispatch_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst);
+    const double score = bytes / seconds;
+    if (best.band < 0 || score < best.score) best = Move{id, true, b.r0, b.r1, dst, seconds, seconds, bytes, score};
+  }
+
+  bool fits_budget(const Move& m) const {
+    if (budget_ == 0) return true;
+    const Band& b = bands_[m.band];
+    std::vector<std::pair<int32_t, int64_t>> sends, recvs;
+    auto collect = [&](int32_t src, int32_t to, int64_t bytes) {
+      sends.emplace_back(src, bytes);
+      recvs.emplace_back(to, bytes);
+    };
+    if (m.is_whole) for_each_flow(b.doc, b.r0, b.r1, b.c, b.r1, m.dst, collect);
+    else if (m.e < 0) for_each_flow(b.doc, m.x, b.r1, b.c, b.r1, m.dst, collect);
+    else for_each_flow(b.doc, m.x, b.r1, b.c, m.e, m.dst, collect);
+    return !exceeds_budget(sends, send_, budget_) && !exceeds_budget(recvs, recv_, budget_);
+  }
+
+  // The best move of s's bands to dst, or none.
+  Move best_move_to(int32_t s, int32_t dst, double excess, double intake) const {
+    Move here;
+    const double room = cap_ - load_[dst];
+    if (dst == s || room <= 0) return here;
+    // A server with no soft intake left (or none given: it was a sender) takes up to its room.
+    const double want = std::min(excess, intake > 0 ? std::min(intake, room) : room);
+    for (int32_t id : server_bands_[s]) {
+      const Band& b = bands_[id];
+      if (b.server != s || b.r0 >= b.r1) continue;
+      consider_block(id, dst, want, room, here);
+      consider_suffix(id, dst, want, room, here);
+      consider_whole(id, dst, std::min(room, std::max(want, intake)), here);
+    }
+    if (here.band >= 0 && !fits_budget(here)) here.band = -1;
+    return here;
+  }
+
+  // 4. Moves blocks off server s until it is at or below cap. Candidates: the receivers with
+  // the most intake left, the servers that already receive keys of s's documents (more rows
+  // against keys they hold cost only the rows), and, when none of those can take a block, the
+  // servers with the most room.
+  void shed(int32_t s) {
+    std::vector<int32_t> candidates;
+    while (load_[s] > cap_) {
+      const double excess = load_[s] - cap_;
+      candidates.clear();
+      for (auto it = receivers_.begin(); it != receivers_.end() && candidates.size() < 3; ++it) {
+        if (it->second != s) candidates.push_back(it->second);
+      }
+      // The two roomiest servers (the intakes are soft; a receiver with intake left may have
+      // little room).
+      int32_t roomiest[2] = {-1, -1};
+      for (int32_t k = 0; k < num_ranks_; ++k) {
+        if (k == s || cap_ - load_[k] <= 0) continue;
+        if (roomiest[0] < 0 || load_[k] < load_[roomiest[0]]) {
+          roomiest[1] = roomiest[0];
+          roomiest[0] = k;
+        } else if (roomiest[1] < 0 || load_[k] < load_[roomiest[1]]) {
+          roomiest[1] = k;
+        }
+      }
+      for (int32_t k : roomiest) {
+        if (k >= 0) candidates.push_back(k);
+      }
+      // The latest few servers to receive keys of s's documents.
+      const size_t first_held = candidates.size();
+      for (auto id = server_bands_[s].rbegin(); id != server_bands_[s].rend(); ++id) {
+        const Band& b = bands_[*id];
+        if (b.server != s || b.r0 >= b.r1) continue;
+        for (auto h = held_[b.doc].rbegin(); h != held_[b.doc].rend() && candidates.size() < first_held + 3; ++h) {
+          if (h->server != s && cap_ - load_[h->server] > 0) candidates.push_back(h->server);
+        }
+        if (candidates.size() >= first_held + 3) break;
+      }
+      std::sort(candidates.begin(), candidates.end());
+      candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+      Move best;
+      for (int32_t dst : candidates) {
+        const Move m = best_move_to(s, dst, excess, intake_[dst]);
+        if (m.band >= 0 && (best.band < 0 || better(m, best, excess))) best = m;
+      }
+      if (best.band < 0) {  // by room: the roomiest servers, however much intake they had
+        std::vector<int32_t> order(num_ranks_);
+        for (int32_t k = 0; k < num_ranks_; ++k) order[k] = k;
+        const size_t top = std::min<size_t>(8, order.size());
+        std::partial_sort(order.begin(), order.begin() + top, order.end(),
+                          [&](int32_t a, int32_t b) { return load_[a] < load_[b]; });
+        for (size_t i = 0; i < top; ++i) {
+          const Move m = best_move_to(s, order[i], excess, cap_ - load_[order[i]]);
+          if (m.band >= 0 && (best.band < 0 || better(m, best, excess))) best = m;
+        }
+      }
+      if (best.band < 0) {
+        if (failure_.empty()) {
+          failure_ = fmt::format("server {} stays at {:.4f} x cap: no receiver has room for a block of its work{}", s,
+                                 load_[s] / cap_, budget_ > 0 ? " within --max-rank-bytes" : "");
+        }
+        return;
+      }
+      const double before = load_[s];
+      apply(best);
+      DISTCA_CHECK(load_[s] < before) << "minbytes: a move did not lower server " << s << "'s load";
+    }
+  }
+
+  // Of two moves, the one that clears more of the excess per byte, each move priced one tile
+  // of rows and keys more than its bytes (a message, a task): else slivers whose keys the
+  // receiver already holds look free and the excess goes in countless tiny moves.
+  bool better(const Move& a, const Move& b, double excess) const {
+    const double per_move = static_cast<double>(g_) * (q_ + kv_);
+    return (a.bytes + per_move) / std::min(a.shed, excess) < (b.bytes + per_move) / std::min(b.shed, excess);
+  }
+
+  void apply(const Move& m) {
+    Band& b = bands_[m.band];
+    const int32_t src = b.server;
+    if (budget_ > 0) {
+      auto add = [&](int32_t from, int32_t to, int64_t bytes) {
+        send_[from] += bytes;
+        recv_[to] += bytes;
+      };
+      if (m.is_whole) for_each_flow(b.doc, b.r0, b.r1, b.c, b.r1, m.dst, add);
+      else if (m.e < 0) for_each_flow(b.doc, m.x, b.r1, b.c, b.r1, m.dst, add);
+      else for_each_flow(b.doc, m.x, b.r1, b.c, m.e, m.dst, add);
+    }
+    load_[src] -= band_seconds(b);
+    if (m.is_whole) {
+      const Band moved{b.doc, b.r0, b.r1, b.c, m.dst};
+      b.r1 = b.r0;  // dead
+      add_band(moved);
+    } else if (m.e < 0) {
+      const Band moved{b.doc, m.x, b.r1, b.c, m.dst};
+      b.r1 = m.x;
+      load_[src] += band_seconds(b);
+      add_band(moved);
+    } else {
+      const Band upper{b.doc, m.x, b.r1, m.e, src};
+      blocks_.push_back(Block{b.doc, m.x, b.r1, b.c, m.e, m.dst});
+      load_[m.dst] += block_seconds(b.r1 - m.x, m.e - b.c);
+      hold(b.doc, m.dst, b.c, m.e);
+      b.r1 = m.x;
+      load_[src] += band_seconds(b);
+      if (upper.r0 < upper.r1) {
+        server_bands_[src].push_back(static_cast<int32_t>(bands_.size()));
+        bands_.push_back(upper);
+        load_[src] += band_seconds(upper);
+      }
+    }
+    const int32_t dst = m.dst;
+    receivers_.erase({-intake_[dst], dst});
+    intake_[dst] = std::max(0.0, intake_[dst] - m.seconds);
+    const double room = cap_ - load_[dst];
+    if (intake_[dst] > 0 && room > 0) {
+      receivers_.insert({-intake_[dst], dst});
+    } else if (room > 0 && receivers_.size() < 2) {
+      // The soft intakes are spent: fall back on the hard room.
+      intake_[dst] = room;
+      receivers_.insert({-intake_[dst], dst});
+    }
+    if (receivers_.empty()) refill_receivers();
+  }
+
+  // When every soft intake is spent, receivers may fill up to the cap.
+  void refill_receivers() {
+    for (int32_t s = 0; s < num_ranks_; ++s) {
+      const double room = cap_ - load_[s];
+      if (room > 0) {
+        intake_[s] = room;
+        receivers_.insert({-room, s});
+      }
+    }
+  }
+
+  void start_budget() {
+    std::vector<Task> tasks;
+    for (const Band& b : bands_) tasks.push_back(Task{b.doc, b.r0, b.r1, b.c, b.r1, b.server});
+    forward_rank_bytes(batch_, cost_.token_bytes(), tasks, send_, recv_);
+    for (int32_t k = 0; k < num_ranks_; ++k) {
+      if (send_[k] > budget_ || recv_[k] > budget_) is_budget_feasible_ = false;
+    }
+  }
+
+  const Batch& batch_;
+  const CostModel& cost_;
+  const PlannerOptions& options_;
+  const int64_t budget_;
+  const int64_t g_;
+  const int32_t num_ranks_;
+  double q_ = 0, kv_ = 0, seconds_per_pair_ = 0, overhead_ = 0;
+  double cap_ = 0;
+  std::vector<Band> bands_;
+  std::vector<Block> blocks_;
+  std::vector<double> load_;                       // (R) seconds
+  std::vector<std::vector<int32_t>> server_bands_; // (R) band ids, moved ones included
+  struct Held {
+    int32_t server;
+    int64_t lo, hi;
+  };
+  std::vector<std::vector<Held>> held_;            // (docs)
+  std::vector<double> intake_;                     // (R) soft intake left
+  std::set<std::pair<double, int32_t>> receivers_; // (-intake, server)
+  std::vector<int64_t> send_, recv_;               // (R) forward dispatch + return bytes so far
+  bool is_budget_feasible_ = true;
+  std::string failure_;
+};
+
+bool keeps_budget(const Plan& plan, int64_t budget) {
+  return plan.is_balanced && plan.traffic.forward.max_send_bytes <= budget && plan.traffic.forward.max_recv_bytes <= budget;
+}
+
+}  // namespace
+
+Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
+  DISTCA_RETURN_IF_ERROR(options.validate());
+  const int64_t budget = options.max_rank_bytes;
+  Plan plan = MinbytesPlanner(batch, cost, options, budget).run();
+  if (budget == 0 || keeps_budget(plan, budget)) return plan;
+  // The smallest budget this planner keeps (balanced and within it), by bisection between the
+  // asked one (kept not) and the unbudgeted plan's own largest send or receive.
+  const Plan free = MinbytesPlanner(batch, cost, options, 0).run();
+  int64_t hi = std::max(free.traffic.forward.max_send_bytes, free.traffic.forward.max_recv_bytes);
+  int64_t lo = budget;
+  if (!free.is_balanced || hi <= lo) {
+    plan.note += fmt::format("; --max-rank-bytes {} not kept", budget);
+    return plan;
+  }
+  while (hi - lo > std::max<int64_t>(1, hi / 1000)) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keeps_budget(MinbytesPlanner(batch, cost, options, mid).run(), mid)) hi = mid; else lo = mid;
+  }
+  plan.note += fmt::format("; --max-rank-bytes {} not kept: the smallest budget minbytes keeps on this batch is about {} "
+                           "bytes ({:.3f} GiB)", budget, hi, static_cast<double>(hi) / (1 << 30));
+  return plan;
+}
+
+}  // namespace distca::plan

@@ -1,0 +1,28 @@
+// The planner benchmark behind `distca bench planner`: every policy on the batches the authors'
+// planner was run on (shared/data/reference), beside the reference's own figures and the lower
+// bounds of plan/bounds.h, with planning times measured in the same run.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "distca/core/status.h"
+
+namespace distca::tools {
+
+struct PlannerBenchOptions {
+  std::string reference_dir;  // empty: $DISTCA_SHARED_DATA/reference, else ../shared/data/reference
+  double tolerance = 0.02;    // eps; the reference holds 0.02 and 0.1
+  std::vector<std::string> policies = {"distca", "minmax", "minbytes"};
+  int repeats = 20;           // planning time: the median of this many runs
+};
+
+Status validate(const PlannerBenchOptions& o);
+// The folder the options name, after defaults.
+std::string reference_dir(const PlannerBenchOptions& o);
+Result<nlohmann::json> run_planner_bench(const PlannerBenchOptions& o);
+void print_planner_report(const nlohmann::json& report);
+
+}  // namespace distca::tools
