@@ -14,12 +14,16 @@
 //   3. Receivers get a soft intake t (water filling): min(room, t) over the servers below cap
 //      adds up to the senders' excess, so the work spreads over many receivers instead of
 //      filling the emptiest ones first (the largest intake sets the largest receive).
-//   4. Senders, largest excess first, shed to the receiver with the most intake left: among
-//      their bands, the block of about the receiver's intake with the fewest bytes per second
-//      of work moved. A block takes rows [x, r1) of a band and keys [c, e), e <= x, so it lies
-//      wholly below the diagonal (a non-causal task); the band's rows [x, r1) keep keys [e, q].
-//      A band small enough to move whole moves as one causal task. Keys the receiver owns or
-//      already receives cost nothing. Cuts land on multiples of g.
+//   4. Senders, largest excess first, shed their excess in k equal blocks, k as few as the
+//      largest intake allows. Each block goes preferably to a receiver that has none yet (a
+//      receiver pays for every block it takes), the one with the least intake that holds it;
+//      else to the receiver holding it that receives the fewest bytes so far. Of the sender's
+//      bands, the cut with the fewest bytes per second of wanted work moved wins. A block takes
+//      rows [x, r1) of a band and keys [c, e), e <= x, so it lies wholly below the diagonal (a
+//      non-causal task); the band's rows [x, r1) keep keys [e, q]. Where no block fits, a tail
+//      of the band, or the whole band, moves as a causal task. Keys the receiver owns or
+//      already receives cost nothing. Cuts land on multiples of g. When the soft intakes are
+//      spent, a new water level over the rooms left covers the excess left.
 //   5. The owner of a query row merges the partial O/LSE of its row's tasks (the runtime does).
 // A per-rank byte budget (forward dispatch + return, send and receive, as minmax's) skips moves
 // that would break it; when the plan cannot keep it, the note names the smallest budget this
@@ -90,19 +94,7 @@ class MinbytesPlanner {
         senders.push_back(s);
       }
     }
-    double lo = 0, hi = 0;
-    for (int32_t s = 0; s < num_ranks_; ++s) hi = std::max(hi, cap_ - load_[s]);
-    for (int it = 0; it < 60 && hi > 0; ++it) {
-      const double t = (lo + hi) / 2;
-      double sum = 0;
-      for (int32_t s = 0; s < num_ranks_; ++s) sum += std::clamp(cap_ - load_[s], 0.0, t);
-      if (sum >= 1.05 * excess) hi = t; else lo = t;
-    }
-    intake_.assign(num_ranks_, 0.0);
-    for (int32_t s = 0; s < num_ranks_; ++s) {
-      intake_[s] = std::clamp(cap_ - load_[s], 0.0, hi);
-      if (intake_[s] > 0) receivers_.insert({-intake_[s], s});
-    }
+    set_intakes(excess);
 
     std::stable_sort(senders.begin(), senders.end(), [&](int32_t a, int32_t b) { return load_[a] > load_[b]; });
     for (int32_t s : senders) shed(s);
@@ -148,12 +140,6 @@ class MinbytesPlanner {
   // already receives.
   template <typename Fn>
   void for_each_missing_key(int32_t doc, int64_t k0, int64_t k1, int32_t dst, Fn&& fn) const {
-    std::vector<std::pair<int64_t, int64_t>> have;
-    for (const auto& [s, lo, hi] : held_[doc]) {
-      if (s == dst) have.emplace_back(lo, hi);
-    }
-    std::sort(have.begin(), have.end());
-    int64_t at = k0;
     auto emit = [&](int64_t a, int64_t b) {
       if (a < b) {
         for_each_owner(batch_, doc, a, b, [&](int32_t owner, int64_t rows) {
@@ -161,6 +147,16 @@ class MinbytesPlanner {
         });
       }
     };
+    if (std::none_of(held_[doc].begin(), held_[doc].end(), [&](const Held& h) { return h.server == dst; })) {
+      emit(k0, k1);  // the common case: dst holds nothing of the document
+      return;
+    }
+    std::vector<std::pair<int64_t, int64_t>> have;
+    for (const auto& [s, lo, hi] : held_[doc]) {
+      if (s == dst) have.emplace_back(lo, hi);
+    }
+    std::sort(have.begin(), have.end());
+    int64_t at = k0;
     for (const auto& [lo, hi] : have) {
       if (hi <= at) continue;
       if (lo >= k1) break;
@@ -209,6 +205,10 @@ class MinbytesPlanner {
       options[count++] = (span + std::sqrt(disc)) / 2;
     }
     options[count++] = static_cast<double>(b.r1 - b.r0);
+    // The shape by its plain bytes (rows x q + keys x kv); then the exact bytes (keys the
+    // receiver holds are free) of that one.
+    Move shape;
+    double shape_price = 0;
     for (int i = 0; i < count; ++i) {
       const auto a_want = static_cast<int64_t>(std::ceil(options[i]));
       int64_t x = std::max(b.r0, floor_g(b.r1 - std::max<int64_t>(a_want, 1)));
@@ -220,13 +220,19 @@ class MinbytesPlanner {
       int64_t e = std::min(x, ceil_g(b.c + std::min(keys_want, max_keys)));
       while (e > b.c && block_seconds(rows, e - b.c) > room) e = std::max(b.c, floor_g(e - 1));
       if (e <= b.c) continue;
-      const double seconds = block_seconds(rows, e - b.c);
       const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c) - causal_seconds(x, b.r1, e);
       if (shed <= 0) continue;
-      const double bytes = dispatch_bytes(b.doc, x, b.r1, b.c, e, dst);
-      const double score = bytes / shed;
-      if (best.band < 0 || score < best.score) best = Move{id, false, x, e, dst, seconds, shed, bytes, score};
+      const double plain = static_cast<double>(rows) * q_ + static_cast<double>(e - b.c) * kv_;
+      const double p = price(plain, shed, want);
+      if (shape.band < 0 || p < shape_price) {
+        shape = Move{id, false, x, e, dst, block_seconds(rows, e - b.c), shed, plain, p};
+        shape_price = p;
+      }
     }
+    if (shape.band < 0) return;
+    shape.bytes = dispatch_bytes(b.doc, shape.x, b.r1, b.c, shape.e, dst);
+    shape.score = price(shape.bytes, shape.shed, want);
+    if (best.band < 0 || shape.score < best.score) best = shape;
   }
 
   // Rows [x, r1) of band `id` moved as one causal task (keys [c, q]): the tail of the band
@@ -250,16 +256,16 @@ class MinbytesPlanner {
     const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c);
     if (shed <= 0) return;
     const double bytes = dispatch_bytes(b.doc, x, b.r1, b.c, b.r1, dst);
-    const double score = bytes / shed;
+    const double score = price(bytes, shed, want);
     if (best.band < 0 || score < best.score) best = Move{id, false, x, -1, dst, seconds, shed, bytes, score};
   }
 
-  void consider_whole(int32_t id, int32_t dst, double room, Move& best) const {
+  void consider_whole(int32_t id, int32_t dst, double want, double room, Move& best) const {
     const Band& b = bands_[id];
     const double seconds = band_seconds(b);
     if (seconds > room || seconds <= 0) return;
     const double bytes = dispatch_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst);
-    const double score = bytes / seconds;
+    const double score = price(bytes, seconds, want);
     if (best.band < 0 || score < best.score) best = Move{id, true, b.r0, b.r1, dst, seconds, seconds, bytes, score};
   }
 
@@ -278,49 +284,58 @@ class MinbytesPlanner {
   }
 
   // The best move of s's bands to dst, or none.
-  Move best_move_to(int32_t s, int32_t dst, double excess, double intake) const {
+  Move best_move_to(int32_t s, int32_t dst, double target, double intake) const {
     Move here;
     const double room = cap_ - load_[dst];
     if (dst == s || room <= 0) return here;
     // A server with no soft intake left (or none given: it was a sender) takes up to its room.
-    const double want = std::min(excess, intake > 0 ? std::min(intake, room) : room);
+    const double want = std::min(target, intake > 0 ? std::min(intake, room) : room);
     for (int32_t id : server_bands_[s]) {
       const Band& b = bands_[id];
       if (b.server != s || b.r0 >= b.r1) continue;
       consider_block(id, dst, want, room, here);
       consider_suffix(id, dst, want, room, here);
-      consider_whole(id, dst, std::min(room, std::max(want, intake)), here);
+      consider_whole(id, dst, want, std::min(room, std::max(want, intake)), here);
     }
     if (here.band >= 0 && !fits_budget(here)) here.band = -1;
     return here;
   }
 
-  // 4. Moves blocks off server s until it is at or below cap. Candidates: the receivers with
-  // the most intake left, the servers that already receive keys of s's documents (more rows
-  // against keys they hold cost only the rows), and, when none of those can take a block, the
-  // servers with the most room.
+  // 4. Moves blocks off server s until it is at or below cap. Candidates: as above, plus the
+  // servers that already receive keys of s's documents (more rows against keys they hold cost
+  // only the rows) and, when none of those can take a block, the servers with the most room.
   void shed(int32_t s) {
     std::vector<int32_t> candidates;
+    // The excess goes in k equal blocks, k as few as the largest intake allows: a sender's last
+    // block is then no remainder that shares a receiver with another sender's remainder (a
+    // receiver of two blocks receives more than of one block of the same work).
+    int moves_left = 1;
+    if (!receivers_.empty() && -receivers_.begin()->first > 0) {
+      moves_left = static_cast<int>(std::ceil((load_[s] - cap_) / -receivers_.begin()->first - 1e-9));
+    }
     while (load_[s] > cap_) {
       const double excess = load_[s] - cap_;
+      const double target = excess / std::max(1, moves_left);
       candidates.clear();
-      for (auto it = receivers_.begin(); it != receivers_.end() && candidates.size() < 3; ++it) {
-        if (it->second != s) candidates.push_back(it->second);
+      // A receiver pays for each block it takes (bytes grow as the square root of a block's
+      // work), so blocks go to receivers that have none yet, the one with the least intake that
+      // still holds the target (the roomier ones stay for larger blocks); failing that, of the
+      // receivers that hold the target, the one that receives the fewest bytes so far; and the
+      // receivers with the most intake left.
+      auto fit = fresh_.lower_bound({target, -1});
+      for (int n = 0; n < 2 && fit != fresh_.end(); ++n, ++fit) {
+        if (fit->second != s) candidates.push_back(fit->second);
       }
-      // The two roomiest servers (the intakes are soft; a receiver with intake left may have
-      // little room).
-      int32_t roomiest[2] = {-1, -1};
-      for (int32_t k = 0; k < num_ranks_; ++k) {
-        if (k == s || cap_ - load_[k] <= 0) continue;
-        if (roomiest[0] < 0 || load_[k] < load_[roomiest[0]]) {
-          roomiest[1] = roomiest[0];
-          roomiest[0] = k;
-        } else if (roomiest[1] < 0 || load_[k] < load_[roomiest[1]]) {
-          roomiest[1] = k;
+      if (candidates.empty()) {
+        int32_t least = -1;
+        for (const auto& [neg_intake, k] : receivers_) {
+          if (-neg_intake < target) break;
+          if (k != s && (least < 0 || received_[k] < received_[least])) least = k;
         }
+        if (least >= 0) candidates.push_back(least);
       }
-      for (int32_t k : roomiest) {
-        if (k >= 0) candidates.push_back(k);
+      for (auto it = receivers_.begin(); it != receivers_.end() && candidates.size() < 2; ++it) {
+        if (it->second != s) candidates.push_back(it->second);
       }
       // The latest few servers to receive keys of s's documents.
       const size_t first_held = candidates.size();
@@ -328,7 +343,7 @@ class MinbytesPlanner {
         const Band& b = bands_[*id];
         if (b.server != s || b.r0 >= b.r1) continue;
         for (auto h = held_[b.doc].rbegin(); h != held_[b.doc].rend() && candidates.size() < first_held + 3; ++h) {
-          if (h->server != s && cap_ - load_[h->server] > 0) candidates.push_back(h->server);
+          if (h->server != s && intake_[h->server] > 0 && cap_ - load_[h->server] > 0) candidates.push_back(h->server);
         }
         if (candidates.size() >= first_held + 3) break;
       }
@@ -336,7 +351,7 @@ class MinbytesPlanner {
       candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
       Move best;
       for (int32_t dst : candidates) {
-        const Move m = best_move_to(s, dst, excess, intake_[dst]);
+        const Move m = best_move_to(s, dst, target, intake_[dst]);
         if (m.band >= 0 && (best.band < 0 || better(m, best, excess))) best = m;
       }
       if (best.band < 0) {  // by room: the roomiest servers, however much intake they had
@@ -357,18 +372,23 @@ class MinbytesPlanner {
         }
         return;
       }
+      --moves_left;
       const double before = load_[s];
       apply(best);
       DISTCA_CHECK(load_[s] < before) << "minbytes: a move did not lower server " << s << "'s load";
     }
   }
 
-  // Of two moves, the one that clears more of the excess per byte, each move priced one tile
-  // of rows and keys more than its bytes (a message, a task): else slivers whose keys the
-  // receiver already holds look free and the excess goes in countless tiny moves.
+  // Bytes per second of the wanted work a move clears: work beyond `want` earns nothing (it
+  // would overfill the receiver or overshoot the excess), and each move costs one tile of rows
+  // and keys more than its bytes (a message, a task), else slivers whose keys the receiver
+  // already holds look free and the excess goes in countless tiny moves.
+  double price(double bytes, double shed, double want) const {
+    return (bytes + static_cast<double>(g_) * (q_ + kv_)) / std::min(shed, want);
+  }
+  // Of two moves to different receivers, the one that clears more of the excess per byte.
   bool better(const Move& a, const Move& b, double excess) const {
-    const double per_move = static_cast<double>(g_) * (q_ + kv_);
-    return (a.bytes + per_move) / std::min(a.shed, excess) < (b.bytes + per_move) / std::min(b.shed, excess);
+    return price(a.bytes, a.shed, excess) < price(b.bytes, b.shed, excess);
   }
 
   void apply(const Move& m) {
@@ -407,27 +427,42 @@ class MinbytesPlanner {
       }
     }
     const int32_t dst = m.dst;
+    fresh_.erase({intake_[dst], dst});
+    received_[dst] += m.bytes;
     receivers_.erase({-intake_[dst], dst});
     intake_[dst] = std::max(0.0, intake_[dst] - m.seconds);
     const double room = cap_ - load_[dst];
-    if (intake_[dst] > 0 && room > 0) {
-      receivers_.insert({-intake_[dst], dst});
-    } else if (room > 0 && receivers_.size() < 2) {
-      // The soft intakes are spent: fall back on the hard room.
-      intake_[dst] = room;
-      receivers_.insert({-intake_[dst], dst});
-    }
+    if (intake_[dst] > 0 && room > 0) receivers_.insert({-intake_[dst], dst});
     if (receivers_.empty()) refill_receivers();
   }
 
-  // When every soft intake is spent, receivers may fill up to the cap.
+  // When every soft intake is spent, a new water level over the rooms left covers the excess
+  // left (the first level's blocks came out larger than their targets, or geometry left gaps).
   void refill_receivers() {
-    for (int32_t s = 0; s < num_ranks_; ++s) {
-      const double room = cap_ - load_[s];
-      if (room > 0) {
-        intake_[s] = room;
-        receivers_.insert({-room, s});
-      }
+    double excess = 0;
+    for (int32_t k = 0; k < num_ranks_; ++k) excess += std::max(0.0, load_[k] - cap_);
+    set_intakes(excess);
+  }
+
+  // intake = min(room, t) with sum of intakes = 1.05 x excess (or every room, if they fall short).
+  void set_intakes(double excess) {
+    double lo = 0, hi = 0;
+    for (int32_t k = 0; k < num_ranks_; ++k) hi = std::max(hi, cap_ - load_[k]);
+    for (int it = 0; it < 60 && hi > 0; ++it) {
+      const double t = (lo + hi) / 2;
+      double sum = 0;
+      for (int32_t k = 0; k < num_ranks_; ++k) sum += std::clamp(cap_ - load_[k], 0.0, t);
+      if (sum >= 1.05 * excess) hi = t; else lo = t;
+    }
+    receivers_.clear();
+    fresh_.clear();
+    intake_.assign(num_ranks_, 0.0);
+    received_.resize(num_ranks_, 0.0);
+    for (int32_t k = 0; k < num_ranks_; ++k) {
+      intake_[k] = std::clamp(cap_ - load_[k], 0.0, hi);
+      if (intake_[k] <= 0) continue;
+      receivers_.insert({-intake_[k], k});
+      if (received_[k] == 0) fresh_.insert({intake_[k], k});
     }
   }
 
@@ -459,6 +494,8 @@ class MinbytesPlanner {
   std::vector<std::vector<Held>> held_;            // (docs)
   std::vector<double> intake_;                     // (R) soft intake left
   std::set<std::pair<double, int32_t>> receivers_; // (-intake, server)
+  std::set<std::pair<double, int32_t>> fresh_;     // (intake, server) of receivers without a block
+  std::vector<double> received_;                   // (R) dispatch bytes each receives so far
   std::vector<int64_t> send_, recv_;               // (R) forward dispatch + return bytes so far
   bool is_budget_feasible_ = true;
   std::string failure_;
