@@ -89,7 +89,9 @@ nlohmann::json StepRecord::to_json() const {
           {"wait_max_seconds", wait_max_seconds},
           {"attention_imbalance", attention_imbalance},
           {"bound_seconds", bound_seconds},
-          {"attention_bytes", attention_bytes}};
+          {"attention_bytes", attention_bytes},
+          {"attention_tasks", attention_tasks},
+          {"split_tasks", split_tasks}};
 }
 
 MemoryEstimate estimate_memory(const TrainOptions& o, int ranks) {
@@ -286,6 +288,10 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
   StepRecord rec;
   rec.step = step_ + 1;
+  for (const plan::Task& task : attention.plan().tasks) {  // the same plan on every rank (hash-checked)
+    ++rec.attention_tasks;
+    rec.split_tasks += task.k0 > 0 || !task.is_causal() ? 1 : 0;
+  }
   rec.backend = run.name;
   rec.grad_norm = norm;
   rec.lr = lr;

@@ -63,6 +63,35 @@ double mean_loss(const std::vector<StepRecord>& rs, const std::string& backend, 
   return s / static_cast<double>(n);
 }
 
+// minbytes cuts a long document into key-range split blocks; the owners merge the partial
+// outputs by the LSE rule. Training on such plans gives the colocated curve.
+TEST(Train, KeySplitPlansGiveTheColocatedLossCurve) {
+  for (int ranks : {2, 3}) {
+    for (const auto mode : {plan::BackwardMode::kStateful, plan::BackwardMode::kStateless}) {
+      SCOPED_TRACE(fmt::format("{} ranks, {}", ranks, plan::backward_mode_name(mode)));
+      TrainOptions o = tiny(20);
+      o.context = 1024;
+      o.workload = "skewed";
+      o.backends = {"colocated", "cad"};
+      o.policy = "minbytes";
+      o.granularity = 32;
+      o.backward_mode = mode;
+      const auto rs = train(ranks, o, 20);
+      ASSERT_EQ(rs.size(), 40u);
+      int64_t splits = 0;
+      for (size_t i = 0; i < rs.size(); i += 2) {
+        ASSERT_EQ(rs[i].backend, "colocated");
+        ASSERT_EQ(rs[i + 1].backend, "cad");
+        splits += rs[i + 1].split_tasks;
+        EXPECT_LE(std::abs(rs[i].loss - rs[i + 1].loss), 1e-5 * std::abs(rs[i].loss)) << "step " << rs[i].step;
+      }
+      EXPECT_GT(splits, 0);  // the plans really split key ranges
+      std::printf("%d ranks %s: %lld key-split tasks over 20 steps\n", ranks, plan::backward_mode_name(mode),
+                  static_cast<long long>(splits));
+    }
+  }
+}
+
 TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
   for (int ranks : {2, 4}) {
     for (const std::string policy : {"minmax", "minbytes", "distca", "none"}) {

@@ -75,6 +75,8 @@ struct StepRecord {
   // attention work), the step with compute perfectly balanced and communication and waiting free.
   double bound_seconds = 0;
   int64_t attention_bytes = 0;  // sent between ranks by the attention backend, all ranks and phases
+  int64_t attention_tasks = 0;  // CA tasks in this step's plan (one plan per step, all layers)
+  int64_t split_tasks = 0;      // of them, tasks over part of their rows' key range (k0 > 0 or non-causal)
   nlohmann::json to_json() const;
 };
 
