@@ -414,6 +414,7 @@ Result<SystemResult> run_system(const Ctx& c, const std::string& system) {
   if (system == "colocated") return colocated(c);
   if (system == "wlb") return wlb(c);
   if (system == "cad-distca") return cad(c, system, "distca", plan::BackwardMode::kStateless);
+  if (system == "cad-minbytes") return cad(c, system, "minbytes", plan::BackwardMode::kStateful);
   return cad(c, system, "minmax", plan::BackwardMode::kStateful);
 }
 
@@ -524,7 +525,7 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
   return out;
 }
 
-std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad"}; }
+std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad", "cad-minbytes"}; }
 
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems) {
   DISTCA_RETURN_IF_ERROR(o.validate());
@@ -532,7 +533,7 @@ Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOpti
   const std::vector<std::string> known = system_names();
   for (const std::string& s : systems) {
     if (std::find(known.begin(), known.end(), s) == known.end()) {
-      return invalid_argument(fmt::format("no system '{}' (known: colocated, wlb, cad-distca, cad, all)", s));
+      return invalid_argument(fmt::format("no system '{}' (known: colocated, wlb, cad-distca, cad, cad-minbytes, all)", s));
     }
   }
   // runs[k]: system k's iterations, each sampled with its own seed.

@@ -138,7 +138,7 @@ TEST(Simulate, CadBalancesAttentionAndEveryNumberAddsUp) {
     SCOPED_TRACE(pp);
     auto rs = simulate(default_h200_profile(), small(pp), system_names());
     ASSERT_TRUE(rs.is_ok()) << rs.status().to_string();
-    ASSERT_EQ(rs.value().size(), 4u);
+    ASSERT_EQ(rs.value().size(), 5u);
     double total_attention = -1;
     for (const SystemResult& r : rs.value()) {
       SCOPED_TRACE(r.system);

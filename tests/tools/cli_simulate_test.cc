@@ -31,7 +31,7 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   CmdResult r = distca("simulate --gpus 64 --context 128K --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
-  ASSERT_EQ(j["systems"].size(), 4u);
+  ASSERT_EQ(j["systems"].size(), 5u);
   EXPECT_EQ(j["iterations"], 1);
   EXPECT_EQ(j["device_memory_bytes"], 141e9);
   for (const auto& s : j["systems"]) {
@@ -51,7 +51,7 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   auto records = nlohmann::json::parse(paper.out);
   ASSERT_GT(records.size(), 10u);
   for (const auto& rec : records) {
-    for (const char* field : {"model", "gpus", "context", "dataset", "parallelism", "speedup_cad_distca", "speedup_cad",
+    for (const char* field : {"model", "gpus", "context", "dataset", "parallelism", "speedup_cad_distca", "speedup_cad", "speedup_cad_minbytes",
                               "paper_low", "paper_high", "fits_memory", "memory_bytes_per_gpu"}) {
       EXPECT_TRUE(rec.contains(field)) << field;
     }
@@ -101,7 +101,7 @@ TEST(Cli, SimulateSummaryTermsAddUpToTheIterationTime) {
       EXPECT_NEAR(linear + attention + comm + idle, iter, 0.0025) << line;
       EXPECT_GE(idle, 0) << line;
     }
-    EXPECT_EQ(rows, 4) << table.out;
+    EXPECT_EQ(rows, 5) << table.out;
     CmdResult j = distca("simulate " + args + " --json");
     ASSERT_EQ(j.exit_code, 0) << j.err;
     const auto report = nlohmann::json::parse(j.out);
@@ -191,7 +191,7 @@ TEST(Cli, SimulatePlotStacksEachUnitsPartsUpToTheIterationTime) {
     seconds[system][unit] += std::stod((*it)[5]);
     ++parts[system][unit];
   }
-  ASSERT_EQ(seconds.size(), 4u);
+  ASSERT_EQ(seconds.size(), 5u);
   for (const auto& s : report["systems"]) {
     const std::string system = s["system"];
     SCOPED_TRACE(system);
@@ -241,7 +241,7 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
       {"unknown model", "--model llama-1t", "llama-1t"},
       {"gpus not a multiple", "--gpus 60", "--gpus"},
       {"bad context", "--context 12Q", "--context"},
-      {"unknown system", "--system magic", "--system must be colocated, wlb, cad-distca, cad or all, got 'magic'"},
+      {"unknown system", "--system magic", "--system must be colocated, wlb, cad-distca, cad, cad-minbytes or all, got 'magic'"},
       {"unknown workload", "--workload web", "--workload must be pretrain or prolong, got 'web'"},
       {"layers do not split", "--gpus 48 --pp 3", "stages"},
       {"missing profile", "--profile /nonexistent.json", "/nonexistent.json"},
