@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "distca/plan/verify.h"
 
 namespace distca::plan {
@@ -47,6 +49,9 @@ json plan_report_json(const Plan& before, const Plan& after, const Batch& batch,
           {"balanced", after.is_balanced},
           {"guaranteed", after.is_guaranteed},
           {"within_budget", after.is_within_budget},
+          {"smallest_kept_budget_bytes", after.smallest_kept_budget > 0 ? json(after.smallest_kept_budget) : json(nullptr)},
+          {"split_tasks", std::count_if(after.tasks.begin(), after.tasks.end(),
+                                        [](const Task& t) { return t.k0 > 0 || !t.is_causal(); })},
           {"note", after.note},
           {"hash", hex(after.hash)},
           {"load_unit", "estimated seconds of core attention per step (all layers, fwd + bwd)"},

@@ -512,21 +512,29 @@ Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const Plan
   const int64_t budget = options.max_rank_bytes;
   Plan plan = MinbytesPlanner(batch, cost, options, budget).run();
   if (budget == 0 || keeps_budget(plan, budget)) return plan;
-  // The smallest budget this planner keeps (balanced and within it), by bisection between the
-  // asked one (kept not) and the unbudgeted plan's own largest send or receive.
+  // The smallest budget this planner keeps (balanced and within it): a kept budget from the
+  // unbudgeted plan's own largest send or receive up, then bisection down to the asked one.
   const Plan free = MinbytesPlanner(batch, cost, options, 0).run();
-  int64_t hi = std::max(free.traffic.forward.max_send_bytes, free.traffic.forward.max_recv_bytes);
-  int64_t lo = budget;
-  if (!free.is_balanced || hi <= lo) {
-    plan.note += fmt::format("; --max-rank-bytes {} not kept", budget);
+  if (!free.is_balanced) {
+    plan.note += fmt::format("; --max-rank-bytes {} not kept (minbytes does not balance this batch even without one)", budget);
     return plan;
   }
+  int64_t hi = std::max({free.traffic.forward.max_send_bytes, free.traffic.forward.max_recv_bytes, budget + 1});
+  for (int tries = 0; !keeps_budget(MinbytesPlanner(batch, cost, options, hi).run(), hi); ++tries) {
+    if (tries == 30) {
+      plan.note += fmt::format("; --max-rank-bytes {} not kept, nor any budget up to {} bytes", budget, hi);
+      return plan;
+    }
+    hi += hi / 4 + 1;
+  }
+  int64_t lo = budget;
   while (hi - lo > std::max<int64_t>(1, hi / 1000)) {
     const int64_t mid = lo + (hi - lo) / 2;
     if (keeps_budget(MinbytesPlanner(batch, cost, options, mid).run(), mid)) hi = mid; else lo = mid;
   }
-  plan.note += fmt::format("; --max-rank-bytes {} not kept: the smallest budget minbytes keeps on this batch is about {} "
-                           "bytes ({:.3f} GiB)", budget, hi, static_cast<double>(hi) / (1 << 30));
+  plan.smallest_kept_budget = hi;
+  plan.note += fmt::format("; --max-rank-bytes {} not kept: the smallest budget minbytes keeps on this batch is {} "
+                           "bytes ({:.3f} GiB, within 0.1 %)", budget, hi, static_cast<double>(hi) / (1 << 30));
   return plan;
 }
 

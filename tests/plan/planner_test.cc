@@ -214,5 +214,34 @@ TEST(PlanMinmax, HonoursAByteBudgetOrReportsIt) {
   }
 }
 
+// minbytes keeps a budget it can keep; below what it can keep it names the smallest budget it
+// keeps, and that budget is kept.
+TEST(PlanMinbytes, HonoursAByteBudgetOrNamesTheSmallestItKeeps) {
+  const Batch b = parse_batch_json(R"({"ranks": [[8192], [512, 512, 512, 512], [1024, 1024], [256, 256, 256, 256]]})", 0,
+                                   "test").value();
+  const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  const Plan free = make(plan_minbytes, b, cost, PlannerOptions{0.05, 128, 0});
+  ASSERT_TRUE(free.is_balanced) << free.note;
+  const int64_t unlimited = std::max(free.traffic.forward.max_send_bytes, free.traffic.forward.max_recv_bytes);
+  ASSERT_GT(unlimited, 0);
+  // A budget far above what it needs changes nothing.
+  const Plan roomy = make(plan_minbytes, b, cost, PlannerOptions{0.05, 128, 4 * unlimited});
+  EXPECT_TRUE(roomy.is_within_budget && roomy.is_balanced) << roomy.note;
+  EXPECT_EQ(roomy.smallest_kept_budget, 0);
+  // One byte cannot be kept: the note names the smallest budget, and it is kept.
+  const Plan starved = make(plan_minbytes, b, cost, PlannerOptions{0.05, 128, 1});
+  EXPECT_FALSE(starved.is_within_budget && starved.is_balanced);
+  const int64_t smallest = starved.smallest_kept_budget;
+  ASSERT_GT(smallest, 1) << starved.note;
+  EXPECT_NE(starved.note.find(fmt::format("is {} bytes", smallest)), std::string::npos) << starved.note;
+  const Plan kept = make(plan_minbytes, b, cost, PlannerOptions{0.05, 128, smallest});
+  EXPECT_TRUE(kept.is_balanced && kept.is_within_budget) << kept.note;
+  EXPECT_LE(kept.traffic.forward.max_send_bytes, smallest);
+  EXPECT_LE(kept.traffic.forward.max_recv_bytes, smallest);
+  // And 0.2 % less is not (the search is exact to 0.1 %).
+  const Plan less = make(plan_minbytes, b, cost, PlannerOptions{0.05, 128, smallest - smallest / 500});
+  EXPECT_FALSE(less.is_balanced && less.is_within_budget) << less.note;
+}
+
 }  // namespace
 }  // namespace distca::plan

@@ -109,6 +109,9 @@ struct Plan {
   bool is_guaranteed = false;
   // False when a per-rank byte budget was asked for and cannot be kept.
   bool is_within_budget = true;
+  // minbytes, when the asked budget is not kept: the smallest budget (bytes) with which it
+  // balances and keeps it (to 0.1 %); 0 when not searched.
+  int64_t smallest_kept_budget = 0;
   std::string note;
 };
 
