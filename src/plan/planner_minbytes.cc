@@ -3,10 +3,12 @@
 //
 // Why blocks: a query shard moved with its whole causal key prefix (the paper's task shape)
 // makes the receiver pay for every key before the shard, however little work it takes. A block
-// of a rows x b keys computes a * b pairs and costs a * q + b * kv bytes of dispatch (Q rows and
-// K/V rows, token_bytes()); for a given amount of work that is least when a * q = b * kv, and
-// grows only as the square root of the work. With q = 2 kv (32 query, 8 KV heads) the best
-// block has twice as many keys as rows.
+// of a rows x b keys computes a * b pairs and costs a * Q + b * K bytes, where Q and K are what
+// a query row and a key row cost over the four phases with the stateful backward (Q, partial
+// O/LSE back, dO with the merged O/LSE, partial dQ back; K/V, fp32 dK/dV back). For a given
+// amount of work that is least when a * Q = b * K, and grows only as the square root of the
+// work. At 32 query and 8 KV heads in bf16, Q = 41,216 and K = 12,288 bytes: the best block has
+// about 3.4 times as many keys as rows.
 //
 //   1. Every piece starts at home as one causal task: a band of rows [r0, r1) with keys [c, q]
 //      for each row q (c = 0 at first).
@@ -61,7 +63,7 @@ struct Move {
   int32_t dst = -1;
   double seconds = 0;  // what the receiver gains
   double shed = 0;     // what the sender loses (less than seconds when the cut adds a task there)
-  double bytes = 0;    // forward dispatch bytes
+  double bytes = 0;    // all four phases (move_bytes)
   double score = 0;    // bytes per second of work moved
 };
 
@@ -72,8 +74,12 @@ class MinbytesPlanner {
         num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0), server_bands_(num_ranks_),
         held_(batch.num_docs()) {
     const TokenBytes& tb = cost_.token_bytes();
-    q_ = static_cast<double>(tb.q);
-    kv_ = static_cast<double>(tb.kv);
+    // What a row costs over the four phases with the stateful backward: a query row of a split
+    // task goes out as Q, comes back as partial O/LSE, goes out again as dO with the merged
+    // O/LSE, and comes back as partial dQ; a key row goes out as K/V and comes back as fp32
+    // dK/dV.
+    q_ = static_cast<double>(tb.q + tb.out + tb.bwd_do + tb.out + tb.bwd_dq);
+    kv_ = static_cast<double>(tb.kv + tb.bwd_dkv);
     seconds_per_pair_ = cost_.pair_seconds(1);
     overhead_ = cost_.task_seconds(cost_.profile().tile_rows, 0);
   }
@@ -180,13 +186,14 @@ class MinbytesPlanner {
     for_each_missing_key(doc, k0, k1, dst, [&](int32_t owner, int64_t rows) { fn(owner, dst, rows * tb.kv); });
   }
 
-  double dispatch_bytes(int32_t doc, int64_t q0, int64_t q1, int64_t k0, int64_t k1, int32_t dst) const {
-    const TokenBytes& tb = cost_.token_bytes();
+  // The bytes of all four phases (q_ and kv_ per row) of running rows [q0, q1) x keys [k0, k1)
+  // of `doc` on `dst`: rows it does not own, keys it neither owns nor already receives.
+  double move_bytes(int32_t doc, int64_t q0, int64_t q1, int64_t k0, int64_t k1, int32_t dst) const {
     double bytes = 0;
     for_each_owner(batch_, doc, q0, q1, [&](int32_t owner, int64_t rows) {
-      if (owner != dst) bytes += static_cast<double>(rows * tb.q);
+      if (owner != dst) bytes += static_cast<double>(rows) * q_;
     });
-    for_each_missing_key(doc, k0, k1, dst, [&](int32_t, int64_t rows) { bytes += static_cast<double>(rows * tb.kv); });
+    for_each_missing_key(doc, k0, k1, dst, [&](int32_t, int64_t rows) { bytes += static_cast<double>(rows) * kv_; });
     return bytes;
   }
 
@@ -230,7 +237,7 @@ class MinbytesPlanner {
       }
     }
     if (shape.band < 0) return;
-    shape.bytes = dispatch_bytes(b.doc, shape.x, b.r1, b.c, shape.e, dst);
+    shape.bytes = move_bytes(b.doc, shape.x, b.r1, b.c, shape.e, dst);
     shape.score = price(shape.bytes, shape.shed, want);
     if (best.band < 0 || shape.score < best.score) best = shape;
   }
@@ -255,7 +262,7 @@ class MinbytesPlanner {
     const double seconds = causal_seconds(x, b.r1, b.c);
     const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c);
     if (shed <= 0) return;
-    const double bytes = dispatch_bytes(b.doc, x, b.r1, b.c, b.r1, dst);
+    const double bytes = move_bytes(b.doc, x, b.r1, b.c, b.r1, dst);
     const double score = price(bytes, shed, want);
     if (best.band < 0 || score < best.score) best = Move{id, false, x, -1, dst, seconds, shed, bytes, score};
   }
@@ -264,7 +271,7 @@ class MinbytesPlanner {
     const Band& b = bands_[id];
     const double seconds = band_seconds(b);
     if (seconds > room || seconds <= 0) return;
-    const double bytes = dispatch_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst);
+    const double bytes = move_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst);
     const double score = price(bytes, seconds, want);
     if (best.band < 0 || score < best.score) best = Move{id, true, b.r0, b.r1, dst, seconds, seconds, bytes, score};
   }
@@ -284,15 +291,25 @@ class MinbytesPlanner {
   }
 
   // The best move of s's bands to dst, or none.
-  Move best_move_to(int32_t s, int32_t dst, double target, double intake) const {
+  // `bands`: the sender's live bands, largest first. A band of w seconds can give no move
+  // cheaper than 2 sqrt(Q K p) bytes for the p pairs of min(w, want) (a rows x b keys hold at
+  // most a * b pairs), so once that floor exceeds the best price found, no smaller band can win
+  // and the search stops; unless dst holds keys or rows of the band's document (then they are
+  // free and the floor does not hold).
+  Move best_move_to(const std::vector<int32_t>& bands, int32_t dst, double target, double intake) const {
     Move here;
     const double room = cap_ - load_[dst];
-    if (dst == s || room <= 0) return here;
+    if (room <= 0) return here;
     // A server with no soft intake left (or none given: it was a sender) takes up to its room.
     const double want = std::min(target, intake > 0 ? std::min(intake, room) : room);
-    for (int32_t id : server_bands_[s]) {
+    const double per_move = static_cast<double>(g_) * (q_ + kv_);
+    for (int32_t id : bands) {
       const Band& b = bands_[id];
-      if (b.server != s || b.r0 >= b.r1) continue;
+      const double w = std::min(band_seconds(b), want);
+      if (here.band >= 0 && !holds_any(b.doc, dst)) {
+        const double pairs = std::max(0.0, (w - overhead_) / seconds_per_pair_);
+        if ((per_move + 2 * std::sqrt(q_ * kv_ * pairs)) / w >= here.score) break;
+      }
       consider_block(id, dst, want, room, here);
       consider_suffix(id, dst, want, room, here);
       consider_whole(id, dst, want, std::min(room, std::max(want, intake)), here);
@@ -301,11 +318,22 @@ class MinbytesPlanner {
     return here;
   }
 
+  // Whether dst owns rows of `doc` or receives some of its keys already.
+  bool holds_any(int32_t doc, int32_t dst) const {
+    for (const Held& h : held_[doc]) {
+      if (h.server == dst) return true;
+    }
+    for (int32_t p : batch_.doc_pieces[doc]) {
+      if (batch_.pieces[p].rank == dst) return true;
+    }
+    return false;
+  }
+
   // 4. Moves blocks off server s until it is at or below cap. Candidates: as above, plus the
   // servers that already receive keys of s's documents (more rows against keys they hold cost
   // only the rows) and, when none of those can take a block, the servers with the most room.
   void shed(int32_t s) {
-    std::vector<int32_t> candidates;
+    std::vector<int32_t> candidates, live;
     // The excess goes in k equal blocks, k as few as the largest intake allows: a sender's last
     // block is then no remainder that shares a receiver with another sender's remainder (a
     // receiver of two blocks receives more than of one block of the same work).
@@ -349,9 +377,16 @@ class MinbytesPlanner {
       }
       std::sort(candidates.begin(), candidates.end());
       candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+      live.clear();
+      for (int32_t id : server_bands_[s]) {
+        if (bands_[id].server == s && bands_[id].r0 < bands_[id].r1) live.push_back(id);
+      }
+      std::stable_sort(live.begin(), live.end(),
+                       [&](int32_t a, int32_t b) { return band_seconds(bands_[a]) > band_seconds(bands_[b]); });
       Move best;
       for (int32_t dst : candidates) {
-        const Move m = best_move_to(s, dst, target, intake_[dst]);
+        if (dst == s) continue;
+        const Move m = best_move_to(live, dst, target, intake_[dst]);
         if (m.band >= 0 && (best.band < 0 || better(m, best, excess))) best = m;
       }
       if (best.band < 0) {  // by room: the roomiest servers, however much intake they had
@@ -361,7 +396,8 @@ class MinbytesPlanner {
         std::partial_sort(order.begin(), order.begin() + top, order.end(),
                           [&](int32_t a, int32_t b) { return load_[a] < load_[b]; });
         for (size_t i = 0; i < top; ++i) {
-          const Move m = best_move_to(s, order[i], excess, cap_ - load_[order[i]]);
+          if (order[i] == s) continue;
+          const Move m = best_move_to(live, order[i], excess, cap_ - load_[order[i]]);
           if (m.band >= 0 && (best.band < 0 || better(m, best, excess))) best = m;
         }
       }
@@ -481,7 +517,8 @@ class MinbytesPlanner {
   const int64_t budget_;
   const int64_t g_;
   const int32_t num_ranks_;
-  double q_ = 0, kv_ = 0, seconds_per_pair_ = 0, overhead_ = 0;
+  double q_ = 0, kv_ = 0;  // bytes per query row and per key row moved, all phases
+  double seconds_per_pair_ = 0, overhead_ = 0;
   double cap_ = 0;
   std::vector<Band> bands_;
   std::vector<Block> blocks_;
@@ -495,7 +532,7 @@ class MinbytesPlanner {
   std::vector<double> intake_;                     // (R) soft intake left
   std::set<std::pair<double, int32_t>> receivers_; // (-intake, server)
   std::set<std::pair<double, int32_t>> fresh_;     // (intake, server) of receivers without a block
-  std::vector<double> received_;                   // (R) dispatch bytes each receives so far
+  std::vector<double> received_;                   // (R) bytes of the moves each took so far
   std::vector<int64_t> send_, recv_;               // (R) forward dispatch + return bytes so far
   bool is_budget_feasible_ = true;
   std::string failure_;

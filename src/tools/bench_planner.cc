@@ -50,7 +50,13 @@ json plan_json(const Batch& batch, const CostModel& cost, const Plan& plan, doub
   const double send = max_of(d.send_bytes), recv = max_of(d.recv_bytes);
   const int64_t max_pairs = *std::max_element(plan.server_pairs.begin(), plan.server_pairs.end());
   const DispatchBounds bound = dispatch_lower_bounds(batch, cost.token_bytes(), max_pairs);
+  // What the runtime sends in all four phases with the stateful backward: a key-split row pays
+  // its partial O/LSE back, and its merged O/LSE again with dO.
+  const Traffic all = count_traffic(batch, cost.token_bytes(), plan.tasks, BackwardMode::kStateful);
+  double all_bytes = 0;
+  for (const auto& ph : all.phases) all_bytes += static_cast<double>(ph.total_bytes);
   json j{{"policy", plan.policy},
+         {"all_phases_bytes_stateful", all_bytes},
          {"verified", verify_tasks(batch, plan.tasks).is_ok()},
          {"imbalance", plan.load.pairs_imbalance},
          {"q_bytes", q},
@@ -135,24 +141,26 @@ void print_planner_report(const json& report) {
   constexpr double kGB = 1e9;
   fmt::print("Forward dispatch (Q + K/V) of one layer, Llama-8B bf16 TP 1, eps {}; 1 GB = 1e9 bytes; (x ref) = ours / "
              "the reference planner's\n", report["tolerance"].get<double>());
-  fmt::print("plan ms: median of {} runs, the policies interleaved in this run\n\n", report["repeats"].get<int>());
+  fmt::print("plan ms: median of {} runs, the policies interleaved in this run; all phases: GB of the forward and the "
+             "stateful backward, both directions\n\n", report["repeats"].get<int>());
   for (const json& b : report["batches"]) {
     const json& ref = b["reference"];
     fmt::print("{} ({} ranks)\n", b["batch"].get<std::string>(), b["ranks"].get<int>());
-    fmt::print("  {:<22} {:>9} {:>16} {:>16} {:>16} {:>8} {:>8} {:>8}\n", "", "imbalance", "Q+K/V GB (x ref)",
-               "max send GB", "max recv GB", "tasks", "split", "plan ms");
-    fmt::print("  {:<22} {:>9.4f} {:>16.2f} {:>16.3f} {:>16.3f} {:>8} {:>8} {:>8}\n", "reference planner",
+    fmt::print("  {:<22} {:>9} {:>16} {:>16} {:>16} {:>8} {:>8} {:>8} {:>12}\n", "", "imbalance", "Q+K/V GB (x ref)",
+               "max send GB", "max recv GB", "tasks", "split", "plan ms", "all phases");
+    fmt::print("  {:<22} {:>9.4f} {:>16.2f} {:>16.3f} {:>16.3f} {:>8} {:>8} {:>8} {:>12}\n", "reference planner",
                ref["imbalance_after"].get<double>(),
                (ref["q_bytes"].get<double>() + ref["kv_bytes"].get<double>()) / kGB,
                ref["max_send_bytes"].get<double>() / kGB, ref["max_recv_bytes"].get<double>() / kGB,
-               ref["chunks"].get<int64_t>(), "-", "-");
+               ref["chunks"].get<int64_t>(), "-", "-", "-");
     for (const json& p : b["plans"]) {
-      fmt::print("  {:<22} {:>9.4f} {:>8.2f} ({:.2f}x) {:>8.3f} ({:.2f}x) {:>8.3f} ({:.2f}x) {:>8} {:>8} {:>8.2f}{}\n",
+      fmt::print("  {:<22} {:>9.4f} {:>8.2f} ({:.2f}x) {:>8.3f} ({:.2f}x) {:>8.3f} ({:.2f}x) {:>8} {:>8} {:>8.2f} {:>12.1f}{}\n",
                  p["policy"].get<std::string>(), p["imbalance"].get<double>(), p["dispatch_bytes"].get<double>() / kGB,
                  p["dispatch_over_reference"].get<double>(), p["max_send_bytes"].get<double>() / kGB,
                  p["max_send_over_reference"].get<double>(), p["max_recv_bytes"].get<double>() / kGB,
                  p["max_recv_over_reference"].get<double>(), p["tasks"].get<int64_t>(), p["split_tasks"].get<int64_t>(),
-                 p["plan_ms"].get<double>(), p["verified"].get<bool>() ? "" : "  NOT VERIFIED");
+                 p["plan_ms"].get<double>(), p["all_phases_bytes_stateful"].get<double>() / kGB,
+                 p["verified"].get<bool>() ? "" : "  NOT VERIFIED");
     }
     for (const json& p : b["plans"]) {
       const json& bound = p["bound"];
