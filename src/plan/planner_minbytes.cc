@@ -77,8 +77,9 @@ class MinbytesPlanner {
     // What a row costs over the four phases with the stateful backward: a query row of a split
     // task goes out as Q, comes back as partial O/LSE, goes out again as dO with the merged
     // O/LSE, and comes back as partial dQ; a key row goes out as K/V and comes back as fp32
-    // dK/dV.
-    q_ = static_cast<double>(tb.q + tb.out + tb.bwd_do + tb.out + tb.bwd_dq);
+    // dK/dV. A row whose only task moves (a causal task from key 0) skips the merged O/LSE.
+    q_whole_ = static_cast<double>(tb.q + tb.out + tb.bwd_do + tb.bwd_dq);
+    q_ = q_whole_ + static_cast<double>(tb.out);
     kv_ = static_cast<double>(tb.kv + tb.bwd_dkv);
     seconds_per_pair_ = cost_.pair_seconds(1);
     overhead_ = cost_.task_seconds(cost_.profile().tile_rows, 0);
@@ -189,9 +190,10 @@ class MinbytesPlanner {
   // The bytes of all four phases (q_ and kv_ per row) of running rows [q0, q1) x keys [k0, k1)
   // of `doc` on `dst`: rows it does not own, keys it neither owns nor already receives.
   double move_bytes(int32_t doc, int64_t q0, int64_t q1, int64_t k0, int64_t k1, int32_t dst) const {
+    const bool is_whole_rows = k0 == 0 && k1 == q1;  // a causal task from key 0: its rows' only task
     double bytes = 0;
     for_each_owner(batch_, doc, q0, q1, [&](int32_t owner, int64_t rows) {
-      if (owner != dst) bytes += static_cast<double>(rows) * q_;
+      if (owner != dst) bytes += static_cast<double>(rows) * (is_whole_rows ? q_whole_ : q_);
     });
     for_each_missing_key(doc, k0, k1, dst, [&](int32_t, int64_t rows) { bytes += static_cast<double>(rows) * kv_; });
     return bytes;
@@ -257,14 +259,18 @@ class MinbytesPlanner {
       const int64_t x = std::max(mid, lo);
       if (causal_seconds(x, b.r1, b.c) <= limit) hi = x; else lo = x + g_;
     }
-    const int64_t x = hi;
-    if (x <= b.r0 || x >= b.r1 || x < b.c) return;
-    const double seconds = causal_seconds(x, b.r1, b.c);
-    const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c);
-    if (shed <= 0) return;
-    const double bytes = move_bytes(b.doc, x, b.r1, b.c, b.r1, dst);
-    const double score = price(bytes, shed, want);
-    if (best.band < 0 || score < best.score) best = Move{id, false, x, -1, dst, seconds, shed, bytes, score};
+    // That tail, and the next larger one if the room holds it: a tail just short of the want
+    // leaves a sliver of excess that costs another move.
+    for (const int64_t x : {hi, hi - g_}) {
+      if (x <= b.r0 || x >= b.r1 || x < b.c) continue;
+      const double seconds = causal_seconds(x, b.r1, b.c);
+      if (seconds > room) continue;
+      const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c);
+      if (shed <= 0) continue;
+      const double bytes = move_bytes(b.doc, x, b.r1, b.c, b.r1, dst);
+      const double score = price(bytes, shed, want);
+      if (best.band < 0 || score < best.score) best = Move{id, false, x, -1, dst, seconds, shed, bytes, score};
+    }
   }
 
   void consider_whole(int32_t id, int32_t dst, double want, double room, Move& best) const {
@@ -292,7 +298,7 @@ class MinbytesPlanner {
 
   // The best move of s's bands to dst, or none.
   // `bands`: the sender's live bands, largest first. A band of w seconds can give no move
-  // cheaper than 2 sqrt(Q K p) bytes for the p pairs of min(w, want) (a rows x b keys hold at
+  // cheaper than 2 sqrt(Q K p) bytes (Q of a whole row, the cheaper) for the p pairs of min(w, want) (a rows x b keys hold at
   // most a * b pairs), so once that floor exceeds the best price found, no smaller band can win
   // and the search stops; unless dst holds keys or rows of the band's document (then they are
   // free and the floor does not hold).
@@ -308,7 +314,7 @@ class MinbytesPlanner {
       const double w = std::min(band_seconds(b), want);
       if (here.band >= 0 && !holds_any(b.doc, dst)) {
         const double pairs = std::max(0.0, (w - overhead_) / seconds_per_pair_);
-        if ((per_move + 2 * std::sqrt(q_ * kv_ * pairs)) / w >= here.score) break;
+        if ((per_move + 2 * std::sqrt(q_whole_ * kv_ * pairs)) / w >= here.score) break;
       }
       consider_block(id, dst, want, room, here);
       consider_suffix(id, dst, want, room, here);
@@ -517,7 +523,7 @@ class MinbytesPlanner {
   const int64_t budget_;
   const int64_t g_;
   const int32_t num_ranks_;
-  double q_ = 0, kv_ = 0;  // bytes per query row and per key row moved, all phases
+  double q_ = 0, q_whole_ = 0, kv_ = 0;  // bytes per query row (split, whole) and key row moved, all phases
   double seconds_per_pair_ = 0, overhead_ = 0;
   double cap_ = 0;
   std::vector<Band> bands_;
