@@ -27,28 +27,37 @@ auto quick_default(const CLI::App& cmd) {
   };
 }
 
+// A one-process benchmark: the options checked (exit 2 with one line), the run, then its
+// report as JSON or as the table.
+template <typename Options, typename Run, typename Print>
+int run_report(const char* name, const Options& options, bool is_json, Run&& run, Print&& print) {
+  if (Status s = validate(options); !s.is_ok()) {
+    print_usage_error(name, s.message());
+    return kExitBadInput;
+  }
+  Result<nlohmann::json> report = run();
+  if (!report.is_ok()) {
+    fmt::print(stderr, "distca {}: error: {}\n", name, report.status().message());
+    return exit_code(report.status());
+  }
+  if (is_json) {
+    fmt::print("{}\n", report.value().dump(2));
+  } else {
+    print(report.value());
+  }
+  return kExitOk;
+}
+
 int run_attention(AttentionArgs a, const CLI::App& cmd) {
   if (a.is_quick) {
     auto quick = quick_default(cmd);
     quick("--docs", a.options.docs, std::vector<int64_t>{1024, 2048});
     quick("--shard-doc", a.options.shard_doc, int64_t{2048});
   }
-  if (Status s = validate(a.options); !s.is_ok()) {
-    print_usage_error("bench attention", s.message());
-    return kExitBadInput;
-  }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench attention] {}\n", line); };
-  Result<nlohmann::json> report = run_attention_bench(a.options, progress);
-  if (!report.is_ok()) {
-    fmt::print(stderr, "distca bench attention: error: {}\n", report.status().message());
-    return exit_code(report.status());
-  }
-  if (a.is_json) {
-    fmt::print("{}\n", report.value().dump(2));
-  } else {
-    print_attention_report(report.value());
-  }
-  return kExitOk;
+  return run_report(
+      "bench attention", a.options, a.is_json, [&] { return run_attention_bench(a.options, progress); },
+      print_attention_report);
 }
 
 struct DispatchArgs {
@@ -110,21 +119,8 @@ struct PlannerArgs {
 };
 
 int run_planner(const PlannerArgs& a) {
-  if (Status s = validate(a.options); !s.is_ok()) {
-    print_usage_error("bench planner", s.message());
-    return kExitBadInput;
-  }
-  Result<nlohmann::json> report = run_planner_bench(a.options);
-  if (!report.is_ok()) {
-    fmt::print(stderr, "distca bench planner: error: {}\n", report.status().message());
-    return exit_code(report.status());
-  }
-  if (a.is_json) {
-    fmt::print("{}\n", report.value().dump(2));
-  } else {
-    print_planner_report(report.value());
-  }
-  return kExitOk;
+  return run_report(
+      "bench planner", a.options, a.is_json, [&] { return run_planner_bench(a.options); }, print_planner_report);
 }
 
 // An unsigned option refuses "-1" (which would wrap around to 2^64 - 1).
