@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "distca/core/check.h"
@@ -20,7 +21,34 @@ Status ThroughputProfile::validate() const {
     return invalid_argument(fmt::format("profile: task_overhead_seconds must be >= 0, got {}",
                                         task_overhead_seconds));
   }
+  for (size_t i = 0; i < rate_by_keys.size(); ++i) {
+    const RatePoint& r = rate_by_keys[i];
+    if (r.keys <= 0 || (i > 0 && r.keys <= rate_by_keys[i - 1].keys)) {
+      return invalid_argument(fmt::format("profile: rate_by_keys must have keys > 0, ascending; point {} has {}", i, r.keys));
+    }
+    if (!(r.flops_per_second > 0) || !(r.flops_per_second <= flops_per_second * (1 + 1e-9))) {
+      return invalid_argument(fmt::format("profile: rate_by_keys point {} has {} FLOP/s, not in (0, flops_per_second = {}]",
+                                          i, r.flops_per_second, flops_per_second));
+    }
+  }
   return Status::ok();
+}
+
+double ThroughputProfile::rate(int64_t keys) const {
+  if (rate_by_keys.empty()) return flops_per_second;
+  if (keys <= rate_by_keys.front().keys) return rate_by_keys.front().flops_per_second;
+  if (keys >= rate_by_keys.back().keys) return rate_by_keys.back().flops_per_second;
+  size_t i = 1;
+  while (rate_by_keys[i].keys < keys) ++i;
+  const RatePoint &a = rate_by_keys[i - 1], &b = rate_by_keys[i];
+  const double w = std::log(static_cast<double>(keys) / a.keys) / std::log(static_cast<double>(b.keys) / a.keys);
+  return a.flops_per_second * (1 - w) + b.flops_per_second * w;
+}
+
+double ThroughputProfile::slowest_rate() const {
+  double slowest = flops_per_second;
+  for (const RatePoint& r : rate_by_keys) slowest = std::min(slowest, r.flops_per_second);
+  return slowest;
 }
 
 TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_bytes) {
@@ -43,13 +71,15 @@ CostModel::CostModel(ModelShape model, ThroughputProfile profile)
   DISTCA_CHECK(profile_.validate().is_ok()) << profile_.validate().to_string();
   token_bytes_ = plan::token_bytes(model_.q_heads_per_rank(), model_.kv_heads_per_rank(),
                              model_.head_dim, model_.dtype_bytes);
-  seconds_per_pair_ = model_.num_layers * (fwd_flops_per_pair() + bwd_flops_per_pair()) /
-                      profile_.flops_per_second;
+  const double flops_per_pair = model_.num_layers * (fwd_flops_per_pair() + bwd_flops_per_pair());
+  seconds_per_pair_ = flops_per_pair / profile_.flops_per_second;
+  slowest_seconds_per_pair_ = flops_per_pair / profile_.slowest_rate();
 }
 
-double CostModel::task_seconds(int64_t q_len, int64_t pairs) const {
+double CostModel::task_seconds(int64_t q_len, int64_t pairs, int64_t keys) const {
   DISTCA_CHECK(q_len > 0 && pairs >= 0) << "task of " << q_len << " rows and " << pairs << " pairs";
   double seconds = pair_seconds(pairs);
+  if (!profile_.rate_by_keys.empty()) seconds *= profile_.flops_per_second / profile_.rate(keys);
   if (q_len < profile_.tile_rows) {
     seconds *= static_cast<double>(profile_.tile_rows) / static_cast<double>(q_len);
   }

@@ -187,7 +187,7 @@ Plan finalize_plan(std::string policy, double tolerance, const Batch& batch, con
   plan.server_pairs.assign(batch.num_ranks, 0);
   for (const Task& t : tasks) {
     DISTCA_CHECK(t.server >= 0 && t.server < batch.num_ranks) << "task on server " << t.server;
-    plan.server_seconds[t.server] += cost.task_seconds(t.q_len(), t.pairs());
+    plan.server_seconds[t.server] += cost.task_seconds(t.q_len(), t.pairs(), t.k1 - t.k0);
     plan.server_pairs[t.server] += t.pairs();
   }
   plan.load = summarize_load(plan.server_seconds, plan.server_pairs);

@@ -23,11 +23,18 @@ json model_json(const ModelShape& m) {
           {"ffn_hidden", m.ffn_hidden}, {"dtype_bytes", m.dtype_bytes}, {"tp", m.tp}};
 }
 
+json rate_json(const std::vector<RatePoint>& rates) {
+  json out = json::array();
+  for (const RatePoint& r : rates) out.push_back({{"keys", r.keys}, {"flops_per_second", r.flops_per_second}});
+  return out;
+}
+
 json profile_json(const ThroughputProfile& p) {
   return {{"source", p.source},
           {"flops_per_second", p.flops_per_second},
           {"tile_rows", p.tile_rows},
-          {"task_overhead_seconds", p.task_overhead_seconds}};
+          {"task_overhead_seconds", p.task_overhead_seconds},
+          {"rate_by_keys", rate_json(p.rate_by_keys)}};
 }
 
 std::string hex(uint64_t h) { return fmt::format("{:016x}", h); }
@@ -119,6 +126,11 @@ Result<LoadedPlan> plan_from_json(const json& j) {
     const json& p = j.at("profile");
     ThroughputProfile profile{p.at("source").get<std::string>(), p.at("flops_per_second").get<double>(),
                               p.at("tile_rows").get<int64_t>(), p.at("task_overhead_seconds").get<double>()};
+    if (p.contains("rate_by_keys")) {
+      for (const json& r : p.at("rate_by_keys")) {
+        profile.rate_by_keys.push_back({r.at("keys").get<int64_t>(), r.at("flops_per_second").get<double>()});
+      }
+    }
     DISTCA_RETURN_IF_ERROR(profile.validate());
     const json& b = j.at("batch");
     out.batch.num_ranks = b.at("ranks").get<int32_t>();

@@ -82,7 +82,8 @@ class MinbytesPlanner {
     q_ = q_whole_ + static_cast<double>(tb.out);
     kv_ = static_cast<double>(tb.kv + tb.bwd_dkv);
     seconds_per_pair_ = cost_.pair_seconds(1);
-    overhead_ = cost_.task_seconds(cost_.profile().tile_rows, 0);
+    overhead_ = cost_.task_seconds(cost_.profile().tile_rows, 0, 1);
+    slowest_seconds_per_pair_ = cost_.slowest_pair_seconds();
   }
 
   Plan run() {
@@ -123,10 +124,10 @@ class MinbytesPlanner {
  private:
   // Seconds of a causal band and of a block.
   double causal_seconds(int64_t r0, int64_t r1, int64_t c) const {
-    return r1 > r0 ? cost_.task_seconds(r1 - r0, causal_pairs(r0, r1) - c * (r1 - r0)) : 0.0;
+    return r1 > r0 ? cost_.task_seconds(r1 - r0, causal_pairs(r0, r1) - c * (r1 - r0), r1 - c) : 0.0;
   }
   double block_seconds(int64_t rows, int64_t keys) const {
-    return rows > 0 && keys > 0 ? cost_.task_seconds(rows, rows * keys) : 0.0;
+    return rows > 0 && keys > 0 ? cost_.task_seconds(rows, rows * keys, keys) : 0.0;
   }
   double band_seconds(const Band& b) const { return causal_seconds(b.r0, b.r1, b.c); }
   int64_t floor_g(int64_t x) const { return x / g_ * g_; }
@@ -227,6 +228,12 @@ class MinbytesPlanner {
       if (rows <= 0 || max_keys <= 0) continue;
       const auto keys_want = static_cast<int64_t>(std::ceil(want_pairs / static_cast<double>(rows)));
       int64_t e = std::min(x, ceil_g(b.c + std::min(keys_want, max_keys)));
+      // want_pairs is at the top rate; a profile whose short key ranges run slower makes the
+      // block longer than wanted: one correction by the block's own rate.
+      if (const double s = block_seconds(rows, e - b.c); s > want && s > overhead_ && want > overhead_) {
+        const auto keys = static_cast<int64_t>(static_cast<double>(e - b.c) * (want - overhead_) / (s - overhead_));
+        e = std::min(x, ceil_g(b.c + std::max<int64_t>(1, keys)));
+      }
       while (e > b.c && block_seconds(rows, e - b.c) > room) e = std::max(b.c, floor_g(e - 1));
       if (e <= b.c) continue;
       const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c) - causal_seconds(x, b.r1, e);
@@ -299,7 +306,7 @@ class MinbytesPlanner {
   // The best move of s's bands to dst, or none.
   // `bands`: the sender's live bands, largest first. A band of w seconds can give no move
   // cheaper than 2 sqrt(Q K p) bytes (Q of a whole row, the cheaper) for the p pairs of min(w, want) (a rows x b keys hold at
-  // most a * b pairs), so once that floor exceeds the best price found, no smaller band can win
+  // most a * b pairs; p at the profile's slowest rate, the fewest pairs those seconds hold), so once that floor exceeds the best price found, no smaller band can win
   // and the search stops; unless dst holds keys or rows of the band's document (then they are
   // free and the floor does not hold).
   Move best_move_to(const std::vector<int32_t>& bands, int32_t dst, double target, double intake) const {
@@ -313,7 +320,7 @@ class MinbytesPlanner {
       const Band& b = bands_[id];
       const double w = std::min(band_seconds(b), want);
       if (here.band >= 0 && !holds_any(b.doc, dst)) {
-        const double pairs = std::max(0.0, (w - overhead_) / seconds_per_pair_);
+        const double pairs = std::max(0.0, (w - overhead_) / slowest_seconds_per_pair_);
         if ((per_move + 2 * std::sqrt(q_whole_ * kv_ * pairs)) / w >= here.score) break;
       }
       consider_block(id, dst, want, room, here);
@@ -524,7 +531,7 @@ class MinbytesPlanner {
   const int64_t g_;
   const int32_t num_ranks_;
   double q_ = 0, q_whole_ = 0, kv_ = 0;  // bytes per query row (split, whole) and key row moved, all phases
-  double seconds_per_pair_ = 0, overhead_ = 0;
+  double seconds_per_pair_ = 0, slowest_seconds_per_pair_ = 0, overhead_ = 0;
   double cap_ = 0;
   std::vector<Band> bands_;
   std::vector<Block> blocks_;

@@ -103,7 +103,7 @@ class MinmaxPlanner {
 
  private:
   double seconds(int64_t lo, int64_t hi) const {
-    return hi > lo ? cost_.task_seconds(hi - lo, causal_pairs(lo, hi)) : 0.0;
+    return hi > lo ? cost_.task_seconds(hi - lo, causal_pairs(lo, hi), hi) : 0.0;
   }
   int64_t align_up(int64_t x) const { return (x + g_ - 1) / g_ * g_; }
 

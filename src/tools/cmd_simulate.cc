@@ -35,6 +35,8 @@ struct SimArgs {
   std::string system = "all";
   std::string profile;
   int64_t seed = 1;
+  double tolerance = 0.05;
+  std::string tolerance_sweep = "on";
   bool is_json = false;
   bool is_paper = false;
   std::string plot;
@@ -92,6 +94,16 @@ std::string cp_text(const nlohmann::json& s) {
   return fmt::format("{}", fmt::join(cps, ","));
 }
 
+// The tolerances a CAD system's planner ran at over the iterations ("0.0125", "0.05,0.025"), or
+// "-" for systems without a planner.
+std::string eps_text(const nlohmann::json& s) {
+  if (s["iteration_tolerance"].is_null()) return "-";
+  const auto eps = s["iteration_tolerance"].get<std::set<double>>();
+  std::vector<std::string> parts;
+  for (auto it = eps.rbegin(); it != eps.rend(); ++it) parts.push_back(fmt::format("{:g}", *it));
+  return fmt::format("{}", fmt::join(parts, ","));
+}
+
 nlohmann::json report(const sim::SimOptions& o, const sim::Profile& profile, const std::vector<sim::SystemResult>& rs) {
   nlohmann::json systems = nlohmann::json::array();
   double wlb = 0, col = 0;
@@ -117,6 +129,8 @@ nlohmann::json report(const sim::SimOptions& o, const sim::Profile& profile, con
           {"batch", o.batch},
           {"workload", o.workload},
           {"seed", o.seed},
+          {"tolerance", o.tolerance},
+          {"tolerance_sweep", o.tolerance_sweep},
           {"iterations", o.iterations},
           {"profile", profile.name},
           {"device_memory_bytes", profile.device_memory_bytes > 0 ? nlohmann::json(profile.device_memory_bytes) : nlohmann::json(nullptr)},
@@ -146,13 +160,13 @@ std::string iterations_text(const nlohmann::json& j) {
 // checked by eye; every ratio says what it is relative to.
 void print_table(const nlohmann::json& j) {
   fmt::print("{}, {}\n", config_text(j), iterations_text(j));
-  fmt::print("{:<11} {:>5} {:>9}   {:>7}   {:>9}   {:>7}   {:>7} {:>14} {:>7} {:>17} {:>15}\n", "system", "cp", "iter (s)",
-             "linear", "attention", "comm", "idle", "attn max/mean", "GB/GPU", "speedup over wlb", "over colocated");
+  fmt::print("{:<12} {:>5} {:>20} {:>9}   {:>7}   {:>9}   {:>7}   {:>7} {:>14} {:>7} {:>17} {:>15}\n", "system", "cp", "eps",
+             "iter (s)", "linear", "attention", "comm", "idle", "attn max/mean", "GB/GPU", "speedup over wlb", "over colocated");
   for (const auto& s : j["systems"]) {
     auto ratio = [](const nlohmann::json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.3f}x", v.get<double>()); };
     const std::string note = fit_note(s);
-    fmt::print("{:<11} {:>5} {:>9.3f} = {:>7.3f} + {:>9.3f} + {:>7.3f} + {:>7.3f} {:>14.2f} {:>7.1f} {:>17} {:>15}{}\n",
-               s["system"].get<std::string>(), cp_text(s), s["seconds"].get<double>(), s["linear_seconds"].get<double>(),
+    fmt::print("{:<12} {:>5} {:>20} {:>9.3f} = {:>7.3f} + {:>9.3f} + {:>7.3f} + {:>7.3f} {:>14.2f} {:>7.1f} {:>17} {:>15}{}\n",
+               s["system"].get<std::string>(), cp_text(s), eps_text(s), s["seconds"].get<double>(), s["linear_seconds"].get<double>(),
                s["attention_seconds"].get<double>(), s["comm_seconds"].get<double>(), s["idle_seconds"].get<double>(),
                s["attention_imbalance"].get<double>(), s["memory_bytes_per_gpu"].get<double>() / kGB,
                ratio(s["speedup_over_wlb"]), ratio(s["speedup_over_colocated"]), note.empty() ? "" : "  " + note);
@@ -161,6 +175,9 @@ void print_table(const nlohmann::json& j) {
   fmt::print("iter: one iteration, its slowest unit (a unit is {} GPUs); linear, attention, comm (exposed, with the gradient "
              "all-reduce) and idle (waiting: stragglers, pipeline bubbles) are means over the {} unit{}\n",
              j["tp"].get<int>(), units, units == 1 ? "" : "s");
+  fmt::print("eps: the tolerance each CAD planner ran at, per iteration where they differ ({})\n",
+             j["tolerance_sweep"].get<bool>() ? fmt::format("the fastest of {0:g}, {0:g}/2, ..., {0:g}/64", j["tolerance"].get<double>())
+                                              : "--tolerance-sweep off");
   fmt::print("attn max/mean: the busiest unit's attention seconds over the mean; GB/GPU: the fullest GPU's peak, activations "
              "+ weights, gradients and optimizer states (1 GB = 1e9 bytes); speedup over X: X's iteration time / the "
              "system's (-: X not simulated)\n");
@@ -495,6 +512,8 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
     o.sampling = paper_sampling(pc.dataset);
     o.workload = pc.dataset;
     o.seed = static_cast<uint64_t>(a.seed);
+    o.tolerance = a.tolerance;
+    o.tolerance_sweep = a.tolerance_sweep == "on";
     // Mean iteration times over several sampled iterations (one iteration's documents are a
     // small sample of the workload).
     o.iterations = iterations;
@@ -593,6 +612,8 @@ Result<sim::SimOptions> sim_options(const SimArgs& a, int iterations) {
   o.sampling = a.sampling;
   o.workload = a.workload;
   o.seed = static_cast<uint64_t>(a.seed);
+  o.tolerance = a.tolerance;
+  o.tolerance_sweep = a.tolerance_sweep == "on";
   o.iterations = iterations;
   if (a.system != "all") {
     const auto names = sim::system_names();
@@ -677,6 +698,14 @@ std::function<int()> add_simulate_command(CLI::App& app) {
                     ->capture_default_str());
   one.push_back(cmd->add_option("--system", a.system, "colocated | wlb | cad-distca | cad | cad-minbytes | all")->capture_default_str());
   cmd->add_option("--profile", a.profile, "a profile JSON (distca-profile, version 1); default: the built-in H200 one");
+  cmd->add_option("--tolerance", a.tolerance,
+                  "the CAD planners' balance bound eps (the busiest server's attention <= (1 + eps) x the mean)")
+      ->capture_default_str();
+  cmd->add_option("--tolerance-sweep", a.tolerance_sweep,
+                  "on: each CAD system runs every iteration at the fastest of eps, eps/2, ..., eps/64 (tighter "
+                  "balance where the link hides its bytes); off: at eps")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   cmd->add_option("--seed", a.seed, "sampling seed of the first iteration (iteration i uses seed + i)")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print JSON instead of the table");
   cmd->add_option("--plot", a.plot,

@@ -64,11 +64,38 @@ TEST(CostModel, SecondsScaleWithPairsAndPenaliseShortShards) {
   CostModel cost = testing::tiny_cost(/*overhead=*/1e-6, /*tile=*/128);
   // 1 layer x (fwd 4*D*Hq = 32 + bwd 80) FLOPs per pair at 1 GFLOP/s.
   EXPECT_DOUBLE_EQ(cost.pair_seconds(1000), 1000 * 112 / 1e9);
-  EXPECT_DOUBLE_EQ(cost.task_seconds(128, 1000), cost.pair_seconds(1000) + 1e-6);
-  EXPECT_DOUBLE_EQ(cost.task_seconds(64, 1000), 2 * cost.pair_seconds(1000) + 1e-6);
+  EXPECT_DOUBLE_EQ(cost.task_seconds(128, 1000, 1000), cost.pair_seconds(1000) + 1e-6);
+  EXPECT_DOUBLE_EQ(cost.task_seconds(64, 1000, 1000), 2 * cost.pair_seconds(1000) + 1e-6);
   ThroughputProfile bad;
   bad.flops_per_second = 0;
   EXPECT_FALSE(bad.validate().is_ok());
+}
+
+// A rate by key range: interpolated in log(keys) between points, clamped at both ends, applied to
+// the task's own key range; the slowest rate bounds any pair's cost; bad curves are refused.
+TEST(Cost, RateByKeysPricesShortKeyRangesSlower) {
+  ThroughputProfile p;
+  p.flops_per_second = 400e12;
+  p.task_overhead_seconds = 0;
+  p.rate_by_keys = {{1024, 100e12}, {4096, 400e12}};
+  ASSERT_TRUE(p.validate().is_ok());
+  EXPECT_DOUBLE_EQ(p.rate(512), 100e12);
+  EXPECT_DOUBLE_EQ(p.rate(1024), 100e12);
+  EXPECT_DOUBLE_EQ(p.rate(2048), 250e12);  // halfway in log(keys)
+  EXPECT_DOUBLE_EQ(p.rate(1 << 20), 400e12);
+  EXPECT_DOUBLE_EQ(p.slowest_rate(), 100e12);
+  const CostModel cost(model_preset("llama-8b").value(), p);
+  EXPECT_DOUBLE_EQ(cost.task_seconds(128, 1000, 1 << 20), cost.pair_seconds(1000));
+  EXPECT_DOUBLE_EQ(cost.task_seconds(128, 1000, 1024), 4 * cost.pair_seconds(1000));
+  EXPECT_DOUBLE_EQ(cost.slowest_pair_seconds(), 4 * cost.pair_seconds(1));
+  for (const std::vector<RatePoint>& bad : std::vector<std::vector<RatePoint>>{
+           {{0, 1e12}}, {{4096, 1e12}, {1024, 1e12}}, {{1024, 0}}, {{1024, 500e12}}}) {
+    ThroughputProfile q = p;
+    q.rate_by_keys = bad;
+    const Status st = q.validate();
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find("rate_by_keys"), std::string::npos) << st.message();
+  }
 }
 
 }  // namespace

@@ -67,7 +67,7 @@ bool bound_is_reachable(const Case& c, const Plan& plan) {
   double lower_total = 0;
   double largest_shard = 0;
   const int64_t g = c.options.granularity;
-  auto seconds = [&](int64_t lo, int64_t hi) { return c.cost.task_seconds(hi - lo, causal_pairs(lo, hi)); };
+  auto seconds = [&](int64_t lo, int64_t hi) { return c.cost.task_seconds(hi - lo, causal_pairs(lo, hi), hi); };
   for (int64_t len : c.batch.doc_lengths) {
     lower_total += seconds(0, len);
     for (int64_t s = 0; s < len; s += g) largest_shard = std::max(largest_shard, seconds(s, std::min(len, s + g)));

@@ -1,5 +1,6 @@
 // The simulator: event timing of each schedule on hand-computed cases, profiles, and whole
 // iterations on cases whose answer is known.
+#include <set>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -283,6 +284,37 @@ TEST(Simulate, IterationsAreTheMeanOfTheSampledIterations) {
   }
 }
 
+// With the tolerance sweep, each CAD iteration runs at one of eps, eps/2, ..., eps/64 and is no
+// slower than the same iteration at eps alone (the sweep includes eps); without it, at eps.
+TEST(Simulate, TheToleranceSweepKeepsTheFastestOfEpsAndItsHalves) {
+  const Profile p = default_h200_profile();
+  SimOptions o = small(1);
+  o.iterations = 3;
+  o.tolerance = 0.04;
+  const std::vector<std::string> cads = {"cad-distca", "cad", "cad-minbytes"};
+  SimOptions fixed = o;
+  fixed.tolerance_sweep = false;
+  const auto swept = simulate(p, o, cads).value();
+  const auto at_eps = simulate(p, fixed, cads).value();
+  std::set<double> allowed;
+  for (int i = 0; i < 7; ++i) allowed.insert(0.04 / (1 << i));
+  bool any_tighter = false;
+  for (size_t k = 0; k < cads.size(); ++k) {
+    SCOPED_TRACE(cads[k]);
+    ASSERT_EQ(swept[k].iteration_tolerance.size(), 3u);
+    ASSERT_EQ(at_eps[k].iteration_tolerance, std::vector<double>(3, 0.04));
+    for (int it = 0; it < 3; ++it) {
+      EXPECT_TRUE(allowed.count(swept[k].iteration_tolerance[it])) << swept[k].iteration_tolerance[it];
+      EXPECT_LE(swept[k].iteration_seconds[it], at_eps[k].iteration_seconds[it]);
+      any_tighter |= swept[k].iteration_tolerance[it] < 0.04;
+    }
+  }
+  // On this workload, balancing tighter than 4 % pays somewhere (else the sweep is untested).
+  EXPECT_TRUE(any_tighter);
+  // Systems without a planner carry no tolerance.
+  EXPECT_TRUE(simulate(p, o, {"wlb"}).value()[0].iteration_tolerance.empty());
+}
+
 // Memory per GPU: the peak activations plus Megatron's distributed-optimizer states, checked
 // against the profile's device memory.
 TEST(Simulate, MemoryPerGpuIsCheckedAgainstTheDeviceMemory) {
@@ -346,6 +378,13 @@ TEST(Simulate, BadOptionsAreRefused) {
   EXPECT_NE(r.status().message().find("magic"), std::string::npos);
   o.workload = "web";
   EXPECT_FALSE(simulate(default_h200_profile(), o, {"cad"}).is_ok());
+  for (double bad : {-0.01, 11.0, std::nan("")}) {
+    o = small(1);
+    o.tolerance = bad;
+    auto t = simulate(default_h200_profile(), o, {"cad"});
+    ASSERT_FALSE(t.is_ok()) << bad;
+    EXPECT_NE(t.status().message().find("--tolerance must be in [0, 10]"), std::string::npos) << t.status().message();
+  }
 }
 
 }  // namespace

@@ -91,11 +91,11 @@ TEST(Cli, SimulateSummaryTermsAddUpToTheIterationTime) {
     int rows = 0;
     std::istringstream lines(table.out);
     for (std::string line; std::getline(lines, line);) {
-      // "cad  2  4.087 =  2.775 +  1.143 +  0.116 +  0.054  ..."
+      // "cad  2  0.0125  4.087 =  2.775 +  1.143 +  0.116 +  0.054  ..."
       std::istringstream in(line);
-      std::string system, cp, eq, p1, p2, p3;
+      std::string system, cp, eps, eq, p1, p2, p3;
       double iter = 0, linear = 0, attention = 0, comm = 0, idle = 0;
-      if (!(in >> system >> cp >> iter >> eq >> linear >> p1 >> attention >> p2 >> comm >> p3 >> idle) || eq != "=") continue;
+      if (!(in >> system >> cp >> eps >> iter >> eq >> linear >> p1 >> attention >> p2 >> comm >> p3 >> idle) || eq != "=") continue;
       ++rows;
       // Five numbers rounded to 0.001: the printed parts add up to the printed time within 0.0025.
       EXPECT_NEAR(linear + attention + comm + idle, iter, 0.0025) << line;

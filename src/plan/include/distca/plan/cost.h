@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "distca/core/status.h"
 #include "distca/plan/model.h"
@@ -19,13 +20,26 @@ inline int64_t causal_pairs(int64_t q0, int64_t q1) {
 // Throughput profile of an attention server. The default stands for an H100/H200-class GPU
 // (FlashAttention-class kernels at ~400 TFLOP/s on long shards); `distca profile` measures real
 // ones. A shard shorter than `tile_rows` pays for a whole tile.
+struct RatePoint {
+  int64_t keys = 0;             // keys a query row of the task attends
+  double flops_per_second = 0;  // forward and backward together
+};
+
 struct ThroughputProfile {
   std::string source = "default: 400 TFLOP/s fixed rate, 128-row tile, 2 us per task per layer";
   double flops_per_second = 400e12;
   int64_t tile_rows = 128;
   double task_overhead_seconds = 2e-6;  // per task, per layer, forward and backward together
+  // Optional: the rate by the length of a task's key range (attention kernels run long key
+  // ranges faster), keys ascending, interpolated in log(keys) and clamped at both ends; every
+  // rate at most flops_per_second. Empty: flops_per_second for every task.
+  std::vector<RatePoint> rate_by_keys;
 
   Status validate() const;
+  // FLOP/s of a task whose key range is `keys` long.
+  double rate(int64_t keys) const;
+  // The slowest rate of any task.
+  double slowest_rate() const;
 };
 
 // Bytes per token of one layer, on one rank (heads already divided by tp).
@@ -58,17 +72,20 @@ class CostModel {
   double bwd_flops_per_pair() const { return 2.5 * fwd_flops_per_pair(); }
 
   // Estimated seconds of one task over all layers, forward and backward, for a task of q_len
-  // query rows and `pairs` causal pairs.
-  double task_seconds(int64_t q_len, int64_t pairs) const;
-  // Seconds of `pairs` pairs with no per-task overhead and no short-shard penalty: the floor
-  // any split of the same work can reach.
+  // query rows, `pairs` (query, key) pairs and a key range `keys` long (k1 - k0).
+  double task_seconds(int64_t q_len, int64_t pairs, int64_t keys) const;
+  // Seconds of `pairs` pairs at the profile's top rate with no per-task overhead and no
+  // short-shard penalty: the floor any split of the same work can reach.
   double pair_seconds(int64_t pairs) const { return seconds_per_pair_ * static_cast<double>(pairs); }
+  // Seconds of one pair at the profile's slowest rate (no overhead): the most a pair can cost.
+  double slowest_pair_seconds() const { return slowest_seconds_per_pair_; }
 
  private:
   ModelShape model_;
   ThroughputProfile profile_;
   TokenBytes token_bytes_;
-  double seconds_per_pair_ = 0;  // all layers, forward and backward
+  double seconds_per_pair_ = 0;  // all layers, forward and backward, at the top rate
+  double slowest_seconds_per_pair_ = 0;
 };
 
 }  // namespace distca::plan

@@ -19,7 +19,10 @@
 //               it, with per-layer dispatch and return and ping-pong over two nano-batches (four
 //               ticks per layer, each half the work); with PP the CA tasks of a wave of pp
 //               micro-batches (those in flight together) are balanced across all stages and
-//               replicas, and the link time that ping-pong cannot hide is exposed
+//               replicas, and the link time that ping-pong cannot hide is exposed; each CAD
+//               system runs every iteration at the fastest of --tolerance, its half, ... its
+//               64th (tolerance_sweep; the planners are priced with the profile's rates by key
+//               range, as the simulator prices their tasks)
 // All systems end with the DP gradient all-reduce (bf16 gradients).
 // Memory per GPU: the activations a unit holds at its peak (Korthikanti et al. 2022, with flash
 // attention) plus the model states of Megatron's distributed optimizer with 16-bit parameters and
@@ -28,6 +31,7 @@
 // device memory; nothing else on the GPU (CUDA context, NCCL buffers) is counted.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,7 +64,8 @@ struct SimOptions {
   std::string workload = "pretrain";
   plan::SamplingOptions sampling;  // how documents are drawn (its seed is replaced per micro-batch)
   uint64_t seed = 1;
-  double tolerance = 0.05;
+  double tolerance = 0.05;     // the planners' balance bound, the loosest one tried (tolerance_sweep)
+  bool tolerance_sweep = true; // CAD systems run at the fastest of tolerance, /2, ..., /64 per iteration
   int64_t granularity = 128;
   int wlb_cp = 0;             // wlb's CP degree (0: WLB-ideal, the fastest of the degrees it may use)
   int iterations = 1;         // sampled iterations averaged: seeds seed, seed + 1, ...
@@ -74,6 +79,8 @@ struct SystemResult {
   std::string system;
   int cp = 1;              // context-parallel degree the system ran at (most iterations', if they differ)
   std::vector<int> iteration_cp;          // (iterations) the CP degree of each iteration
+  std::optional<double> tolerance;        // CAD systems: the planner's tolerance (the first iteration's)
+  std::vector<double> iteration_tolerance;  // (iterations) CAD systems: the tolerance each iteration ran at
   std::vector<double> iteration_seconds;  // (iterations) each iteration's time
   double seconds = 0;      // one iteration: its slowest unit, with the gradient all-reduce
   double linear = 0;       // mean over units of seconds in linear layers
