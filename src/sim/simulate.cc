@@ -445,8 +445,8 @@ Result<SystemResult> run_system(const Ctx& c, const std::string& system) {
   if (system == "colocated") return colocated(c);
   if (system == "wlb") return wlb(c);
   if (system == "cad-distca") return cad_tuned(c, system, "distca", plan::BackwardMode::kStateless);
-  if (system == "cad-minbytes") return cad_tuned(c, system, "minbytes", plan::BackwardMode::kStateful);
-  return cad_tuned(c, system, "minmax", plan::BackwardMode::kStateful);
+  if (system == "cad-minmax") return cad_tuned(c, system, "minmax", plan::BackwardMode::kStateful);
+  return cad_tuned(c, system, std::string(plan::kDefaultPlanner), plan::BackwardMode::kStateful);
 }
 
 }  // namespace
@@ -479,8 +479,8 @@ Status SimOptions::validate() const {
                                         cluster.units() / cluster.pp));
   }
   DISTCA_RETURN_IF_ERROR(sampling.validate());
-  if (!(tolerance >= 0) || !std::isfinite(tolerance) || tolerance > 10) {
-    return invalid_argument(fmt::format("--tolerance must be in [0, 10], got {}", tolerance));
+  if (!(tolerance >= 0) || !std::isfinite(tolerance) || tolerance > 1) {
+    return invalid_argument(fmt::format("--tolerance must be in [0, 1], got {}", tolerance));
   }
   if (granularity < 1) return invalid_argument(fmt::format("granularity must be >= 1, got {}", granularity));
   // The simulator samples only the built-in workloads (the shared message names the document
@@ -560,7 +560,7 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
   return out;
 }
 
-std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad", "cad-minbytes"}; }
+std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad", "cad-minmax"}; }
 
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems) {
   DISTCA_RETURN_IF_ERROR(o.validate());
@@ -568,7 +568,7 @@ Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOpti
   const std::vector<std::string> known = system_names();
   for (const std::string& s : systems) {
     if (std::find(known.begin(), known.end(), s) == known.end()) {
-      return invalid_argument(fmt::format("no system '{}' (known: colocated, wlb, cad-distca, cad, cad-minbytes, all)", s));
+      return invalid_argument(fmt::format("no system '{}' (known: colocated, wlb, cad-distca, cad, cad-minmax, all)", s));
     }
   }
   // runs[k]: system k's iterations, each sampled with its own seed.

@@ -16,6 +16,7 @@
 
 #include "distca/comm/communicator.h"
 #include "distca/core/status.h"
+#include "distca/plan/planner.h"
 
 namespace distca::tools {
 
@@ -27,7 +28,7 @@ struct DispatchBenchOptions {
   int64_t kv_heads = 1;
   int64_t head_dim = 128;
   int layers = 2;
-  std::string policy = "minmax";
+  std::string policy = std::string(plan::kDefaultPlanner);
   std::string backward_mode = "stateless";
   int threads = 1;                     // attention and BLAS threads per rank
   double linear_ratio = 2.0;           // linear FLOPs per stage / attention FLOPs per stage

@@ -481,7 +481,7 @@ int run_plan(const PlanArgs& a) {
   fmt::print("distca plan: {}, {} ({} documents), {} (tp {}), eps {}{}\n\n", sizes, workload_name, batch.num_docs(),
              m.name, m.tp, a.tolerance,
              a.policy == "none" ? "" : a.policy == "distca" ? ", distca cuts at token granularity"
-                                                           : fmt::format(", g {} (minmax; distca cuts at token granularity)", a.granularity));
+                                                           : fmt::format(", g {} (minmax, minbytes; distca cuts at token granularity)", a.granularity));
 
   if (auto_budget) {
     fmt::print("byte budget (--max-rank-bytes auto): {:.1f} MiB per rank per layer = ({:.2f} ms linear - 2 x {:.0f} us) x "

@@ -19,6 +19,7 @@
 #include "distca/core/file.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/model/trainer.h"
+#include "distca/plan/planner.h"
 #include "world.h"
 
 namespace distca::tools {
@@ -37,7 +38,7 @@ struct TrainArgs {
   std::optional<std::string> workload;
   std::string data;
   uint64_t seed = 1;
-  std::string policy = "minmax";
+  std::string policy = std::string(plan::kDefaultPlanner);
   std::string backward_mode = "stateful";
   int threads = 1;
   int64_t granularity = 0;
@@ -371,7 +372,7 @@ std::function<int()> add_train_command(CLI::App& app) {
   a.workload_opt = cmd->add_option("--workload", a.workload,
                                    "document lengths of the synthetic source: pretrain | prolong | skewed (not with --data)");
   a.seed_opt = cmd->add_option("--seed", a.seed, "seed of the synthetic source (not with --data)")->capture_default_str();
-  a.policy_opt = cmd->add_option("--policy", a.policy, "CAD planner: minmax | minbytes | distca | none")->capture_default_str();
+  a.policy_opt = cmd->add_option("--policy", a.policy, "CAD planner: minbytes (key-range splits) | minmax | distca | none")->capture_default_str();
   a.backward_opt = cmd->add_option("--backward-mode", a.backward_mode,
                                    "stateful (servers keep forward state) | stateless (the paper's)")
                        ->capture_default_str();

@@ -51,7 +51,7 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   auto records = nlohmann::json::parse(paper.out);
   ASSERT_GT(records.size(), 10u);
   for (const auto& rec : records) {
-    for (const char* field : {"model", "gpus", "context", "dataset", "parallelism", "speedup_cad_distca", "speedup_cad", "speedup_cad_minbytes",
+    for (const char* field : {"model", "gpus", "context", "dataset", "parallelism", "speedup_cad_distca", "speedup_cad", "speedup_cad_minmax",
                               "paper_low", "paper_high", "fits_memory", "memory_bytes_per_gpu"}) {
       EXPECT_TRUE(rec.contains(field)) << field;
     }
@@ -241,7 +241,7 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
       {"unknown model", "--model llama-1t", "llama-1t"},
       {"gpus not a multiple", "--gpus 60", "--gpus"},
       {"bad context", "--context 12Q", "--context"},
-      {"unknown system", "--system magic", "--system must be colocated, wlb, cad-distca, cad, cad-minbytes or all, got 'magic'"},
+      {"unknown system", "--system magic", "--system must be colocated, wlb, cad-distca, cad, cad-minmax or all, got 'magic'"},
       {"unknown workload", "--workload web", "--workload must be pretrain or prolong, got 'web'"},
       {"layers do not split", "--gpus 48 --pp 3", "stages"},
       {"missing profile", "--profile /nonexistent.json", "/nonexistent.json"},

@@ -16,7 +16,7 @@
 namespace distca::model {
 
 struct DispatchAttentionOptions {
-  std::string policy = "minmax";  // a planner name; "none" is colocated attention
+  std::string policy = std::string(plan::kDefaultPlanner);  // a planner name; "none" is colocated attention
   plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
   int threads = 1;                // CPU attention threads per rank
   double tolerance = 0.05;        // planner eps

@@ -16,6 +16,7 @@
 #include "distca/model/data.h"
 #include "distca/model/dispatch_attention.h"
 #include "distca/model/model.h"
+#include "distca/plan/planner.h"
 
 namespace distca::model {
 
@@ -28,7 +29,7 @@ struct TrainOptions {
   std::string data_path;          // a .jsonl file or a directory; empty: the synthetic source
   uint64_t data_seed = 1;
   std::vector<std::string> backends = {"cad"};  // "colocated" and/or "cad", in run order
-  std::string policy = "minmax";  // the CAD planner
+  std::string policy = std::string(plan::kDefaultPlanner);  // the CAD planner
   plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
   int threads = 1;                // BLAS and attention threads per rank
   int64_t granularity = 0;        // planner granularity; 0: context / 32 rounded down to a power of two, 16..128

@@ -33,9 +33,9 @@ Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const Planne
 Result<Plan> plan_minmax(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 
-// "none", "distca", "minmax" (the default), "minbytes".
+// "none", "distca", "minmax", "minbytes" (the default).
 Result<PlanFn> find_planner(std::string_view name);
 std::vector<std::string> planner_names();
-inline constexpr std::string_view kDefaultPlanner = "minmax";
+inline constexpr std::string_view kDefaultPlanner = "minbytes";
 
 }  // namespace distca::plan

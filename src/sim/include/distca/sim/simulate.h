@@ -13,8 +13,9 @@
 //               group with per-document CP as above; run at every CP degree that divides a
 //               stage's units and leaves at most two replicas per sequence, the fastest kept
 //               (as the paper's baseline sweep), or at --wlb-cp
-//   cad-distca  CAD with the paper's planner (stateless backward); cad: CAD with ours (minmax,
-//               stateful backward); cad-minbytes: CAD with minbytes (key-range splits, stateful). The sequence stays as packed (context / cp tokens per unit),
+//   cad-distca  CAD with the paper's planner (stateless backward); cad: CAD with the default
+//               planner (minbytes: key-range splits, stateful backward); cad-minmax: CAD with
+//               minmax (whole causal shards, stateful). The sequence stays as packed (context / cp tokens per unit),
 //               every unit is an in-place attention server for the CA tasks the planner gives
 //               it, with per-layer dispatch and return and ping-pong over two nano-batches (four
 //               ticks per layer, each half the work); with PP the CA tasks of a wave of pp
@@ -117,7 +118,7 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
                             const std::vector<plan::Task>& tasks, plan::BackwardMode mode,
                             double linear_seconds_per_token_layer, double fixed_seconds);
 
-std::vector<std::string> system_names();  // colocated, wlb, cad-distca, cad, cad-minbytes
+std::vector<std::string> system_names();  // colocated, wlb, cad-distca, cad, cad-minmax
 // One result per system, in the order asked, each the mean of options.iterations iterations.
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& options,
                                            const std::vector<std::string>& systems);
