@@ -19,6 +19,20 @@ Status Communicator::broadcast(void* data, int64_t bytes, int root) {
   return wait_for(broadcast_async(data, bytes, root));
 }
 Status Communicator::barrier() { return wait_for(barrier_async()); }
+Status Communicator::send(const void* data, int64_t bytes, int peer, int tag) {
+  return wait_for(send_async(data, bytes, peer, tag));
+}
+Status Communicator::recv(void* data, int64_t bytes, int peer, int tag) {
+  return wait_for(recv_async(data, bytes, peer, tag));
+}
+
+Status Communicator::check_p2p(const char* what, const void* data, int64_t bytes, int peer, int tag) const {
+  if (peer < 0 || peer >= size()) return invalid_argument(fmt::format("{}: peer {} is not a rank of {}", what, peer, size()));
+  if (peer == rank()) return invalid_argument(fmt::format("{}: rank {} cannot {} itself", what, peer, what));
+  if (tag < 0 || tag > kMaxTag) return invalid_argument(fmt::format("{}: tag {} is not in [0, {}]", what, tag, kMaxTag));
+  if (bytes < 0 || (bytes > 0 && data == nullptr)) return invalid_argument(fmt::format("{}: bad buffer ({} bytes)", what, bytes));
+  return Status::ok();
+}
 
 Status Communicator::check(const AllToAllV& a) const {
   const auto r = static_cast<std::size_t>(size());

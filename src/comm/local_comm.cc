@@ -10,17 +10,19 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 namespace distca::comm {
 
 namespace {
-enum class Kind { kAllToAllV, kAllReduce, kBroadcast, kBarrier };
+enum class Kind { kAllToAllV, kAllReduce, kBroadcast, kBarrier, kSplit };
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::kAllToAllV: return "all_to_all_v";
     case Kind::kAllReduce: return "all_reduce_sum";
     case Kind::kBroadcast: return "broadcast";
     case Kind::kBarrier: return "barrier";
+    case Kind::kSplit: return "split";
   }
   return "?";
 }
@@ -44,19 +46,49 @@ struct Slot {
   bool is_summing = false;
   bool is_sum_ready = false;
   std::vector<float> sum;
+  std::vector<int> color, key;  // (R) split
+  std::string label;            // split
+  std::map<int, std::shared_ptr<LocalWorld::Shared>> groups;  // split: by color, made by the first to finish
 };
 
-struct LocalWorld::Shared {
-  explicit Shared(int r) : num_ranks(r) {}
-  const int num_ranks;
+// What every group of one world shares: one lock, one wake-up, one failure.
+struct Core {
   std::mutex mu;
   std::condition_variable cv;
-  std::map<uint64_t, Slot> slots;
   bool has_failed = false;
-  int failed_rank = -1;
+  int failed_rank = -1;  // in the world
   std::string reason;
 
   Status failure() const { return internal_error(fmt::format("rank {} failed: {}", failed_rank, reason)); }
+};
+
+// A point-to-point message, from its post until a receive copies it.
+struct Message {
+  const std::byte* data = nullptr;
+  int64_t bytes = 0;
+  bool is_consumed = false;
+  std::string error;  // set by a receive of another size
+};
+
+// One group (the world, or a split of it).
+struct LocalWorld::Shared {
+  Shared(std::shared_ptr<Core> c, std::vector<int> world, std::string name)
+      : core(std::move(c)), num_ranks(static_cast<int>(world.size())), world_ranks(std::move(world)), label(std::move(name)) {}
+  std::shared_ptr<Core> core;
+  const int num_ranks;
+  const std::vector<int> world_ranks;  // (num_ranks) each rank's rank in the world
+  const std::string label;             // "" for the world
+  std::map<uint64_t, Slot> slots;
+  // Point to point, by (sender, receiver, tag): messages by their index in posting order, and
+  // how many sends and receives were posted.
+  using Key = std::tuple<int, int, int>;
+  std::map<Key, std::map<uint64_t, std::shared_ptr<Message>>> mailbox;
+  std::map<Key, uint64_t> sends_posted, recvs_posted;
+
+  // "rank 2" in the world; "rank 1 of dp (world rank 3)" in a group.
+  std::string who(int rank) const {
+    return label.empty() ? fmt::format("rank {}", rank) : fmt::format("rank {} of {} (world rank {})", rank, label, world_ranks[rank]);
+  }
 };
 
 namespace {
@@ -69,23 +101,23 @@ class LocalWork final : public Work {
         copied_(shared_->num_ranks, false), args_(std::move(args)) {}
 
   Result<bool> test() override {
-    std::unique_lock lock(shared_->mu);
+    std::unique_lock lock(shared_->core->mu);
     return advance(lock);
   }
 
   Status wait() override {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    std::unique_lock lock(shared_->mu);
+    std::unique_lock lock(shared_->core->mu);
     for (;;) {
       Result<bool> done = advance(lock);
       if (!done.is_ok()) return done.status();
       if (done.value()) return Status::ok();
-      if (shared_->cv.wait_until(lock, deadline) == std::cv_status::timeout) {
+      if (shared_->core->cv.wait_until(lock, deadline) == std::cv_status::timeout) {
         Result<bool> last = advance(lock);
         if (!last.is_ok()) return last.status();
         if (last.value()) return Status::ok();
-        return internal_error(fmt::format("{} #{} on rank {}: timed out after {} ms waiting for {}",
-                                          kind_name(kind_), seq_, rank_, timeout_.count(), waiting_for()));
+        return internal_error(fmt::format("{} #{} on {}: timed out after {} ms waiting for {}",
+                                          kind_name(kind_), seq_, shared_->who(rank_), timeout_.count(), waiting_for()));
       }
     }
   }
@@ -102,13 +134,15 @@ class LocalWork final : public Work {
     if (peers.empty() && kind_ == Kind::kAllToAllV) {
       return fmt::format("{} peer(s) to read this rank's data", s.readers_left[rank_]);
     }
-    return fmt::format("rank {}", fmt::join(peers, ", rank "));
+    std::vector<std::string> names;
+    for (int p : peers) names.push_back(shared_->who(p));
+    return fmt::format("{}", fmt::join(names, ", "));
   }
 
   void finish(Slot& s) {
     is_done_ = true;
     if (++s.num_done == shared_->num_ranks) shared_->slots.erase(seq_);
-    shared_->cv.notify_all();
+    shared_->core->cv.notify_all();
   }
 
   // REQUIRES: lock held. Copies happen under the lock too: one copier at a time per world keeps
@@ -116,17 +150,33 @@ class LocalWork final : public Work {
   // ThreadSanitizer found); tests move kilobytes, and benchmarks model links with a delay.
   Result<bool> advance(std::unique_lock<std::mutex>& lock) {
     if (is_done_) return true;
-    if (shared_->has_failed) {
+    if (shared_->core->has_failed) {
       // An all-reduce whose sum is already made (it lives in the slot) completes: the peer
       // failed after it, and every rank must see the same result of the same operation.
       auto it = shared_->slots.find(seq_);
-      if (kind_ != Kind::kAllReduce || it == shared_->slots.end() || !it->second.is_sum_ready) return shared_->failure();
+      if (kind_ != Kind::kAllReduce || it == shared_->slots.end() || !it->second.is_sum_ready) return shared_->core->failure();
     }
     Slot& s = slot();
     const int R = shared_->num_ranks;
     switch (kind_) {
       case Kind::kBarrier:
         if (s.num_posted == R) finish(s);
+        break;
+      case Kind::kSplit:
+        if (s.num_posted < R) break;
+        if (s.groups.empty()) {
+          // The first rank to see every color makes every group, members by (key, rank).
+          std::map<int, std::vector<std::pair<int, int>>> members;
+          for (int p = 0; p < R; ++p) members[s.color[p]].push_back({s.key[p], p});
+          for (auto& [color, m] : members) {
+            std::sort(m.begin(), m.end());
+            std::vector<int> world;
+            for (const auto& km : m) world.push_back(shared_->world_ranks[km.second]);
+            s.groups[color] = std::make_shared<LocalWorld::Shared>(shared_->core, std::move(world), s.label);
+          }
+        }
+        group_ = s.groups.at(s.color[rank_]);
+        finish(s);
         break;
       case Kind::kAllToAllV: {
         const AllToAllV& mine = *args_;
@@ -150,7 +200,7 @@ class LocalWork final : public Work {
           copied_[p] = true;
           if (s.send_counts[p][rank_] > 0) --s.readers_left[p];
         }
-        if (!ready.empty()) shared_->cv.notify_all();
+        if (!ready.empty()) shared_->core->cv.notify_all();
         if (std::all_of(copied_.begin(), copied_.end(), [](bool b) { return b; }) && s.readers_left[rank_] == 0) finish(s);
         break;
       }
@@ -166,7 +216,7 @@ class LocalWork final : public Work {
           lock.lock();
           s.sum = std::move(sum);
           s.is_sum_ready = true;
-          shared_->cv.notify_all();
+          shared_->core->cv.notify_all();
         }
         if (!s.is_sum_ready) break;
         std::copy(s.sum.begin(), s.sum.end(), s.data[rank_]);
@@ -195,6 +245,110 @@ class LocalWork final : public Work {
   std::chrono::milliseconds timeout_;
   std::vector<bool> copied_;
   std::optional<AllToAllV> args_;  // this rank's all-to-all-v (the caller keeps its arrays alive)
+  bool is_done_ = false;
+
+ public:
+  std::shared_ptr<LocalWorld::Shared> group_;  // split: this rank's new group
+};
+
+// A send: done once a receive has copied it.
+class SendWork final : public Work {
+ public:
+  SendWork(std::shared_ptr<LocalWorld::Shared> shared, std::shared_ptr<Message> m, int rank, int peer, int tag,
+           std::chrono::milliseconds timeout)
+      : shared_(std::move(shared)), m_(std::move(m)), rank_(rank), peer_(peer), tag_(tag), timeout_(timeout) {}
+
+  Result<bool> test() override {
+    std::unique_lock lock(shared_->core->mu);
+    return advance();
+  }
+  Status wait() override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    std::unique_lock lock(shared_->core->mu);
+    for (;;) {
+      DISTCA_ASSIGN_OR_RETURN(bool done, advance());
+      if (done) return Status::ok();
+      if (shared_->core->cv.wait_until(lock, deadline) == std::cv_status::timeout) {
+        DISTCA_ASSIGN_OR_RETURN(bool last, advance());
+        if (last) return Status::ok();
+        return internal_error(fmt::format("send of {} bytes (tag {}) from {} to {}: timed out after {} ms: {} never received it",
+                                          m_->bytes, tag_, shared_->who(rank_), shared_->who(peer_), timeout_.count(),
+                                          shared_->who(peer_)));
+      }
+    }
+  }
+
+ private:
+  Result<bool> advance() {
+    if (!m_->error.empty()) return internal_error(m_->error);
+    if (m_->is_consumed) return true;
+    if (shared_->core->has_failed) return shared_->core->failure();
+    return false;
+  }
+  std::shared_ptr<LocalWorld::Shared> shared_;
+  std::shared_ptr<Message> m_;
+  int rank_, peer_, tag_;
+  std::chrono::milliseconds timeout_;
+};
+
+// A receive: copies the message of its index from (peer, rank, tag) once it is posted.
+class RecvWork final : public Work {
+ public:
+  RecvWork(std::shared_ptr<LocalWorld::Shared> shared, std::byte* data, int64_t bytes, int rank, int peer, int tag,
+           uint64_t index, std::chrono::milliseconds timeout)
+      : shared_(std::move(shared)), data_(data), bytes_(bytes), rank_(rank), peer_(peer), tag_(tag), index_(index),
+        timeout_(timeout) {}
+
+  Result<bool> test() override {
+    std::unique_lock lock(shared_->core->mu);
+    return advance();
+  }
+  Status wait() override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    std::unique_lock lock(shared_->core->mu);
+    for (;;) {
+      DISTCA_ASSIGN_OR_RETURN(bool done, advance());
+      if (done) return Status::ok();
+      if (shared_->core->cv.wait_until(lock, deadline) == std::cv_status::timeout) {
+        DISTCA_ASSIGN_OR_RETURN(bool last, advance());
+        if (last) return Status::ok();
+        return internal_error(fmt::format("recv of {} bytes (tag {}) on {}: timed out after {} ms waiting for {}", bytes_,
+                                          tag_, shared_->who(rank_), timeout_.count(), shared_->who(peer_)));
+      }
+    }
+  }
+
+ private:
+  // REQUIRES: lock held.
+  Result<bool> advance() {
+    if (is_done_) return true;
+    auto& box = shared_->mailbox[{peer_, rank_, tag_}];
+    auto it = box.find(index_);
+    if (it == box.end()) {
+      if (shared_->core->has_failed) return shared_->core->failure();
+      return false;
+    }
+    Message& m = *it->second;
+    if (m.bytes != bytes_) {
+      m.error = fmt::format("send of {} bytes (tag {}) from {} to {}, which receives {} bytes", m.bytes, tag_,
+                            shared_->who(peer_), shared_->who(rank_), bytes_);
+      box.erase(it);
+      shared_->core->cv.notify_all();
+      return internal_error(m.error);
+    }
+    if (bytes_ > 0) std::memcpy(data_, m.data, static_cast<std::size_t>(bytes_));
+    m.is_consumed = true;
+    box.erase(it);
+    is_done_ = true;
+    shared_->core->cv.notify_all();
+    return true;
+  }
+  std::shared_ptr<LocalWorld::Shared> shared_;
+  std::byte* data_;
+  int64_t bytes_;
+  int rank_, peer_, tag_;
+  uint64_t index_;
+  std::chrono::milliseconds timeout_;
   bool is_done_ = false;
 };
 
@@ -250,14 +404,62 @@ class LocalWorld::Comm final : public Communicator {
     return post(Kind::kBarrier, std::nullopt, [](Slot&) { return Status::ok(); });
   }
 
-  void abort(const std::string& reason) override {
-    std::lock_guard lock(shared_->mu);
-    if (!shared_->has_failed) {
-      shared_->has_failed = true;
-      shared_->failed_rank = rank_;
-      shared_->reason = reason;
+  Result<std::unique_ptr<Work>> send_async(const void* data, int64_t bytes, int peer, int tag) override {
+    DISTCA_RETURN_IF_ERROR(check_p2p("send", data, bytes, peer, tag));
+    auto m = std::make_shared<Message>();
+    m->data = static_cast<const std::byte*>(data);
+    m->bytes = bytes;
+    {
+      std::lock_guard lock(shared_->core->mu);
+      if (shared_->core->has_failed) return shared_->core->failure();
+      const LocalWorld::Shared::Key key{rank_, peer, tag};
+      shared_->mailbox[key][shared_->sends_posted[key]++] = m;
+      shared_->core->cv.notify_all();
     }
-    shared_->cv.notify_all();
+    return std::unique_ptr<Work>(std::make_unique<SendWork>(shared_, std::move(m), rank_, peer, tag, timeout()));
+  }
+
+  Result<std::unique_ptr<Work>> recv_async(void* data, int64_t bytes, int peer, int tag) override {
+    DISTCA_RETURN_IF_ERROR(check_p2p("recv", data, bytes, peer, tag));
+    uint64_t index = 0;
+    {
+      std::lock_guard lock(shared_->core->mu);
+      if (shared_->core->has_failed) return shared_->core->failure();
+      index = shared_->recvs_posted[{peer, rank_, tag}]++;
+    }
+    return std::unique_ptr<Work>(std::make_unique<RecvWork>(shared_, static_cast<std::byte*>(data), bytes, rank_, peer, tag,
+                                                            index, timeout()));
+  }
+
+  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& label) override {
+    if (color < 0) return invalid_argument(fmt::format("split: color {} (must be >= 0)", color));
+    if (label.empty()) return invalid_argument("split: a group needs a label");
+    DISTCA_ASSIGN_OR_RETURN(std::unique_ptr<Work> work, post(Kind::kSplit, std::nullopt, [&](Slot& s) {
+                              if (s.color.empty()) s.color.assign(size(), 0), s.key.assign(size(), 0), s.label = label;
+                              s.color[rank_] = color;
+                              s.key[rank_] = key;
+                              return Status::ok();
+                            }));
+    DISTCA_RETURN_IF_ERROR(work->wait());
+    std::shared_ptr<LocalWorld::Shared> group = static_cast<LocalWork&>(*work).group_;
+    const int world = shared_->world_ranks[rank_];
+    const auto& members = group->world_ranks;
+    const int rank = static_cast<int>(std::find(members.begin(), members.end(), world) - members.begin());
+    auto comm = std::make_unique<Comm>(std::move(group), rank);
+    comm->set_timeout(timeout());
+    return std::unique_ptr<Communicator>(std::move(comm));
+  }
+
+  int world_rank() const override { return shared_->world_ranks[rank_]; }
+
+  void abort(const std::string& reason) override {
+    std::lock_guard lock(shared_->core->mu);
+    if (!shared_->core->has_failed) {
+      shared_->core->has_failed = true;
+      shared_->core->failed_rank = shared_->world_ranks[rank_];
+      shared_->core->reason = reason;
+    }
+    shared_->core->cv.notify_all();
   }
 
  private:
@@ -265,8 +467,8 @@ class LocalWorld::Comm final : public Communicator {
   Result<std::unique_ptr<Work>> post(Kind kind, std::optional<AllToAllV> args, Fill&& fill) {
     const uint64_t seq = next_seq_++;
     {
-      std::lock_guard lock(shared_->mu);
-      if (shared_->has_failed) return shared_->failure();
+      std::lock_guard lock(shared_->core->mu);
+      if (shared_->core->has_failed) return shared_->core->failure();
       const int R = shared_->num_ranks;
       auto [it, is_new] = shared_->slots.try_emplace(seq);
       Slot& s = it->second;
@@ -286,7 +488,7 @@ class LocalWorld::Comm final : public Communicator {
       DISTCA_RETURN_IF_ERROR(fill(s));
       s.posted[rank_] = true;
       ++s.num_posted;
-      shared_->cv.notify_all();
+      shared_->core->cv.notify_all();
     }
     return std::unique_ptr<Work>(std::make_unique<LocalWork>(shared_, seq, rank_, kind, timeout(), args));
   }
@@ -296,7 +498,15 @@ class LocalWorld::Comm final : public Communicator {
   uint64_t next_seq_ = 0;
 };
 
-LocalWorld::LocalWorld(int num_ranks) : shared_(std::make_shared<Shared>(num_ranks)) {
+namespace {
+std::vector<int> iota_ranks(int n) {
+  std::vector<int> r(static_cast<size_t>(std::max(n, 0)));
+  for (int i = 0; i < n; ++i) r[i] = i;
+  return r;
+}
+}  // namespace
+
+LocalWorld::LocalWorld(int num_ranks) : shared_(std::make_shared<Shared>(std::make_shared<Core>(), iota_ranks(num_ranks), "")) {
   DISTCA_CHECK(num_ranks >= 1) << "a LocalWorld needs at least one rank";
   for (int r = 0; r < num_ranks; ++r) comms_.push_back(std::make_unique<Comm>(shared_, r));
 }

@@ -29,15 +29,36 @@ class MpiWork final : public Work {
   MpiWork(const char* what, uint64_t seq, int rank, std::chrono::milliseconds timeout)
       : what_(what), seq_(seq), rank_(rank), timeout_(timeout) {}
 
-  void add(MPI_Request request, int peer) {
+  // expect_bytes >= 0: a receive that must bring exactly that many bytes.
+  void add(MPI_Request request, int peer, int expect_bytes = -1) {
     requests_.push_back(request);
     peers_.push_back(peer);
+    expect_.push_back(expect_bytes);
+  }
+  // Point to point: how the two ends are named in errors.
+  void set_names(std::string self, std::string peer) {
+    self_ = std::move(self);
+    peer_ = std::move(peer);
   }
 
   Result<bool> test() override {
     if (is_done_) return true;
     int flag = 0;
-    DISTCA_MPI_CHECK(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE));
+    std::vector<MPI_Status> statuses(requests_.size());
+    const int code = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, statuses.data());
+    if (code != MPI_SUCCESS && !peer_.empty()) {
+      return internal_error(fmt::format("{} #{} on {} from {}: {} (a send of another size?)", what_, seq_, self_, peer_,
+                                        mpi_status(code, "MPI_Testall").message()));
+    }
+    DISTCA_MPI_CHECK(code);
+    if (flag) {
+      for (size_t i = 0; i < expect_.size(); ++i) {
+        int count = 0;
+        if (expect_[i] >= 0 && MPI_Get_count(&statuses[i], MPI_BYTE, &count) == MPI_SUCCESS && count != expect_[i]) {
+          return internal_error(fmt::format("{} of {} bytes on {}: {} sent {} bytes", what_, expect_[i], self_, peer_, count));
+        }
+      }
+    }
     is_done_ = flag != 0;
     return is_done_;
   }
@@ -56,6 +77,9 @@ class MpiWork final : public Work {
       if (requests_[i] != MPI_REQUEST_NULL) MPI_Test(&requests_[i], &flag, MPI_STATUS_IGNORE);
       if (requests_[i] != MPI_REQUEST_NULL && !flag && (late.empty() || late.back() != peers_[i])) late.push_back(peers_[i]);
     }
+    if (!peer_.empty()) {
+      return internal_error(fmt::format("{} #{} on {}: timed out after {} ms waiting for {}", what_, seq_, self_, timeout_.count(), peer_));
+    }
     const std::string who = late.empty() || late[0] < 0 ? std::string("the other ranks") : fmt::format("rank {}", fmt::join(late, ", rank "));
     return internal_error(fmt::format("{} #{} on rank {}: timed out after {} ms waiting for {}", what_, seq_, rank_, timeout_.count(), who));
   }
@@ -67,6 +91,8 @@ class MpiWork final : public Work {
   std::chrono::milliseconds timeout_;
   std::vector<MPI_Request> requests_;
   std::vector<int> peers_;  // -1 for collectives
+  std::vector<int> expect_;  // bytes a receive must bring, -1: any
+  std::string self_, peer_;  // point to point
   bool is_done_ = false;
 };
 
@@ -84,6 +110,12 @@ Result<std::unique_ptr<MpiComm>> MpiComm::create(int* argc, char*** argv) {
   DISTCA_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
   DISTCA_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
   auto c = std::unique_ptr<MpiComm>(new MpiComm(rank, size, !is_initialized));
+  c->world_rank_ = rank;
+  for (int r = 0; r < size; ++r) c->world_ranks_.push_back(r);
+  c->comm_ = new MPI_Comm(MPI_COMM_WORLD);
+  auto* p2p = new MPI_Comm(MPI_COMM_NULL);
+  c->p2p_comm_ = p2p;
+  DISTCA_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, p2p));
   auto* outcome = new MPI_Comm(MPI_COMM_NULL);
   c->outcome_comm_ = outcome;
   DISTCA_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, outcome));
@@ -91,10 +123,67 @@ Result<std::unique_ptr<MpiComm>> MpiComm::create(int* argc, char*** argv) {
 }
 
 MpiComm::~MpiComm() {
-  auto* outcome = static_cast<MPI_Comm*>(outcome_comm_);
-  if (outcome != nullptr && *outcome != MPI_COMM_NULL) MPI_Comm_free(outcome);
-  delete outcome;
+  for (void* p : {comm_, p2p_comm_, outcome_comm_}) {
+    auto* c = static_cast<MPI_Comm*>(p);
+    if (c != nullptr && *c != MPI_COMM_NULL && *c != MPI_COMM_WORLD) MPI_Comm_free(c);
+    delete c;
+  }
   if (is_owner_) MPI_Finalize();
+}
+
+std::string MpiComm::who(int rank) const {
+  return label_.empty() ? fmt::format("rank {}", rank) : fmt::format("rank {} of {} (world rank {})", rank, label_, world_ranks_[rank]);
+}
+
+Result<std::unique_ptr<Communicator>> MpiComm::split(int color, int key, const std::string& label) {
+  if (color < 0) return invalid_argument(fmt::format("split: color {} (must be >= 0)", color));
+  if (label.empty()) return invalid_argument("split: a group needs a label");
+  MPI_Comm parent = *static_cast<MPI_Comm*>(comm_);
+  auto* group = new MPI_Comm(MPI_COMM_NULL);
+  auto c = std::unique_ptr<MpiComm>(new MpiComm(0, 0, false));
+  c->comm_ = group;  // freed by c from here on
+  DISTCA_MPI_CHECK(MPI_Comm_split(parent, color, key, group));
+  DISTCA_MPI_CHECK(MPI_Comm_set_errhandler(*group, MPI_ERRORS_RETURN));
+  DISTCA_MPI_CHECK(MPI_Comm_rank(*group, &c->rank_));
+  DISTCA_MPI_CHECK(MPI_Comm_size(*group, &c->size_));
+  c->world_rank_ = world_rank_;
+  c->label_ = label;
+  c->world_ranks_.assign(c->size_, 0);
+  DISTCA_MPI_CHECK(MPI_Allgather(&c->world_rank_, 1, MPI_INT, c->world_ranks_.data(), 1, MPI_INT, *group));
+  auto* p2p = new MPI_Comm(MPI_COMM_NULL);
+  c->p2p_comm_ = p2p;
+  DISTCA_MPI_CHECK(MPI_Comm_dup(*group, p2p));
+  c->set_timeout(timeout());
+  return std::unique_ptr<Communicator>(std::move(c));
+}
+
+Result<std::unique_ptr<Work>> MpiComm::send_async(const void* data, int64_t bytes, int peer, int tag) {
+  DISTCA_RETURN_IF_ERROR(check_p2p("send", data, bytes, peer, tag));
+  auto work = std::make_unique<MpiWork>("send", next_p2p_seq_++, rank_, timeout());
+  work->set_names(who(rank_), who(peer));
+  // Chunks of one message keep their order (MPI does not overtake on one communicator and tag).
+  for (int64_t off = 0; off == 0 || off < bytes; off += kMaxMessage) {
+    MPI_Request r;
+    const int n = static_cast<int>(std::min(kMaxMessage, bytes - off));
+    DISTCA_MPI_CHECK(MPI_Isend(static_cast<const std::byte*>(data) + off, n, MPI_BYTE, peer, tag,
+                               *static_cast<MPI_Comm*>(p2p_comm_), &r));
+    work->add(r, peer);
+  }
+  return std::unique_ptr<Work>(std::move(work));
+}
+
+Result<std::unique_ptr<Work>> MpiComm::recv_async(void* data, int64_t bytes, int peer, int tag) {
+  DISTCA_RETURN_IF_ERROR(check_p2p("recv", data, bytes, peer, tag));
+  auto work = std::make_unique<MpiWork>("recv", next_p2p_seq_++, rank_, timeout());
+  work->set_names(who(rank_), who(peer));
+  for (int64_t off = 0; off == 0 || off < bytes; off += kMaxMessage) {
+    MPI_Request r;
+    const int n = static_cast<int>(std::min(kMaxMessage, bytes - off));
+    DISTCA_MPI_CHECK(MPI_Irecv(static_cast<std::byte*>(data) + off, n, MPI_BYTE, peer, tag,
+                               *static_cast<MPI_Comm*>(p2p_comm_), &r));
+    work->add(r, peer, n);
+  }
+  return std::unique_ptr<Work>(std::move(work));
 }
 
 Result<MpiComm::Outcome> MpiComm::agree_on_outcome(int code, std::chrono::milliseconds timeout) {
@@ -133,7 +222,7 @@ Result<std::unique_ptr<Work>> MpiComm::all_to_all_v_async(const AllToAllV& a) {
     for (int64_t off = 0; off < a.recv_counts[p]; off += kMaxMessage) {
       MPI_Request r;
       const int n = static_cast<int>(std::min(kMaxMessage, a.recv_counts[p] - off));
-      DISTCA_MPI_CHECK(MPI_Irecv(a.recv + a.recv_offsets[p] + off, n, MPI_BYTE, p, tag, MPI_COMM_WORLD, &r));
+      DISTCA_MPI_CHECK(MPI_Irecv(a.recv + a.recv_offsets[p] + off, n, MPI_BYTE, p, tag, *static_cast<MPI_Comm*>(comm_), &r));
       work->add(r, p);
     }
   }
@@ -142,7 +231,7 @@ Result<std::unique_ptr<Work>> MpiComm::all_to_all_v_async(const AllToAllV& a) {
     for (int64_t off = 0; off < a.send_counts[p]; off += kMaxMessage) {
       MPI_Request r;
       const int n = static_cast<int>(std::min(kMaxMessage, a.send_counts[p] - off));
-      DISTCA_MPI_CHECK(MPI_Isend(a.send + a.send_offsets[p] + off, n, MPI_BYTE, p, tag, MPI_COMM_WORLD, &r));
+      DISTCA_MPI_CHECK(MPI_Isend(a.send + a.send_offsets[p] + off, n, MPI_BYTE, p, tag, *static_cast<MPI_Comm*>(comm_), &r));
       work->add(r, p);
     }
   }
@@ -158,7 +247,7 @@ Result<std::unique_ptr<Work>> MpiComm::all_reduce_sum_async(float* data, int64_t
   }
   auto work = std::make_unique<MpiWork>("all_reduce_sum", next_seq_++, rank_, timeout());
   MPI_Request r;
-  DISTCA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r));
+  DISTCA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, *static_cast<MPI_Comm*>(comm_), &r));
   work->add(r, -1);
   return std::unique_ptr<Work>(std::move(work));
 }
@@ -168,7 +257,7 @@ Result<std::unique_ptr<Work>> MpiComm::broadcast_async(void* data, int64_t bytes
   if (bytes < 0 || bytes > INT_MAX || (bytes > 0 && data == nullptr)) return invalid_argument("broadcast: bad buffer");
   auto work = std::make_unique<MpiWork>("broadcast", next_seq_++, rank_, timeout());
   MPI_Request r;
-  DISTCA_MPI_CHECK(MPI_Ibcast(data, static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD, &r));
+  DISTCA_MPI_CHECK(MPI_Ibcast(data, static_cast<int>(bytes), MPI_BYTE, root, *static_cast<MPI_Comm*>(comm_), &r));
   work->add(r, rank_ == root ? -1 : root);
   return std::unique_ptr<Work>(std::move(work));
 }
@@ -176,7 +265,7 @@ Result<std::unique_ptr<Work>> MpiComm::broadcast_async(void* data, int64_t bytes
 Result<std::unique_ptr<Work>> MpiComm::barrier_async() {
   auto work = std::make_unique<MpiWork>("barrier", next_seq_++, rank_, timeout());
   MPI_Request r;
-  DISTCA_MPI_CHECK(MPI_Ibarrier(MPI_COMM_WORLD, &r));
+  DISTCA_MPI_CHECK(MPI_Ibarrier(*static_cast<MPI_Comm*>(comm_), &r));
   work->add(r, -1);
   return std::unique_ptr<Work>(std::move(work));
 }

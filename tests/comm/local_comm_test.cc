@@ -4,6 +4,10 @@
 #include "distca/comm/local_comm.h"
 
 #include <gtest/gtest.h>
+#include <utility>
+#include <thread>
+
+#include <fmt/format.h>
 
 #include <chrono>
 #include <stdexcept>
@@ -103,6 +107,77 @@ TEST(LocalComm, BadArgumentsAreRejectedUpFront) {
   EXPECT_EQ(c.all_to_all_v_async({nullptr, one, one, nullptr, one, one}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(c.broadcast_async(nullptr, 0, 5).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(c.all_reduce_sum_async(nullptr, 3).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LocalComm, PointToPointMatchesBySenderTagAndOrder) {
+  for (int R : {2, 3, 4, 7}) expect_all_ok(LocalWorld::run(R, testing::check_point_to_point));
+}
+
+TEST(LocalComm, GroupsOfStagesAndReplicasWorkSideBySide) {
+  for (auto [R, dp] : {std::pair{2, 1}, {3, 1}, {4, 1}, {4, 2}, {8, 2}, {6, 3}}) {
+    SCOPED_TRACE(fmt::format("{} ranks, dp {}", R, dp));
+    expect_all_ok(LocalWorld::run(R, [dp](Communicator& c) { return testing::check_groups(c, dp); }));
+  }
+}
+
+TEST(LocalComm, PointToPointErrorsNameThePeer) {
+  // A receive of another size than the send: both ends fail, naming each other.
+  auto statuses = LocalWorld::run(2, [](Communicator& c) -> Status {
+    std::vector<std::byte> b(64);
+    return c.rank() == 0 ? c.send(b.data(), 64, 1, 4) : c.recv(b.data(), 32, 0, 4);
+  }, 2s);
+  for (int r : {0, 1}) {
+    ASSERT_FALSE(statuses[r].is_ok()) << r;
+    EXPECT_NE(statuses[r].message().find("send of 64 bytes (tag 4) from rank 0 to rank 1, which receives 32 bytes"), std::string::npos)
+        << statuses[r].message();
+  }
+  // A receive nobody sends: the timeout names the sender it waits for, in its group.
+  const auto t0 = std::chrono::steady_clock::now();
+  statuses = LocalWorld::run(4, [](Communicator& c) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(auto pp, c.split(c.rank() % 2, c.rank(), "pp"));
+    int32_t x = 0;
+    if (c.rank() == 3) return pp->recv(&x, 4, 0, 2);  // rank 0 of pp is world rank 1, which never sends
+    return Status::ok();
+  }, 300ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  ASSERT_FALSE(statuses[3].is_ok());
+  EXPECT_NE(statuses[3].message().find("recv of 4 bytes (tag 2) on rank 1 of pp (world rank 3): timed out after 300 ms waiting for "
+                                       "rank 0 of pp (world rank 1)"),
+            std::string::npos)
+      << statuses[3].message();
+  // Bad calls are refused before anything is posted.
+  expect_all_ok(LocalWorld::run(2, [](Communicator& c) -> Status {
+    int32_t x = 0;
+    auto refused = [](const Result<std::unique_ptr<Work>>& r) { return !r.is_ok() && r.status().code() == StatusCode::kInvalidArgument; };
+    if (!refused(c.send_async(&x, 4, 2, 0)) || !refused(c.send_async(&x, 4, c.rank(), 0)) ||
+        !refused(c.recv_async(&x, 4, 1 - c.rank(), -1)) || !refused(c.recv_async(&x, 4, 1 - c.rank(), Communicator::kMaxTag + 1)) ||
+        !refused(c.send_async(nullptr, 4, 1 - c.rank(), 0))) {
+      return internal_error("a bad call was accepted");
+    }
+    if (c.split(-1, 0, "x").is_ok() || c.split(0, 0, "").is_ok()) return internal_error("a bad split was accepted");
+    return Status::ok();
+  }));
+}
+
+TEST(LocalComm, ARankThatFailsInOneGroupEndsThePeersOfAnother) {
+  // 4 ranks: DP groups {0, 1} and {2, 3}. Rank 3 fails; rank 0 waits in its own group's
+  // all-reduce for rank 1, which waits for a message from rank 3: all end with rank 3's reason.
+  const auto t0 = std::chrono::steady_clock::now();
+  auto statuses = LocalWorld::run(4, [](Communicator& c) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(auto dp, c.split(c.rank() / 2, c.rank(), "dp"));
+    if (c.rank() == 3) return internal_error("stage 1 ran out of memory");
+    if (c.rank() == 1) {
+      int32_t x = 0;
+      DISTCA_RETURN_IF_ERROR(c.recv(&x, 4, 3, 0));
+    }
+    float v = 1;
+    return dp->all_reduce_sum(&v, 1);
+  }, 20s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_FALSE(statuses[r].is_ok()) << r;
+    EXPECT_NE(statuses[r].message().find("stage 1 ran out of memory"), std::string::npos) << r << ": " << statuses[r].message();
+  }
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// MpiComm under mpirun: the same collective checks as the LocalComm test, on every rank
+// MpiComm under mpirun: the same collective, point-to-point and group checks as the LocalComm test, on every rank
 // (`mpirun -np 2` and `-np 4` under ctest). With --fault, rank 1 fails mid-job: the job must end
 // with a non-zero exit, every rank gone, well before the timeout (ctest's TIMEOUT guards it).
 #include <fmt/format.h>
@@ -29,6 +29,17 @@ int main(int argc, char** argv) {
   if (Status st = comm::testing::check_all_reduce(c); !st.is_ok()) {
     fmt::print(stderr, "rank {}: {}\n", c.rank(), st.message());
     return 1;
+  }
+  if (Status st = comm::testing::check_point_to_point(c); !st.is_ok()) {
+    fmt::print(stderr, "rank {}: point to point: {}\n", c.rank(), st.message());
+    return 1;
+  }
+  for (int dp : {1, 2}) {
+    if (c.size() % dp != 0) continue;
+    if (Status st = comm::testing::check_groups(c, dp); !st.is_ok()) {
+      fmt::print(stderr, "rank {}: groups (dp {}): {}\n", c.rank(), dp, st.message());
+      return 1;
+    }
   }
   if (c.rank() == 0) fmt::print("MpiComm checks passed on {} ranks\n", c.size());
   return 0;

@@ -51,11 +51,28 @@ class Communicator {
   virtual Result<std::unique_ptr<Work>> broadcast_async(void* data, int64_t bytes, int root) = 0;
   virtual Result<std::unique_ptr<Work>> barrier_async() = 0;
 
+  // Point to point: `bytes` bytes to (from) rank `peer` of this communicator, matched by
+  // (sender, receiver, tag) in posting order, as MPI does; tag in [0, kMaxTag]. The sizes of a
+  // matched send and receive must agree, else the receive ends with an error naming the sender
+  // (under LocalComm the send too).
+  static constexpr int kMaxTag = 32767;
+  virtual Result<std::unique_ptr<Work>> send_async(const void* data, int64_t bytes, int peer, int tag) = 0;
+  virtual Result<std::unique_ptr<Work>> recv_async(void* data, int64_t bytes, int peer, int tag) = 0;
+
+  // A sub-group, collective over this communicator: the ranks that give the same color (>= 0)
+  // form a communicator, ranked by key, then by rank here. `label` names the group in errors
+  // ("dp", "pp"). A rank that fails in any group fails the whole job, as in the world.
+  virtual Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& label) = 0;
+  // This rank's rank in the world communicator the groups were split from.
+  virtual int world_rank() const { return rank(); }
+
   // Blocking forms: start, then wait.
   Status all_to_all_v(const AllToAllV& a);
   Status all_reduce_sum(float* data, int64_t count);
   Status broadcast(void* data, int64_t bytes, int root);
   Status barrier();
+  Status send(const void* data, int64_t bytes, int peer, int tag);
+  Status recv(void* data, int64_t bytes, int peer, int tag);
 
   // Marks this rank failed with `reason`: the peers' pending and later operations end with an
   // error naming this rank (LocalComm), or the job is aborted (MpiComm).
@@ -67,6 +84,8 @@ class Communicator {
  protected:
   // Checks an AllToAllV against this communicator's size.
   Status check(const AllToAllV& a) const;
+  // Checks a point-to-point call ("send" or "recv") against this communicator.
+  Status check_p2p(const char* what, const void* data, int64_t bytes, int peer, int tag) const;
 
  private:
   std::chrono::milliseconds timeout_{std::chrono::seconds(120)};

@@ -49,6 +49,18 @@ class EmulatedLink final : public Communicator {
   Result<std::unique_ptr<Work>> all_reduce_sum_async(float* data, int64_t count) override;
   Result<std::unique_ptr<Work>> broadcast_async(void* data, int64_t bytes, int root) override;
   Result<std::unique_ptr<Work>> barrier_async() override;
+  // Point to point and sub-groups go to the inner communicator undelayed (the link models the
+  // attention exchange only).
+  Result<std::unique_ptr<Work>> send_async(const void* data, int64_t bytes, int peer, int tag) override {
+    return inner_.send_async(data, bytes, peer, tag);
+  }
+  Result<std::unique_ptr<Work>> recv_async(void* data, int64_t bytes, int peer, int tag) override {
+    return inner_.recv_async(data, bytes, peer, tag);
+  }
+  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& label) override {
+    return inner_.split(color, key, label);
+  }
+  int world_rank() const override { return inner_.world_rank(); }
   void abort(const std::string& reason) override { inner_.abort(reason); }
 
   const LinkCounters& counters() const { return counters_; }

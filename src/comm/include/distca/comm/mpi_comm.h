@@ -6,6 +6,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "distca/comm/communicator.h"
 
@@ -26,6 +28,11 @@ class MpiComm final : public Communicator {
   Result<std::unique_ptr<Work>> all_reduce_sum_async(float* data, int64_t count) override;
   Result<std::unique_ptr<Work>> broadcast_async(void* data, int64_t bytes, int root) override;
   Result<std::unique_ptr<Work>> barrier_async() override;
+  Result<std::unique_ptr<Work>> send_async(const void* data, int64_t bytes, int peer, int tag) override;
+  Result<std::unique_ptr<Work>> recv_async(void* data, int64_t bytes, int peer, int tag) override;
+  // MPI_Comm_split; the group's abort() still ends the whole job.
+  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& label) override;
+  int world_rank() const override { return world_rank_; }
   // Prints `reason` (one line) and ends the whole job with exit code 1 (MPI_Abort).
   void abort(const std::string& reason) override;
   // The same with the exit code `code`.
@@ -44,11 +51,19 @@ class MpiComm final : public Communicator {
 
  private:
   MpiComm(int rank, int size, bool is_owner) : rank_(rank), size_(size), is_owner_(is_owner) {}
+  // "rank 2" in the world; "rank 1 of dp (world rank 3)" in a group.
+  std::string who(int rank) const;
   int rank_;
+  int world_rank_ = 0;
+  std::string label_;                 // "" for the world
+  std::vector<int> world_ranks_;      // (size) each rank's world rank
+  void* comm_ = nullptr;              // MPI_Comm* of the collectives: the world, or a split
+  void* p2p_comm_ = nullptr;          // MPI_Comm*: a duplicate for point to point (its tags never meet the collectives')
   void* outcome_comm_ = nullptr;  // an MPI_Comm (a duplicate of the world) for agree_on_outcome
   int size_;
   bool is_owner_;
   uint64_t next_seq_ = 0;
+  uint64_t next_p2p_seq_ = 0;
 };
 
 }  // namespace distca::comm
