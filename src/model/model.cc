@@ -176,27 +176,32 @@ Weights<T> ModelState<T>::views(Arena<T>& a) const {
 }
 
 template <typename T>
-int64_t Model<T>::workspace_bytes(const ModelConfig& c, int64_t n) {
+int64_t Model<T>::workspace_bytes(const ModelConfig& c, int64_t n, LayerRange range) {
+  const int64_t layers = range.count < 0 ? c.num_layers - range.first : range.count;
   // Per token, as the constructor lays it out: per layer x, h1, x_mid, h2 (d each), rstd1/2, q and
   // o, k and v, gate, up and s; then x_final, hf, dx, dh, rstdf, logits and dlogits, RoPE cos and
   // sin, dq, do, dk, dv, dgate, dup, ds; LSE per layer and query head (fp32); the token ids.
   const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width();
   const int64_t per_layer = 4 * d + 2 + 2 * qw + 2 * kw + 3 * f;
   const int64_t global = 4 * d + 1 + 2 * c.vocab_size + 2 * (c.head_dim / 2) + 2 * qw + 2 * kw + 3 * f;
-  const int64_t elements = n * (c.num_layers * per_layer + global);
+  const int64_t elements = n * (layers * per_layer + global);
   return elements * static_cast<int64_t>(sizeof(T)) +
-         n * (c.num_layers * c.num_q_heads * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int32_t)));
+         n * (layers * c.num_q_heads * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int32_t)));
 }
 
 template <typename T>
-Model<T>::Model(const ModelConfig& config, int64_t max_tokens) : config_(config), max_tokens_(max_tokens) {
+Model<T>::Model(const ModelConfig& config, int64_t max_tokens, LayerRange range)
+    : config_(config), max_tokens_(max_tokens), first_(range.first),
+      count_(range.count < 0 ? config.num_layers - range.first : range.count) {
+  DISTCA_CHECK(first_ >= 0 && count_ >= 1 && first_ + count_ <= config.num_layers)
+      << "layers [" << first_ << ", " << first_ + count_ << ") of " << config.num_layers;
   const ModelConfig& c = config_;
   const int64_t n = max_tokens, d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width();
   struct Offsets {
     int64_t x, h1, rstd1, q, k, v, o, x_mid, h2, rstd2, gate, up, s;
   };
   std::vector<Offsets> offsets;
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  for (int64_t l = 0; l < count_; ++l) {
     auto add = [&](const char* what, int64_t count) { return acts_.add(fmt::format("layers.{}.{}", l, what), count); };
     offsets.push_back({add("x", n * d), add("h1", n * d), add("rstd1", n), add("q", n * qw), add("k", n * kw),
                        add("v", n * kw), add("o", n * qw), add("x_mid", n * d), add("h2", n * d), add("rstd2", n),
@@ -210,8 +215,8 @@ Model<T>::Model(const ModelConfig& config, int64_t max_tokens) : config_(config)
                 dk = acts_.add("dk", n * kw), dv = acts_.add("dv", n * kw), d_o = acts_.add("do", n * qw),
                 dgate = acts_.add("dgate", n * f), dup = acts_.add("dup", n * f), ds = acts_.add("ds", n * f);
   acts_.allocate();
-  lse_.assign(static_cast<size_t>(c.num_layers * n * c.num_q_heads), 0.0f);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  lse_.assign(static_cast<size_t>(count_ * n * c.num_q_heads), 0.0f);
+  for (int64_t l = 0; l < count_; ++l) {
     const Offsets& o = offsets[l];
     auto p = [this](int64_t off) { return acts_.at(off); };
     layer_acts_.push_back({p(o.x), p(o.h1), p(o.rstd1), p(o.q), p(o.k), p(o.v), p(o.o), p(o.x_mid), p(o.h2),
@@ -226,7 +231,7 @@ Model<T>::Model(const ModelConfig& config, int64_t max_tokens) : config_(config)
 
 template <typename T>
 Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
-                                 double loss_scale, PassTimes* times) {
+                                 double loss_scale, PassTimes* times, const T* x_in) {
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
   const ModelConfig& c = config_;
@@ -238,6 +243,8 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
   n_ = n;
   const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size;
   const Weights<T> w = state.weights();
+  if (!has_embedding() && x_in == nullptr) return invalid_argument("a stage without the embedding needs its input activations");
+  if (!has_embedding()) std::memcpy(layer_acts_[0].x, x_in, sizeof(T) * n * d);
   // Embedding and the RoPE tables of this step's positions.
   for (int64_t i = 0; i < n; ++i) {
     const int32_t t = in.tokens[i];
@@ -246,7 +253,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
       return invalid_argument(fmt::format("target {} at row {} is outside the vocabulary of {}", in.targets[i], i, V));
     }
     tokens_[i] = t;
-    std::memcpy(layer_acts_[0].x + i * d, w.embed + t * d, sizeof(T) * d);
+    if (has_embedding()) std::memcpy(layer_acts_[0].x + i * d, w.embed + t * d, sizeof(T) * d);
   }
   const int64_t half = c.head_dim / 2;
   for (int64_t i = 0; i < n; ++i) {
@@ -256,17 +263,17 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
       sin_[i * half + j] = static_cast<T>(std::sin(angle));
     }
   }
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const LayerWeights<T>& lw = w.layers[l];
+  for (int64_t l = 0; l < count_; ++l) {
+    const LayerWeights<T>& lw = w.layers[first_ + l];
     const LayerActs& a = layer_acts_[l];
-    T* x_out = l + 1 < c.num_layers ? layer_acts_[l + 1].x : x_final_;
+    T* x_out = l + 1 < count_ ? layer_acts_[l + 1].x : x_final_;
     rmsnorm_forward(a.x, lw.attn_norm, n, d, c.norm_eps, a.h1, a.rstd1);
     gemm(false, false, n, qw, d, a.h1, lw.wq, T(0), a.q);
     gemm(false, false, n, kw, d, a.h1, lw.wk, T(0), a.k);
     gemm(false, false, n, kw, d, a.h1, lw.wv, T(0), a.v);
     rope(a.q, n, c.num_q_heads, c.head_dim, cos_, sin_, T(1));
     rope(a.k, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(1));
-    DISTCA_RETURN_IF_ERROR(attention.forward(static_cast<int>(l), a.q, a.k, a.v, a.o, a.lse));
+    DISTCA_RETURN_IF_ERROR(attention.forward(static_cast<int>(first_ + l), a.q, a.k, a.v, a.o, a.lse));
     std::memcpy(a.x_mid, a.x, sizeof(T) * n * d);
     gemm(false, false, n, d, qw, a.o, lw.wo, T(1), a.x_mid);
     rmsnorm_forward(a.x_mid, lw.mlp_norm, n, d, c.norm_eps, a.h2, a.rstd2);
@@ -275,6 +282,14 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
     for (int64_t i = 0; i < n * f; ++i) a.s[i] = a.gate[i] * sigmoid(a.gate[i]) * a.up[i];
     std::memcpy(x_out, a.x_mid, sizeof(T) * n * d);
     gemm(false, false, n, d, f, a.s, lw.w_down, T(1), x_out);
+  }
+  if (!has_head()) {
+    if (times != nullptr) {
+      times->total += since(begin);
+      times->attention += attention.times.compute - before.compute;
+      times->comm += attention.times.comm - before.comm;
+    }
+    return 0.0;
   }
   rmsnorm_forward(x_final_, w.final_norm, n, d, c.norm_eps, hf_, rstdf_);
   gemm(false, false, n, V, d, hf_, w.lm_head, T(0), logits_);
@@ -306,7 +321,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
 }
 
 template <typename T>
-Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times) {
+Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times, const T* dx_in) {
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
   const ModelConfig& c = config_;
@@ -314,14 +329,19 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
   state.grads.fill(T(0));
   const Weights<T> w = state.weights();
   const Weights<T> g = state.gradients();
-  // Head and final norm: dx_ = d loss / d x_final.
-  gemm(true, false, d, V, n, hf_, dlogits_, T(0), g.lm_head);
-  gemm(false, true, n, d, V, dlogits_, w.lm_head, T(0), dh_);
-  std::fill(dx_, dx_ + n * d, T(0));
-  rmsnorm_backward(x_final_, w.final_norm, rstdf_, dh_, n, d, dx_, g.final_norm);
-  for (int64_t l = c.num_layers - 1; l >= 0; --l) {
-    const LayerWeights<T>& lw = w.layers[l];
-    const LayerWeights<T>& lg = g.layers[l];
+  if (has_head()) {
+    // Head and final norm: dx_ = d loss / d x_final.
+    gemm(true, false, d, V, n, hf_, dlogits_, T(0), g.lm_head);
+    gemm(false, true, n, d, V, dlogits_, w.lm_head, T(0), dh_);
+    std::fill(dx_, dx_ + n * d, T(0));
+    rmsnorm_backward(x_final_, w.final_norm, rstdf_, dh_, n, d, dx_, g.final_norm);
+  } else {
+    if (dx_in == nullptr) return invalid_argument("a stage without the head needs the gradient of its output");
+    std::memcpy(dx_, dx_in, sizeof(T) * n * d);
+  }
+  for (int64_t l = count_ - 1; l >= 0; --l) {
+    const LayerWeights<T>& lw = w.layers[first_ + l];
+    const LayerWeights<T>& lg = g.layers[first_ + l];
     const LayerActs& a = layer_acts_[l];
     // MLP: x_out = x_mid + s Wdown, s = silu(gate) up.
     gemm(true, false, f, d, n, a.s, dx_, T(0), lg.w_down);
@@ -340,7 +360,7 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
     // Attention: x_mid = x + o Wo.
     gemm(true, false, qw, d, n, a.o, dx_, T(0), lg.wo);
     gemm(false, true, n, qw, d, dx_, lw.wo, T(0), do_);
-    DISTCA_RETURN_IF_ERROR(attention.backward(static_cast<int>(l), a.q, a.k, a.v, a.o, a.lse, do_, dq_, dk_, dv_));
+    DISTCA_RETURN_IF_ERROR(attention.backward(static_cast<int>(first_ + l), a.q, a.k, a.v, a.o, a.lse, do_, dq_, dk_, dv_));
     rope(dq_, n, c.num_q_heads, c.head_dim, cos_, sin_, T(-1));
     rope(dk_, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(-1));
     gemm(true, false, d, qw, n, a.h1, dq_, T(0), lg.wq);
@@ -351,7 +371,7 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
     gemm(false, true, n, d, kw, dv_, lw.wv, T(1), dh_);
     rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
   }
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n && has_embedding(); ++i) {
     T* ge = g.embed + tokens_[i] * d;
     const T* dxi = dx_ + i * d;
     for (int64_t j = 0; j < d; ++j) ge[j] += dxi[j];

@@ -187,4 +187,39 @@ Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
   return batch;
 }
 
+Result<PooledBatch> pool_batches(const std::vector<PoolPart>& parts, int32_t num_ranks, int64_t tokens_per_rank) {
+  PooledBatch out;
+  out.batch.num_ranks = num_ranks;
+  out.batch.tokens_per_rank = tokens_per_rank;
+  std::vector<int> owner(static_cast<size_t>(std::max(num_ranks, 0)), -1);
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const PoolPart& part = parts[k];
+    if (part.batch == nullptr) return invalid_argument(fmt::format("pool part {} has no batch", k));
+    const Batch& b = *part.batch;
+    if (part.rank_offset < 0 || part.rank_offset + b.num_ranks > num_ranks) {
+      return invalid_argument(fmt::format("pool part {} (stage {}, micro-batch {}): ranks [{}, {}) are not within the pool's {}",
+                                          k, part.stage, part.micro_batch, part.rank_offset, part.rank_offset + b.num_ranks, num_ranks));
+    }
+    if (b.tokens_per_rank > tokens_per_rank) {
+      return invalid_argument(fmt::format("pool part {}: {} tokens per rank, the pool holds {}", k, b.tokens_per_rank, tokens_per_rank));
+    }
+    for (int32_t r = 0; r < b.num_ranks; ++r) {
+      int& o = owner[part.rank_offset + r];
+      if (o >= 0) return invalid_argument(fmt::format("pool parts {} and {} share rank {}", o, k, part.rank_offset + r));
+      o = static_cast<int>(k);
+    }
+    const auto first_doc = static_cast<int32_t>(out.batch.doc_lengths.size());
+    for (int32_t d = 0; d < b.num_docs(); ++d) {
+      out.batch.doc_lengths.push_back(b.doc_lengths[d]);
+      out.origin.push_back({part.stage, part.micro_batch, d});
+    }
+    for (const Piece& p : b.pieces) out.batch.pieces.push_back(Piece{p.doc + first_doc, p.begin, p.end, p.rank + part.rank_offset});
+  }
+  // Pieces ordered by rank, then by position in the rank, as every batch keeps them.
+  std::stable_sort(out.batch.pieces.begin(), out.batch.pieces.end(), [](const Piece& a, const Piece& b) { return a.rank < b.rank; });
+  out.batch.index();
+  DISTCA_RETURN_IF_ERROR(out.batch.validate());
+  return out;
+}
+
 }  // namespace distca::plan

@@ -78,15 +78,26 @@ struct PassTimes {
   double linear() const { return total - attention - comm; }
 };
 
+// The layers a pipeline stage runs: [first, first + count). The first stage also embeds the
+// tokens, the last also runs the final norm, the LM head and the loss.
+struct LayerRange {
+  int64_t first = 0;
+  int64_t count = -1;  // -1: every layer from `first` on
+};
+
 template <typename T>
 class Model {
  public:
   // A workspace (activations and gradients scratch) for up to max_tokens rows, allocated here
-  // once: a step allocates nothing.
-  Model(const ModelConfig& config, int64_t max_tokens);
+  // once: a step allocates nothing. `range`: the layers this model runs (a pipeline stage).
+  Model(const ModelConfig& config, int64_t max_tokens, LayerRange range = {});
   const ModelConfig& config() const { return config_; }
   // The bytes the constructor allocates, computed without allocating (memory estimates).
-  static int64_t workspace_bytes(const ModelConfig& config, int64_t max_tokens);
+  static int64_t workspace_bytes(const ModelConfig& config, int64_t max_tokens, LayerRange range = {});
+  int64_t first_layer() const { return first_; }
+  int64_t num_stage_layers() const { return count_; }
+  bool has_embedding() const { return first_ == 0; }
+  bool has_head() const { return first_ + count_ == config_.num_layers; }
   int64_t allocated_bytes() const {
     return acts_.size() * static_cast<int64_t>(sizeof(T)) + static_cast<int64_t>(lse_.size() * sizeof(float) +
                                                                                   tokens_.size() * sizeof(int32_t));
@@ -94,10 +105,19 @@ class Model {
 
   // Runs the forward and the loss. Returns the sum over this rank's targets of the loss; keeps
   // dLoss/dlogits scaled by loss_scale (1 / the global number of targets) for backward.
+  // A stage without the embedding takes its input activations `x_in` [n, d] (the previous
+  // stage's output()); one without the head returns 0 and leaves its activations in output().
   Result<double> forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
-                         double loss_scale, PassTimes* times = nullptr);
-  // Gradients of loss_scale x the summed loss into state.grads (overwritten).
-  Status backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times = nullptr);
+                         double loss_scale, PassTimes* times = nullptr, const T* x_in = nullptr);
+  // Gradients of loss_scale x the summed loss into state.grads (overwritten). A stage without
+  // the head takes d loss / d output() as `dx_in` [n, d]; one without the embedding leaves
+  // d loss / d x_in in input_grad().
+  Status backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times = nullptr,
+                  const T* dx_in = nullptr);
+  // [n, d] the last forward's output activations (a stage without the head).
+  const T* output() const { return x_final_; }
+  // [n, d] the last backward's gradient of the input activations (a stage without the embedding).
+  const T* input_grad() const { return dx_; }
 
   // [n, V] logits of the last forward.
   const T* logits() const { return logits_; }
@@ -110,6 +130,7 @@ class Model {
   };
   ModelConfig config_;
   int64_t max_tokens_ = 0;
+  int64_t first_ = 0, count_ = 0;  // the layers run: [first_, first_ + count_)
   int64_t n_ = 0;
   Arena<T> acts_;
   std::vector<float> lse_;  // [layers][max_tokens, Hq]

@@ -15,4 +15,12 @@ double gradient_norm(const ModelState<T>& state);
 template <typename T>
 double adamw_step(ModelState<T>& state, const OptimConfig& options);
 
+// Pipeline stages: the sum of squares of the gradients of the blocks in [begin, end) (arena
+// elements; a stage owns one contiguous range), and one AdamW step of just those blocks with
+// `norm`, the global norm every stage agreed on, for clipping. Counts the step.
+template <typename T>
+double gradient_square_sum(const ModelState<T>& state, int64_t begin, int64_t end);
+template <typename T>
+void adamw_step_range(ModelState<T>& state, const OptimConfig& options, int64_t begin, int64_t end, double norm);
+
 }  // namespace distca::model

@@ -69,4 +69,25 @@ Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
 Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
                                const std::string& origin);
 
+// Pipeline parallelism with CAD pools the core attention of every (stage, micro-batch) active in
+// a tick into one batch over all ranks: part k is a micro-batch's batch (ranks 0..R_k - 1)
+// placed on ranks [rank_offset, rank_offset + R_k) of the pool. Documents keep their order,
+// part after part; origin[d] names the part (its stage and micro-batch) of pooled document d.
+struct PoolPart {
+  const Batch* batch = nullptr;
+  int32_t rank_offset = 0;
+  int32_t stage = 0;
+  int32_t micro_batch = 0;
+};
+struct PooledBatch {
+  Batch batch;
+  struct Origin {
+    int32_t stage = 0, micro_batch = 0, doc = 0;  // the part's stage and micro-batch, and the document there
+  };
+  std::vector<Origin> origin;  // (pooled docs)
+};
+// Parts must fit in num_ranks ranks of tokens_per_rank tokens and not share a rank; ranks no
+// part covers hold nothing (they serve attention only). No part at all is a valid, empty pool.
+Result<PooledBatch> pool_batches(const std::vector<PoolPart>& parts, int32_t num_ranks, int64_t tokens_per_rank);
+
 }  // namespace distca::plan

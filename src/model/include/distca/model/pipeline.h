@@ -1,0 +1,110 @@
+// Pipeline-parallel training (issue 18): the model's layers split over P stages, D = world / P
+// data-parallel replicas per stage (world rank w is stage w / D, replica w % D), M micro-batches
+// per step (each D ranks x T tokens, packed from the stream as the data-parallel trainer packs a
+// step), walked by a tick table (runtime/pipeline_schedule.h):
+//   colocated  plain 1F1B; each stage attends its own micro-batch over its DP group (planner
+//              "none": only a document split across DP ranks moves its key prefix)
+//   cad        lockstep ticks; in every tick one plan pools the core attention of every active
+//              (stage, micro-batch) over all P x D ranks, and a rank whose stage has nothing to
+//              run in the tick serves attention without running any linear layer. Pooled plans
+//              are planned per tick with the stateless backward (a forward and its backward
+//              fall in different ticks, with different pools).
+// Activations go forward and their gradients back between stages by point-to-point messages on
+// the replica's PP group. Gradients are accumulated over the micro-batches, all-reduced over
+// each stage's DP group, clipped by the global norm (summed over the PP group) and applied by
+// AdamW to the blocks the stage owns. Every rank holds the whole ModelState (drawn from the same
+// seed), but uses and updates only its stage's contiguous range of it.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "distca/comm/communicator.h"
+#include "distca/model/trainer.h"
+#include "distca/runtime/pipeline_schedule.h"
+
+namespace distca::model {
+
+struct PipelineOptions {
+  TrainOptions train;            // context: tokens per rank of one micro-batch
+  int pp = 1;                    // stages (divides the layers and the ranks)
+  int micro_batches = 0;         // M per step; 0: 2 pp
+  std::string schedule = "cad";  // "colocated" (1F1B) or "cad" (lockstep, pooled plans)
+  Status validate(int world_size) const;
+};
+
+// One step, over all ranks. Every rank's time is split into parts that add up to its step:
+// linear + attention + comm + pipeline_wait + idle + optimizer + other.
+struct PipelineStepRecord {
+  int64_t step = 0;
+  std::string schedule;
+  double loss = 0;
+  double grad_norm = 0;
+  double lr = 0;
+  double step_seconds = 0;  // the slowest rank's
+  double tokens_per_second = 0;
+  struct Rank {
+    double step = 0;
+    double linear = 0;         // the model outside attention, on this rank's micro-batches
+    double attention = 0;      // attention kernels (as a server, for any stage)
+    double comm = 0;           // attention dispatch and return, plan checks, all-reduces
+    double pipeline_wait = 0;  // waiting for the previous (next) stage's activations (gradients)
+    double idle = 0;           // ticks without a micro-batch of its own, less what it served in them
+    double optimizer = 0;
+    double other = 0;          // the rest (planning, packing, bookkeeping)
+    double served_in_idle = 0; // attention + comm of ticks without a micro-batch of its own (cad)
+  };
+  std::vector<Rank> ranks;     // (world)
+  double attention_imbalance = 0;  // max / mean over all ranks of attention seconds
+  int64_t attention_bytes = 0;     // sent by the attention exchanges, all ranks
+  nlohmann::json to_json() const;
+};
+
+class PipelineTrainer {
+ public:
+  // Collective over `world`.
+  static Result<std::unique_ptr<PipelineTrainer>> create(comm::Communicator& world, PipelineOptions options);
+  ~PipelineTrainer();
+  Result<PipelineStepRecord> step();
+
+  const PipelineOptions& options() const { return options_; }
+  const runtime::PipelineSchedule& schedule() const { return schedule_; }
+  int stage() const { return stage_; }
+  int replica() const { return replica_; }
+  ModelState<float>& state() { return state_; }
+  // Arena elements [begin, end) of the blocks this rank's stage owns.
+  std::pair<int64_t, int64_t> owned_range() const { return {own_begin_, own_end_}; }
+  // The last step's accumulated gradient of the owned blocks, after the DP all-reduce (before
+  // clipping): the tests compare it with one rank's.
+  const std::vector<float>& last_gradient() const { return acc_; }
+
+ private:
+  struct Slot;
+  class PooledAttention;
+  struct Pending {
+    std::vector<float> data;
+    std::unique_ptr<comm::Work> work;
+  };
+  Status send(const float* data, int64_t count, int peer, int tag);
+  PipelineTrainer(comm::Communicator& world, PipelineOptions options);
+  Status run_tick(const std::vector<runtime::PipeSlot>& tick, std::vector<StepData>& mbs, double scale,
+                  double& loss_sum, PipelineStepRecord::Rank& me);
+
+  comm::Communicator& world_;
+  PipelineOptions options_;
+  int pp_ = 1, dp_ = 1, stage_ = 0, replica_ = 0;
+  std::unique_ptr<comm::Communicator> dp_group_, pp_group_;
+  runtime::PipelineSchedule schedule_;
+  std::unique_ptr<Packer> packer_;
+  ModelState<float> state_;
+  int64_t own_begin_ = 0, own_end_ = 0;
+  std::vector<float> acc_;
+  std::vector<std::unique_ptr<Slot>> slots_;  // workspaces: micro-batch m uses slots_[m % size]
+  std::unique_ptr<PooledAttention> pooled_;
+  std::vector<std::unique_ptr<Pending>> sends_;  // messages in flight, with their copies
+  int64_t step_ = 0;
+};
+
+}  // namespace distca::model

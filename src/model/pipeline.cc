@@ -1,0 +1,390 @@
+#include "distca/model/pipeline.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "distca/model/optimizer.h"
+#include "distca/runtime/dispatcher.h"
+
+namespace distca::model {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+constexpr int kActivationTag = 0, kGradientTag = 1;
+
+// The arena elements of the blocks stage `stage` of `pp` owns: the embedding (first stage), its
+// layers, the final norm and the LM head (last stage): one contiguous range.
+std::pair<int64_t, int64_t> stage_range(const ModelState<float>& s, int stage, int pp) {
+  const int64_t per = s.config.num_layers / pp;
+  const int64_t first = stage * per, last = first + per;  // layers [first, last)
+  int64_t begin = -1, end = -1;
+  for (const auto& b : s.params.blocks()) {
+    bool mine = false;
+    if (b.name == "embed") mine = stage == 0;
+    else if (b.name == "final_norm" || b.name == "lm_head") mine = stage == pp - 1;
+    else {
+      const int64_t layer = std::stoll(b.name.substr(7, b.name.find('.', 7) - 7));  // "layers.<l>.<name>"
+      mine = layer >= first && layer < last;
+    }
+    if (!mine) continue;
+    if (begin < 0) begin = b.offset;
+    DISTCA_CHECK(end < 0 || end == b.offset) << "stage " << stage << "'s blocks are not contiguous";
+    end = b.offset + b.count;
+  }
+  return {begin, end};
+}
+
+// The stage's peak number of micro-batches between their forward and their backward.
+int peak_in_flight(const runtime::PipelineSchedule& s, int stage) {
+  int held = 0, peak = 0;
+  for (const auto& tick : s.ticks) {
+    held += tick[stage].op == runtime::PipeOp::kForward ? 1 : tick[stage].op == runtime::PipeOp::kBackward ? -1 : 0;
+    peak = std::max(peak, held);
+  }
+  return std::max(peak, 1);
+}
+
+}  // namespace
+
+Status PipelineOptions::validate(int world_size) const {
+  DISTCA_RETURN_IF_ERROR(train.validate());
+  if (pp < 1 || pp > world_size || world_size % pp != 0) {
+    return invalid_argument(fmt::format("--pp {} must divide the {} ranks", pp, world_size));
+  }
+  if (train.model.num_layers % pp != 0) {
+    return invalid_argument(fmt::format("--pp {} must divide the model's {} layers (equal layers per stage)", pp,
+                                        train.model.num_layers));
+  }
+  if (schedule != "colocated" && schedule != "cad") {
+    return invalid_argument(fmt::format("pipeline schedule must be colocated or cad, got '{}'", schedule));
+  }
+  if (micro_batches < 0 || micro_batches > 4096) return invalid_argument(fmt::format("--micro-batches must be 1..4096 (0: 2 x --pp), got {}", micro_batches));
+  if (!train.resume_path.empty() || !train.checkpoint_path.empty() || train.eval_every > 0) {
+    return invalid_argument("--pp does not support checkpoints or validation yet");
+  }
+  return Status::ok();
+}
+
+// One workspace: the activations of one micro-batch between its forward and its backward, the
+// buffers its stage messages land in, and (colocated) the attention over the stage's DP group.
+struct PipelineTrainer::Slot {
+  std::unique_ptr<Model<float>> model;
+  std::vector<float> x_in, dx_in;  // [T, d] from the previous / next stage
+  std::unique_ptr<DispatchAttention> attention;
+  int micro_batch = -1;
+};
+
+// CAD's attention: one Dispatcher per tick over all ranks (the pooled plan); layer `l` of a stage
+// is its slot l - first, the same on every stage.
+class PipelineTrainer::PooledAttention final : public AttentionBackend<float> {
+ public:
+  PooledAttention(int64_t first_layer, int64_t layers) : first_(first_layer), servers_(static_cast<size_t>(layers)) {}
+  std::string name() const override { return "cad"; }
+  Status begin_step(const plan::Batch&) override { return Status::ok(); }
+  void set(runtime::Dispatcher* d) { d_ = d; }
+  Status forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) override {
+    return run(layer - first_, false, {q, k, v, o, lse}, {});
+  }
+  Status backward(int layer, const float* q, const float* k, const float* v, const float* o, const float* lse,
+                  const float* d_o, float* dq, float* dk, float* dv) override {
+    return run(layer - first_, true, {}, {q, k, v, o, lse, d_o, dq, dk, dv});
+  }
+  // A rank with no micro-batch of its own in the tick: every exchange of every layer slot, with
+  // no rows of its own (it serves attention for the others).
+  Status serve(bool is_backward) {
+    const auto n = static_cast<int64_t>(servers_.size());
+    for (int64_t i = 0; i < n; ++i) DISTCA_RETURN_IF_ERROR(run(is_backward ? n - 1 - i : i, is_backward, {}, {}));
+    return Status::ok();
+  }
+
+ private:
+  Status run(int64_t slot, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b) {
+    if (d_ == nullptr) return internal_error("pooled attention without a tick's dispatcher");
+    if (slot < 0 || slot >= static_cast<int64_t>(servers_.size())) return internal_error(fmt::format("no layer slot {}", slot));
+    auto t = Clock::now();
+    DISTCA_RETURN_IF_ERROR(is_backward ? d_->start_backward(b, servers_[slot]) : d_->start_forward(f, servers_[slot]));
+    DISTCA_RETURN_IF_ERROR(d_->finish_comm());
+    times.comm += since(t);
+    t = Clock::now();
+    DISTCA_RETURN_IF_ERROR(d_->compute());
+    times.compute += since(t);
+    t = Clock::now();
+    DISTCA_RETURN_IF_ERROR(d_->start_return());
+    DISTCA_RETURN_IF_ERROR(d_->finish_comm());
+    times.comm += since(t);
+    return Status::ok();
+  }
+  int64_t first_;
+  std::vector<runtime::ServerBuffers> servers_;
+  runtime::Dispatcher* d_ = nullptr;
+};
+
+PipelineTrainer::PipelineTrainer(comm::Communicator& world, PipelineOptions options)
+    : world_(world), options_(std::move(options)) {}
+PipelineTrainer::~PipelineTrainer() = default;
+
+Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communicator& world, PipelineOptions options) {
+  options.train.optim.total_steps = options.train.steps;
+  if (options.micro_batches == 0) options.micro_batches = 2 * options.pp;
+  DISTCA_RETURN_IF_ERROR(options.validate(world.size()));
+  TrainOptions& o = options.train;
+  if (o.granularity == 0) {
+    int64_t g = 16;
+    while (g * 2 <= std::min<int64_t>(o.context / 32, 128)) g *= 2;
+    o.granularity = g;
+  }
+  auto t = std::unique_ptr<PipelineTrainer>(new PipelineTrainer(world, std::move(options)));
+  const PipelineOptions& po = t->options_;
+  t->pp_ = po.pp;
+  t->dp_ = world.size() / po.pp;
+  t->stage_ = world.rank() / t->dp_;
+  t->replica_ = world.rank() % t->dp_;
+  DISTCA_ASSIGN_OR_RETURN(t->dp_group_, world.split(t->stage_, t->replica_, "dp"));
+  DISTCA_ASSIGN_OR_RETURN(t->pp_group_, world.split(t->replica_, t->stage_, "pp"));
+  DISTCA_ASSIGN_OR_RETURN(t->schedule_, runtime::pipeline_schedule(po.schedule, po.pp, po.micro_batches));
+  std::unique_ptr<DocumentSource> source;
+  if (po.train.data_path.empty()) {
+    DISTCA_ASSIGN_OR_RETURN(source, make_synthetic_source(po.train.workload, po.train.context, po.train.data_seed));
+  } else {
+    DISTCA_ASSIGN_OR_RETURN(source, open_data_source(po.train.data_path));
+  }
+  t->packer_ = std::make_unique<Packer>(std::move(source), t->dp_, po.train.context);
+  t->state_ = ModelState<float>::create(po.train.model);
+  std::tie(t->own_begin_, t->own_end_) = stage_range(t->state_, t->stage_, po.pp);
+  const int64_t per = po.train.model.num_layers / po.pp;
+  const LayerRange range{t->stage_ * per, per};
+  const int slots = peak_in_flight(t->schedule_, t->stage_);
+  for (int k = 0; k < slots; ++k) {
+    auto s = std::make_unique<Slot>();
+    s->model = std::make_unique<Model<float>>(po.train.model, po.train.context, range);
+    s->x_in.assign(static_cast<size_t>(po.train.context * po.train.model.d_model), 0.0f);
+    s->dx_in = s->x_in;
+    if (po.schedule == "colocated") {
+      DispatchAttentionOptions d;
+      d.policy = "none";
+      d.backward_mode = po.train.backward_mode;
+      d.threads = po.train.threads;
+      d.tolerance = po.train.tolerance;
+      d.granularity = po.train.granularity;
+      DISTCA_ASSIGN_OR_RETURN(s->attention, DispatchAttention::create(*t->dp_group_, po.train.model, d));
+    }
+    t->slots_.push_back(std::move(s));
+  }
+  if (po.schedule == "cad") t->pooled_ = std::make_unique<PooledAttention>(range.first, per);
+  return t;
+}
+
+// The workspace a message comes from is rewritten by the stage's next pass, possibly before the
+// peer receives it: every message goes out of a copy of its own, kept until it is delivered.
+Status PipelineTrainer::send(const float* data, int64_t count, int peer, int tag) {
+  auto pending = std::make_unique<Pending>();
+  pending->data.assign(data, data + count);
+  DISTCA_ASSIGN_OR_RETURN(pending->work, pp_group_->send_async(pending->data.data(), count * static_cast<int64_t>(sizeof(float)), peer, tag));
+  sends_.push_back(std::move(pending));
+  // Delivered messages free their copies.
+  std::erase_if(sends_, [](const std::unique_ptr<Pending>& p) {
+    auto done = p->work->test();
+    return done.is_ok() && done.value();
+  });
+  return Status::ok();
+}
+
+Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std::vector<StepData>& mbs, double scale,
+                                 double& loss_sum, PipelineStepRecord::Rank& me) {
+  const runtime::PipeSlot mine = tick[stage_];
+  const int64_t T = options_.train.context, d = options_.train.model.d_model;
+  const bool is_cad = options_.schedule == "cad";
+  std::unique_ptr<runtime::Dispatcher> dispatcher;
+  if (is_cad) {
+    // One plan for the tick: every active (stage, micro-batch) over all ranks.
+    const auto begin = Clock::now();
+    std::vector<plan::PoolPart> parts;
+    bool is_backward = false;
+    for (int r = 0; r < pp_; ++r) {
+      if (tick[r].op == runtime::PipeOp::kIdle) continue;
+      is_backward = tick[r].op == runtime::PipeOp::kBackward;
+      parts.push_back({&mbs[tick[r].micro_batch].batch, r * dp_, r, tick[r].micro_batch});
+    }
+    DISTCA_ASSIGN_OR_RETURN(plan::PooledBatch pool, plan::pool_batches(parts, world_.size(), T));
+    DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(options_.train.policy));
+    plan::PlannerOptions opt;
+    opt.tolerance = options_.train.tolerance;
+    opt.granularity = options_.train.granularity;
+    const plan::CostModel cost(model_shape(options_.train.model), cpu_throughput_profile());
+    DISTCA_ASSIGN_OR_RETURN(plan::Plan p, fn(pool.batch, cost, opt));
+    me.other += since(begin);
+    const auto setup = Clock::now();
+    runtime::DispatchOptions dopt;
+    dopt.backward_mode = plan::BackwardMode::kStateless;
+    dopt.num_threads = options_.train.threads;
+    const ModelConfig& c = options_.train.model;
+    DISTCA_ASSIGN_OR_RETURN(dispatcher, runtime::Dispatcher::create(world_, pool.batch, p,
+                                                                    runtime::HeadShape{c.num_q_heads, c.num_kv_heads, c.head_dim}, dopt));
+    me.comm += since(setup);  // the plan-hash check is a collective
+    pooled_->set(dispatcher.get());
+    pooled_->times = {};
+    if (mine.op == runtime::PipeOp::kIdle) {
+      const auto t0 = Clock::now();
+      DISTCA_RETURN_IF_ERROR(pooled_->serve(is_backward));
+      const double spent = since(t0);
+      me.attention += pooled_->times.compute;
+      me.comm += pooled_->times.comm;
+      me.served_in_idle += pooled_->times.compute + pooled_->times.comm;
+      me.other += spent - pooled_->times.compute - pooled_->times.comm;
+    }
+  }
+  if (mine.op == runtime::PipeOp::kIdle) {
+    pooled_ ? pooled_->set(nullptr) : void();
+    return Status::ok();
+  }
+  const int m = mine.micro_batch;
+  Slot& s = *slots_[m % slots_.size()];
+  const StepData& data = mbs[m];
+  AttentionBackend<float>& attention = is_cad ? static_cast<AttentionBackend<float>&>(*pooled_) : *s.attention;
+  const AttentionTimes before = attention.times;
+  PassTimes pass;
+  if (mine.op == runtime::PipeOp::kForward) {
+    if (!is_cad) {
+      const auto t0 = Clock::now();
+      DISTCA_RETURN_IF_ERROR(s.attention->begin_step(data.batch));
+      me.comm += since(t0);
+    }
+    s.micro_batch = m;
+    if (stage_ > 0) {
+      const auto t0 = Clock::now();
+      DISTCA_RETURN_IF_ERROR(pp_group_->recv(s.x_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ - 1, kActivationTag));
+      me.pipeline_wait += since(t0);
+    }
+    const StepTokens in{data.slice(data.tokens, replica_), data.slice(data.targets, replica_), data.slice(data.positions, replica_)};
+    DISTCA_ASSIGN_OR_RETURN(double loss, s.model->forward(state_, in, attention, scale, &pass, stage_ > 0 ? s.x_in.data() : nullptr));
+    loss_sum += loss;
+    if (stage_ + 1 < pp_) DISTCA_RETURN_IF_ERROR(send(s.model->output(), T * d, stage_ + 1, kActivationTag));
+  } else {
+    if (s.micro_batch != m) return internal_error(fmt::format("stage {}: backward of micro-batch {} without its forward", stage_, m));
+    if (stage_ + 1 < pp_) {
+      const auto t0 = Clock::now();
+      DISTCA_RETURN_IF_ERROR(pp_group_->recv(s.dx_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ + 1, kGradientTag));
+      me.pipeline_wait += since(t0);
+    }
+    DISTCA_RETURN_IF_ERROR(s.model->backward(state_, attention, &pass, stage_ + 1 < pp_ ? s.dx_in.data() : nullptr));
+    const auto t0 = Clock::now();
+    const float* g = state_.grads.data();
+    for (int64_t i = own_begin_; i < own_end_; ++i) acc_[i - own_begin_] += g[i];
+    me.other += since(t0);
+    if (stage_ > 0) DISTCA_RETURN_IF_ERROR(send(s.model->input_grad(), T * d, stage_ - 1, kGradientTag));
+    s.micro_batch = -1;
+  }
+  me.linear += pass.linear();
+  me.attention += attention.times.compute - before.compute;
+  me.comm += attention.times.comm - before.comm;
+  if (is_cad) pooled_->set(nullptr);
+  return Status::ok();
+}
+
+Result<PipelineStepRecord> PipelineTrainer::step() {
+  const auto begin = Clock::now();
+  PipelineStepRecord::Rank me;
+  const int M = options_.micro_batches;
+  std::vector<StepData> mbs;
+  int64_t targets = 0;
+  for (int m = 0; m < M; ++m) {
+    DISTCA_ASSIGN_OR_RETURN(StepData data, packer_->next());
+    targets += data.num_targets;
+    mbs.push_back(std::move(data));
+  }
+  const double scale = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
+  acc_.assign(static_cast<size_t>(own_end_ - own_begin_), 0.0f);
+  double loss_sum = 0;
+  for (const auto& tick : schedule_.ticks) {
+    const auto t0 = Clock::now();
+    const PipelineStepRecord::Rank was = me;
+    DISTCA_RETURN_IF_ERROR(run_tick(tick, mbs, scale, loss_sum, me));
+    if (tick[stage_].op == runtime::PipeOp::kIdle) {
+      // The idle tick's time less what was accounted (serving, planning): the bubble.
+      const double accounted = (me.attention - was.attention) + (me.comm - was.comm) + (me.other - was.other);
+      me.idle += since(t0) - accounted;
+    }
+  }
+  for (auto& p : sends_) DISTCA_RETURN_IF_ERROR(p->work->wait());
+  sends_.clear();
+  // Waiting for the slowest rank, then the stage's DP all-reduce and the global norm.
+  auto t = Clock::now();
+  DISTCA_RETURN_IF_ERROR(world_.barrier());
+  me.idle += since(t);
+  t = Clock::now();
+  if (dp_ > 1) DISTCA_RETURN_IF_ERROR(dp_group_->all_reduce_sum(acc_.data(), static_cast<int64_t>(acc_.size())));
+  double ss = 0;
+  for (float g : acc_) ss += static_cast<double>(g) * g;
+  // Every stage's sum of squares, one slot each (a float sum of P values keeps the order fixed).
+  std::vector<float> squares(static_cast<size_t>(pp_), 0.0f);
+  squares[stage_] = static_cast<float>(ss);
+  DISTCA_RETURN_IF_ERROR(pp_group_->all_reduce_sum(squares.data(), pp_));
+  double total = 0;
+  for (float x : squares) total += x;
+  const double norm = std::sqrt(total);
+  me.comm += since(t);
+  t = Clock::now();
+  std::copy(acc_.begin(), acc_.end(), state_.grads.data() + own_begin_);
+  const double lr = options_.train.optim.lr_at(state_.step);
+  adamw_step_range(state_, options_.train.optim, own_begin_, own_end_, norm);
+  me.optimizer += since(t);
+  me.step = since(begin);
+  me.other = me.step - me.linear - me.attention - me.comm - me.pipeline_wait - me.idle - me.optimizer;
+  // Every rank's numbers, one row each.
+  enum Col { kStep, kLinear, kAttention, kComm, kPipe, kIdle, kOpt, kOther, kServed, kLoss, kCols };
+  const int R = world_.size();
+  std::vector<float> all(static_cast<size_t>(kCols * R), 0.0f);
+  const double row[kCols] = {me.step, me.linear, me.attention, me.comm, me.pipeline_wait, me.idle, me.optimizer, me.other,
+                             me.served_in_idle, loss_sum};
+  for (int i = 0; i < kCols; ++i) all[world_.rank() * kCols + i] = static_cast<float>(row[i]);
+  DISTCA_RETURN_IF_ERROR(world_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
+  PipelineStepRecord rec;
+  rec.step = ++step_;
+  rec.schedule = options_.schedule;
+  rec.grad_norm = norm;
+  rec.lr = lr;
+  double loss = 0, attn_sum = 0, attn_max = 0;
+  for (int r = 0; r < R; ++r) {
+    auto at = [&](int c) { return static_cast<double>(all[r * kCols + c]); };
+    PipelineStepRecord::Rank x{at(kStep), at(kLinear), at(kAttention), at(kComm), at(kPipe), at(kIdle), at(kOpt), 0, at(kServed)};
+    x.other = x.step - x.linear - x.attention - x.comm - x.pipeline_wait - x.idle - x.optimizer;
+    rec.ranks.push_back(x);
+    rec.step_seconds = std::max(rec.step_seconds, x.step);
+    loss += at(kLoss);
+    attn_sum += x.attention;
+    attn_max = std::max(attn_max, x.attention);
+  }
+  rec.loss = targets > 0 ? loss / static_cast<double>(targets) : 0.0;
+  rec.attention_imbalance = attn_sum > 0 ? attn_max / (attn_sum / R) : 1.0;
+  rec.tokens_per_second = static_cast<double>(M) * dp_ * options_.train.context / rec.step_seconds;
+  if (!std::isfinite(rec.loss)) return internal_error(fmt::format("step {}: the loss is {}", rec.step, rec.loss));
+  return rec;
+}
+
+nlohmann::json PipelineStepRecord::to_json() const {
+  nlohmann::json rs = nlohmann::json::array();
+  for (const Rank& r : ranks) {
+    rs.push_back({{"step_seconds", r.step},           {"linear_seconds", r.linear},
+                  {"attention_seconds", r.attention}, {"comm_seconds", r.comm},
+                  {"pipeline_wait_seconds", r.pipeline_wait}, {"idle_seconds", r.idle},
+                  {"optimizer_seconds", r.optimizer}, {"other_seconds", r.other},
+                  {"served_in_idle_seconds", r.served_in_idle}});
+  }
+  return {{"step", step},
+          {"schedule", schedule},
+          {"loss", loss},
+          {"grad_norm", grad_norm},
+          {"lr", lr},
+          {"step_seconds", step_seconds},
+          {"tokens_per_second", tokens_per_second},
+          {"attention_imbalance", attention_imbalance},
+          {"ranks", rs}};
+}
+
+}  // namespace distca::model
