@@ -235,7 +235,7 @@ Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std
       const double spent = since(t0);
       me.attention += pooled_->times.compute;
       me.comm += pooled_->times.comm;
-      me.served_in_idle += pooled_->times.compute + pooled_->times.comm;
+      me.served_in_idle += pooled_->times.compute;
       me.other += spent - pooled_->times.compute - pooled_->times.comm;
     }
   }

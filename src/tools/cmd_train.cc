@@ -10,6 +10,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -19,7 +20,9 @@
 #include "distca/core/file.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/model/trainer.h"
+#include "distca/model/pipeline.h"
 #include "distca/plan/planner.h"
+#include "distca/runtime/pipeline_schedule.h"
 #include "world.h"
 
 namespace distca::tools {
@@ -48,12 +51,16 @@ struct TrainArgs {
   int64_t save_every = 0;
   std::string resume;
   int ranks = 2;
+  int pp = 1;
+  int micro_batches = 0;
+  bool is_print_schedule = false;
   int64_t skip = 1;
   double timeout_seconds = kDefaultTimeoutSeconds;
   // Which flags the user gave (a flag that the run would ignore is refused).
   CLI::Option *attention_opt = nullptr, *policy_opt = nullptr, *workload_opt = nullptr, *seed_opt = nullptr,
               *ranks_opt = nullptr, *skip_opt = nullptr, *backward_opt = nullptr, *granularity_opt = nullptr,
-              *tolerance_opt = nullptr, *eval_docs_opt = nullptr, *eval_steps_opt = nullptr;
+              *tolerance_opt = nullptr, *eval_docs_opt = nullptr, *eval_steps_opt = nullptr, *pp_opt = nullptr,
+              *micro_batches_opt = nullptr;
   bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
 
@@ -167,6 +174,26 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.save_every = a.save_every;
   o.resume_path = a.resume;
   DISTCA_RETURN_IF_ERROR(o.validate());
+  if (a.pp < 1 || a.pp > 1024) return invalid_argument(fmt::format("--pp must be 1..1024, got {}", a.pp));
+  if (a.micro_batches < 0 || a.micro_batches > 4096) {
+    return invalid_argument(fmt::format("--micro-batches must be 1..4096 (0: 2 x --pp), got {}", a.micro_batches));
+  }
+  if (a.pp == 1 && (a.given(a.micro_batches_opt) || a.is_print_schedule)) {
+    return invalid_argument("--micro-batches and --print-schedule shape a pipeline: add --pp P (P >= 2)");
+  }
+  if (a.pp > 1) {
+    if (o.model.num_layers % a.pp != 0) {
+      return invalid_argument(fmt::format("--pp {} must divide the model's {} layers (equal layers per stage); change "
+                                          "--layers or --pp", a.pp, o.model.num_layers));
+    }
+    if (!a.checkpoint.empty() || !a.resume.empty() || a.eval_every > 0) {
+      return invalid_argument("--pp does not support --checkpoint, --resume or --eval-every yet: drop them");
+    }
+    if (has_cad && a.given(a.backward_opt) && o.backward_mode == plan::BackwardMode::kStateful) {
+      return invalid_argument("--pp with CAD plans every tick anew (a micro-batch's forward and backward fall in "
+                              "different ticks), so its backward is stateless: drop --backward-mode stateful");
+    }
+  }
   const bool is_power_of_two = o.granularity > 0 && (o.granularity & (o.granularity - 1)) == 0;
   if (o.granularity != 0 && (!is_power_of_two || o.granularity < 16 || o.granularity > 4096)) {
     // As distca plan: every cut on a kernel tile boundary (see cmd_plan.cc).
@@ -273,6 +300,162 @@ void print_summary(const nlohmann::json& s) {
   }
 }
 
+// --pp P: pipeline-parallel training (model::PipelineTrainer), one trainer per schedule
+// (colocated 1F1B, cad lockstep), interleaved step by step with --compare.
+nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& records, int64_t skip) {
+  std::map<std::string, std::vector<const model::PipelineStepRecord*>> by;
+  for (const auto& r : records) by[r.schedule].push_back(&r);
+  nlohmann::json out = {{"schedules", nlohmann::json::object()}};
+  for (const auto& [name, rs] : by) {
+    const size_t first = std::min<size_t>(static_cast<size_t>(skip), rs.size() - 1);
+    double step = 0, wait = 0, served = 0, imbalance = 0, attention = 0;
+    for (size_t i = first; i < rs.size(); ++i) {
+      const model::PipelineStepRecord& r = *rs[i];
+      step += r.step_seconds;
+      imbalance += r.attention_imbalance;
+      // The slowest rank's waiting (for stage messages and in idle ticks) and every rank's
+      // attention served while its stage was idle.
+      double w = 0;
+      for (const auto& x : r.ranks) {
+        if (x.step == r.step_seconds) w = x.pipeline_wait + x.idle;
+        served += x.served_in_idle;
+        attention += x.attention;
+      }
+      wait += w;
+    }
+    const double n = static_cast<double>(rs.size() - first);
+    out["schedules"][name] = {{"step_seconds", step / n},
+                              {"wait_and_bubble_seconds", wait / n},
+                              {"wait_and_bubble_share", wait / step},
+                              {"attention_imbalance", imbalance / n},
+                              {"served_in_idle_seconds", served / n},
+                              {"served_in_idle_share_of_attention", attention > 0 ? served / attention : 0.0},
+                              {"loss_first", rs.front()->loss},
+                              {"loss_last", rs.back()->loss},
+                              {"timed_steps", rs.size() - first},
+                              {"first_timed_step", rs[first]->step}};
+  }
+  if (by.contains("colocated") && by.contains("cad")) {
+    double diff = 0;
+    for (size_t i = 0; i < std::min(by["colocated"].size(), by["cad"].size()); ++i) {
+      const double a = by["colocated"][i]->loss, b = by["cad"][i]->loss;
+      diff = std::max(diff, std::abs(a - b) / std::max(std::abs(a), 1e-30));
+    }
+    out["speedup"] = out["schedules"]["colocated"]["step_seconds"].get<double>() / out["schedules"]["cad"]["step_seconds"].get<double>();
+    out["loss_max_rel_diff"] = diff;
+  } else {
+    out["speedup"] = nullptr;
+  }
+  return out;
+}
+
+int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOptions& world) {
+  std::vector<std::string> schedules = o.backends;  // colocated and/or cad, in run order
+  if (a.is_print_schedule) {
+    for (const std::string& name : schedules) {
+      auto s = runtime::pipeline_schedule(name, a.pp, a.micro_batches == 0 ? 2 * a.pp : a.micro_batches);
+      if (!s.is_ok()) {
+        print_usage_error("train", s.status().message());
+        return exit_code(s.status());
+      }
+      if (is_primary_process()) {
+        fmt::print("{} schedule, {} stages x {} micro-batches ({} ticks; F3: forward of micro-batch 3, B: backward, .: "
+                   "idle{}):\n{}",
+                   name, a.pp, s.value().micro_batches, s.value().ticks.size(),
+                   name == "cad" ? "; every stage in the same phase each tick, CA pooled over all ranks" : "; 1F1B",
+                   s.value().to_text());
+      }
+    }
+    return 0;
+  }
+  return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
+    std::vector<std::unique_ptr<model::PipelineTrainer>> trainers;
+    for (const std::string& name : schedules) {
+      model::PipelineOptions po;
+      po.train = o;
+      po.pp = a.pp;
+      po.micro_batches = a.micro_batches;
+      po.schedule = name;
+      if (name == "cad") po.train.backward_mode = plan::BackwardMode::kStateless;
+      DISTCA_ASSIGN_OR_RETURN(auto t, model::PipelineTrainer::create(c, po));
+      trainers.push_back(std::move(t));
+    }
+    const bool is_root = c.rank() == 0;
+    const model::PipelineOptions& po = trainers[0]->options();
+    if (is_root) {
+      const model::ModelConfig& m = o.model;
+      fmt::print("distca train: {} rank(s) over {}: {} pipeline stages x {} data-parallel replicas, {} micro-batches per "
+                 "step, schedule {}{}\n",
+                 c.size(), c.name() == "mpi" ? "MPI" : "threads (LocalComm)", a.pp, c.size() / a.pp, po.micro_batches,
+                 fmt::join(schedules, " vs "), schedules.size() > 1 ? " (compared, interleaved step by step)" : "");
+      fmt::print("  model      {} layers ({} per stage), d {}, heads {}/{} x {}, ffn {}: {} parameters\n", m.num_layers,
+                 m.num_layers / a.pp, m.d_model, m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim,
+                 si(static_cast<double>(m.num_parameters())));
+      fmt::print("  data       {} tokens per rank per micro-batch, {} steps\n", o.context, o.steps);
+      if (std::find(schedules.begin(), schedules.end(), "cad") != schedules.end()) {
+        fmt::print("  cad        lockstep ticks, one plan per tick over all {} ranks (planner {}, granularity {}, tolerance "
+                   "{}, stateless backward); idle stages serve attention\n",
+                   c.size(), o.policy, trainers[0]->options().train.granularity, o.tolerance);
+      }
+      fmt::print("  step time  the slowest rank's own parts (they add up): linear + attn + comm + pipe (waiting for the "
+                 "neighbour stage) + idle (ticks without work, and the end-of-step wait) + optim + other\n");
+      std::fflush(stdout);
+    }
+    std::vector<model::PipelineStepRecord> records;
+    for (int64_t step = 0; step < o.steps; ++step) {
+      for (auto& t : trainers) {
+        DISTCA_ASSIGN_OR_RETURN(model::PipelineStepRecord r, t->step());
+        if (is_root) {
+          size_t slow = 0;
+          for (size_t k = 0; k < r.ranks.size(); ++k) {
+            if (r.ranks[k].step > r.ranks[slow].step) slow = k;
+          }
+          const auto& x = r.ranks[slow];
+          double served = 0;
+          for (const auto& y : r.ranks) served += y.served_in_idle;
+          fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  {:.3f}s = linear {:.3f} + attn {:.3f} + comm {:.3f} + "
+                     "pipe {:.3f} + idle {:.3f} + optim {:.3f} + other {:.3f} (rank {})  attn imbalance {:.2f}, served in "
+                     "idle ticks {:.3f}s\n",
+                     r.step, o.steps, r.schedule, r.loss, si(r.tokens_per_second), r.step_seconds, x.linear, x.attention,
+                     x.comm, x.pipeline_wait, x.idle, x.optimizer, x.other, slow, r.attention_imbalance, served);
+          std::fflush(stdout);
+        }
+        records.push_back(std::move(r));
+      }
+    }
+    if (!is_root) return Status::ok();
+    const nlohmann::json summary = pipeline_summary(records, a.skip);
+    fmt::print("\n{:<10} {:>9} {:>14} {:>10} {:>16}  {}\n", "schedule", "step (s)", "wait+bubble", "imbalance",
+               "served in idle", "loss first -> last step");
+    for (const std::string& name : schedules) {
+      const nlohmann::json& s = summary["schedules"][name];
+      fmt::print("{:<10} {:>9.3f} {:>8.3f} ({:>3.0f}%) {:>10.2f} {:>9.3f}s ({:>2.0f}%)  {:.4f} -> {:.4f}\n", name,
+                 s["step_seconds"].get<double>(), s["wait_and_bubble_seconds"].get<double>(),
+                 100 * s["wait_and_bubble_share"].get<double>(), s["attention_imbalance"].get<double>(),
+                 s["served_in_idle_seconds"].get<double>(), 100 * s["served_in_idle_share_of_attention"].get<double>(),
+                 s["loss_first"].get<double>(), s["loss_last"].get<double>());
+    }
+    fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step: the slowest rank's; wait+bubble: its "
+               "pipe + idle time, and its share of the step; served in idle: attention seconds (and share of all "
+               "attention) computed by ranks in ticks without a micro-batch of their own, all ranks\n",
+               summary["schedules"][schedules[0]]["first_timed_step"].get<int64_t>(), o.steps);
+    if (!summary["speedup"].is_null()) {
+      fmt::print("speedup of CAD over colocated 1F1B (same run, same data): {:.2f}x; largest relative loss difference: "
+                 "{:.2e}\n", summary["speedup"].get<double>(), summary["loss_max_rel_diff"].get<double>());
+    }
+    if (!a.json_path.empty()) {
+      nlohmann::json steps = nlohmann::json::array();
+      for (const auto& r : records) steps.push_back(r.to_json());
+      const nlohmann::json out = {{"format", "distca-train-pipeline"}, {"version", 1}, {"ranks", c.size()},
+                                  {"comm", c.name()}, {"pp", a.pp}, {"micro_batches", po.micro_batches},
+                                  {"preset", a.preset}, {"config", o.to_json()}, {"steps", steps}, {"summary", summary}};
+      DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
+      fmt::print("wrote {}\n", a.json_path);
+    }
+    return Status::ok();
+  }, world);
+}
+
 int run_train(const TrainArgs& a) {
   Result<model::TrainOptions> options = resolve(a);
   if (!options.is_ok()) {
@@ -290,6 +473,7 @@ int run_train(const TrainArgs& a) {
   WorldOptions world;
   world.is_ranks_given = a.given(a.ranks_opt);
   world.timeout = timeout_from_seconds(a.timeout_seconds).value();
+  if (a.pp > 1) return run_pipeline(a, options.value(), world);
   return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto trainer, model::Trainer::create(c, options.value()));
     const model::TrainOptions& o = trainer->options();
@@ -387,6 +571,15 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--resume", a.resume, "continue from this checkpoint (same data, ranks and context)");
   a.ranks_opt = cmd->add_option("--ranks", a.ranks, "ranks to run as threads, 1..256 (not under mpirun: there -np sets them)")
                     ->capture_default_str();
+  a.pp_opt = cmd->add_option("--pp", a.pp,
+                             "pipeline stages (divides the layers and the ranks): colocated runs 1F1B, cad lockstep ticks "
+                             "with one plan per tick over all ranks")
+                 ->capture_default_str();
+  a.micro_batches_opt = cmd->add_option("--micro-batches", a.micro_batches,
+                                        "with --pp: micro-batches per step, each --context tokens per rank (0: 2 x --pp)")
+                            ->capture_default_str();
+  cmd->add_flag("--print-schedule", a.is_print_schedule,
+                "with --pp: print the tick table of each schedule (which micro-batch each stage runs per tick) and exit");
   a.skip_opt = cmd->add_option("--skip", a.skip, "warm-up steps left out of the summary's time means (below --steps)")
                    ->capture_default_str();
   cmd->add_option("--timeout", a.timeout_seconds, kTimeoutHelp)->capture_default_str();

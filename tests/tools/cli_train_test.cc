@@ -72,6 +72,55 @@ TEST(Cli, TrainCompareJsonHasTheDocumentedFields) {
   EXPECT_EQ(resumed.out.find("step    4/6"), std::string::npos) << resumed.out;
 }
 
+// --pp: the tick tables as printed, the refusals, and a compared run whose every rank's parts add
+// up to its step, with the same losses under both schedules.
+TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
+  CmdResult r = distca("train --preset tiny --pp 2 --micro-batches 3 --print-schedule --compare");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("stage 0: F0 F1 .  B0 F2 B1 .  B2\nstage 1: .  F0 B0 F1 B1 F2 B2 .\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("stage 0: F0 F1 .  F2 B0 .  B1 B2\nstage 1: .  F0 B0 F1 B1 F2 B2 .\n"), std::string::npos) << r.out;
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--pp 3", "--pp 3 must divide the model's 2 layers"},
+           {"--micro-batches 3", "--micro-batches and --print-schedule shape a pipeline: add --pp P"},
+           {"--pp 2 --eval-every 1", "--pp does not support --checkpoint, --resume or --eval-every yet"},
+           {"--pp 2 --backward-mode stateful", "its backward is stateless: drop --backward-mode stateful"},
+           {"--pp 2 --micro-batches -1", "--micro-batches must be 1..4096"},
+           {"--pp 4 --ranks 2 --layers 4", "--pp 4 must divide the 2 ranks"}}) {
+    CmdResult bad = distca("train --preset tiny --steps 1 " + args);
+    EXPECT_EQ(bad.exit_code, 2) << args << ": " << bad.out;
+    EXPECT_NE(bad.err.find(message), std::string::npos) << args << ": " << bad.err;
+  }
+  const std::string json = (scratch() / "train-pp.json").string();
+  CmdResult run = distca("train --preset tiny --layers 4 --pp 2 --micro-batches 3 --compare --steps 3 --ranks 4 --json " + json);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("2 pipeline stages x 2 data-parallel replicas, 3 micro-batches"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("speedup of CAD over colocated 1F1B"), std::string::npos) << run.out;
+  auto j = nlohmann::json::parse(distca::read_text_file(json).value());
+  EXPECT_EQ(j["format"], "distca-train-pipeline");
+  ASSERT_EQ(j["steps"].size(), 6u);
+  double served = 0;
+  for (const auto& rec : j["steps"]) {
+    ASSERT_EQ(rec["ranks"].size(), 4u);
+    double slowest = 0;
+    for (const auto& x : rec["ranks"]) {
+      double parts = 0;
+      for (const char* part : {"linear_seconds", "attention_seconds", "comm_seconds", "pipeline_wait_seconds", "idle_seconds",
+                               "optimizer_seconds", "other_seconds"}) {
+        parts += x[part].get<double>();
+      }
+      EXPECT_NEAR(parts, x["step_seconds"].get<double>(), 1e-9);
+      EXPECT_LE(x["served_in_idle_seconds"].get<double>(), x["attention_seconds"].get<double>() + 1e-9);
+      if (rec["schedule"] == "colocated") EXPECT_EQ(x["served_in_idle_seconds"].get<double>(), 0.0);
+      if (rec["schedule"] == "cad") served += x["served_in_idle_seconds"].get<double>();
+      slowest = std::max(slowest, x["step_seconds"].get<double>());
+    }
+    EXPECT_EQ(rec["step_seconds"].get<double>(), slowest);
+  }
+  // In the warm-up and cool-down ticks the idle stage's ranks serve attention.
+  EXPECT_GT(served, 0.0);
+  EXPECT_LE(j["summary"]["loss_max_rel_diff"].get<double>(), 1e-5);
+}
+
 TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
   const std::string bad_jsonl = write("bad.jsonl", "{\"text\": \"fine\"}\n{\"txt\": \"typo\"}\n");
   const std::string not_ckpt = write("not.ckpt", "hello\n");

@@ -54,7 +54,7 @@ struct PipelineStepRecord {
     double idle = 0;           // ticks without a micro-batch of its own, less what it served in them
     double optimizer = 0;
     double other = 0;          // the rest (planning, packing, bookkeeping)
-    double served_in_idle = 0; // attention + comm of ticks without a micro-batch of its own (cad)
+    double served_in_idle = 0; // attention seconds served in ticks without a micro-batch of its own (cad; inside attention)
   };
   std::vector<Rank> ranks;     // (world)
   double attention_imbalance = 0;  // max / mean over all ranks of attention seconds
