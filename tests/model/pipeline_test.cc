@@ -13,55 +13,23 @@
 #include <fmt/format.h>
 
 #include "distca/comm/local_comm.h"
+#include "pipeline_util.h"
 
 namespace distca::model {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::Curve;
 
-// A JSONL file of documents of varied lengths (the packing is then the same for D ranks of T
-// tokens and one rank of D x T tokens: the stream is cut the same way).
 std::string data_file() {
-  static const std::string path = [] {
-    const fs::path p = fs::path(::testing::TempDir()) / "distca_pipeline.jsonl";
-    std::ofstream out(p);
-    uint64_t x = 12345;
-    for (int d = 0; d < 400; ++d) {
-      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-      const int len = 4 + static_cast<int>((x >> 33) % 150) + (d % 7 == 0 ? 120 : 0);
-      std::string text;
-      for (int i = 0; i < len; ++i) text += static_cast<char>('a' + (x >> (i % 40)) % 26);
-      out << "{\"text\": \"" << text << "\"}\n";
-    }
-    return p.string();
-  }();
+  static const std::string path = testing::write_pipeline_data((fs::path(::testing::TempDir()) / "distca_pipeline.jsonl").string());
   return path;
 }
 
 PipelineOptions options(int pp, int M, const std::string& schedule, const std::string& policy, int64_t context, int steps,
                         int64_t layers) {
-  PipelineOptions o;
-  o.train.model.num_layers = layers;
-  o.train.model.d_model = 64;
-  o.train.model.num_q_heads = 2;
-  o.train.model.num_kv_heads = 1;
-  o.train.model.head_dim = 32;
-  o.train.model.ffn_dim = 64;
-  o.train.context = context;
-  o.train.steps = steps;
-  o.train.data_path = data_file();
-  o.train.policy = policy;
-  o.train.granularity = 16;
-  o.pp = pp;
-  o.micro_batches = M;
-  o.schedule = schedule;
-  return o;
+  return testing::pipeline_options(data_file(), pp, M, schedule, policy, context, steps, layers);
 }
-
-struct Curve {
-  std::vector<double> losses;
-  std::vector<float> gradient;  // step 1, the whole arena (each stage's owned range from its rank)
-};
 
 Curve train(int ranks, const PipelineOptions& o) {
   Curve run;
@@ -88,18 +56,10 @@ Curve train(int ranks, const PipelineOptions& o) {
 void expect_same(const Curve& got, const Curve& want, const std::string& what) {
   SCOPED_TRACE(what);
   ASSERT_EQ(got.losses.size(), want.losses.size());
-  for (size_t s = 0; s < want.losses.size(); ++s) {
-    EXPECT_NEAR(got.losses[s], want.losses[s], 1e-5 * std::abs(want.losses[s])) << "step " << s + 1;
-  }
   ASSERT_EQ(got.gradient.size(), want.gradient.size());
-  float scale = 0;
-  for (float g : want.gradient) scale = std::max(scale, std::abs(g));
-  float worst = 0;
-  size_t at = 0;
-  for (size_t i = 0; i < want.gradient.size(); ++i) {
-    if (std::abs(got.gradient[i] - want.gradient[i]) > worst) worst = std::abs(got.gradient[i] - want.gradient[i]), at = i;
-  }
-  EXPECT_LE(worst, 1e-5f * scale) << "largest gradient difference at element " << at;
+  const testing::Difference d = testing::difference(got.losses, got.gradient, 0, want);
+  EXPECT_LE(d.loss, 1e-5);
+  EXPECT_LE(d.gradient, 1e-5);
 }
 
 TEST(Pipeline, EveryLayoutAndScheduleReproducesTheOneRankCurveAndGradients) {
@@ -109,7 +69,7 @@ TEST(Pipeline, EveryLayoutAndScheduleReproducesTheOneRankCurveAndGradients) {
     for (int M : {1, 2, 2 * pp + 1}) {
       // The same model on one rank, each micro-batch D x T tokens.
       const int64_t layers = 2 * pp;
-      const Curve one = train(1, options(1, M, "colocated", "none", dp * T, kSteps, layers));
+      const Curve one = testing::one_rank_curve(options(1, M, "colocated", "none", dp * T, kSteps, layers)).value();
       ASSERT_EQ(one.losses.size(), static_cast<size_t>(kSteps));
       ASSERT_LT(one.losses.back(), one.losses.front());  // it learns
       const std::string where = fmt::format("pp {}, dp {}, M {}", pp, dp, M);
