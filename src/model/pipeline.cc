@@ -218,6 +218,9 @@ Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std
     opt.granularity = options_.train.granularity;
     const plan::CostModel cost(model_shape(options_.train.model), cpu_throughput_profile());
     DISTCA_ASSIGN_OR_RETURN(plan::Plan p, fn(pool.batch, cost, opt));
+    TickPlan record{is_backward, {}, pool.batch, p.tasks};
+    for (int r = 0; r < pp_; ++r) record.micro_batch.push_back(tick[r].micro_batch);
+    last_ticks_.push_back(std::move(record));
     me.other += since(begin);
     const auto setup = Clock::now();
     runtime::DispatchOptions dopt;
@@ -299,6 +302,9 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
     mbs.push_back(std::move(data));
   }
   const double scale = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
+  last_batches_.clear();
+  for (const StepData& data : mbs) last_batches_.push_back(data.batch);
+  last_ticks_.clear();
   acc_.assign(static_cast<size_t>(own_end_ - own_begin_), 0.0f);
   double loss_sum = 0;
   for (const auto& tick : schedule_.ticks) {

@@ -560,6 +560,76 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
   return out;
 }
 
+StepPrediction predict_pipeline_step(const Profile& profile, const plan::ModelShape& model, const PipelineStepInput& in,
+                                     double linear_seconds_per_token_layer, double fixed_seconds) {
+  const int P = in.stages, D = in.dp;
+  const auto M = static_cast<int>(in.micro_batches.size());
+  DISTCA_CHECK(P >= 1 && D >= 1 && M >= 1 && model.num_layers % P == 0) << "pipeline step of " << P << " stages, " << M << " micro-batches";
+  const int64_t hq = model.q_heads_per_rank();
+  const double layers = static_cast<double>(model.num_layers) / P;
+  const double lin_f = linear_seconds_per_token_layer / 3, lin_b = 2 * linear_seconds_per_token_layer / 3;
+  auto attention = [&](const plan::Task& t, bool is_backward) {
+    return profile.attention_seconds(t.q_len(), t.k1 - t.k0, t.pairs(), hq, model.head_dim, is_backward);
+  };
+  auto tokens = [](const plan::Batch& b, int rank) {
+    int64_t n = 0;
+    for (const plan::Piece& p : b.pieces) n += p.rank == rank ? p.length() : 0;
+    return static_cast<double>(n);
+  };
+  StepPrediction out;
+  if (in.ticks.empty()) {
+    // 1F1B: each (stage, micro-batch) op costs its slowest replica's linear + own attention.
+    std::vector<std::vector<double>> f(P, std::vector<double>(M, 0.0)), b = f;
+    for (int m = 0; m < M; ++m) {
+      const plan::Batch& batch = in.micro_batches[m];
+      std::vector<double> af(D, 0.0), ab(D, 0.0);
+      for (const plan::Piece& p : batch.pieces) {
+        const plan::Task t = plan::causal_task(p.doc, p.begin, p.end, p.rank);
+        af[p.rank] += attention(t, false), ab[p.rank] += attention(t, true);
+      }
+      for (int x = 0; x < D; ++x) {
+        for (int s = 0; s < P; ++s) {
+          f[s][m] = std::max(f[s][m], layers * (tokens(batch, x) * lin_f + af[x]));
+          b[s][m] = std::max(b[s][m], layers * (tokens(batch, x) * lin_b + ab[x]));
+        }
+      }
+    }
+    const double message = static_cast<double>(in.micro_batches[0].tokens_per_rank) * model.hidden * 4;
+    const double p2p = profile.inter_node.latency_seconds + message / profile.inter_node.bytes_per_second;
+    const PipelineTiming t = one_f_one_b(f, b, p2p);
+    out.seconds = t.seconds;
+    for (const double busy : t.busy) out.attention = std::max(out.attention, busy);
+  } else {
+    const plan::TokenBytes tb = plan::token_bytes(hq, model.kv_heads_per_rank(), model.head_dim, model.dtype_bytes);
+    for (const PipelineStepInput::Tick& tick : in.ticks) {
+      const int R = tick.pool.num_ranks;
+      std::vector<double> work(R, 0.0);
+      for (const plan::Task& t : tick.tasks) work[t.server] += attention(t, tick.is_backward);
+      double attn = 0;
+      for (double w : work) attn = std::max(attn, w);
+      for (int r = 0; r < R; ++r) work[r] += tokens(tick.pool, r) * (tick.is_backward ? lin_b : lin_f);
+      const plan::Traffic traffic = plan::count_traffic(tick.pool, tb, tick.tasks, plan::BackwardMode::kStateless);
+      double link = 0;
+      const int first = tick.is_backward ? 2 : 0;
+      for (int ph = first; ph < first + 2; ++ph) {
+        double worst = 0;
+        for (int r = 0; r < R; ++r) {
+          const double bytes = static_cast<double>(std::max(traffic.phases[ph].send_bytes[r], traffic.phases[ph].recv_bytes[r]));
+          worst = std::max(worst, profile.inter_node.latency_seconds + bytes / profile.inter_node.bytes_per_second);
+        }
+        link += worst;
+      }
+      double slot = 0;
+      for (double w : work) slot = std::max(slot, w);
+      out.seconds += layers * (slot + link);
+      out.attention += layers * attn;
+      out.comm += layers * link;
+    }
+  }
+  out.seconds += fixed_seconds;
+  return out;
+}
+
 std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad", "cad-minmax"}; }
 
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems) {

@@ -10,6 +10,7 @@
 #include "distca/core/file.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/model/dispatch_attention.h"
+#include "distca/model/pipeline.h"
 #include "distca/model/trainer.h"
 #include "distca/sim/simulate.h"
 #include "profile_cpu.h"
@@ -77,6 +78,8 @@ int run_profile(const ProfileArgs& a, const CLI::App& cmd) {
 
 struct CalibrationArgs {
   std::string preset = "demo";
+  int pp = 1;
+  int micro_batches = 0;
   int64_t steps = 6;
   int64_t skip = 1;
   int ranks = 2;
@@ -84,12 +87,93 @@ struct CalibrationArgs {
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
+// --pp P: pipeline-parallel training with both schedules (model::PipelineTrainer), each step
+// predicted by sim::predict_pipeline_step from the step's own micro-batches and (cad) tick plans.
+Status calibrate_pipeline(comm::Communicator& c, const CalibrationArgs& a, const sim::Profile& profile,
+                          const std::function<void(const std::string&)>& say) {
+  const model::Preset preset = model::find_preset(a.preset).value();
+  const sim::LinearEntry* linear = profile.find_linear(linear_model_key(preset.model));
+  if (linear == nullptr) return internal_error("the measured profile has no entry for the model");
+  const plan::ModelShape shape = model::model_shape(preset.model);
+  std::vector<std::unique_ptr<model::PipelineTrainer>> trainers;
+  for (const char* schedule : {"colocated", "cad"}) {
+    model::PipelineOptions po;
+    po.train.model = preset.model;
+    po.train.optim = preset.optim;
+    po.train.context = preset.context;
+    po.train.steps = a.steps;
+    po.train.workload = preset.workload;
+    po.train.backward_mode = plan::BackwardMode::kStateless;
+    po.pp = a.pp;
+    po.micro_batches = a.micro_batches;
+    po.schedule = schedule;
+    DISTCA_ASSIGN_OR_RETURN(auto t, model::PipelineTrainer::create(c, po));
+    trainers.push_back(std::move(t));
+  }
+  const int dp = c.size() / a.pp;
+  double predicted[2] = {0, 0}, measured[2] = {0, 0};
+  nlohmann::json steps = nlohmann::json::array();
+  for (int64_t s = 0; s < a.steps; ++s) {
+    for (size_t i = 0; i < 2; ++i) {
+      DISTCA_ASSIGN_OR_RETURN(model::PipelineStepRecord r, trainers[i]->step());
+      sim::PipelineStepInput in;
+      in.stages = a.pp;
+      in.dp = dp;
+      in.micro_batches = trainers[i]->last_micro_batches();
+      for (const auto& t : trainers[i]->last_tick_plans()) in.ticks.push_back({t.is_backward, t.micro_batch, t.pool, t.tasks});
+      const sim::StepPrediction p = sim::predict_pipeline_step(profile, shape, in, linear->seconds_per_token_layer,
+                                                               linear->step_fixed_seconds);
+      steps.push_back({{"step", s}, {"schedule", r.schedule}, {"measured", r.step_seconds}, {"predicted", p.seconds}});
+      if (s >= a.skip) predicted[i] += p.seconds, measured[i] += r.step_seconds;
+      say(fmt::format("step {} {}: measured {:.3f} s, predicted {:.3f} s", s + 1, r.schedule, r.step_seconds, p.seconds));
+    }
+  }
+  if (c.rank() != 0) return Status::ok();
+  const double n = static_cast<double>(a.steps - a.skip);
+  const nlohmann::json out = {{"format", "distca-bench-calibration"},
+                              {"preset", a.preset},
+                              {"ranks", c.size()},
+                              {"pp", a.pp},
+                              {"micro_batches", trainers[0]->options().micro_batches},
+                              {"comm", c.name()},
+                              {"timed_steps", a.steps - a.skip},
+                              {"predicted_colocated", predicted[0] / n},
+                              {"measured_colocated", measured[0] / n},
+                              {"predicted_cad", predicted[1] / n},
+                              {"measured_cad", measured[1] / n},
+                              {"error_colocated", predicted[0] / measured[0] - 1},
+                              {"error_cad", predicted[1] / measured[1] - 1},
+                              {"predicted_speedup", predicted[0] / predicted[1]},
+                              {"measured_speedup", measured[0] / measured[1]},
+                              {"steps", steps},
+                              {"profile", sim::to_json(profile)}};
+  if (a.is_json) {
+    fmt::print("{}\n", out.dump(2));
+  } else {
+    fmt::print("pipeline: {} stages x {} replicas, {} micro-batches per step\n", a.pp, dp, trainers[0]->options().micro_batches);
+    fmt::print("{:<10} {:>12} {:>12} {:>8}\n", "schedule", "measured (s)", "predicted", "error");
+    fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "colocated", measured[0] / n, predicted[0] / n,
+               100 * (predicted[0] / measured[0] - 1));
+    fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "cad", measured[1] / n, predicted[1] / n,
+               100 * (predicted[1] / measured[1] - 1));
+    fmt::print("speedup: measured {:.2f}x, predicted {:.2f}x\n", measured[0] / measured[1], predicted[0] / predicted[1]);
+  }
+  return Status::ok();
+}
+
 int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
   auto options = resolve(a.preset, std::nullopt, 1, 3);
   Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
   Status s = options.status();
   if (s.is_ok() && (a.steps < 2 || a.skip < 0 || a.skip >= a.steps)) {
     s = invalid_argument(fmt::format("--steps must be >= 2 and --skip in 0..steps-1, got {} and {}", a.steps, a.skip));
+  }
+  if (s.is_ok() && (a.pp < 1 || a.micro_batches < 0 || (a.pp == 1 && a.micro_batches > 0))) {
+    s = invalid_argument(fmt::format("--pp must be >= 1 and --micro-batches >= 0 (with --pp >= 2), got {} and {}", a.pp, a.micro_batches));
+  }
+  if (s.is_ok() && a.pp > 1 && model::find_preset(a.preset).value().model.num_layers % a.pp != 0) {
+    s = invalid_argument(fmt::format("--pp {} must divide the {} preset's {} layers", a.pp, a.preset,
+                                     model::find_preset(a.preset).value().model.num_layers));
   }
   if (s.is_ok()) s = timeout.status();
   if (!s.is_ok()) {
@@ -104,6 +188,7 @@ int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
       if (c.rank() == 0) progress_to_stderr("bench calibration")(line);
     };
     DISTCA_ASSIGN_OR_RETURN(sim::Profile profile, measure_cpu_profile(c, options.value(), say));
+    if (a.pp > 1) return calibrate_pipeline(c, a, profile, say);
     const model::Preset preset = model::find_preset(a.preset).value();
     model::TrainOptions t;
     t.model = preset.model;
@@ -192,6 +277,8 @@ std::function<int()> add_calibration_command(CLI::App& bench) {
                      "(run under mpirun -np 2)");
   cmd->add_option("--preset", a.preset, "tiny | demo")->capture_default_str();
   cmd->add_option("--steps", a.steps, "training steps per backend")->capture_default_str();
+  cmd->add_option("--pp", a.pp, "pipeline stages: train with --pp and predict both pipeline schedules")->capture_default_str();
+  cmd->add_option("--micro-batches", a.micro_batches, "with --pp: micro-batches per step (0: 2 x --pp)")->capture_default_str();
   cmd->add_option("--skip", a.skip, "warm-up steps left out of the means")->capture_default_str();
   cmd->add_option("--ranks", a.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print one JSON object");

@@ -315,6 +315,42 @@ TEST(Simulate, TheToleranceSweepKeepsTheFastestOfEpsAndItsHalves) {
   EXPECT_TRUE(simulate(p, o, {"wlb"}).value()[0].iteration_tolerance.empty());
 }
 
+// A pipeline step: 1F1B over equal micro-batches takes the textbook (M + P - 1)(f + b); the
+// lockstep ticks sum, per tick and layer slot, the slowest rank's linear + attention + exchange.
+TEST(Simulate, PipelineStepsArePricedAsTheSchedulesRun) {
+  Profile p = default_h200_profile();
+  p.inter_node.latency_seconds = 0;
+  p.inter_node.bytes_per_second = 1e30;  // a free link: only compute is left
+  const plan::ModelShape m = plan::model_preset("llama-8b").value();
+  const double lin = 1e-6;  // seconds per token per layer, forward and backward
+  PipelineStepInput in;
+  in.stages = 4;
+  in.dp = 1;
+  const plan::Batch one = plan::pack_documents({4096, 4096}, 1, 8192).value();
+  in.micro_batches.assign(6, one);
+  const StepPrediction col = predict_pipeline_step(p, m, in, lin, 0.5);
+  double af = 0, ab = 0;
+  for (const plan::Piece& piece : one.pieces) {
+    const plan::Task t = plan::causal_task(piece.doc, piece.begin, piece.end, 0);
+    af += p.attention_seconds(t.q_len(), t.k1, t.pairs(), m.q_heads_per_rank(), m.head_dim, false);
+    ab += p.attention_seconds(t.q_len(), t.k1, t.pairs(), m.q_heads_per_rank(), m.head_dim, true);
+  }
+  const double layers = m.num_layers / 4.0;
+  const double f = layers * (8192 * lin / 3 + af), b = layers * (8192 * 2 * lin / 3 + ab);
+  EXPECT_NEAR(col.seconds, (6 + 4 - 1) * (f + b) + 0.5, 1e-9 * col.seconds);
+  // Lockstep: one forward tick where stage 0 runs micro-batch 0 alone, all its attention
+  // planned onto rank 3 (idle): the slot takes max(rank 0's linear, rank 3's attention).
+  PipelineStepInput cad = in;
+  PipelineStepInput::Tick tick;
+  tick.micro_batch = {0, -1, -1, -1};
+  tick.pool = plan::pool_batches({{&one, 0, 0, 0}}, 4, 8192).value().batch;
+  for (const plan::Piece& piece : tick.pool.pieces) tick.tasks.push_back(plan::causal_task(piece.doc, piece.begin, piece.end, 3));
+  cad.ticks = {tick};
+  const StepPrediction c = predict_pipeline_step(p, m, cad, lin, 0);
+  EXPECT_NEAR(c.seconds, layers * std::max(8192 * lin / 3, af), 1e-9 * c.seconds);
+  EXPECT_NEAR(c.attention, layers * af, 1e-9 * c.attention);
+}
+
 // Memory per GPU: the peak activations plus Megatron's distributed-optimizer states, checked
 // against the profile's device memory.
 TEST(Simulate, MemoryPerGpuIsCheckedAgainstTheDeviceMemory) {

@@ -355,6 +355,23 @@ TEST(Cli, BenchCalibrationReportsPredictedAndMeasuredSteps) {
     EXPECT_GT(j[field].get<double>(), 0.0) << field;
   }
   EXPECT_EQ(j["steps"].size(), 6u);
+  // --pp: both pipeline schedules, each step measured and predicted.
+  CmdResult pp = distca("bench calibration --preset tiny --pp 2 --micro-batches 3 --steps 2 --skip 0 --ranks 2 --json");
+  ASSERT_EQ(pp.exit_code, 0) << pp.err;
+  auto p = nlohmann::json::parse(pp.out);
+  EXPECT_EQ(p["pp"], 2);
+  EXPECT_EQ(p["micro_batches"], 3);
+  for (const char* field : {"predicted_colocated", "measured_colocated", "predicted_cad", "measured_cad"}) {
+    EXPECT_GT(p[field].get<double>(), 0.0) << field;
+  }
+  ASSERT_EQ(p["steps"].size(), 4u);
+  EXPECT_EQ(p["steps"][0]["schedule"], "colocated");
+  EXPECT_EQ(p["steps"][1]["schedule"], "cad");
+  for (const char* args : {"bench calibration --preset tiny --pp 3", "bench calibration --micro-batches 2"}) {
+    CmdResult bad = distca(args);
+    EXPECT_EQ(bad.exit_code, 2) << args;
+    EXPECT_EQ(count_lines(bad.err), 1) << args << ": " << bad.err;
+  }
   EXPECT_EQ(distca("bench calibration --steps 1").exit_code, 2);
   for (const char* args : {"bench calibration --timeout 0", "profile --timeout 100000", "bench dispatch --timeout -1"}) {
     CmdResult bad = distca(args);

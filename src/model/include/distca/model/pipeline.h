@@ -79,6 +79,15 @@ class PipelineTrainer {
   // The last step's accumulated gradient of the owned blocks, after the DP all-reduce (before
   // clipping): the tests compare it with one rank's.
   const std::vector<float>& last_gradient() const { return acc_; }
+  // The last step's micro-batches, and (cad) each tick's pool and plan: what the simulator prices.
+  struct TickPlan {
+    bool is_backward = false;
+    std::vector<int> micro_batch;  // (stages) -1: idle
+    plan::Batch pool;
+    std::vector<plan::Task> tasks;
+  };
+  const std::vector<plan::Batch>& last_micro_batches() const { return last_batches_; }
+  const std::vector<TickPlan>& last_tick_plans() const { return last_ticks_; }
 
  private:
   struct Slot;
@@ -104,6 +113,8 @@ class PipelineTrainer {
   std::vector<std::unique_ptr<Slot>> slots_;  // workspaces: micro-batch m uses slots_[m % size]
   std::unique_ptr<PooledAttention> pooled_;
   std::vector<std::unique_ptr<Pending>> sends_;  // messages in flight, with their copies
+  std::vector<plan::Batch> last_batches_;
+  std::vector<TickPlan> last_ticks_;
   int64_t step_ = 0;
 };
 

@@ -118,6 +118,30 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
                             const std::vector<plan::Task>& tasks, plan::BackwardMode mode,
                             double linear_seconds_per_token_layer, double fixed_seconds);
 
+// One pipeline-parallel step as distca train --pp runs it (model::PipelineTrainer): P stages x D
+// replicas (rank = stage x D + replica), M micro-batches of D ranks x T tokens.
+//   colocated  1F1B (timing.h's one_f_one_b): a stage's forward (backward) of micro-batch m takes
+//              its L / P layers' linear work on T tokens plus the attention of its own pieces (the
+//              slowest replica's), and a stage message of T x d fp32 over the link
+//   cad        the lockstep ticks: in a tick every layer slot ends at an exchange of all ranks, so a
+//              slot takes the slowest rank's linear work (an idle stage has none) plus attention
+//              (the tick's pooled plan) plus the exchange (each phase: the busiest rank's bytes)
+// Linear work: the profile's seconds per token per layer, a third forward, two thirds backward.
+struct PipelineStepInput {
+  int stages = 1;
+  int dp = 1;
+  std::vector<plan::Batch> micro_batches;  // (M) D ranks each
+  struct Tick {
+    bool is_backward = false;
+    std::vector<int> micro_batch;     // (stages) the micro-batch each stage runs, -1: idle
+    plan::Batch pool;                 // every active (stage, micro-batch), over all P x D ranks
+    std::vector<plan::Task> tasks;    // the tick's plan of the pool
+  };
+  std::vector<Tick> ticks;            // cad: every tick of the step; empty: colocated 1F1B
+};
+StepPrediction predict_pipeline_step(const Profile& profile, const plan::ModelShape& model, const PipelineStepInput& step,
+                                     double linear_seconds_per_token_layer, double fixed_seconds);
+
 std::vector<std::string> system_names();  // colocated, wlb, cad-distca, cad, cad-minmax
 // One result per system, in the order asked, each the mean of options.iterations iterations.
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& options,
