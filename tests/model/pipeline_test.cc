@@ -81,6 +81,25 @@ TEST(Pipeline, EveryLayoutAndScheduleReproducesTheOneRankCurveAndGradients) {
   }
 }
 
+// A stage that fails ends the step on every rank with its reason, well within the timeout.
+TEST(Pipeline, AStageThatFailsEndsEveryRankWithItsError) {
+  for (const char* schedule : {"colocated", "cad"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto statuses = comm::LocalWorld::run(4, [&](comm::Communicator& c) -> Status {
+      DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(c, options(2, 3, schedule, "minbytes", 64, 3, 4)));
+      DISTCA_RETURN_IF_ERROR(t->step().status());
+      if (c.rank() == 3) return internal_error("stage 1 replica 1 ran out of memory");
+      return t->step().status();
+    }, std::chrono::seconds(30));
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << schedule;
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_FALSE(statuses[r].is_ok()) << schedule << " rank " << r;
+      EXPECT_NE(statuses[r].message().find("stage 1 replica 1 ran out of memory"), std::string::npos)
+          << schedule << " rank " << r << ": " << statuses[r].message();
+    }
+  }
+}
+
 TEST(Pipeline, BadLayoutsAreRefused) {
   auto statuses = comm::LocalWorld::run(4, [](comm::Communicator& c) -> Status {
     for (auto [pp, what] : {std::pair{3, "--pp 3 must divide the 4 ranks"}, {8, "--pp 8 must divide the 4 ranks"}}) {

@@ -1,4 +1,6 @@
 #include "distca/plan/batch.h"
+#include "distca/plan/verify.h"
+#include "distca/plan/planner.h"
 
 #include <gtest/gtest.h>
 
@@ -102,6 +104,41 @@ TEST(BatchValidate, CatchesGapsAndOverfullRanks) {
   Batch c = batch_from_ranks({{4}, {4}}, 4).value();
   c.tokens_per_rank = 3;
   EXPECT_FALSE(c.validate().is_ok());
+}
+
+// Pipeline CAD pools the micro-batches of the active stages: documents keep their order and
+// their origin, pieces move to the stage's ranks, idle ranks hold nothing, and every planner's
+// plan of the pool passes the verifier (every causal pair of every document exactly once).
+TEST(PoolBatches, PlacesEachPartOnItsStagesRanksAndPlansVerify) {
+  const Batch a = pack_documents({300, 500, 224}, 2, 512).value();  // stage 0's micro-batch 3 (2 ranks)
+  const Batch b = pack_documents({1024}, 2, 512).value();           // stage 2's micro-batch 1
+  const auto pool = pool_batches({{&a, 0, 0, 3}, {&b, 4, 2, 1}}, 6, 512).value();
+  EXPECT_EQ(pool.batch.num_ranks, 6);
+  EXPECT_EQ(pool.batch.doc_lengths, (std::vector<int64_t>{300, 500, 224, 1024}));
+  ASSERT_EQ(pool.origin.size(), 4u);
+  EXPECT_EQ(pool.origin[1].stage, 0);
+  EXPECT_EQ(pool.origin[1].micro_batch, 3);
+  EXPECT_EQ(pool.origin[1].doc, 1);
+  EXPECT_EQ(pool.origin[3].stage, 2);
+  EXPECT_EQ(pool.origin[3].micro_batch, 1);
+  EXPECT_EQ(pool.origin[3].doc, 0);
+  std::vector<int64_t> tokens(6, 0);
+  for (const Piece& p : pool.batch.pieces) tokens[p.rank] += p.length();
+  EXPECT_EQ(tokens, (std::vector<int64_t>{512, 512, 0, 0, 512, 512}));
+  for (size_t i = 1; i < pool.batch.pieces.size(); ++i) EXPECT_LE(pool.batch.pieces[i - 1].rank, pool.batch.pieces[i].rank);
+  const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  for (const std::string& name : planner_names()) {
+    const Plan plan = find_planner(name).value()(pool.batch, cost, PlannerOptions{}).value();
+    EXPECT_TRUE(verify_tasks(pool.batch, plan.tasks).is_ok()) << name;
+  }
+  // Parts that overlap, overflow the pool or its ranks' tokens are refused; no part is an empty pool.
+  EXPECT_NE(pool_batches({{&a, 0, 0, 0}, {&b, 1, 1, 0}}, 6, 512).status().message().find("share rank 1"), std::string::npos);
+  EXPECT_NE(pool_batches({{&a, 5, 0, 0}}, 6, 512).status().message().find("not within the pool's 6"), std::string::npos);
+  EXPECT_FALSE(pool_batches({{&a, 0, 0, 0}}, 6, 256).is_ok());
+  EXPECT_FALSE(pool_batches({{nullptr, 0, 0, 0}}, 6, 512).is_ok());
+  const auto empty = pool_batches({}, 3, 512);
+  ASSERT_TRUE(empty.is_ok()) << empty.status().message();
+  EXPECT_EQ(empty.value().batch.num_docs(), 0);
 }
 
 }  // namespace
