@@ -47,13 +47,51 @@ TEST(PipelineSchedule, ColocatedIsOneFOneBAsWorkedOutByHand) {
       {2, 1, "F0 .  .  B0 | .  F0 B0 ."},
       {2, 2, "F0 F1 .  B0 .  B1 | .  F0 B0 F1 B1 ."},
       {2, 3, "F0 F1 .  B0 F2 B1 .  B2 | .  F0 B0 F1 B1 F2 B2 ."},
+      {2, 4, "F0 F1 .  B0 F2 B1 F3 B2 .  B3 | .  F0 B0 F1 B1 F2 B2 F3 B3 ."},
+      {2, 5, "F0 F1 .  B0 F2 B1 F3 B2 F4 B3 .  B4 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 ."},
+      {2, 6, "F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 ."},
+      {2, 7, "F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 .  B6 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 ."},
+      {2, 8, "F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 ."},
       {3, 1, "F0 .  .  .  .  B0 | .  F0 .  .  B0 . | .  .  F0 B0 .  ."},
       {3, 2, "F0 F1 .  .  .  B0 .  B1 | .  F0 F1 .  B0 .  B1 . | .  .  F0 B0 F1 B1 .  ."},
+      {3, 3, "F0 F1 F2 .  .  B0 .  B1 .  B2 | .  F0 F1 .  B0 F2 B1 .  B2 . | .  .  F0 B0 F1 B1 F2 B2 .  ."},
+      {3, 4, "F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 .  ."},
+      {3, 5, "F0 F1 F2 .  .  B0 F3 B1 F4 B2 .  B3 .  B4 | .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 .  B4 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 .  ."},
+      {3, 6, "F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5 | .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 .  ."},
+      {3, 7, "F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 .  B5 .  B6 |"
+             ".  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 .  B6 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 .  ."},
+      {3, 8, "F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 |"
+             ".  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  ."},
       {4, 1, "F0 . . . . . . B0 | . F0 . . . . B0 . | . . F0 . . B0 . . | . . . F0 B0 . . ."},
+      {4, 2, "F0 F1 .  .  .  .  .  B0 .  B1 | .  F0 F1 .  .  .  B0 .  B1 . | .  .  F0 F1 .  B0 .  B1 .  . |"
+             ".  .  .  F0 B0 F1 B1 .  .  ."},
+      {4, 3, "F0 F1 F2 .  .  .  .  B0 .  B1 .  B2 | .  F0 F1 F2 .  .  B0 .  B1 .  B2 . |"
+             ".  .  F0 F1 .  B0 F2 B1 .  B2 .  . | .  .  .  F0 B0 F1 B1 F2 B2 .  .  ."},
       {4, 4, "F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3 |"
              ".  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 .  |"
              ".  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .  .  |"
              ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  ."},
+      {4, 5, "F0 F1 F2 F3 .  .  .  B0 F4 B1 .  B2 .  B3 .  B4 |"
+             ".  F0 F1 F2 .  .  B0 F3 B1 F4 B2 .  B3 .  B4 .  |"
+             ".  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 .  B4 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 .  .  ."},
+      {4, 6, "F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 .  B3 .  B4 .  B5 |"
+             ".  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5 .  |"
+             ".  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 .  .  ."},
+      {4, 7, "F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 .  B4 .  B5 .  B6 |"
+             ".  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 .  B5 .  B6 .  |"
+             ".  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 .  B6 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 .  .  ."},
+      {4, 8, "F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7 |"
+             ".  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .  |"
+             ".  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  ."},
   };
   for (const HandTable& h : tables) {
     SCOPED_TRACE(::testing::Message() << "P " << h.stages << ", M " << h.micro_batches);
@@ -67,14 +105,54 @@ TEST(PipelineSchedule, ColocatedIsOneFOneBAsWorkedOutByHand) {
 TEST(PipelineSchedule, CadIsTheLockstepTicksAsWorkedOutByHand) {
   const HandTable tables[] = {
       {2, 1, "F0 .  .  B0 | .  F0 B0 ."},
+      {2, 2, "F0 F1 .  .  B0 B1 | .  F0 B0 F1 B1 ."},
       {2, 3, "F0 F1 .  F2 B0 .  B1 B2 | .  F0 B0 F1 B1 F2 B2 ."},
+      {2, 4, "F0 F1 .  F2 B0 F3 B1 .  B2 B3 | .  F0 B0 F1 B1 F2 B2 F3 B3 ."},
+      {2, 5, "F0 F1 .  F2 B0 F3 B1 F4 B2 .  B3 B4 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 ."},
+      {2, 6, "F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 .  B4 B5 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 ."},
+      {2, 7, "F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 .  B5 B6 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 ."},
+      {2, 8, "F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 B7 | .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 ."},
+      {3, 1, "F0 .  .  .  .  B0 | .  F0 .  .  B0 . | .  .  F0 B0 .  ."},
       {3, 2, "F0 F1 .  .  .  .  B0 B1 | .  F0 F1 .  .  B0 B1 . | .  .  F0 B0 F1 B1 .  ."},
+      {3, 3, "F0 F1 F2 .  .  .  .  B0 B1 B2 | .  F0 F1 .  F2 B0 .  B1 B2 . | .  .  F0 B0 F1 B1 F2 B2 .  ."},
+      {3, 4, "F0 F1 F2 .  F3 .  .  B0 .  B1 B2 B3 | .  F0 F1 .  F2 B0 F3 B1 .  B2 B3 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 .  ."},
+      {3, 5, "F0 F1 F2 .  F3 .  F4 B0 .  B1 .  B2 B3 B4 | .  F0 F1 .  F2 B0 F3 B1 F4 B2 .  B3 B4 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 .  ."},
+      {3, 6, "F0 F1 F2 .  F3 .  F4 B0 F5 B1 .  B2 .  B3 B4 B5 | .  F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 .  B4 B5 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 .  ."},
+      {3, 7, "F0 F1 F2 .  F3 .  F4 B0 F5 B1 F6 B2 .  B3 .  B4 B5 B6 |"
+             ".  F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 .  B5 B6 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 .  ."},
+      {3, 8, "F0 F1 F2 .  F3 .  F4 B0 F5 B1 F6 B2 F7 B3 .  B4 .  B5 B6 B7 |"
+             ".  F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 B7 . |"
+             ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  ."},
       {4, 1, "F0 . . . . . . B0 | . F0 . . . . B0 . | . . F0 . . B0 . . | . . . F0 B0 . . ."},
+      {4, 2, "F0 F1 .  .  .  .  .  .  B0 B1 | .  F0 F1 .  .  .  .  B0 B1 . | .  .  F0 F1 .  .  B0 B1 .  . |"
+             ".  .  .  F0 B0 F1 B1 .  .  ."},
+      {4, 3, "F0 F1 F2 .  .  .  .  .  .  B0 B1 B2 | .  F0 F1 F2 .  .  .  .  B0 B1 B2 . |"
+             ".  .  F0 F1 .  F2 B0 .  B1 B2 .  . | .  .  .  F0 B0 F1 B1 F2 B2 .  .  ."},
       // Ticks F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 B4 B5 B6.
       {4, 4, "F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3 |"
              ".  F0 F1 F2 .  F3 .  .  B0 .  B1 B2 B3 .  |"
              ".  .  F0 F1 .  F2 B0 F3 B1 .  B2 B3 .  .  |"
              ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  ."},
+      {4, 5, "F0 F1 F2 F3 .  F4 .  .  .  .  B0 .  B1 B2 B3 B4 |"
+             ".  F0 F1 F2 .  F3 .  F4 B0 .  B1 .  B2 B3 B4 .  |"
+             ".  .  F0 F1 .  F2 B0 F3 B1 F4 B2 .  B3 B4 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 .  .  ."},
+      {4, 6, "F0 F1 F2 F3 .  F4 .  F5 .  .  B0 .  B1 .  B2 B3 B4 B5 |"
+             ".  F0 F1 F2 .  F3 .  F4 B0 F5 B1 .  B2 .  B3 B4 B5 .  |"
+             ".  .  F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 .  B4 B5 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 .  .  ."},
+      {4, 7, "F0 F1 F2 F3 .  F4 .  F5 .  F6 B0 .  B1 .  B2 .  B3 B4 B5 B6 |"
+             ".  F0 F1 F2 .  F3 .  F4 B0 F5 B1 F6 B2 .  B3 .  B4 B5 B6 .  |"
+             ".  .  F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 .  B5 B6 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 .  .  ."},
+      {4, 8, "F0 F1 F2 F3 .  F4 .  F5 .  F6 B0 F7 B1 .  B2 .  B3 .  B4 B5 B6 B7 |"
+             ".  F0 F1 F2 .  F3 .  F4 B0 F5 B1 F6 B2 F7 B3 .  B4 .  B5 B6 B7 .  |"
+             ".  .  F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 B7 .  .  |"
+             ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  ."},
   };
   for (const HandTable& h : tables) {
     SCOPED_TRACE(::testing::Message() << "P " << h.stages << ", M " << h.micro_batches);
