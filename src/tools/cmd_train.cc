@@ -218,7 +218,13 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   }
   // Memory: refuse before allocating what this machine cannot hold.
   const int world = world_size(a.ranks);
-  const model::MemoryEstimate m = model::estimate_memory(o, world);
+  model::MemoryEstimate m = model::estimate_memory(o, world);
+  if (a.pp > 1) {
+    // A stage holds up to 2P - 1 micro-batches between their forward and backward (cad's lockstep
+    // first stage; 1F1B's holds P), each in a workspace of its L / P layers.
+    const int64_t per = o.model.num_layers / a.pp;
+    m.activations_bytes = (2 * a.pp - 1) * model::Model<float>::workspace_bytes(o.model, o.context, {0, per});
+  }
   const int64_t here = m.total() * ranks_on_this_machine(a.ranks);
   const int64_t available = available_memory_bytes();
   if (here > available) {

@@ -1,4 +1,5 @@
-// Pipeline-parallel training under mpirun: with 2 ranks pp 2; with 4 ranks pp 2 x dp 2 and pp 4;
+// Pipeline-parallel training under mpirun: with 2 ranks pp 2, with 3 ranks pp 3, with 4 ranks pp 2
+// x dp 2 and pp 4;
 // M in {1, 2, 2P + 1}; colocated 1F1B and CAD (minbytes, minmax, distca): the loss curve of the
 // same model on one rank (<= 1e-5 relative over 10 steps) and its step-1 gradients (<= 1e-5 of
 // the largest). With --fault on 3 ranks (pp 3), rank 1 fails in step 2 and the whole job ends.
@@ -29,8 +30,8 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  std::vector<int> layouts = {2};
-  if (c.size() == 4) layouts = {2, 4};
+  std::vector<int> layouts = {c.size()};  // 2 ranks: pp 2; 3 ranks: pp 3
+  if (c.size() == 4) layouts = {2, 4};     // pp 2 x dp 2, and pp 4
   int checks = 0;
   double worst_loss = 0, worst_gradient = 0;
   for (int pp : layouts) {
