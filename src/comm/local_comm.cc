@@ -251,12 +251,12 @@ class LocalWork final : public Work {
   std::shared_ptr<LocalWorld::Shared> group_;  // split: this rank's new group
 };
 
-// A send: done once a receive has copied it.
-class SendWork final : public Work {
+// A point-to-point operation: advance() (under the lock) says whether it is done; wait() runs it
+// to the end, the timeout, or a peer's failure.
+class P2pWork : public Work {
  public:
-  SendWork(std::shared_ptr<LocalWorld::Shared> shared, std::shared_ptr<Message> m, int rank, int peer, int tag,
-           std::chrono::milliseconds timeout)
-      : shared_(std::move(shared)), m_(std::move(m)), rank_(rank), peer_(peer), tag_(tag), timeout_(timeout) {}
+  P2pWork(std::shared_ptr<LocalWorld::Shared> shared, int rank, int peer, int tag, std::chrono::milliseconds timeout)
+      : shared_(std::move(shared)), rank_(rank), peer_(peer), tag_(tag), timeout_(timeout) {}
 
   Result<bool> test() override {
     std::unique_lock lock(shared_->core->mu);
@@ -271,56 +271,50 @@ class SendWork final : public Work {
       if (shared_->core->cv.wait_until(lock, deadline) == std::cv_status::timeout) {
         DISTCA_ASSIGN_OR_RETURN(bool last, advance());
         if (last) return Status::ok();
-        return internal_error(fmt::format("send of {} bytes (tag {}) from {} to {}: timed out after {} ms: {} never received it",
-                                          m_->bytes, tag_, shared_->who(rank_), shared_->who(peer_), timeout_.count(),
-                                          shared_->who(peer_)));
+        return internal_error(timed_out());
       }
     }
   }
 
+ protected:
+  // REQUIRES: lock held.
+  virtual Result<bool> advance() = 0;
+  virtual std::string timed_out() const = 0;
+  std::shared_ptr<LocalWorld::Shared> shared_;
+  int rank_, peer_, tag_;
+  std::chrono::milliseconds timeout_;
+};
+
+// A send: done once a receive has copied it.
+class SendWork final : public P2pWork {
+ public:
+  SendWork(std::shared_ptr<LocalWorld::Shared> shared, std::shared_ptr<Message> m, int rank, int peer, int tag,
+           std::chrono::milliseconds timeout)
+      : P2pWork(std::move(shared), rank, peer, tag, timeout), m_(std::move(m)) {}
+
  private:
-  Result<bool> advance() {
+  Result<bool> advance() override {
     if (!m_->error.empty()) return internal_error(m_->error);
     if (m_->is_consumed) return true;
     if (shared_->core->has_failed) return shared_->core->failure();
     return false;
   }
-  std::shared_ptr<LocalWorld::Shared> shared_;
+  std::string timed_out() const override {
+    return fmt::format("send of {} bytes (tag {}) from {} to {}: timed out after {} ms: {} never received it", m_->bytes,
+                       tag_, shared_->who(rank_), shared_->who(peer_), timeout_.count(), shared_->who(peer_));
+  }
   std::shared_ptr<Message> m_;
-  int rank_, peer_, tag_;
-  std::chrono::milliseconds timeout_;
 };
 
 // A receive: copies the message of its index from (peer, rank, tag) once it is posted.
-class RecvWork final : public Work {
+class RecvWork final : public P2pWork {
  public:
   RecvWork(std::shared_ptr<LocalWorld::Shared> shared, std::byte* data, int64_t bytes, int rank, int peer, int tag,
            uint64_t index, std::chrono::milliseconds timeout)
-      : shared_(std::move(shared)), data_(data), bytes_(bytes), rank_(rank), peer_(peer), tag_(tag), index_(index),
-        timeout_(timeout) {}
-
-  Result<bool> test() override {
-    std::unique_lock lock(shared_->core->mu);
-    return advance();
-  }
-  Status wait() override {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    std::unique_lock lock(shared_->core->mu);
-    for (;;) {
-      DISTCA_ASSIGN_OR_RETURN(bool done, advance());
-      if (done) return Status::ok();
-      if (shared_->core->cv.wait_until(lock, deadline) == std::cv_status::timeout) {
-        DISTCA_ASSIGN_OR_RETURN(bool last, advance());
-        if (last) return Status::ok();
-        return internal_error(fmt::format("recv of {} bytes (tag {}) on {}: timed out after {} ms waiting for {}", bytes_,
-                                          tag_, shared_->who(rank_), timeout_.count(), shared_->who(peer_)));
-      }
-    }
-  }
+      : P2pWork(std::move(shared), rank, peer, tag, timeout), data_(data), bytes_(bytes), index_(index) {}
 
  private:
-  // REQUIRES: lock held.
-  Result<bool> advance() {
+  Result<bool> advance() override {
     if (is_done_) return true;
     auto& box = shared_->mailbox[{peer_, rank_, tag_}];
     auto it = box.find(index_);
@@ -343,12 +337,13 @@ class RecvWork final : public Work {
     shared_->core->cv.notify_all();
     return true;
   }
-  std::shared_ptr<LocalWorld::Shared> shared_;
+  std::string timed_out() const override {
+    return fmt::format("recv of {} bytes (tag {}) on {}: timed out after {} ms waiting for {}", bytes_, tag_,
+                       shared_->who(rank_), timeout_.count(), shared_->who(peer_));
+  }
   std::byte* data_;
   int64_t bytes_;
-  int rank_, peer_, tag_;
   uint64_t index_;
-  std::chrono::milliseconds timeout_;
   bool is_done_ = false;
 };
 

@@ -87,6 +87,42 @@ struct CalibrationArgs {
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
+// The calibration report of both backends' (schedules') mean predicted and measured step times:
+// one JSON object (`extra` fields added) or a table headed `head`.
+void print_calibration(const CalibrationArgs& a, const comm::Communicator& c, const sim::Profile& profile,
+                       const double predicted[2], const double measured[2], const nlohmann::json& steps,
+                       const nlohmann::json& extra, const std::string& head, const std::string& column) {
+  const double n = static_cast<double>(a.steps - a.skip);
+  nlohmann::json out = {{"format", "distca-bench-calibration"},
+                        {"preset", a.preset},
+                        {"ranks", c.size()},
+                        {"comm", c.name()},
+                        {"timed_steps", a.steps - a.skip},
+                        {"predicted_colocated", predicted[0] / n},
+                        {"measured_colocated", measured[0] / n},
+                        {"predicted_cad", predicted[1] / n},
+                        {"measured_cad", measured[1] / n},
+                        {"error_colocated", predicted[0] / measured[0] - 1},
+                        {"error_cad", predicted[1] / measured[1] - 1},
+                        {"predicted_speedup", predicted[0] / predicted[1]},
+                        {"measured_speedup", measured[0] / measured[1]},
+                        {"steps", steps},
+                        {"profile", sim::to_json(profile)}};
+  out.update(extra);
+  if (a.is_json) {
+    fmt::print("{}\n", out.dump(2));
+    return;
+  }
+  if (!head.empty()) fmt::print("{}\n", head);
+  fmt::print("{:<10} {:>12} {:>12} {:>8}\n", column, "measured (s)", "predicted", "error");
+  const char* names[2] = {"colocated", "cad"};
+  for (int i = 0; i < 2; ++i) {
+    fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", names[i], measured[i] / n, predicted[i] / n,
+               100 * (predicted[i] / measured[i] - 1));
+  }
+  fmt::print("speedup: measured {:.2f}x, predicted {:.2f}x\n", measured[0] / measured[1], predicted[0] / predicted[1]);
+}
+
 // --pp P: pipeline-parallel training with both schedules (model::PipelineTrainer), each step
 // predicted by sim::predict_pipeline_step from the step's own micro-batches and (cad) tick plans.
 Status calibrate_pipeline(comm::Communicator& c, const CalibrationArgs& a, const sim::Profile& profile,
@@ -129,35 +165,10 @@ Status calibrate_pipeline(comm::Communicator& c, const CalibrationArgs& a, const
     }
   }
   if (c.rank() != 0) return Status::ok();
-  const double n = static_cast<double>(a.steps - a.skip);
-  const nlohmann::json out = {{"format", "distca-bench-calibration"},
-                              {"preset", a.preset},
-                              {"ranks", c.size()},
-                              {"pp", a.pp},
-                              {"micro_batches", trainers[0]->options().micro_batches},
-                              {"comm", c.name()},
-                              {"timed_steps", a.steps - a.skip},
-                              {"predicted_colocated", predicted[0] / n},
-                              {"measured_colocated", measured[0] / n},
-                              {"predicted_cad", predicted[1] / n},
-                              {"measured_cad", measured[1] / n},
-                              {"error_colocated", predicted[0] / measured[0] - 1},
-                              {"error_cad", predicted[1] / measured[1] - 1},
-                              {"predicted_speedup", predicted[0] / predicted[1]},
-                              {"measured_speedup", measured[0] / measured[1]},
-                              {"steps", steps},
-                              {"profile", sim::to_json(profile)}};
-  if (a.is_json) {
-    fmt::print("{}\n", out.dump(2));
-  } else {
-    fmt::print("pipeline: {} stages x {} replicas, {} micro-batches per step\n", a.pp, dp, trainers[0]->options().micro_batches);
-    fmt::print("{:<10} {:>12} {:>12} {:>8}\n", "schedule", "measured (s)", "predicted", "error");
-    fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "colocated", measured[0] / n, predicted[0] / n,
-               100 * (predicted[0] / measured[0] - 1));
-    fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "cad", measured[1] / n, predicted[1] / n,
-               100 * (predicted[1] / measured[1] - 1));
-    fmt::print("speedup: measured {:.2f}x, predicted {:.2f}x\n", measured[0] / measured[1], predicted[0] / predicted[1]);
-  }
+  const int micro_batches = trainers[0]->options().micro_batches;
+  print_calibration(a, c, profile, predicted, measured, steps, {{"pp", a.pp}, {"micro_batches", micro_batches}},
+                    fmt::format("pipeline: {} stages x {} replicas, {} micro-batches per step", a.pp, dp, micro_batches),
+                    "schedule");
   return Status::ok();
 }
 
@@ -221,32 +232,7 @@ int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
       }
     }
     if (c.rank() != 0) return Status::ok();
-    const double n = static_cast<double>(a.steps - a.skip);
-    const nlohmann::json out = {{"format", "distca-bench-calibration"},
-                                {"preset", a.preset},
-                                {"ranks", c.size()},
-                                {"comm", c.name()},
-                                {"timed_steps", a.steps - a.skip},
-                                {"predicted_colocated", predicted[0] / n},
-                                {"measured_colocated", measured[0] / n},
-                                {"predicted_cad", predicted[1] / n},
-                                {"measured_cad", measured[1] / n},
-                                {"error_colocated", predicted[0] / measured[0] - 1},
-                                {"error_cad", predicted[1] / measured[1] - 1},
-                                {"predicted_speedup", predicted[0] / predicted[1]},
-                                {"measured_speedup", measured[0] / measured[1]},
-                                {"steps", steps},
-                                {"profile", sim::to_json(profile)}};
-    if (a.is_json) {
-      fmt::print("{}\n", out.dump(2));
-    } else {
-      fmt::print("{:<10} {:>12} {:>12} {:>8}\n", "backend", "measured (s)", "predicted", "error");
-      fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "colocated", measured[0] / n, predicted[0] / n,
-                 100 * (predicted[0] / measured[0] - 1));
-      fmt::print("{:<10} {:>12.3f} {:>12.3f} {:>+7.1f}%\n", "cad", measured[1] / n, predicted[1] / n,
-                 100 * (predicted[1] / measured[1] - 1));
-      fmt::print("speedup: measured {:.2f}x, predicted {:.2f}x\n", measured[0] / measured[1], predicted[0] / predicted[1]);
-    }
+    print_calibration(a, c, profile, predicted, measured, steps, nlohmann::json::object(), "", "backend");
     return Status::ok();
   }, world);
 }
