@@ -77,6 +77,14 @@ Status DispatchAttention::begin_step(const plan::Batch& batch) {
   return Status::ok();
 }
 
+int64_t DispatchAttention::buffer_bytes() const {
+  int64_t floats = 0;
+  for (const runtime::ServerBuffers& s : servers_) {
+    for (const auto* v : {&s.q, &s.k, &s.v, &s.o, &s.lse, &s.d_o, &s.dq, &s.dk, &s.dv}) floats += static_cast<int64_t>(v->capacity());
+  }
+  return floats * static_cast<int64_t>(sizeof(float)) + (dispatcher_ ? dispatcher_->exchange_bytes() : 0);
+}
+
 Status DispatchAttention::run(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b) {
   if (!dispatcher_) return invalid_argument("DispatchAttention: begin_step first");
   if (layer < 0 || layer >= static_cast<int>(servers_.size())) return invalid_argument(fmt::format("no layer {}", layer));

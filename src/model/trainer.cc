@@ -91,7 +91,13 @@ nlohmann::json StepRecord::to_json() const {
           {"bound_seconds", bound_seconds},
           {"attention_bytes", attention_bytes},
           {"attention_tasks", attention_tasks},
-          {"split_tasks", split_tasks}};
+          {"split_tasks", split_tasks},
+          {"memory_states_bytes", memory_states_bytes},
+          {"memory_activations_bytes", memory_activations_bytes},
+          {"memory_attention_max_bytes", memory_attention_max_bytes},
+          {"memory_attention_mean_bytes", memory_attention_mean_bytes},
+          {"memory_max_bytes", memory_max_bytes},
+          {"memory_mean_bytes", memory_mean_bytes}};
 }
 
 MemoryEstimate estimate_memory(const TrainOptions& o, int ranks) {
@@ -279,10 +285,13 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   // Every rank's numbers, one slot each.
   int64_t bytes = 0;
   for (int p = 0; p < plan::kNumPhases; ++p) bytes += attention.dispatcher()->stats(static_cast<plan::Phase>(p)).bytes_sent;
-  enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kBytes, kSlots };
+  // Attention buffer bytes travel as two floats of 24 bits each, so they arrive exact.
+  enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kBytes, kAttnMemHigh, kAttnMemLow, kSlots };
+  const int64_t attn_memory = attention.buffer_bytes();
   std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
   const double mine[kSlots] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
-                               loss_sum, static_cast<double>(bytes)};
+                               loss_sum, static_cast<double>(bytes), static_cast<double>(attn_memory >> 24),
+                               static_cast<double>(attn_memory & ((int64_t{1} << 24) - 1))};
   for (int i = 0; i < kSlots; ++i) all[rank * kSlots + i] = static_cast<float>(mine[i]);
   DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
@@ -300,6 +309,9 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   for (int r = 0; r < R; ++r) {
     loss += at(r, kLoss);
     rec.attention_bytes += static_cast<int64_t>(at(r, kBytes));
+    const int64_t rank_attn_memory = (static_cast<int64_t>(at(r, kAttnMemHigh)) << 24) + static_cast<int64_t>(at(r, kAttnMemLow));
+    rec.memory_attention_max_bytes = std::max(rec.memory_attention_max_bytes, rank_attn_memory);
+    rec.memory_attention_mean_bytes += static_cast<double>(rank_attn_memory) / R;
     // The straggler: the rank that worked longest (step less waiting), whom the others waited
     // for. Every rank's step ends at the same all-reduce, so step time alone would pick a rank
     // by noise (often one that spent most of its step waiting).
@@ -326,6 +338,10 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   const double attn_mean = attn_sum / R;
   rec.attention_imbalance = attn_mean > 0 ? rec.attention_max_seconds / attn_mean : 1.0;
   rec.bound_seconds = std::max(serial_max, compute_sum / R);
+  rec.memory_states_bytes = 4 * run.state.params.size() * static_cast<int64_t>(sizeof(float));
+  rec.memory_activations_bytes = model_->allocated_bytes();
+  rec.memory_max_bytes = rec.memory_states_bytes + rec.memory_activations_bytes + rec.memory_attention_max_bytes;
+  rec.memory_mean_bytes = static_cast<double>(rec.memory_states_bytes + rec.memory_activations_bytes) + rec.memory_attention_mean_bytes;
   rec.tokens_per_second = static_cast<double>(R * options_.context) / rec.step_seconds;
   if (!std::isfinite(rec.loss)) return internal_error(fmt::format("step {}: the loss is {} ({})", rec.step, rec.loss, run.name));
   return rec;
@@ -351,6 +367,13 @@ nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip) {
       return to > from ? s / static_cast<double>(to - from) : 0.0;
     };
     const size_t k = n == 1 ? 1 : std::min<size_t>(10, n / 2);
+    // The peak over the run of the fullest rank's memory, and the largest max / mean over ranks.
+    int64_t peak_memory = 0;
+    double memory_ratio = 1;
+    for (const StepRecord* r : rs) {
+      peak_memory = std::max(peak_memory, r->memory_max_bytes);
+      if (r->memory_mean_bytes > 0) memory_ratio = std::max(memory_ratio, static_cast<double>(r->memory_max_bytes) / r->memory_mean_bytes);
+    }
     backends[name] = {{"steps", n},
                       {"timed_steps", n - first},
                       {"first_timed_step", rs[first]->step},
@@ -365,6 +388,8 @@ nlohmann::json summarize(const std::vector<StepRecord>& records, int64_t skip) {
                       {"wait_max_seconds", mean(&StepRecord::wait_max_seconds, first, n)},
                       {"attention_imbalance", mean(&StepRecord::attention_imbalance, first, n)},
                       {"bound_seconds", mean(&StepRecord::bound_seconds, first, n)},
+                      {"memory_max_bytes", peak_memory},
+                      {"memory_max_over_mean", memory_ratio},
                       {"loss_steps", k},
                       {"loss_first", mean(&StepRecord::loss, 0, k)},
                       {"loss_last", mean(&StepRecord::loss, n - k, n)}};

@@ -349,6 +349,10 @@ Status Dispatcher::post(Phase phase) {
   return Status::ok();
 }
 
+int64_t Dispatcher::exchange_bytes() const {
+  return static_cast<int64_t>(exchange_->send.capacity() + exchange_->recv.capacity());
+}
+
 Status Dispatcher::finish_comm() {
   if (stage_ != Stage::kDispatching && stage_ != Stage::kReturning) {
     return invalid_argument("finish_comm: no exchange in flight (call start_* or start_return first)");

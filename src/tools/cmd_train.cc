@@ -299,6 +299,15 @@ void print_summary(const nlohmann::json& s) {
              "any rank waited for it; "
              "bound: the step with compute perfectly balanced and communication free, a lower bound\n",
              any["first_timed_step"].get<int64_t>(), any["first_timed_step"].get<int64_t>() + any["timed_steps"].get<int64_t>() - 1);
+  std::vector<std::string> memory;
+  for (const std::string name : {"colocated", "cad"}) {
+    if (!s["backends"].contains(name)) continue;
+    const nlohmann::json& b = s["backends"][name];
+    memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f})", name,
+                                 b["memory_max_bytes"].get<double>() / (1 << 20), b["memory_max_over_mean"].get<double>()));
+  }
+  fmt::print("memory per rank, the fullest rank's peak (parameters, gradients, AdamW moments, activations, attention "
+             "buffers): {}\n", fmt::join(memory, "; "));
   if (!s["speedup"].is_null()) {
     fmt::print("speedup of CAD over colocated (same run, same data): {:.2f}x; CAD step / CAD bound: {:.3f}; largest "
                "relative loss difference: {:.2e}\n",

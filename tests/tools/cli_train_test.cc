@@ -61,7 +61,22 @@ TEST(Cli, TrainCompareJsonHasTheDocumentedFields) {
     }
     EXPECT_NEAR(parts, rec["step_seconds"].get<double>(), 1e-9);
     EXPECT_LE(rec["bound_seconds"].get<double>(), rec["step_seconds"].get<double>());
+    // Memory: the fullest rank's is its states + activations + attention buffers; the mean is
+    // no larger; states are parameters, gradients and two moments in fp32.
+    const int64_t states = rec["memory_states_bytes"], acts = rec["memory_activations_bytes"],
+                  attn = rec["memory_attention_max_bytes"];
+    EXPECT_EQ(rec["memory_max_bytes"].get<int64_t>(), states + acts + attn);
+    EXPECT_LE(rec["memory_mean_bytes"].get<double>(), rec["memory_max_bytes"].get<double>());
+    EXPECT_GE(rec["memory_attention_mean_bytes"].get<double>(), 0.0);
+    EXPECT_EQ(states % 16, 0);
+    EXPECT_GT(acts, 0);
+    if (rec["backend"] == "cad") EXPECT_GT(attn, 0);
   }
+  for (const char* backend : {"colocated", "cad"}) {
+    EXPECT_GE(s["backends"][backend]["memory_max_over_mean"].get<double>(), 1.0) << backend;
+    EXPECT_GT(s["backends"][backend]["memory_max_bytes"].get<int64_t>(), 0) << backend;
+  }
+  EXPECT_NE(r.out.find("memory per rank, the fullest rank's peak"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("step    1/4"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("loss, mean of first 2 -> last 2"), std::string::npos) << r.out;
   // Resuming continues at step 4.

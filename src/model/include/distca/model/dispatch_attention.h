@@ -44,6 +44,8 @@ class DispatchAttention final : public AttentionBackend<float> {
   const plan::Plan& plan() const { return plan_; }
   const runtime::Dispatcher* dispatcher() const { return dispatcher_.get(); }
   double planning_seconds = 0;  // accumulated
+  // Bytes of the attention-server buffers (one set per layer) and of this step's exchange buffers.
+  int64_t buffer_bytes() const;
 
  private:
   DispatchAttention(comm::Communicator& comm, const ModelConfig& config, DispatchAttentionOptions options,

@@ -78,6 +78,16 @@ struct StepRecord {
   int64_t attention_bytes = 0;  // sent between ranks by the attention backend, all ranks and phases
   int64_t attention_tasks = 0;  // CA tasks in this step's plan (one plan per step, all layers)
   int64_t split_tasks = 0;      // of them, tasks over part of their rows' key range (k0 > 0 or non-causal)
+  // Memory per rank at the end of the step (the buffers only grow within a step): this backend's
+  // parameters, gradients and AdamW moments, the model's activation workspace (the same on every
+  // rank), and its attention buffers (server buffers per layer and exchange buffers), which
+  // differ by rank; max and mean over ranks.
+  int64_t memory_states_bytes = 0;
+  int64_t memory_activations_bytes = 0;
+  int64_t memory_attention_max_bytes = 0;
+  double memory_attention_mean_bytes = 0;
+  int64_t memory_max_bytes = 0;
+  double memory_mean_bytes = 0;
   nlohmann::json to_json() const;
 };
 

@@ -119,6 +119,9 @@ class Dispatcher {
   bool is_silent() const { return is_silent_; }
   plan::BackwardMode backward_mode() const { return options_.backward_mode; }
   const PhaseStats& stats(plan::Phase phase) const { return stats_[static_cast<int>(phase)]; }
+  // Bytes the exchange's send and receive buffers hold: the largest phase's so far (they are
+  // reused, phase after phase).
+  int64_t exchange_bytes() const;
   void reset_stats() { stats_ = {}; }
 
  private:
