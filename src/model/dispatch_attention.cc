@@ -89,8 +89,11 @@ Status DispatchAttention::run(int layer, bool is_backward, const runtime::Forwar
   if (!dispatcher_) return invalid_argument("DispatchAttention: begin_step first");
   if (layer < 0 || layer >= static_cast<int>(servers_.size())) return invalid_argument(fmt::format("no layer {}", layer));
   runtime::Dispatcher& d = *dispatcher_;
+  // The stateful backward needs each layer's forward buffers; the stateless one keeps nothing
+  // between passes, so every layer reuses one set.
+  runtime::ServerBuffers& server = options_.backward_mode == plan::BackwardMode::kStateful ? servers_[layer] : servers_[0];
   auto t = Clock::now();
-  DISTCA_RETURN_IF_ERROR(is_backward ? d.start_backward(b, servers_[layer]) : d.start_forward(f, servers_[layer]));
+  DISTCA_RETURN_IF_ERROR(is_backward ? d.start_backward(b, server) : d.start_forward(f, server));
   DISTCA_RETURN_IF_ERROR(d.finish_comm());
   times.comm += since(t);
   t = Clock::now();

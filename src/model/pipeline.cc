@@ -84,7 +84,7 @@ struct PipelineTrainer::Slot {
 // is its slot l - first, the same on every stage.
 class PipelineTrainer::PooledAttention final : public AttentionBackend<float> {
  public:
-  PooledAttention(int64_t first_layer, int64_t layers) : first_(first_layer), servers_(static_cast<size_t>(layers)) {}
+  PooledAttention(int64_t first_layer, int64_t layers) : first_(first_layer), layers_(layers) {}
   std::string name() const override { return "cad"; }
   Status begin_step(const plan::Batch&) override { return Status::ok(); }
   void set(runtime::Dispatcher* d) { d_ = d; }
@@ -98,17 +98,17 @@ class PipelineTrainer::PooledAttention final : public AttentionBackend<float> {
   // A rank with no micro-batch of its own in the tick: every exchange of every layer slot, with
   // no rows of its own (it serves attention for the others).
   Status serve(bool is_backward) {
-    const auto n = static_cast<int64_t>(servers_.size());
-    for (int64_t i = 0; i < n; ++i) DISTCA_RETURN_IF_ERROR(run(is_backward ? n - 1 - i : i, is_backward, {}, {}));
+    for (int64_t i = 0; i < layers_; ++i) DISTCA_RETURN_IF_ERROR(run(is_backward ? layers_ - 1 - i : i, is_backward, {}, {}));
     return Status::ok();
   }
 
  private:
   Status run(int64_t slot, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b) {
     if (d_ == nullptr) return internal_error("pooled attention without a tick's dispatcher");
-    if (slot < 0 || slot >= static_cast<int64_t>(servers_.size())) return internal_error(fmt::format("no layer slot {}", slot));
+    if (slot < 0 || slot >= layers_) return internal_error(fmt::format("no layer slot {}", slot));
     auto t = Clock::now();
-    DISTCA_RETURN_IF_ERROR(is_backward ? d_->start_backward(b, servers_[slot]) : d_->start_forward(f, servers_[slot]));
+    // Stateless: no layer slot's buffers outlive its exchange, so all share one set.
+    DISTCA_RETURN_IF_ERROR(is_backward ? d_->start_backward(b, server_) : d_->start_forward(f, server_));
     DISTCA_RETURN_IF_ERROR(d_->finish_comm());
     times.comm += since(t);
     t = Clock::now();
@@ -120,8 +120,8 @@ class PipelineTrainer::PooledAttention final : public AttentionBackend<float> {
     times.comm += since(t);
     return Status::ok();
   }
-  int64_t first_;
-  std::vector<runtime::ServerBuffers> servers_;
+  int64_t first_, layers_;
+  runtime::ServerBuffers server_;
   runtime::Dispatcher* d_ = nullptr;
 };
 
