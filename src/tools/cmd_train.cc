@@ -407,6 +407,15 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
                  m.num_layers / a.pp, m.d_model, m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim,
                  si(static_cast<double>(m.num_parameters())));
       fmt::print("  data       {} tokens per rank per micro-batch, {} steps\n", o.context, o.steps);
+      // The rank map: rank w is stage w / D, replica w % D; its DP group is its stage's ranks,
+      // its PP group its replica's.
+      const int D = c.size() / a.pp;
+      std::vector<std::string> map;
+      for (int w = 0; w < c.size() && w < 16; ++w) {
+        map.push_back(fmt::format("{}=(pp {}, dp {})", w, w / D, w % D));
+      }
+      fmt::print("  ranks      {}{}; DP group of stage s: ranks s*{}..s*{}+{}; PP group of replica x: ranks x, x+{}, ...\n",
+                 fmt::join(map, " "), c.size() > 16 ? " ..." : "", D, D, D - 1, D);
       if (std::find(schedules.begin(), schedules.end(), "cad") != schedules.end()) {
         fmt::print("  cad        lockstep ticks, one plan per tick over all {} ranks (planner {}, granularity {}, tolerance "
                    "{}, stateless backward); idle stages serve attention\n",

@@ -109,6 +109,7 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   CmdResult run = distca("train --preset tiny --layers 4 --pp 2 --micro-batches 3 --compare --steps 3 --ranks 4 --json " + json);
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_NE(run.out.find("2 pipeline stages x 2 data-parallel replicas, 3 micro-batches"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("ranks      0=(pp 0, dp 0) 1=(pp 0, dp 1) 2=(pp 1, dp 0) 3=(pp 1, dp 1)"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("speedup of CAD over colocated 1F1B"), std::string::npos) << run.out;
   auto j = nlohmann::json::parse(distca::read_text_file(json).value());
   EXPECT_EQ(j["format"], "distca-train-pipeline");
