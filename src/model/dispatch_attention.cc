@@ -74,11 +74,15 @@ Status DispatchAttention::begin_step(const plan::Batch& batch) {
                                            comm_, batch, plan_,
                                            runtime::HeadShape{config_.num_q_heads, config_.num_kv_heads, config_.head_dim}, d));
   times.comm += since(begin);  // the plan-hash check is a collective
+  peak_bytes_ = current_bytes();
   return Status::ok();
 }
 
-int64_t DispatchAttention::buffer_bytes() const {
+int64_t DispatchAttention::current_bytes() const {
   int64_t floats = 0;
+  for (const runtime::ServerBuffers* s : {&backward_scratch_}) {
+    for (const auto* v : {&s->d_o, &s->dq, &s->dk, &s->dv}) floats += static_cast<int64_t>(v->capacity());
+  }
   for (const runtime::ServerBuffers& s : servers_) {
     for (const auto* v : {&s.q, &s.k, &s.v, &s.o, &s.lse, &s.d_o, &s.dq, &s.dk, &s.dv}) floats += static_cast<int64_t>(v->capacity());
   }
@@ -91,7 +95,15 @@ Status DispatchAttention::run(int layer, bool is_backward, const runtime::Forwar
   runtime::Dispatcher& d = *dispatcher_;
   // The stateful backward needs each layer's forward buffers; the stateless one keeps nothing
   // between passes, so every layer reuses one set.
-  runtime::ServerBuffers& server = options_.backward_mode == plan::BackwardMode::kStateful ? servers_[layer] : servers_[0];
+  const bool is_stateful = options_.backward_mode == plan::BackwardMode::kStateful;
+  runtime::ServerBuffers& server = is_stateful ? servers_[layer] : servers_[0];
+  auto lend = [&] {  // the backward set moves between the scratch and the layer's buffers
+    for (auto [a, b] : {std::pair{&server.d_o, &backward_scratch_.d_o}, {&server.dq, &backward_scratch_.dq},
+                        {&server.dk, &backward_scratch_.dk}, {&server.dv, &backward_scratch_.dv}}) {
+      a->swap(*b);
+    }
+  };
+  if (is_backward && is_stateful) lend();
   auto t = Clock::now();
   DISTCA_RETURN_IF_ERROR(is_backward ? d.start_backward(b, server) : d.start_forward(f, server));
   DISTCA_RETURN_IF_ERROR(d.finish_comm());
@@ -103,6 +115,8 @@ Status DispatchAttention::run(int layer, bool is_backward, const runtime::Forwar
   DISTCA_RETURN_IF_ERROR(d.start_return());
   DISTCA_RETURN_IF_ERROR(d.finish_comm());
   times.comm += since(t);
+  peak_bytes_ = std::max(peak_bytes_, current_bytes());
+  if (is_backward && is_stateful) lend();
   return Status::ok();
 }
 

@@ -44,8 +44,9 @@ class DispatchAttention final : public AttentionBackend<float> {
   const plan::Plan& plan() const { return plan_; }
   const runtime::Dispatcher* dispatcher() const { return dispatcher_.get(); }
   double planning_seconds = 0;  // accumulated
-  // Bytes of the attention-server buffers (one set per layer) and of this step's exchange buffers.
-  int64_t buffer_bytes() const;
+  // The most bytes the attention-server buffers and the exchange buffers held at once since
+  // begin_step (this step's peak).
+  int64_t buffer_bytes() const { return peak_bytes_; }
 
  private:
   DispatchAttention(comm::Communicator& comm, const ModelConfig& config, DispatchAttentionOptions options,
@@ -60,6 +61,11 @@ class DispatchAttention final : public AttentionBackend<float> {
   plan::Plan plan_;
   std::unique_ptr<runtime::Dispatcher> dispatcher_;
   std::vector<runtime::ServerBuffers> servers_;  // one per layer (a stateful backward keeps them)
+  // Stateful: the backward buffers (dO, dQ, dK, dV) of the layer in its backward; every layer
+  // borrows this one set, so a server holds each layer's forward state but one backward set.
+  runtime::ServerBuffers backward_scratch_;
+  int64_t current_bytes() const;
+  int64_t peak_bytes_ = 0;
 };
 
 }  // namespace distca::model
