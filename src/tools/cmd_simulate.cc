@@ -601,6 +601,7 @@ Status check_args(const SimArgs& a, int iterations) {
   }
   if (iterations < 1 || iterations > 1000) return invalid_argument(fmt::format("--iterations must be 1..1000, got {}", iterations));
   if (a.seed < 0) return invalid_argument(fmt::format("--seed must be >= 0, got {}", a.seed));
+  if (!(a.tolerance >= 0 && a.tolerance <= 1)) return invalid_argument(fmt::format("--tolerance must be in [0, 1], got {}", a.tolerance));
   // Options whose 0 means "choose for me": only negative values are wrong.
   if (a.cp < 0) return invalid_argument(fmt::format("--cp must be >= 1, or 0 for context / 64K, got {}", a.cp));
   if (a.wlb_cp < 0) return invalid_argument(fmt::format("--wlb-cp must be >= 1, or 0 for WLB-ideal, got {}", a.wlb_cp));

@@ -259,6 +259,9 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
       {"negative iterations", "--iterations -1", "--iterations must be 1..1000, got -1"},
       {"zero paper iterations", "--paper --iterations 0", "--iterations must be 1..1000, got 0"},
       {"too many iterations", "--paper --iterations 1001", "--iterations must be 1..1000, got 1001"},
+      {"negative tolerance", "--tolerance -0.1", "--tolerance must be in [0, 1], got -0.1"},
+      {"paper tolerance above one", "--paper --tolerance 2", "--tolerance must be in [0, 1], got 2"},
+      {"bad sweep", "--tolerance-sweep maybe", "--tolerance-sweep"},
       // --paper sets the configuration itself: what it would ignore is refused, by name.
       {"paper with model and gpus", "--paper --model llama-34b --gpus 8", "set --model, --gpus themselves"},
       {"paper with workload", "--paper --workload prolong", "set --workload themselves"},
