@@ -15,6 +15,7 @@
 #include "distca/core/file.h"
 #include "distca/plan/model.h"
 #include "distca/plan/planner.h"
+#include "distca/sim/sim_request.h"
 #include "distca/sim/simulate.h"
 
 namespace distca::tools {
@@ -22,22 +23,9 @@ namespace distca::tools {
 namespace {
 
 struct SimArgs {
-  std::string model = "llama-8b";
-  int gpus = 64;
-  int gpus_per_node = 8;
-  int tp = 8;
-  int pp = 1;
-  int cp = 0;
-  int wlb_cp = 0;
-  plan::SamplingOptions sampling;
-  std::string context = "128K";
-  int batch = 4;
-  std::string workload = "pretrain";
-  std::string system = "all";
-  std::string profile;
-  int64_t seed = 1;
-  double tolerance = 0.05;
+  sim::SimRequest request;  // one configuration (iterations set from --iterations below)
   std::string tolerance_sweep = "on";
+  std::string profile;
   bool is_json = false;
   bool is_paper = false;
   std::string plot;
@@ -47,40 +35,6 @@ struct SimArgs {
 };
 
 constexpr double kGB = 1e9;  // memory is printed in GB, as device datasheets give it
-
-// "512K", "1M" or a plain number of tokens.
-Result<int64_t> parse_tokens(const std::string& s) {
-  if (s.empty()) return invalid_argument("--context is empty");
-  int64_t mult = 1;
-  std::string digits = s;
-  const char last = static_cast<char>(std::toupper(static_cast<unsigned char>(s.back())));
-  if (last == 'K' || last == 'M') {
-    mult = last == 'K' ? 1024 : 1024 * 1024;
-    digits = s.substr(0, s.size() - 1);
-  }
-  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) {
-    return invalid_argument(fmt::format("--context must be a token count such as 131072, 128K or 1M, got '{}'", s));
-  }
-  return std::stoll(digits) * mult;
-}
-
-std::string tokens_text(int64_t tokens) {
-  return tokens % 1024 == 0 ? fmt::format("{}K", tokens / 1024) : fmt::format("{}", tokens);
-}
-
-// Context parallelism so that a unit holds at most 64K tokens of a sequence (what an 8-GPU
-// group holds in activations for these models), within what the GPUs allow.
-int auto_cp(int64_t context, int gpus, int tp, int pp) {
-  int cp = 1;
-  while (context / cp > 65536 && (gpus / tp / pp) % (2 * cp) == 0) cp *= 2;
-  return cp;
-}
-
-double imbalance(const std::vector<double>& v) {
-  double sum = 0, mx = 0;
-  for (double x : v) sum += x, mx = std::max(mx, x);
-  return sum > 0 ? mx / (sum / static_cast<double>(v.size())) : 1.0;
-}
 
 // "does not fit: 1095.2 GB per GPU > 141.0 GB", or "" when it fits (or the device is unknown).
 std::string fit_note(const nlohmann::json& s) {
@@ -105,47 +59,12 @@ std::string eps_text(const nlohmann::json& s) {
   return fmt::format("{}", fmt::join(parts, ","));
 }
 
-nlohmann::json report(const sim::SimOptions& o, const sim::Profile& profile, const std::vector<sim::SystemResult>& rs) {
-  nlohmann::json systems = nlohmann::json::array();
-  double wlb = 0, col = 0;
-  for (const auto& r : rs) {
-    if (r.system == "wlb") wlb = r.seconds;
-    if (r.system == "colocated") col = r.seconds;
-  }
-  for (const auto& r : rs) {
-    nlohmann::json j = r.to_json();
-    j["attention_imbalance"] = imbalance(r.unit_attention);
-    j["speedup_over_wlb"] = wlb > 0 ? nlohmann::json(wlb / r.seconds) : nlohmann::json(nullptr);
-    j["speedup_over_colocated"] = col > 0 ? nlohmann::json(col / r.seconds) : nlohmann::json(nullptr);
-    systems.push_back(j);
-  }
-  return {{"model", o.model.name},
-          {"gpus", o.cluster.gpus},
-          {"tp", o.cluster.tp},
-          {"pp", o.cluster.pp},
-          {"cp", o.cluster.cp},
-          {"dp", o.cluster.dp()},
-          {"units", o.cluster.units()},
-          {"context", o.context},
-          {"batch", o.batch},
-          {"workload", o.workload},
-          {"seed", o.seed},
-          {"tolerance", o.tolerance},
-          {"tolerance_sweep", o.tolerance_sweep},
-          {"iterations", o.iterations},
-          {"profile", profile.name},
-          {"device_memory_bytes", profile.device_memory_bytes > 0 ? nlohmann::json(profile.device_memory_bytes) : nlohmann::json(nullptr)},
-          {"speedup", "the baseline's iteration time / the system's, of the mean times with several iterations "
-                      "(speedup_over_wlb: over wlb, speedup_over_colocated: over colocated; null: not simulated)"},
-          {"systems", systems}};
-}
-
 // "llama-8b on 64 GPUs (...), context 128K, 4 micro-batches per replica, pretrain workload".
 std::string config_text(const nlohmann::json& j) {
   const int batch = j["batch"].get<int>();
   return fmt::format("{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {} micro-batch{} per replica, {} workload",
                      j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(),
-                     j["cp"].get<int>(), j["dp"].get<int>(), tokens_text(j["context"].get<int64_t>()), batch,
+                     j["cp"].get<int>(), j["dp"].get<int>(), sim::context_text(j["context"].get<int64_t>()), batch,
                      batch == 1 ? "" : "es", j["workload"].get<std::string>());
 }
 
@@ -402,7 +321,7 @@ std::string paper_svg(const nlohmann::json& records, int iterations, const std::
     const int y = top_y + i * row;
     svg += fmt::format(R"(<text x="{}" y="{}" text-anchor="end">{} {} GPUs pp {} {} {} {}</text>)", left - 8, y + 4,
                        r["model"].get<std::string>(), r["gpus"].get<int>(), r["pp"].get<int>(),
-                       tokens_text(r["context"].get<int64_t>()), r["dataset"].get<std::string>(), r["parallelism"].get<std::string>());
+                       sim::context_text(r["context"].get<int64_t>()), r["dataset"].get<std::string>(), r["parallelism"].get<std::string>());
     svg += fmt::format(R"(<rect x="{:.2f}" y="{}" width="{:.2f}" height="10" fill="#c8c8c8"/>)", x_of(r["paper_low"].get<double>()), y - 5,
                        x_of(r["paper_high"].get<double>()) - x_of(r["paper_low"].get<double>()));
     svg += fmt::format(R"(<rect x="{:.2f}" y="{}" width="10" height="10" fill="#f58518" data-record="{}" data-speedup-cad="{:.9g}"/>)",
@@ -512,8 +431,8 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
     o.batch = pc.micro_batches;
     o.sampling = paper_sampling(pc.dataset);
     o.workload = pc.dataset;
-    o.seed = static_cast<uint64_t>(a.seed);
-    o.tolerance = a.tolerance;
+    o.seed = static_cast<uint64_t>(a.request.seed);
+    o.tolerance = a.request.tolerance;
     o.tolerance_sweep = a.tolerance_sweep == "on";
     // Mean iteration times over several sampled iterations (one iteration's documents are a
     // small sample of the workload).
@@ -599,40 +518,10 @@ Status check_args(const SimArgs& a, int iterations) {
                                           fmt::join(fixed, ", "), fixed.size() == 1 ? "it" : "them"));
     }
   }
-  if (iterations < 1 || iterations > 1000) return invalid_argument(fmt::format("--iterations must be 1..1000, got {}", iterations));
-  if (a.seed < 0) return invalid_argument(fmt::format("--seed must be >= 0, got {}", a.seed));
-  if (!(a.tolerance >= 0 && a.tolerance <= 1)) return invalid_argument(fmt::format("--tolerance must be in [0, 1], got {}", a.tolerance));
-  // Options whose 0 means "choose for me": only negative values are wrong.
-  if (a.cp < 0) return invalid_argument(fmt::format("--cp must be >= 1, or 0 for context / 64K, got {}", a.cp));
-  if (a.wlb_cp < 0) return invalid_argument(fmt::format("--wlb-cp must be >= 1, or 0 for WLB-ideal, got {}", a.wlb_cp));
+  sim::SimRequest request = a.request;
+  request.iterations = iterations;
+  DISTCA_RETURN_IF_ERROR(request.validate());
   return check_output_paths({{"--plot", a.plot}});
-}
-
-// The one configuration the flags describe.
-Result<sim::SimOptions> sim_options(const SimArgs& a, int iterations) {
-  DISTCA_ASSIGN_OR_RETURN(plan::ModelShape model, plan::model_preset(a.model));
-  DISTCA_ASSIGN_OR_RETURN(int64_t context, parse_tokens(a.context));
-  sim::SimOptions o;
-  o.model = model;
-  o.cluster = {a.gpus, a.gpus_per_node, a.tp, a.pp, a.cp};
-  if (a.cp == 0 && a.tp > 0 && a.pp > 0) o.cluster.cp = auto_cp(context, a.gpus, a.tp, a.pp);
-  o.context = context;
-  o.batch = a.batch;
-  o.wlb_cp = a.wlb_cp;
-  o.sampling = a.sampling;
-  o.workload = a.workload;
-  o.seed = static_cast<uint64_t>(a.seed);
-  o.tolerance = a.tolerance;
-  o.tolerance_sweep = a.tolerance_sweep == "on";
-  o.iterations = iterations;
-  if (a.system != "all") {
-    const auto names = sim::system_names();
-    if (std::find(names.begin(), names.end(), a.system) == names.end()) {
-      return invalid_argument(fmt::format("--system must be {} or all, got '{}'", fmt::join(names, ", "), a.system));
-    }
-  }
-  DISTCA_RETURN_IF_ERROR(o.validate());
-  return o;
 }
 
 int run_simulate(const SimArgs& a) {
@@ -643,8 +532,11 @@ int run_simulate(const SimArgs& a) {
   const int iterations = a.iterations.value_or(a.is_paper ? 15 : 1);
   if (Status st = check_args(a, iterations); !st.is_ok()) return fail(st);
   sim::SimOptions o;
+  sim::SimRequest request = a.request;
+  request.iterations = iterations;
+  request.tolerance_sweep = a.tolerance_sweep == "on";
   if (!a.is_paper) {
-    auto options = sim_options(a, iterations);
+    auto options = request.options();
     if (!options.is_ok()) return fail(options.status());
     o = options.value();
   }
@@ -655,12 +547,12 @@ int run_simulate(const SimArgs& a) {
     profile = loaded.value();
   }
   if (a.is_paper) return run_paper(a, iterations, profile);
-  auto rs = sim::simulate(profile, o, a.system == "all" ? sim::system_names() : std::vector<std::string>{a.system});
+  auto rs = sim::simulate(profile, o, request.systems());
   if (!rs.is_ok()) {  // the options were checked: what fails here is the run
     fmt::print(stderr, "distca simulate: error: {}\n", rs.status().message());
     return 1;
   }
-  const nlohmann::json j = report(o, profile, rs.value());
+  const nlohmann::json j = sim::simulation_report(o, profile, rs.value());
   if (!a.plot.empty()) {
     if (Status st = write_file_atomic(a.plot, plot_svg(j)); !st.is_ok()) {
       fmt::print(stderr, "distca simulate: error: {}\n", st.message());
@@ -684,31 +576,31 @@ std::function<int()> add_simulate_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("simulate", "Price one training iteration of colocated, WLB-style and CAD training on a "
                                                  "simulated cluster (profiles: the default H200 one, or --profile)");
   auto& one = a.one_config_options;
-  one.push_back(cmd->add_option("--model", a.model, "llama-8b | llama-34b")->capture_default_str());
-  one.push_back(cmd->add_option("--gpus", a.gpus, "GPUs in all")->capture_default_str());
-  one.push_back(cmd->add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node")->capture_default_str());
-  one.push_back(cmd->add_option("--tp", a.tp, "tensor-parallel degree (one unit = tp GPUs)")->capture_default_str());
-  one.push_back(cmd->add_option("--pp", a.pp, "pipeline stages")->capture_default_str());
-  one.push_back(cmd->add_option("--cp", a.cp, "context-parallel units per sequence (0: context / 64K, as the GPUs allow)")
+  one.push_back(cmd->add_option("--model", a.request.model, "llama-8b | llama-34b")->capture_default_str());
+  one.push_back(cmd->add_option("--gpus", a.request.gpus, "GPUs in all")->capture_default_str());
+  one.push_back(cmd->add_option("--gpus-per-node", a.request.gpus_per_node, "GPUs per node")->capture_default_str());
+  one.push_back(cmd->add_option("--tp", a.request.tp, "tensor-parallel degree (one unit = tp GPUs)")->capture_default_str());
+  one.push_back(cmd->add_option("--pp", a.request.pp, "pipeline stages")->capture_default_str());
+  one.push_back(cmd->add_option("--cp", a.request.cp, "context-parallel units per sequence (0: context / 64K, as the GPUs allow)")
                     ->capture_default_str());
-  one.push_back(cmd->add_option("--wlb-cp", a.wlb_cp, "wlb's context-parallel degree (0: WLB-ideal, the faster of the two largest it may use)")
+  one.push_back(cmd->add_option("--wlb-cp", a.request.wlb_cp, "wlb's context-parallel degree (0: WLB-ideal, the faster of the two largest it may use)")
                     ->capture_default_str());
-  one.push_back(cmd->add_option("--context", a.context, "tokens per sequence (one micro-batch of a replica, over cp units), e.g. 128K, 512K")
+  one.push_back(cmd->add_option("--context", a.request.context, "tokens per sequence (one micro-batch of a replica, over cp units), e.g. 128K, 512K")
                     ->capture_default_str());
-  one.push_back(cmd->add_option("--batch", a.batch, "micro-batches per data-parallel replica per iteration")->capture_default_str());
-  one.push_back(cmd->add_option("--workload", a.workload, "document lengths: pretrain | prolong")->capture_default_str());
-  one.push_back(cmd->add_option("--keep-short", a.sampling.keep_short, "sampling: share of documents of at most 64K tokens kept")
+  one.push_back(cmd->add_option("--batch", a.request.batch, "micro-batches per data-parallel replica per iteration")->capture_default_str());
+  one.push_back(cmd->add_option("--workload", a.request.workload, "document lengths: pretrain | prolong")->capture_default_str());
+  one.push_back(cmd->add_option("--keep-short", a.request.sampling.keep_short, "sampling: share of documents of at most 64K tokens kept")
                     ->capture_default_str());
-  one.push_back(cmd->add_option("--upsample", a.sampling.upsample, "sampling: how many times more often longer documents are drawn")
+  one.push_back(cmd->add_option("--upsample", a.request.sampling.upsample, "sampling: how many times more often longer documents are drawn")
                     ->capture_default_str());
-  one.push_back(cmd->add_option("--elongation", a.sampling.elongation, "sampling: length multiplier (0: context / 64K)")
+  one.push_back(cmd->add_option("--elongation", a.request.sampling.elongation, "sampling: length multiplier (0: context / 64K)")
                     ->capture_default_str());
-  one.push_back(cmd->add_option("--full-context-share", a.sampling.full_context_share,
+  one.push_back(cmd->add_option("--full-context-share", a.request.sampling.full_context_share,
                                 "sampling: share of longer documents made exactly one sequence long")
                     ->capture_default_str());
-  one.push_back(cmd->add_option("--system", a.system, "colocated | wlb | cad-distca | cad (the default planner) | cad-minmax | all")->capture_default_str());
+  one.push_back(cmd->add_option("--system", a.request.system, "colocated | wlb | cad-distca | cad (the default planner) | cad-minmax | all")->capture_default_str());
   cmd->add_option("--profile", a.profile, "a profile JSON (distca-profile, version 1); default: the built-in H200 one");
-  cmd->add_option("--tolerance", a.tolerance,
+  cmd->add_option("--tolerance", a.request.tolerance,
                   "the CAD planners' balance bound eps (the busiest server's attention <= (1 + eps) x the mean)")
       ->capture_default_str();
   cmd->add_option("--tolerance-sweep", a.tolerance_sweep,
@@ -716,7 +608,7 @@ std::function<int()> add_simulate_command(CLI::App& app) {
                   "balance where the link hides its bytes); off: at eps")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
-  cmd->add_option("--seed", a.seed, "sampling seed of the first iteration (iteration i uses seed + i)")->capture_default_str();
+  cmd->add_option("--seed", a.request.seed, "sampling seed of the first iteration (iteration i uses seed + i)")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print JSON instead of the table");
   cmd->add_option("--plot", a.plot,
                   "also draw an SVG into this file: per system, the iteration time and each unit's linear / attention / "

@@ -1,0 +1,59 @@
+// What `distca simulate` does for one configuration, as a library: its options named and checked
+// as the command line's flags are (the same messages for the command line and the Python
+// package), the configuration they describe, and the JSON report `distca simulate --json` prints.
+// The paper's configurations (--paper), the table and the plot stay in the command line.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "distca/core/status.h"
+#include "distca/plan/workload.h"
+#include "distca/sim/profile.h"
+#include "distca/sim/simulate.h"
+
+namespace distca::sim {
+
+struct SimRequest {
+  std::string model = "llama-8b";
+  int gpus = 64;
+  int gpus_per_node = 8;
+  int tp = 8;
+  int pp = 1;
+  int cp = 0;       // 0: context / 64K, as the GPUs allow
+  int wlb_cp = 0;   // 0: WLB-ideal
+  plan::SamplingOptions sampling;
+  std::string context = "128K";
+  int batch = 4;
+  std::string workload = "pretrain";
+  std::string system = "all";
+  int64_t seed = 1;
+  double tolerance = 0.05;
+  bool tolerance_sweep = true;
+  int iterations = 1;
+
+  // The checks that need nothing but the numbers (iterations, seed, tolerance, cp, wlb_cp).
+  Status validate() const;
+  // The configuration the options describe, every option checked.
+  Result<SimOptions> options() const;
+  // The systems asked for, in the report's order.
+  std::vector<std::string> systems() const;
+};
+
+// "512K", "1M" or a plain number of tokens.
+Result<int64_t> parse_context(const std::string& text);
+// "128K" for multiples of 1024, else the number.
+std::string context_text(int64_t tokens);
+
+// The report of one configuration: the options, and per system its result with the attention
+// imbalance across units and its speedups over wlb and colocated (null when not simulated).
+nlohmann::json simulation_report(const SimOptions& options, const Profile& profile, const std::vector<SystemResult>& results);
+
+// Runs the request on the profile: its report, or bad input (invalid_argument, before any work),
+// or the run's failure.
+Result<nlohmann::json> run_simulation(const SimRequest& request, const Profile& profile);
+
+}  // namespace distca::sim
