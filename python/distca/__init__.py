@@ -1,0 +1,387 @@
+"""distca: core attention disaggregation (CAD) planning for PyTorch training loops.
+
+A thin layer over distca's C++ planners, verifier, exchange layouts and cluster simulator (the
+same code as the ``distca`` command line, so the same plans, figures and error messages):
+
+    import distca
+    plan = distca.plan([[8192, 512, 512], [1024] * 9], policy="minbytes", model="llama-8b")
+    plan.load["imbalance"], plan.tasks["server"]      # NumPy arrays and plain numbers
+    meta = plan.for_rank(rank)                        # what rank `rank` gathers, sends, computes
+    report = distca.simulate(gpus=64, tp=8, context="128K")
+
+Bad input raises ValueError with the command line's message; see README.md, "Python package".
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _distca
+from . import profile
+
+_profiles = profile  # simulate() takes a `profile` argument
+
+__all__ = [
+    "Batch", "Plan", "RankLayout", "VarlenGroup", "plan", "load_plan", "pack", "batch_from_pieces",
+    "simulate", "profile", "planner_names", "model_preset_names", "system_names", "TASK_DTYPE",
+]
+
+__version__ = "0.1.0"
+
+Batch = _distca.Batch
+
+# One row per CA task: attention of query rows [q0, q1) of document `doc` against keys [k0, k1)
+# on `server`; causal when k1 == q1 (bottom-right aligned), else the keys lie wholly before the
+# queries.
+TASK_DTYPE = np.dtype([(name, np.int64) for name in ("doc", "q0", "q1", "k0", "k1", "server")])
+
+
+def planner_names() -> list[str]:
+    """The policies: none, distca, minmax, minbytes."""
+    return list(_distca.planner_names())
+
+
+def model_preset_names() -> list[str]:
+    return list(_distca.model_preset_names())
+
+
+def system_names() -> list[str]:
+    return list(_distca.system_names())
+
+
+def _tasks(matrix: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(matrix).view(TASK_DTYPE).reshape(-1)
+
+
+BatchLike = Union[Batch, Sequence[Sequence[int]], Mapping[str, Any], str, os.PathLike]
+
+
+def _batch(batch: BatchLike, tokens_per_rank: int) -> Batch:
+    """A Batch from the forms distca.plan takes (see its docstring)."""
+    if isinstance(batch, Batch):
+        if tokens_per_rank:
+            raise ValueError("tokens_per_rank applies to a batch given as lengths; this Batch already has its size")
+        return batch
+    if isinstance(batch, (str, os.PathLike)):
+        return _distca.batch_from_file(os.fspath(batch), int(tokens_per_rank))
+    if isinstance(batch, Mapping):
+        text = json.dumps(dict(batch), default=_json_default)
+    else:
+        try:
+            ranks = [list(rank) for rank in batch]
+        except TypeError as e:
+            raise ValueError(f"batch must be a Batch, a list of ranks' document lengths, {{'ranks': ...}} or a "
+                             f"batch file's path, got {type(batch).__name__}") from e
+        text = json.dumps({"ranks": ranks}, default=_json_default)
+    return _distca.batch_from_json(text, int(tokens_per_rank), "batch")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.floating):
+        return float(value)
+    raise TypeError(f"{type(value).__name__} is not a document length")
+
+
+def pack(lengths: Sequence[int], num_ranks: int, tokens_per_rank: int) -> Batch:
+    """Packs documents in order into num_ranks ranks of tokens_per_rank tokens; a document that
+    overflows a rank continues on the next (it becomes pieces on several ranks)."""
+    return _distca.pack_documents([int(x) for x in lengths], int(num_ranks), int(tokens_per_rank))
+
+
+def batch_from_pieces(doc_lengths: Sequence[int], pieces: Any, tokens_per_rank: int = 0) -> Batch:
+    """A batch whose documents may span ranks: pieces is an (n, 4) integer array of rows
+    (doc, begin, end, rank), ordered by rank and, within a rank, by position in its linear layout;
+    the pieces of each document tile it. tokens_per_rank = 0 takes the fullest rank's tokens."""
+    return _distca.batch_from_pieces([int(x) for x in doc_lengths], np.asarray(pieces, dtype=np.int64),
+                                     int(tokens_per_rank))
+
+
+@dataclass(frozen=True)
+class VarlenGroup:
+    """One flash_attn_varlen_func call: cu_seqlens from 0 over the group's rows."""
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.cu_seqlens_q) - 1
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What rank `rank` needs to run CAD attention with all_to_all_single and varlen kernels.
+
+    Forward, on every rank (R ranks, every index array int64):
+      owner    q_send = q[q_send_index]; kv_send = kv[kv_send_index] (K and V alike)
+      a2a      q_recv:  input splits q_send_splits,  output splits q_recv_splits
+               kv_recv: input splits kv_send_splits, output splits kv_recv_splits
+      server   q_var = q_recv[q_gather]; k_var = k_recv[kv_gather] (and v)
+               causal call:     q_var[:causal_q_rows],  k_var[:causal_kv_rows], causal=True
+                                (bottom-right aligned), with causal.cu_seqlens_q/k, max_seqlen_q/k
+               non-causal call: q_var[causal_q_rows:], k_var[causal_kv_rows:], causal=False,
+                                with noncausal.*
+      return   out_send[q_gather] = o_var (and lse); a2a with the Q splits swapped
+               (return_splits()), giving out_ret whose entry m answers q_send_index[m]
+      owner    o[copy_rows] = out_ret[copy_entries]; the entries merge_entries are partial results
+               of key-split rows merge_rows, merged per row by the LSE rule:
+               lse = logsumexp(lse_m), o = sum_m exp(lse_m - lse) * o_m
+    Backward: dO, and the merged O and LSE (a split row's softmax needs them), go out like Q;
+    dq_send[q_gather] = dq_var returns like O and the owner sums: dq.index_add_(0, q_send_index,
+    dq_ret); dk_recv.index_add_(0, kv_gather, dk_var) (fp32), back with the K/V splits swapped,
+    and dk.index_add_(0, kv_send_index, dk_ret); dV the same.
+    Rows a rank sends itself go through the all-to-all too (its own split).
+    """
+    rank: int
+    num_ranks: int
+    num_local_rows: int
+    q_send_index: np.ndarray
+    q_send_splits: np.ndarray
+    kv_send_index: np.ndarray
+    kv_send_splits: np.ndarray
+    q_recv_splits: np.ndarray
+    kv_recv_splits: np.ndarray
+    q_gather: np.ndarray
+    kv_gather: np.ndarray
+    causal_q_rows: int
+    causal_kv_rows: int
+    causal: VarlenGroup
+    noncausal: VarlenGroup
+    copy_entries: np.ndarray
+    copy_rows: np.ndarray
+    merge_entries: np.ndarray
+    merge_rows: np.ndarray
+
+    def splits(self, phase: str) -> dict[str, tuple[list[int], list[int]]]:
+        """(input_split_sizes, output_split_sizes) for all_to_all_single, per tensor of a phase:
+        fwd_dispatch {q, kv}, fwd_return {out}, bwd_dispatch {q, kv} (kv only for a server that
+        kept nothing from the forward), bwd_return {dq, dkv}."""
+        q = (self.q_send_splits.tolist(), self.q_recv_splits.tolist())
+        kv = (self.kv_send_splits.tolist(), self.kv_recv_splits.tolist())
+        back = lambda s: (s[1], s[0])  # noqa: E731 (the reverse all-to-all)
+        table = {
+            "fwd_dispatch": {"q": q, "kv": kv},
+            "fwd_return": {"out": back(q)},
+            "bwd_dispatch": {"q": q, "kv": kv},
+            "bwd_return": {"dq": back(q), "dkv": back(kv)},
+        }
+        if phase not in table:
+            raise ValueError(f"phase must be one of {', '.join(table)}, got {phase!r}")
+        return table[phase]
+
+    def return_splits(self) -> tuple[list[int], list[int]]:
+        return self.splits("fwd_return")["out"]
+
+    @property
+    def has_split_rows(self) -> bool:
+        return len(self.merge_entries) > 0
+
+
+def _layout(d: dict) -> RankLayout:
+    groups = {name: VarlenGroup(**d.pop(name)) for name in ("causal", "noncausal")}
+    return RankLayout(**d, **groups)
+
+
+class Plan:
+    """One step's CA tasks on a batch, as `distca plan` makes them (immutable)."""
+
+    def __init__(self, native: Any):
+        self._native = native
+        self._report: Optional[dict] = None
+
+    # The plan itself.
+    @property
+    def policy(self) -> str:
+        return self._native.policy
+
+    @property
+    def tolerance(self) -> float:
+        return self._native.tolerance
+
+    @property
+    def hash(self) -> int:
+        """64-bit hash of the batch layout and the sorted task list (the same on every rank)."""
+        return self._native.hash
+
+    @property
+    def batch(self) -> Batch:
+        return self._native.batch
+
+    @property
+    def num_ranks(self) -> int:
+        return self._native.batch.num_ranks
+
+    @property
+    def tasks(self) -> np.ndarray:
+        """Structured array (TASK_DTYPE: doc, q0, q1, k0, k1, server), sorted by (server, doc, q0, k0)."""
+        return _tasks(self._native.tasks())
+
+    @property
+    def server_seconds(self) -> np.ndarray:
+        """(R) estimated core-attention seconds per step of each server (all layers, fwd + bwd)."""
+        return self._native.server_seconds()
+
+    @property
+    def server_pairs(self) -> np.ndarray:
+        """(R) causal (query, key) pairs each server computes."""
+        return self._native.server_pairs()
+
+    @property
+    def load(self) -> dict:
+        """max, mean, imbalance (max / mean seconds), pairs_imbalance."""
+        return self._native.load()
+
+    @property
+    def traffic(self) -> dict:
+        """Per phase (fwd_dispatch, fwd_return, bwd_dispatch, bwd_return): flows ((n, 3): src,
+        dst, bytes), total_bytes, send_bytes (R), recv_bytes (R), for one layer (self rows not
+        counted: they never leave the rank)."""
+        return self._native.traffic()
+
+    @property
+    def is_balanced(self) -> bool:
+        return self._native.is_balanced
+
+    @property
+    def note(self) -> str:
+        return self._native.note
+
+    @property
+    def plan_ms(self) -> float:
+        """The planner's own time, measured in C++."""
+        return self._native.plan_ms
+
+    @property
+    def native_ms(self) -> float:
+        """All of the call's C++ work: checks, baseline, planning, verification, layer times."""
+        return self._native.native_ms
+
+    def report(self) -> dict:
+        """The object `distca plan --batch FILE --json` prints for this policy (less the workload
+        and seed it adds)."""
+        if self._report is None:
+            self._report = json.loads(self._native.report_json())
+        return json.loads(json.dumps(self._report))
+
+    def verify(self) -> bool:
+        """Proves every causal (query, key) pair of every document is computed exactly once;
+        raises ValueError naming the first violation."""
+        self._native.verify()
+        return True
+
+    def to_json(self) -> str:
+        """The plan file (format distca-plan, version 1) that `distca plan --out` writes."""
+        return self._native.plan_json()
+
+    @staticmethod
+    def from_json(text: str) -> "LoadedPlan":
+        return load_plan(text)
+
+    def for_rank(self, rank: int) -> RankLayout:
+        """Rank `rank`'s exchange layout (see RankLayout)."""
+        if not 0 <= int(rank) < self.num_ranks:
+            raise ValueError(f"rank {rank} outside the plan's {self.num_ranks} ranks")
+        return _layout(self._native.layout(int(rank)))
+
+    def __repr__(self) -> str:
+        load = self.load
+        return (f"<distca.Plan {self.policy}: {self.num_ranks} ranks, {len(self.tasks)} tasks, "
+                f"imbalance {load['imbalance']:.4f}, hash {self.hash:016x}>")
+
+
+@dataclass(frozen=True)
+class LoadedPlan:
+    """A plan file read back: its batch, policy, tolerance, model name, tasks; re-verified and
+    hash-checked."""
+    batch: Batch
+    policy: str
+    tolerance: float
+    hash: int
+    tasks: np.ndarray
+    model: str
+
+
+def load_plan(text: str) -> LoadedPlan:
+    """Reads a plan file's text (Plan.to_json, distca plan --out): re-verifies its tasks and
+    re-checks its hash; ValueError when either fails."""
+    d = _distca.load_plan_json(text)
+    d["tasks"] = _tasks(d["tasks"])
+    return LoadedPlan(**d)
+
+
+_MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "dtype_bytes", "tp")
+
+
+def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, granularity: Optional[int] = None,
+         model: Union[str, Mapping[str, Any]] = "llama-8b", max_rank_bytes: Union[int, str, None] = None,
+         tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None) -> Plan:
+    """Plans core attention for one step, as `distca plan --batch ... --json` does.
+
+    batch: per-rank document lengths ([[len, ...], ...] or {"ranks": [...]}, each rank at least one
+      document), a batch file's path, or a Batch (distca.pack, distca.batch_from_pieces for
+      documents that span ranks).
+    policy: none, distca (the paper's planner), minmax or minbytes (the default).
+    tolerance: eps in [0, 1]; granularity: a power of two 16..4096 (default 128; minmax and
+      minbytes only); max_rank_bytes: bytes per rank per layer, or "auto" (default none).
+    model: a preset name (llama-8b, llama-34b), or a dict with any of layers, hidden, heads,
+      kv_heads, head_dim, ffn_hidden, dtype_bytes, tp over the preset "preset" (default: custom,
+      every shape key given).
+    profile: a profile JSON file for the per-layer times in the report (default: built-in H200).
+    """
+    request = _distca.PlanRequest()
+    request.policy = policy
+    request.tolerance = float(tolerance)
+    request.granularity = None if granularity is None else int(granularity)
+    request.max_rank_bytes = None if max_rank_bytes is None else str(max_rank_bytes)
+    request.gpus_per_node = int(gpus_per_node)
+    if isinstance(model, str):
+        request.model = model
+    elif isinstance(model, Mapping):
+        unknown = sorted(set(model) - set(_MODEL_KEYS) - {"preset"})
+        if unknown:
+            raise ValueError(f"model: unknown key(s) {', '.join(unknown)}; expected preset or {', '.join(_MODEL_KEYS)}")
+        request.model = model.get("preset", "custom")
+        for key in _MODEL_KEYS:
+            if key in model:
+                setattr(request, key, int(model[key]))
+    else:
+        raise ValueError(f"model must be a preset name or a dict of shape keys, got {type(model).__name__}")
+    native_batch = _batch(batch, tokens_per_rank)
+    return Plan(_distca.make_plan(native_batch, request, os.fspath(profile) if profile is not None else ""))
+
+
+def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, **options: Any) -> dict:
+    """Prices one training iteration, as `distca simulate --json` does, and returns its report.
+
+    Options (the command line's flags, dashes as underscores): model, gpus, gpus_per_node, tp, pp,
+    cp, wlb_cp, context (e.g. "128K" or 131072), batch, workload, system, seed, tolerance,
+    tolerance_sweep (bool, or "on"/"off"), iterations, keep_short, upsample, elongation,
+    full_context_share. profile: a profile file's path or a profile dict (distca.profile).
+    """
+    request = _distca.SimRequest()
+    for key, value in options.items():
+        if not hasattr(request, key) or key.startswith("_"):
+            raise ValueError(f"simulate: unknown option {key!r}")
+        if key == "context":
+            value = str(int(value)) if isinstance(value, (int, np.integer)) else str(value)
+        elif key == "tolerance_sweep" and isinstance(value, str):
+            if value not in ("on", "off"):
+                raise ValueError(f"--tolerance-sweep must be on or off, got {value!r}")
+            value = value == "on"
+        setattr(request, key, value)
+    if profile is None:
+        text = ""
+    elif isinstance(profile, Mapping):
+        text = json.dumps(dict(profile))
+    else:
+        text = json.dumps(_profiles.load(profile))
+    return json.loads(_distca.simulate_json(request, text))

@@ -1,0 +1,330 @@
+// The distca Python module's native part (_distca): thin bindings over the plan, route and sim
+// layers. Every check, plan, layout and report is the C++ one (DESIGN.md §3: python adds no
+// logic of its own); this file only converts: Python lists and NumPy arrays in, NumPy arrays and
+// JSON text out, and a Status that is not ok into ValueError (bad input) or RuntimeError.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "distca/core/file.h"
+#include "distca/plan/batch.h"
+#include "distca/plan/plan_io.h"
+#include "distca/plan/planner.h"
+#include "distca/plan/verify.h"
+#include "distca/runtime/exchange.h"
+#include "distca/runtime/route.h"
+#include "distca/sim/plan_request.h"
+#include "distca/sim/profile.h"
+#include "distca/sim/sim_request.h"
+
+namespace py = pybind11;
+using namespace distca;
+
+namespace {
+
+// Bad input (what the command line answers with exit 2) is ValueError; the rest RuntimeError.
+[[noreturn]] void raise(const Status& s) {
+  if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound) {
+    throw py::value_error(s.message());
+  }
+  throw std::runtime_error(s.message());
+}
+void check(const Status& s) {
+  if (!s.is_ok()) raise(s);
+}
+template <typename T>
+T take(Result<T> r) {
+  if (!r.is_ok()) raise(r.status());
+  return std::move(r).value();
+}
+
+py::array_t<int64_t> array(const std::vector<int64_t>& v) {
+  py::array_t<int64_t> a(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), a.mutable_data());
+  return a;
+}
+py::array_t<double> array(const std::vector<double>& v) {
+  py::array_t<double> a(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), a.mutable_data());
+  return a;
+}
+// rows x cols int64, row-major.
+py::array_t<int64_t> matrix(const std::vector<int64_t>& v, py::ssize_t cols) {
+  const py::ssize_t rows = cols > 0 ? static_cast<py::ssize_t>(v.size()) / cols : 0;
+  py::array_t<int64_t> a({rows, cols});
+  std::copy(v.begin(), v.end(), a.mutable_data());
+  return a;
+}
+
+std::string dump(const nlohmann::json& j) { return j.dump(); }
+
+// The plan of one policy on one batch, as distca plan makes it, with what its report needs.
+struct PyPlan {
+  plan::Batch batch;
+  sim::PlanRun run;
+  double native_ms = 0;  // the C++ side of the call: batch checks, planning, verification, layer times
+
+  const plan::Plan& plan() const { return run.runs.front().plan; }
+};
+
+PyPlan make_plan(const plan::Batch& batch, const sim::PlanRequest& request, const std::string& profile_path) {
+  const auto start = std::chrono::steady_clock::now();
+  if (request.policy == "all") {
+    throw py::value_error("distca.plan makes one plan: pick one policy (none, distca, minmax or minbytes), not all");
+  }
+  check(request.validate());
+  sim::Profile profile = profile_path.empty() ? sim::default_h200_profile() : take(sim::load_profile(profile_path));
+  sim::PlanRun run = take(sim::run_plan_request(request, batch, profile));
+  if (!run.runs.front().is_verified) {
+    throw std::runtime_error(fmt::format("internal error: {} plan fails verification: {}", request.policy,
+                                         run.runs.front().verify_error));
+  }
+  PyPlan p{batch, std::move(run)};
+  p.native_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return p;
+}
+
+py::dict traffic_dict(const plan::Traffic& t) {
+  py::dict phases;
+  for (int i = 0; i < plan::kNumPhases; ++i) {
+    const plan::PhaseTraffic& p = t.phases[i];
+    std::vector<int64_t> flows;
+    for (const plan::Flow& f : p.flows) flows.insert(flows.end(), {f.src, f.dst, f.bytes});
+    py::dict d;
+    d["flows"] = matrix(flows, 3);
+    d["total_bytes"] = p.total_bytes;
+    d["send_bytes"] = array(p.send_bytes);
+    d["recv_bytes"] = array(p.recv_bytes);
+    phases[plan::phase_name(static_cast<plan::Phase>(i))] = d;
+  }
+  return phases;
+}
+
+py::dict layout_dict(const runtime::ExchangeLayout& x) {
+  py::dict d;
+  d["rank"] = x.rank;
+  d["num_ranks"] = x.num_ranks;
+  d["num_local_rows"] = x.num_local_rows;
+  d["q_send_index"] = array(x.q_send_index);
+  d["q_send_splits"] = array(x.q_send_splits);
+  d["kv_send_index"] = array(x.kv_send_index);
+  d["kv_send_splits"] = array(x.kv_send_splits);
+  d["copy_entries"] = array(x.copy_entries);
+  d["copy_rows"] = array(x.copy_rows);
+  d["merge_entries"] = array(x.merge_entries);
+  d["merge_rows"] = array(x.merge_rows);
+  d["q_recv_splits"] = array(x.q_recv_splits);
+  d["kv_recv_splits"] = array(x.kv_recv_splits);
+  d["q_gather"] = array(x.q_gather);
+  d["kv_gather"] = array(x.kv_gather);
+  d["causal_q_rows"] = x.causal_q_rows;
+  d["causal_kv_rows"] = x.causal_kv_rows;
+  for (const auto& [name, g] : {std::pair{"causal", &x.causal}, std::pair{"noncausal", &x.noncausal}}) {
+    py::dict v;
+    v["cu_seqlens_q"] = array(g->cu_seqlens_q);
+    v["cu_seqlens_k"] = array(g->cu_seqlens_k);
+    v["max_seqlen_q"] = g->max_seqlen_q;
+    v["max_seqlen_k"] = g->max_seqlen_k;
+    d[name] = v;
+  }
+  return d;
+}
+
+plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array_t<int64_t, py::array::c_style | py::array::forcecast> pieces,
+                              int64_t tokens_per_rank) {
+  if (pieces.ndim() != 2 || pieces.shape(1) != 4) {
+    throw py::value_error("pieces must be an (n, 4) array of (doc, begin, end, rank) rows");
+  }
+  plan::Batch b;
+  b.doc_lengths = doc_lengths;
+  const int64_t* p = pieces.data();
+  int64_t max_rank = -1;
+  for (py::ssize_t i = 0; i < pieces.shape(0); ++i, p += 4) {
+    if (p[0] < 0 || p[0] >= static_cast<int64_t>(doc_lengths.size()) || p[3] < 0 || p[3] > 1'000'000) {
+      throw py::value_error(fmt::format("piece {}: doc {} must be in [0, {}) and rank {} in [0, 1000000]", i, p[0],
+                                        doc_lengths.size(), p[3]));
+    }
+    b.pieces.push_back({static_cast<int32_t>(p[0]), p[1], p[2], static_cast<int32_t>(p[3])});
+    max_rank = std::max(max_rank, p[3]);
+  }
+  b.num_ranks = static_cast<int32_t>(max_rank + 1);
+  std::vector<int64_t> held(b.num_ranks, 0);
+  for (const plan::Piece& piece : b.pieces) held[piece.rank] += piece.length();
+  b.tokens_per_rank = tokens_per_rank > 0 ? tokens_per_rank : std::max<int64_t>(1, *std::max_element(held.begin(), held.end()));
+  b.index();
+  check(b.validate());
+  return b;
+}
+
+py::dict batch_dict(const plan::Batch& b) {
+  std::vector<int64_t> pieces;
+  for (const plan::Piece& p : b.pieces) pieces.insert(pieces.end(), {p.doc, p.begin, p.end, p.rank});
+  py::dict d;
+  d["num_ranks"] = b.num_ranks;
+  d["tokens_per_rank"] = b.tokens_per_rank;
+  d["doc_lengths"] = array(b.doc_lengths);
+  d["pieces"] = matrix(pieces, 4);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_distca, m) {
+  m.doc() = "distca's native part: planners, plan verifier, exchange layouts and the cluster simulator";
+
+  py::class_<plan::Batch>(m, "Batch")
+      .def_property_readonly("num_ranks", [](const plan::Batch& b) { return b.num_ranks; })
+      .def_property_readonly("tokens_per_rank", [](const plan::Batch& b) { return b.tokens_per_rank; })
+      .def_property_readonly("num_docs", &plan::Batch::num_docs)
+      .def("to_dict", &batch_dict);
+  m.def("batch_from_json", [](const std::string& text, int64_t tokens_per_rank, const std::string& origin) {
+    return take(plan::parse_batch_json(text, tokens_per_rank, origin));
+  });
+  m.def("batch_from_file", [](const std::string& path, int64_t tokens_per_rank) {
+    const std::string text = take(read_text_file(path));
+    return take(plan::parse_batch_json(text, tokens_per_rank, path));
+  });
+  m.def("pack_documents", [](const std::vector<int64_t>& lengths, int32_t ranks, int64_t tokens_per_rank) {
+    return take(plan::pack_documents(lengths, ranks, tokens_per_rank));
+  });
+  m.def("batch_from_pieces", &batch_from_pieces);
+
+  py::class_<sim::PlanRequest>(m, "PlanRequest")
+      .def(py::init<>())
+      .def_readwrite("policy", &sim::PlanRequest::policy)
+      .def_readwrite("tolerance", &sim::PlanRequest::tolerance)
+      .def_readwrite("granularity", &sim::PlanRequest::granularity)
+      .def_readwrite("max_rank_bytes", &sim::PlanRequest::max_rank_bytes)
+      .def_readwrite("model", &sim::PlanRequest::model)
+      .def_readwrite("layers", &sim::PlanRequest::layers)
+      .def_readwrite("hidden", &sim::PlanRequest::hidden)
+      .def_readwrite("heads", &sim::PlanRequest::heads)
+      .def_readwrite("kv_heads", &sim::PlanRequest::kv_heads)
+      .def_readwrite("head_dim", &sim::PlanRequest::head_dim)
+      .def_readwrite("ffn_hidden", &sim::PlanRequest::ffn_hidden)
+      .def_readwrite("dtype_bytes", &sim::PlanRequest::dtype_bytes)
+      .def_readwrite("tp", &sim::PlanRequest::tp)
+      .def_readwrite("gpus_per_node", &sim::PlanRequest::gpus_per_node);
+
+  py::class_<PyPlan>(m, "NativePlan")
+      .def_property_readonly("policy", [](const PyPlan& p) { return p.plan().policy; })
+      .def_property_readonly("tolerance", [](const PyPlan& p) { return p.plan().tolerance; })
+      .def_property_readonly("hash", [](const PyPlan& p) { return p.plan().hash; })
+      .def_property_readonly("plan_ms", [](const PyPlan& p) { return p.run.runs.front().plan_ms; })
+      .def_property_readonly("native_ms", [](const PyPlan& p) { return p.native_ms; })
+      .def_property_readonly("note", [](const PyPlan& p) { return p.plan().note; })
+      .def_property_readonly("is_balanced", [](const PyPlan& p) { return p.plan().is_balanced; })
+      .def_property_readonly("is_guaranteed", [](const PyPlan& p) { return p.plan().is_guaranteed; })
+      .def_property_readonly("is_within_budget", [](const PyPlan& p) { return p.plan().is_within_budget; })
+      .def_property_readonly("batch", [](const PyPlan& p) { return p.batch; })
+      .def("tasks", [](const PyPlan& p) {
+        std::vector<int64_t> v;
+        v.reserve(p.plan().tasks.size() * 6);
+        for (const plan::Task& t : p.plan().tasks) v.insert(v.end(), {t.doc, t.q0, t.q1, t.k0, t.k1, t.server});
+        return matrix(v, 6);
+      })
+      .def("server_seconds", [](const PyPlan& p) { return array(p.plan().server_seconds); })
+      .def("server_pairs", [](const PyPlan& p) { return array(p.plan().server_pairs); })
+      .def("load", [](const PyPlan& p) {
+        const plan::LoadSummary& l = p.plan().load;
+        return py::dict(py::arg("max") = l.max, py::arg("mean") = l.mean, py::arg("imbalance") = l.imbalance,
+                        py::arg("pairs_imbalance") = l.pairs_imbalance);
+      })
+      .def("traffic", [](const PyPlan& p) { return traffic_dict(p.plan().traffic); })
+      .def("report_json", [](const PyPlan& p) { return dump(sim::plan_run_json(p.run, p.batch)); })
+      .def("plan_json", [](const PyPlan& p) { return dump(plan::plan_to_json(p.plan(), p.batch, p.run.cost)); })
+      .def("verify", [](const PyPlan& p) { check(plan::verify_tasks(p.batch, p.plan().tasks)); })
+      .def("layout", [](const PyPlan& p, int32_t rank) {
+        const runtime::Route route = take(runtime::build_route(p.batch, p.plan().tasks, rank));
+        return layout_dict(runtime::exchange_layout(route));
+      });
+
+  m.def("make_plan", &make_plan, py::arg("batch"), py::arg("request"), py::arg("profile_path") = "");
+
+  // A plan file (distca plan --out): its batch, model and tasks, re-verified and hash-checked.
+  m.def("load_plan_json", [](const std::string& text) {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw py::value_error(fmt::format("plan JSON: {}", e.what()));
+    }
+    plan::LoadedPlan loaded = take(plan::plan_from_json(j));
+    py::dict d;
+    d["batch"] = loaded.batch;
+    d["policy"] = loaded.plan.policy;
+    d["tolerance"] = loaded.plan.tolerance;
+    d["hash"] = loaded.plan.hash;
+    std::vector<int64_t> v;
+    for (const plan::Task& t : loaded.plan.tasks) v.insert(v.end(), {t.doc, t.q0, t.q1, t.k0, t.k1, t.server});
+    d["tasks"] = matrix(v, 6);
+    d["model"] = loaded.model.name;
+    return d;
+  });
+
+  py::class_<sim::SimRequest>(m, "SimRequest")
+      .def(py::init<>())
+      .def_readwrite("model", &sim::SimRequest::model)
+      .def_readwrite("gpus", &sim::SimRequest::gpus)
+      .def_readwrite("gpus_per_node", &sim::SimRequest::gpus_per_node)
+      .def_readwrite("tp", &sim::SimRequest::tp)
+      .def_readwrite("pp", &sim::SimRequest::pp)
+      .def_readwrite("cp", &sim::SimRequest::cp)
+      .def_readwrite("wlb_cp", &sim::SimRequest::wlb_cp)
+      .def_readwrite("context", &sim::SimRequest::context)
+      .def_readwrite("batch", &sim::SimRequest::batch)
+      .def_readwrite("workload", &sim::SimRequest::workload)
+      .def_readwrite("system", &sim::SimRequest::system)
+      .def_readwrite("seed", &sim::SimRequest::seed)
+      .def_readwrite("tolerance", &sim::SimRequest::tolerance)
+      .def_readwrite("tolerance_sweep", &sim::SimRequest::tolerance_sweep)
+      .def_readwrite("iterations", &sim::SimRequest::iterations)
+      .def_property("keep_short", [](const sim::SimRequest& r) { return r.sampling.keep_short; },
+                    [](sim::SimRequest& r, double v) { r.sampling.keep_short = v; })
+      .def_property("upsample", [](const sim::SimRequest& r) { return r.sampling.upsample; },
+                    [](sim::SimRequest& r, double v) { r.sampling.upsample = v; })
+      .def_property("elongation", [](const sim::SimRequest& r) { return r.sampling.elongation; },
+                    [](sim::SimRequest& r, double v) { r.sampling.elongation = v; })
+      .def_property("full_context_share", [](const sim::SimRequest& r) { return r.sampling.full_context_share; },
+                    [](sim::SimRequest& r, double v) { r.sampling.full_context_share = v; });
+
+  m.def("simulate_json", [](const sim::SimRequest& request, const std::string& profile_json) {
+    sim::Profile profile = sim::default_h200_profile();
+    if (!profile_json.empty()) {
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(profile_json);
+      } catch (const nlohmann::json::exception& e) {
+        throw py::value_error(fmt::format("profile: not JSON: {}", e.what()));
+      }
+      profile = take(sim::profile_from_json(j, "profile"));
+    }
+    py::gil_scoped_release release;
+    return dump(take(sim::run_simulation(request, profile)));
+  });
+
+  // Profiles as JSON text: the built-in one, one read from a file (checked), one checked.
+  m.def("default_profile_json", [] { return dump(sim::to_json(sim::default_h200_profile())); });
+  m.def("load_profile_json", [](const std::string& path) { return dump(sim::to_json(take(sim::load_profile(path)))); });
+  m.def("check_profile_json", [](const std::string& text, const std::string& origin) {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw py::value_error(fmt::format("{}: not JSON: {}", origin, e.what()));
+    }
+    return dump(sim::to_json(take(sim::profile_from_json(j, origin))));
+  });
+  m.def("write_file_atomic", [](const std::string& path, const std::string& text) { check(write_file_atomic(path, text)); });
+  m.def("planner_names", &plan::planner_names);
+  m.def("model_preset_names", &plan::model_preset_names);
+  m.def("system_names", &sim::system_names);
+}
