@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -66,28 +67,36 @@ py::array_t<int64_t> matrix(const std::vector<int64_t>& v, py::ssize_t cols) {
 
 std::string dump(const nlohmann::json& j) { return j.dump(); }
 
-// The plan of one policy on one batch, as distca plan makes it, with what its report needs.
+// The plan of one policy on one batch, as distca plan makes it. The report's extras (the
+// colocated baseline, verification, layer times) are computed when first asked for, so that a
+// training loop that plans every step pays for the planner alone.
 struct PyPlan {
-  plan::Batch batch;
+  std::shared_ptr<const plan::Batch> batch;
+  sim::Profile profile;
   sim::PlanRun run;
-  double native_ms = 0;  // the C++ side of the call: batch checks, planning, verification, layer times
+  bool is_complete = false;
+  double native_ms = 0;  // the C++ side of the call: checks, cost model, link, planning
 
   const plan::Plan& plan() const { return run.runs.front().plan; }
+  const sim::PlanRun& complete() {
+    if (!is_complete) {
+      sim::complete_plan_run(run, *batch, profile);
+      is_complete = true;
+    }
+    return run;
+  }
 };
 
-PyPlan make_plan(const plan::Batch& batch, const sim::PlanRequest& request, const std::string& profile_path) {
+PyPlan make_plan(std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& request, const std::string& profile_path) {
   const auto start = std::chrono::steady_clock::now();
   if (request.policy == "all") {
     throw py::value_error("distca.plan makes one plan: pick one policy (none, distca, minmax or minbytes), not all");
   }
   check(request.validate());
   sim::Profile profile = profile_path.empty() ? sim::default_h200_profile() : take(sim::load_profile(profile_path));
-  sim::PlanRun run = take(sim::run_plan_request(request, batch, profile));
-  if (!run.runs.front().is_verified) {
-    throw std::runtime_error(fmt::format("internal error: {} plan fails verification: {}", request.policy,
-                                         run.runs.front().verify_error));
-  }
-  PyPlan p{batch, std::move(run)};
+  sim::PlanRun run = take(sim::prepare_plan_run(request, *batch, profile));
+  run.runs.push_back(sim::plan_policy(run, *batch, take(plan::find_planner(request.policy))));
+  PyPlan p{std::move(batch), std::move(profile), std::move(run)};
   p.native_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return p;
 }
@@ -180,7 +189,7 @@ py::dict batch_dict(const plan::Batch& b) {
 PYBIND11_MODULE(_distca, m) {
   m.doc() = "distca's native part: planners, plan verifier, exchange layouts and the cluster simulator";
 
-  py::class_<plan::Batch>(m, "Batch")
+  py::class_<plan::Batch, std::shared_ptr<plan::Batch>>(m, "Batch")
       .def_property_readonly("num_ranks", [](const plan::Batch& b) { return b.num_ranks; })
       .def_property_readonly("tokens_per_rank", [](const plan::Batch& b) { return b.tokens_per_rank; })
       .def_property_readonly("num_docs", &plan::Batch::num_docs)
@@ -224,7 +233,7 @@ PYBIND11_MODULE(_distca, m) {
       .def_property_readonly("is_balanced", [](const PyPlan& p) { return p.plan().is_balanced; })
       .def_property_readonly("is_guaranteed", [](const PyPlan& p) { return p.plan().is_guaranteed; })
       .def_property_readonly("is_within_budget", [](const PyPlan& p) { return p.plan().is_within_budget; })
-      .def_property_readonly("batch", [](const PyPlan& p) { return p.batch; })
+      .def_property_readonly("batch", [](const PyPlan& p) { return std::const_pointer_cast<plan::Batch>(p.batch); })
       .def("tasks", [](const PyPlan& p) {
         std::vector<int64_t> v;
         v.reserve(p.plan().tasks.size() * 6);
@@ -239,11 +248,11 @@ PYBIND11_MODULE(_distca, m) {
                         py::arg("pairs_imbalance") = l.pairs_imbalance);
       })
       .def("traffic", [](const PyPlan& p) { return traffic_dict(p.plan().traffic); })
-      .def("report_json", [](const PyPlan& p) { return dump(sim::plan_run_json(p.run, p.batch)); })
-      .def("plan_json", [](const PyPlan& p) { return dump(plan::plan_to_json(p.plan(), p.batch, p.run.cost)); })
-      .def("verify", [](const PyPlan& p) { check(plan::verify_tasks(p.batch, p.plan().tasks)); })
+      .def("report_json", [](PyPlan& p) { return dump(sim::plan_run_json(p.complete(), *p.batch)); })
+      .def("plan_json", [](const PyPlan& p) { return dump(plan::plan_to_json(p.plan(), *p.batch, p.run.cost)); })
+      .def("verify", [](const PyPlan& p) { check(plan::verify_tasks(*p.batch, p.plan().tasks)); })
       .def("layout", [](const PyPlan& p, int32_t rank) {
-        const runtime::Route route = take(runtime::build_route(p.batch, p.plan().tasks, rank));
+        const runtime::Route route = take(runtime::build_route(*p.batch, p.plan().tasks, rank));
         return layout_dict(runtime::exchange_layout(route));
       });
 

@@ -262,7 +262,9 @@ class Plan:
 
     @property
     def native_ms(self) -> float:
-        """All of the call's C++ work: checks, baseline, planning, verification, layer times."""
+        """All of the call's C++ work, measured in C++: the checks, cost model, link and budget,
+        and the planner. The report's extras (the colocated baseline, verification, per-layer
+        times) are computed when report() is first called, not here."""
         return self._native.native_ms
 
     def report(self) -> dict:

@@ -107,20 +107,6 @@ Result<AutoBudget> auto_byte_budget(const Batch& batch, const ModelShape& model,
   return b;
 }
 
-PolicyRun run_policy(PlanFn fn, const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
-  Result<Plan> plan = fn(batch, cost, options);
-  const auto stop = std::chrono::steady_clock::now();
-  DISTCA_CHECK(plan.is_ok()) << plan.status().to_string();  // inputs were validated
-  PolicyRun run;
-  run.plan = std::move(plan).value();
-  run.plan_ms = std::chrono::duration<double, std::milli>(stop - start).count();
-  Status verified = verify_tasks(batch, run.plan.tasks);
-  run.is_verified = verified.is_ok();
-  run.verify_error = verified.message();
-  return run;
-}
-
 }  // namespace
 
 Status PlanRequest::validate() const {
@@ -209,7 +195,7 @@ Result<ModelShape> PlanRequest::model_shape() const {
   return m;
 }
 
-Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch, const Profile& profile) {
+Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch, const Profile& profile) {
   DISTCA_RETURN_IF_ERROR(request.validate());
   DISTCA_ASSIGN_OR_RETURN(const ModelShape model, request.model_shape());
   DISTCA_RETURN_IF_ERROR(batch.validate());
@@ -219,18 +205,45 @@ Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch,
     DISTCA_ASSIGN_OR_RETURN(run.auto_budget, auto_byte_budget(batch, model, profile, run.link.link));
   }
   run.budget = run.auto_budget ? run.auto_budget->bytes : parse_byte_budget(request.max_rank_bytes.value_or("0")).value();
+  run.tolerance = request.tolerance;
   run.granularity = request.granularity_or_default();
   run.gpus_per_node = request.gpus_per_node;
   run.profile_name = profile.name;
-  const PlannerOptions options{request.tolerance, run.granularity, run.budget};
+  return run;
+}
+
+PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner) {
+  const PlannerOptions options{run.tolerance, run.granularity, run.budget};
+  const auto start = std::chrono::steady_clock::now();
+  Result<Plan> plan = planner(batch, run.cost, options);
+  const auto stop = std::chrono::steady_clock::now();
+  DISTCA_CHECK(plan.is_ok()) << plan.status().to_string();  // inputs were validated
+  PolicyRun p;
+  p.plan = std::move(plan).value();
+  p.plan_ms = std::chrono::duration<double, std::milli>(stop - start).count();
+  return p;
+}
+
+void complete_plan_run(PlanRun& run, const Batch& batch, const Profile& profile) {
+  run.before = plan_policy(run, batch, plan_none);
+  std::vector<PolicyRun*> all = {&run.before};
+  for (PolicyRun& p : run.runs) all.push_back(&p);
+  for (PolicyRun* p : all) {
+    const Status verified = verify_tasks(batch, p->plan.tasks);
+    p->is_verified = verified.is_ok();
+    p->verify_error = verified.message();
+    p->time = layer_time(p->plan, batch, run.cost.model(), profile, run.link.link);
+  }
+}
+
+Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch, const Profile& profile) {
+  DISTCA_ASSIGN_OR_RETURN(PlanRun run, prepare_plan_run(request, batch, profile));
   const std::vector<std::string> policies =
       request.policy == "all" ? planner_names() : std::vector<std::string>{request.policy};
-  run.before = run_policy(plan_none, batch, run.cost, options);
-  run.before.time = layer_time(run.before.plan, batch, model, profile, run.link.link);
   for (const std::string& name : policies) {
-    run.runs.push_back(run_policy(find_planner(name).value(), batch, run.cost, options));
-    run.runs.back().time = layer_time(run.runs.back().plan, batch, model, profile, run.link.link);
+    run.runs.push_back(plan_policy(run, batch, find_planner(name).value()));
   }
+  complete_plan_run(run, batch, profile);
   return run;
 }
 

@@ -84,6 +84,7 @@ struct PlanRun {
   LinkChoice link;
   std::optional<AutoBudget> auto_budget;
   int64_t budget = 0;
+  double tolerance = 0;
   int64_t granularity = 0;
   int gpus_per_node = 0;
   std::string profile_name;
@@ -92,8 +93,15 @@ struct PlanRun {
 };
 
 // Plans `batch` with every asked policy. Bad input (the request, the batch, a budget the link
-// cannot give) is an invalid_argument error, found before any planning.
+// cannot give) is an invalid_argument error, found before any planning. In three steps, for a
+// caller that wants the plan first and the report later (the Python package):
+//   prepare_plan_run  the checks, the cost model, the link and the byte budget; no planning
+//   plan_policy       one policy's plan; plan_ms times the planner alone
+//   complete_plan_run the baseline (none), every plan's verification and layer time
 Result<PlanRun> run_plan_request(const PlanRequest& request, const plan::Batch& batch, const Profile& profile);
+Result<PlanRun> prepare_plan_run(const PlanRequest& request, const plan::Batch& batch, const Profile& profile);
+PolicyRun plan_policy(const PlanRun& run, const plan::Batch& batch, plan::PlanFn planner);
+void complete_plan_run(PlanRun& run, const plan::Batch& batch, const Profile& profile);
 
 // The report `distca plan --json` prints (without the workload and seed it adds): one policy's
 // object, or {"policies": [...]} with several.
