@@ -11,6 +11,9 @@ packages=(
   libbenchmark-dev                   # benchmarks
   libopenblas-dev                    # BLAS: the sgemm ceiling and GEMM-attention baseline, linear layers
   openmpi-bin libopenmpi-dev         # MpiComm: multi-rank runs under mpirun
+  python3-venv python3-dev           # the Python package: its virtual environment and headers
+  python3-numpy python3-pytest       # the package's arrays and its test suite
+  python3-torch                      # the PyTorch example (torch.distributed with gloo, CPU)
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Quick start (2): installs dependencies, builds, and runs the whole test suite.
+# Quick start (2): installs dependencies, builds, installs the Python package, and runs the whole
+# test suite: ctest (C++) and pytest (the Python package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh
+scripts/install-python.sh
 ctest --test-dir build --output-on-failure -j "$(nproc)"
+# The Python package's tests (pytest), after the C++ suite: they compare with the distca binary.
+.venv/bin/python -m pytest -q -p no:cacheprovider python/tests
