@@ -200,7 +200,12 @@ Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& or
       }
     }
   } catch (const nlohmann::json::exception& e) {
-    return invalid_argument(fmt::format("{}: bad profile ({})", origin, e.what()));
+    // nlohmann's text after its "[json.exception.kind.id] " tag: "key 'inter_node' not found".
+    const std::string what = e.what();
+    const size_t tag = what.rfind("] ");
+    return invalid_argument(fmt::format("{}: bad profile: {} (a profile is what `distca profile` writes: format, "
+                                        "version, name, attention, linear_flops_per_second, intra_node, inter_node)",
+                                        origin, tag == std::string::npos ? what : what.substr(tag + 2)));
   }
   if (Status s = p.validate(); !s.is_ok()) return invalid_argument(fmt::format("{}: {}", origin, s.message()));
   return p;
