@@ -187,8 +187,8 @@ class RankLayout:
 
 
 def _layout(d: dict) -> RankLayout:
-    groups = {name: VarlenGroup(**d.pop(name)) for name in ("causal", "noncausal")}
-    return RankLayout(**d, **groups)
+    causal, noncausal = VarlenGroup(**d.pop("causal")), VarlenGroup(**d.pop("noncausal"))
+    return RankLayout(causal=causal, noncausal=noncausal, **d)
 
 
 class Plan:
