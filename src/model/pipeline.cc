@@ -88,6 +88,9 @@ class PipelineTrainer::PooledAttention final : public AttentionBackend<float> {
   std::string name() const override { return "cad"; }
   Status begin_step(const plan::Batch&) override { return Status::ok(); }
   void set(runtime::Dispatcher* d) { d_ = d; }
+  // The most the server buffers and a tick's exchange buffers held at once since reset_peak().
+  int64_t peak_bytes() const { return peak_bytes_; }
+  void reset_peak() { peak_bytes_ = current_bytes(); }
   Status forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) override {
     return run(layer - first_, false, {q, k, v, o, lse}, {});
   }
@@ -118,8 +121,18 @@ class PipelineTrainer::PooledAttention final : public AttentionBackend<float> {
     DISTCA_RETURN_IF_ERROR(d_->start_return());
     DISTCA_RETURN_IF_ERROR(d_->finish_comm());
     times.comm += since(t);
+    peak_bytes_ = std::max(peak_bytes_, current_bytes());
     return Status::ok();
   }
+  int64_t current_bytes() const {
+    int64_t floats = 0;
+    for (const auto* v : {&server_.q, &server_.k, &server_.v, &server_.o, &server_.lse, &server_.d_o, &server_.dq,
+                          &server_.dk, &server_.dv}) {
+      floats += static_cast<int64_t>(v->capacity());
+    }
+    return floats * static_cast<int64_t>(sizeof(float)) + (d_ ? d_->exchange_bytes() : 0);
+  }
+  int64_t peak_bytes_ = 0;
   int64_t first_, layers_;
   runtime::ServerBuffers server_;
   runtime::Dispatcher* d_ = nullptr;
@@ -187,6 +200,9 @@ Status PipelineTrainer::send(const float* data, int64_t count, int peer, int tag
   pending->data.assign(data, data + count);
   DISTCA_ASSIGN_OR_RETURN(pending->work, pp_group_->send_async(pending->data.data(), count * static_cast<int64_t>(sizeof(float)), peer, tag));
   sends_.push_back(std::move(pending));
+  int64_t held = 0;
+  for (const auto& p : sends_) held += static_cast<int64_t>(p->data.capacity() * sizeof(float));
+  sends_peak_bytes_ = std::max(sends_peak_bytes_, held);
   // Delivered messages free their copies.
   std::erase_if(sends_, [](const std::unique_ptr<Pending>& p) {
     auto done = p->work->test();
@@ -306,6 +322,8 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   for (const StepData& data : mbs) last_batches_.push_back(data.batch);
   last_ticks_.clear();
   acc_.assign(static_cast<size_t>(own_end_ - own_begin_), 0.0f);
+  sends_peak_bytes_ = 0;
+  if (pooled_) pooled_->reset_peak();
   double loss_sum = 0;
   for (const auto& tick : schedule_.ticks) {
     const auto t0 = Clock::now();
@@ -342,13 +360,27 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   me.optimizer += since(t);
   me.step = since(begin);
   me.other = me.step - me.linear - me.attention - me.comm - me.pipeline_wait - me.idle - me.optimizer;
-  // Every rank's numbers, one row each.
-  enum Col { kStep, kLinear, kAttention, kComm, kPipe, kIdle, kOpt, kOther, kServed, kLoss, kCols };
+  constexpr int64_t f = sizeof(float);
+  me.memory_states = 4 * state_.params.size() * f + static_cast<int64_t>(acc_.capacity()) * f;
+  for (const auto& s : slots_) {
+    me.memory_activations += s->model->allocated_bytes() + static_cast<int64_t>(s->x_in.capacity() + s->dx_in.capacity()) * f;
+    if (s->attention) me.memory_attention += s->attention->buffer_bytes();
+  }
+  if (pooled_) me.memory_attention += pooled_->peak_bytes();
+  me.memory_messages = sends_peak_bytes_;
+  // Every rank's numbers, one row each; a byte count travels as two floats of 24 bits each, so
+  // it arrives exact.
+  enum Col { kStep, kLinear, kAttention, kComm, kPipe, kIdle, kOpt, kOther, kServed, kLoss, kMem, kCols = kMem + 8 };
   const int R = world_.size();
   std::vector<float> all(static_cast<size_t>(kCols * R), 0.0f);
-  const double row[kCols] = {me.step, me.linear, me.attention, me.comm, me.pipeline_wait, me.idle, me.optimizer, me.other,
-                             me.served_in_idle, loss_sum};
-  for (int i = 0; i < kCols; ++i) all[world_.rank() * kCols + i] = static_cast<float>(row[i]);
+  const double row[kMem] = {me.step, me.linear, me.attention, me.comm, me.pipeline_wait, me.idle, me.optimizer, me.other,
+                            me.served_in_idle, loss_sum};
+  for (int i = 0; i < kMem; ++i) all[world_.rank() * kCols + i] = static_cast<float>(row[i]);
+  const int64_t memory[4] = {me.memory_states, me.memory_activations, me.memory_attention, me.memory_messages};
+  for (int i = 0; i < 4; ++i) {
+    all[world_.rank() * kCols + kMem + 2 * i] = static_cast<float>(memory[i] >> 24);
+    all[world_.rank() * kCols + kMem + 2 * i + 1] = static_cast<float>(memory[i] & ((int64_t{1} << 24) - 1));
+  }
   DISTCA_RETURN_IF_ERROR(world_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   PipelineStepRecord rec;
   rec.step = ++step_;
@@ -360,6 +392,15 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
     auto at = [&](int c) { return static_cast<double>(all[r * kCols + c]); };
     PipelineStepRecord::Rank x{at(kStep), at(kLinear), at(kAttention), at(kComm), at(kPipe), at(kIdle), at(kOpt), 0, at(kServed)};
     x.other = x.step - x.linear - x.attention - x.comm - x.pipeline_wait - x.idle - x.optimizer;
+    auto bytes = [&](int i) {
+      return (static_cast<int64_t>(all[r * kCols + kMem + 2 * i]) << 24) + static_cast<int64_t>(all[r * kCols + kMem + 2 * i + 1]);
+    };
+    x.memory_states = bytes(0);
+    x.memory_activations = bytes(1);
+    x.memory_attention = bytes(2);
+    x.memory_messages = bytes(3);
+    rec.memory_max_bytes = std::max(rec.memory_max_bytes, x.memory());
+    rec.memory_mean_bytes += static_cast<double>(x.memory()) / R;
     rec.ranks.push_back(x);
     rec.step_seconds = std::max(rec.step_seconds, x.step);
     loss += at(kLoss);
@@ -380,7 +421,10 @@ nlohmann::json PipelineStepRecord::to_json() const {
                   {"attention_seconds", r.attention}, {"comm_seconds", r.comm},
                   {"pipeline_wait_seconds", r.pipeline_wait}, {"idle_seconds", r.idle},
                   {"optimizer_seconds", r.optimizer}, {"other_seconds", r.other},
-                  {"served_in_idle_seconds", r.served_in_idle}});
+                  {"served_in_idle_seconds", r.served_in_idle},
+                  {"memory_states_bytes", r.memory_states}, {"memory_activations_bytes", r.memory_activations},
+                  {"memory_attention_bytes", r.memory_attention}, {"memory_messages_bytes", r.memory_messages},
+                  {"memory_bytes", r.memory()}});
   }
   return {{"step", step},
           {"schedule", schedule},
@@ -390,6 +434,8 @@ nlohmann::json PipelineStepRecord::to_json() const {
           {"step_seconds", step_seconds},
           {"tokens_per_second", tokens_per_second},
           {"attention_imbalance", attention_imbalance},
+          {"memory_max_bytes", memory_max_bytes},
+          {"memory_mean_bytes", memory_mean_bytes},
           {"ranks", rs}};
 }
 

@@ -317,13 +317,33 @@ void print_summary(const nlohmann::json& s) {
 
 // --pp P: pipeline-parallel training (model::PipelineTrainer), one trainer per schedule
 // (colocated 1F1B, cad lockstep), interleaved step by step with --compare.
-nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& records, int64_t skip) {
+nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& records, int64_t skip, int pp) {
   std::map<std::string, std::vector<const model::PipelineStepRecord*>> by;
   for (const auto& r : records) by[r.schedule].push_back(&r);
   nlohmann::json out = {{"schedules", nlohmann::json::object()}};
   for (const auto& [name, rs] : by) {
     const size_t first = std::min<size_t>(static_cast<size_t>(skip), rs.size() - 1);
     double step = 0, wait = 0, served = 0, imbalance = 0, attention = 0;
+    // The peak over the run of the fullest rank's memory, and the largest max / mean over ranks.
+    // Within a stage (its DP replicas hold the same layers and the same number of micro-batches
+    // in flight), the largest max / mean: what the attention layout decides; across stages the
+    // schedule's in-flight micro-batches differ (stage s of 1F1B holds up to P - s).
+    int64_t peak_memory = 0;
+    double memory_ratio = 1, stage_ratio = 1;
+    for (const model::PipelineStepRecord* r : rs) {
+      peak_memory = std::max(peak_memory, r->memory_max_bytes);
+      if (r->memory_mean_bytes > 0) memory_ratio = std::max(memory_ratio, static_cast<double>(r->memory_max_bytes) / r->memory_mean_bytes);
+      const size_t dp = r->ranks.size() / static_cast<size_t>(pp);
+      for (size_t first = 0; first + dp <= r->ranks.size(); first += dp) {
+        int64_t most = 0;
+        double sum = 0;
+        for (size_t k = first; k < first + dp; ++k) {
+          most = std::max(most, r->ranks[k].memory());
+          sum += static_cast<double>(r->ranks[k].memory());
+        }
+        if (sum > 0) stage_ratio = std::max(stage_ratio, static_cast<double>(most) / (sum / static_cast<double>(dp)));
+      }
+    }
     for (size_t i = first; i < rs.size(); ++i) {
       const model::PipelineStepRecord& r = *rs[i];
       step += r.step_seconds;
@@ -347,6 +367,9 @@ nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& re
                               {"served_in_idle_share_of_attention", attention > 0 ? served / attention : 0.0},
                               {"loss_first", rs.front()->loss},
                               {"loss_last", rs.back()->loss},
+                              {"memory_max_bytes", peak_memory},
+                              {"memory_max_over_mean", memory_ratio},
+                              {"memory_max_over_mean_within_stage", stage_ratio},
                               {"timed_steps", rs.size() - first},
                               {"first_timed_step", rs[first]->step}};
   }
@@ -448,7 +471,7 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
       }
     }
     if (!is_root) return Status::ok();
-    const nlohmann::json summary = pipeline_summary(records, a.skip);
+    const nlohmann::json summary = pipeline_summary(records, a.skip, a.pp);
     fmt::print("\n{:<10} {:>9} {:>14} {:>10} {:>16}  {}\n", "schedule", "step (s)", "wait+bubble", "imbalance",
                "served in idle", "loss first -> last step");
     for (const std::string& name : schedules) {
@@ -463,6 +486,17 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
                "pipe + idle time, and its share of the step; served in idle: attention seconds (and share of all "
                "attention) computed by ranks in ticks without a micro-batch of their own, all ranks\n",
                summary["schedules"][schedules[0]]["first_timed_step"].get<int64_t>(), o.steps);
+    std::vector<std::string> memory;
+    for (const std::string& name : schedules) {
+      const nlohmann::json& s = summary["schedules"][name];
+      memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f}, within a stage {:.3f})", name,
+                                   s["memory_max_bytes"].get<double>() / (1 << 20), s["memory_max_over_mean"].get<double>(),
+                                   s["memory_max_over_mean_within_stage"].get<double>()));
+    }
+    fmt::print("memory per rank, the fullest rank's peak (parameters, gradients, AdamW moments and the gradient "
+               "accumulator, micro-batch workspaces, attention buffers, stage messages in flight): {}; across stages the "
+               "schedule decides (a stage holds as many workspaces as it has micro-batches in flight)\n",
+               fmt::join(memory, "; "));
     if (!summary["speedup"].is_null()) {
       fmt::print("speedup of CAD over colocated 1F1B (same run, same data): {:.2f}x; largest relative loss difference: "
                  "{:.2e}\n", summary["speedup"].get<double>(), summary["loss_max_rel_diff"].get<double>());

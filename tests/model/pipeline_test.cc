@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "distca/comm/local_comm.h"
+#include "distca/runtime/pipeline_schedule.h"
 #include "pipeline_util.h"
 
 namespace distca::model {
@@ -78,6 +79,51 @@ TEST(Pipeline, EveryLayoutAndScheduleReproducesTheOneRankCurveAndGradients) {
         expect_same(train(pp * dp, options(pp, M, "cad", policy, T, kSteps, layers)), one, where + ", cad " + policy);
       }
     }
+  }
+}
+
+// Memory per rank: the parts add up, the record's max and mean are over the ranks, the states and
+// workspaces are what the stage holds (as many workspaces as its peak of micro-batches in flight
+// in the schedule), and CAD's pooled attention buffers are counted on every rank.
+TEST(Pipeline, MemoryPerRankIsWhatTheStageHoldsAndAddsUp) {
+  constexpr int64_t T = 64;
+  for (const char* schedule : {"colocated", "cad"}) {
+    const PipelineOptions o = options(2, 3, schedule, "minbytes", T, 2, 4);
+    std::vector<PipelineStepRecord> records(4);
+    auto statuses = comm::LocalWorld::run(4, [&](comm::Communicator& c) -> Status {
+      DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(c, o));
+      DISTCA_RETURN_IF_ERROR(t->step().status());
+      DISTCA_ASSIGN_OR_RETURN(records[c.rank()], t->step());
+      return Status::ok();
+    }, std::chrono::seconds(60));
+    for (const Status& st : statuses) ASSERT_TRUE(st.is_ok()) << st.message();
+    const PipelineStepRecord& r = records[0];
+    ASSERT_EQ(r.ranks.size(), 4u);
+    const auto sched = runtime::pipeline_schedule(schedule, 2, 3).value();
+    int64_t most = 0;
+    double mean = 0;
+    for (int w = 0; w < 4; ++w) {
+      SCOPED_TRACE(fmt::format("{} rank {}", schedule, w));
+      const PipelineStepRecord::Rank& x = r.ranks[w];
+      EXPECT_EQ(records[w].ranks[w].memory(), x.memory());  // every rank reports the same table
+      EXPECT_EQ(x.memory(), x.memory_states + x.memory_activations + x.memory_attention + x.memory_messages);
+      const int stage = w / 2;
+      int held = 0, peak = 0;
+      for (const auto& tick : sched.ticks) {
+        held += tick[stage].op == runtime::PipeOp::kForward ? 1 : tick[stage].op == runtime::PipeOp::kBackward ? -1 : 0;
+        peak = std::max(peak, held);
+      }
+      const int64_t workspace = Model<float>::workspace_bytes(o.train.model, T, {stage * 2, 2}) +
+                                2 * T * o.train.model.d_model * static_cast<int64_t>(sizeof(float));
+      EXPECT_EQ(x.memory_activations, peak * workspace);
+      EXPECT_EQ(x.memory_states, r.ranks[stage * 2].memory_states);  // the same within a stage
+      EXPECT_GT(x.memory_attention, 0);
+      EXPECT_GT(x.memory_messages, 0);
+      most = std::max(most, x.memory());
+      mean += static_cast<double>(x.memory()) / 4;
+    }
+    EXPECT_EQ(r.memory_max_bytes, most);
+    EXPECT_NEAR(r.memory_mean_bytes, mean, 1e-6 * mean);
   }
 }
 

@@ -55,10 +55,19 @@ struct PipelineStepRecord {
     double optimizer = 0;
     double other = 0;          // the rest (planning, packing, bookkeeping)
     double served_in_idle = 0; // attention seconds served in ticks without a micro-batch of its own (cad; inside attention)
+    // Memory at the step's peak, bytes (buffers only grow within a step): parameters, gradients
+    // and AdamW moments as held (every rank holds the whole model's) and the stage's gradient
+    // accumulator; the micro-batch workspaces (activations and the stage messages they receive);
+    // attention buffers (cad: the pooled server's buffers and the tick's exchange buffers at
+    // their largest; colocated: each workspace's); copies of stage messages still in flight.
+    int64_t memory_states = 0, memory_activations = 0, memory_attention = 0, memory_messages = 0;
+    int64_t memory() const { return memory_states + memory_activations + memory_attention + memory_messages; }
   };
   std::vector<Rank> ranks;     // (world)
   double attention_imbalance = 0;  // max / mean over all ranks of attention seconds
   int64_t attention_bytes = 0;     // sent by the attention exchanges, all ranks
+  int64_t memory_max_bytes = 0;    // the fullest rank's Rank::memory()
+  double memory_mean_bytes = 0;    // the mean over ranks
   nlohmann::json to_json() const;
 };
 
@@ -113,6 +122,7 @@ class PipelineTrainer {
   std::vector<std::unique_ptr<Slot>> slots_;  // workspaces: micro-batch m uses slots_[m % size]
   std::unique_ptr<PooledAttention> pooled_;
   std::vector<std::unique_ptr<Pending>> sends_;  // messages in flight, with their copies
+  int64_t sends_peak_bytes_ = 0;                 // the most their copies held at once this step
   std::vector<plan::Batch> last_batches_;
   std::vector<TickPlan> last_ticks_;
   int64_t step_ = 0;
