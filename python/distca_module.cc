@@ -67,6 +67,15 @@ py::array_t<int64_t> matrix(const std::vector<int64_t>& v, py::ssize_t cols) {
 
 std::string dump(const nlohmann::json& j) { return j.dump(); }
 
+// JSON text, or ValueError naming what it was meant to be.
+nlohmann::json parse_json(const std::string& text, const std::string& what) {
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw py::value_error(fmt::format("{}: not JSON: {}", what, e.what()));
+  }
+}
+
 // The plan of one policy on one batch, as distca plan makes it. The report's extras (the
 // colocated baseline, verification, layer times) are computed when first asked for, so that a
 // training loop that plans every step pays for the planner alone.
@@ -260,13 +269,7 @@ PYBIND11_MODULE(_distca, m) {
 
   // A plan file (distca plan --out): its batch, model and tasks, re-verified and hash-checked.
   m.def("load_plan_json", [](const std::string& text) {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      throw py::value_error(fmt::format("plan JSON: {}", e.what()));
-    }
-    plan::LoadedPlan loaded = take(plan::plan_from_json(j));
+    plan::LoadedPlan loaded = take(plan::plan_from_json(parse_json(text, "plan")));
     py::dict d;
     d["batch"] = loaded.batch;
     d["policy"] = loaded.plan.policy;
@@ -307,15 +310,7 @@ PYBIND11_MODULE(_distca, m) {
 
   m.def("simulate_json", [](const sim::SimRequest& request, const std::string& profile_json) {
     sim::Profile profile = sim::default_h200_profile();
-    if (!profile_json.empty()) {
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(profile_json);
-      } catch (const nlohmann::json::exception& e) {
-        throw py::value_error(fmt::format("profile: not JSON: {}", e.what()));
-      }
-      profile = take(sim::profile_from_json(j, "profile"));
-    }
+    if (!profile_json.empty()) profile = take(sim::profile_from_json(parse_json(profile_json, "profile"), "profile"));
     py::gil_scoped_release release;
     return dump(take(sim::run_simulation(request, profile)));
   });
@@ -324,13 +319,7 @@ PYBIND11_MODULE(_distca, m) {
   m.def("default_profile_json", [] { return dump(sim::to_json(sim::default_h200_profile())); });
   m.def("load_profile_json", [](const std::string& path) { return dump(sim::to_json(take(sim::load_profile(path)))); });
   m.def("check_profile_json", [](const std::string& text, const std::string& origin) {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      throw py::value_error(fmt::format("{}: not JSON: {}", origin, e.what()));
-    }
-    return dump(sim::to_json(take(sim::profile_from_json(j, origin))));
+    return dump(sim::to_json(take(sim::profile_from_json(parse_json(text, origin), origin))));
   });
   m.def("write_file_atomic", [](const std::string& path, const std::string& text) { check(write_file_atomic(path, text)); });
   m.def("planner_names", &plan::planner_names);

@@ -22,14 +22,21 @@ TOLERANCE = 1e-10
 
 # ----- the reference: whole documents -----------------------------------------------------------
 
-def attention(q, k, v, causal):
-    """q [Lq, HQ, D], k/v [Lk, HKV, D]; causal: bottom-right aligned. Returns o, lse, p."""
+def scores(q, k, v, causal):
+    """Scaled scores [HQ, Lq, Lk] (masked: -inf; causal is bottom-right aligned) and K, V with
+    their heads repeated for GQA."""
     kk, vv = np.repeat(k, GROUP, axis=1), np.repeat(v, GROUP, axis=1)
     s = np.einsum("qhd,khd->hqk", q, kk) * SCALE
     if causal:
         lq, lk = q.shape[0], k.shape[0]
         mask = np.arange(lk)[None, :] > (lk - lq + np.arange(lq))[:, None]
         s = np.where(mask[None], -np.inf, s)
+    return s, kk, vv
+
+
+def attention(q, k, v, causal):
+    """q [Lq, HQ, D], k/v [Lk, HKV, D]. Returns o, lse, p."""
+    s, _, vv = scores(q, k, v, causal)
     m = s.max(axis=2, keepdims=True)
     lse = (m + np.log(np.exp(s - m).sum(axis=2, keepdims=True)))[..., 0]  # [H, Lq]
     p = np.exp(s - lse[..., None])
@@ -40,12 +47,7 @@ def attention_backward(q, k, v, o, lse, d_o, causal):
     """Gradients of one task given the final (merged) O and LSE of its rows: the softmax of a
     key-split row is over all its keys, so P = exp(S - lse) and D = rowsum(dO * O) use the merged
     ones."""
-    kk, vv = np.repeat(k, GROUP, axis=1), np.repeat(v, GROUP, axis=1)
-    s = np.einsum("qhd,khd->hqk", q, kk) * SCALE
-    if causal:
-        lq, lk = q.shape[0], k.shape[0]
-        mask = np.arange(lk)[None, :] > (lk - lq + np.arange(lq))[:, None]
-        s = np.where(mask[None], -np.inf, s)
+    s, kk, vv = scores(q, k, v, causal)
     p = np.exp(s - lse.T[..., None])
     dp = np.einsum("qhd,khd->hqk", d_o, vv)
     delta = np.einsum("qhd,qhd->hq", d_o, o)[..., None]
