@@ -67,6 +67,14 @@ py::array_t<int64_t> matrix(const std::vector<int64_t>& v, py::ssize_t cols) {
 
 std::string dump(const nlohmann::json& j) { return j.dump(); }
 
+// (tasks, 6): doc, q0, q1, k0, k1, server.
+py::array_t<int64_t> task_matrix(const std::vector<plan::Task>& tasks) {
+  std::vector<int64_t> v;
+  v.reserve(tasks.size() * 6);
+  for (const plan::Task& t : tasks) v.insert(v.end(), {t.doc, t.q0, t.q1, t.k0, t.k1, t.server});
+  return matrix(v, 6);
+}
+
 // JSON text, or ValueError naming what it was meant to be.
 nlohmann::json parse_json(const std::string& text, const std::string& what) {
   try {
@@ -243,12 +251,7 @@ PYBIND11_MODULE(_distca, m) {
       .def_property_readonly("is_guaranteed", [](const PyPlan& p) { return p.plan().is_guaranteed; })
       .def_property_readonly("is_within_budget", [](const PyPlan& p) { return p.plan().is_within_budget; })
       .def_property_readonly("batch", [](const PyPlan& p) { return std::const_pointer_cast<plan::Batch>(p.batch); })
-      .def("tasks", [](const PyPlan& p) {
-        std::vector<int64_t> v;
-        v.reserve(p.plan().tasks.size() * 6);
-        for (const plan::Task& t : p.plan().tasks) v.insert(v.end(), {t.doc, t.q0, t.q1, t.k0, t.k1, t.server});
-        return matrix(v, 6);
-      })
+      .def("tasks", [](const PyPlan& p) { return task_matrix(p.plan().tasks); })
       .def("server_seconds", [](const PyPlan& p) { return array(p.plan().server_seconds); })
       .def("server_pairs", [](const PyPlan& p) { return array(p.plan().server_pairs); })
       .def("load", [](const PyPlan& p) {
@@ -275,9 +278,7 @@ PYBIND11_MODULE(_distca, m) {
     d["policy"] = loaded.plan.policy;
     d["tolerance"] = loaded.plan.tolerance;
     d["hash"] = loaded.plan.hash;
-    std::vector<int64_t> v;
-    for (const plan::Task& t : loaded.plan.tasks) v.insert(v.end(), {t.doc, t.q0, t.q1, t.k0, t.k1, t.server});
-    d["tasks"] = matrix(v, 6);
+    d["tasks"] = task_matrix(loaded.plan.tasks);
     d["model"] = loaded.model.name;
     return d;
   });

@@ -379,7 +379,11 @@ def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, *
             if value not in ("on", "off"):
                 raise ValueError(f"--tolerance-sweep must be on or off, got {value!r}")
             value = value == "on"
-        setattr(request, key, value)
+        try:
+            setattr(request, key, value)
+        except TypeError as e:
+            expected = type(getattr(request, key)).__name__
+            raise ValueError(f"simulate: {key} must be {expected}, got {value!r}") from e
     if profile is None:
         text = ""
     elif isinstance(profile, Mapping):

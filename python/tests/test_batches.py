@@ -53,3 +53,8 @@ def test_unknown_batch_type_and_model_keys_are_refused():
         distca.plan([[64]], model={"preset": "llama-8b", "layer": 2})
     with pytest.raises(ValueError, match="one plan"):
         distca.plan([[64]], policy="all")
+
+
+def test_simulate_option_of_the_wrong_type_is_a_value_error():
+    with pytest.raises(ValueError, match="gpus must be int"):
+        distca.simulate(gpus="many")
