@@ -102,6 +102,29 @@ Status ModelConfig::validate() const {
   return Status::ok();
 }
 
+Result<ModelConfig> tensor_parallel_shard(const ModelConfig& c, int tp) {
+  DISTCA_RETURN_IF_ERROR(c.validate());
+  if (tp < 1 || tp > 1024) return invalid_argument(fmt::format("--tp must be 1..1024, got {}", tp));
+  const std::pair<const char*, int64_t> split[] = {{"query heads", c.num_q_heads}, {"ffn dim", c.ffn_dim}};
+  for (const auto& [what, value] : split) {
+    if (value % tp != 0) {
+      return invalid_argument(fmt::format("--tp {} must divide the model's {} ({}): each tensor-parallel rank takes an "
+                                          "equal slice; change --tp or the model",
+                                          tp, what, value));
+    }
+  }
+  if (c.num_kv_heads % tp != 0 && tp % c.num_kv_heads != 0) {
+    return invalid_argument(fmt::format("--tp {} and the model's {} key/value heads: one must divide the other (a rank "
+                                        "takes a slice of them, or tp / heads ranks share one); change --tp or the model",
+                                        tp, c.num_kv_heads));
+  }
+  ModelConfig s = c;
+  s.num_q_heads /= tp;
+  s.num_kv_heads = std::max<int64_t>(c.num_kv_heads / tp, 1);
+  s.ffn_dim /= tp;
+  return s;
+}
+
 int64_t ModelConfig::num_parameters() const {
   const int64_t layer = 2 * d_model + d_model * (q_width() + 2 * kv_width()) + q_width() * d_model + 3 * d_model * ffn_dim;
   return 2 * vocab_size * d_model + num_layers * layer + d_model;

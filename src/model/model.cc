@@ -120,7 +120,52 @@ const char* const kLayerBlocks[] = {"attn_norm", "wq", "wk", "wv", "wo", "mlp_no
 }  // namespace
 
 template <typename T>
-ModelState<T> ModelState<T>::create(const ModelConfig& c) {
+ModelState<T> ModelState<T>::create(const ModelConfig& c, int tp_size, int tp_index) {
+  if (tp_size > 1) {
+    auto shard = tensor_parallel_shard(c, tp_size);
+    DISTCA_CHECK(shard.is_ok()) << shard.status().message();
+    DISTCA_CHECK(tp_index >= 0 && tp_index < tp_size) << "tensor-parallel index " << tp_index << " of " << tp_size;
+    // Draw the whole model, then keep this rank's slice: rank i holds the columns (of a
+    // column-parallel [in, out] matrix) or rows (row-parallel) [i w, (i + 1) w) of the whole.
+    const ModelState whole = create(c);
+    ModelState s;
+    s.config = shard.value();
+    for (const auto& b : whole.params.blocks()) {
+      const bool is_kv = b.name.ends_with(".wk") || b.name.ends_with(".wv");
+      const int64_t count = !is_tp_sharded(b.name) ? b.count
+                            : is_kv                ? c.d_model * s.config.kv_width()
+                                                   : b.count / tp_size;
+      s.params.add(b.name, count);
+    }
+    s.params.allocate();
+    s.grads.copy_layout(s.params);
+    s.m.copy_layout(s.params);
+    s.v.copy_layout(s.params);
+    for (size_t i = 0; i < whole.params.blocks().size(); ++i) {
+      const auto& from = whole.params.blocks()[i];
+      const auto& to = s.params.blocks()[i];
+      const T* src = whole.params.at(from.offset);
+      T* dst = s.params.at(to.offset);
+      const bool is_row_parallel = from.name.ends_with(".wo") || from.name.ends_with(".w_down");
+      if (!is_tp_sharded(from.name)) {
+        std::copy(src, src + from.count, dst);
+        continue;
+      }
+      if (is_row_parallel) {  // [in, d]: a contiguous run of rows
+        std::copy(src + tp_index * to.count, src + (tp_index + 1) * to.count, dst);
+        continue;
+      }
+      // Column-parallel [d, out]: columns [slice w, (slice + 1) w); the key/value heads of a
+      // rank that shares them are its group's (rank i of tp / Hkv sharing ranks each).
+      const int64_t rows = c.d_model, width = to.count / rows, whole_width = from.count / rows;
+      const bool is_kv = from.name.ends_with(".wk") || from.name.ends_with(".wv");
+      const int64_t slice = is_kv ? tp_index / kv_head_replicas(c, tp_size) : tp_index;
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy(src + r * whole_width + slice * width, src + r * whole_width + (slice + 1) * width, dst + r * width);
+      }
+    }
+    return s;
+  }
   ModelState s;
   s.config = c;
   const int64_t d = c.d_model;
@@ -157,6 +202,14 @@ bool ModelState<T>::is_decayed(const std::string& name) {
 }
 
 template <typename T>
+bool ModelState<T>::is_tp_sharded(const std::string& name) {
+  for (const char* p : {".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down"}) {
+    if (name.ends_with(p)) return true;
+  }
+  return false;
+}
+
+template <typename T>
 Weights<T> ModelState<T>::views(Arena<T>& a) const {
   Weights<T> w;
   auto at = [&a](const std::string& name) {
@@ -190,8 +243,18 @@ int64_t Model<T>::workspace_bytes(const ModelConfig& c, int64_t n, LayerRange ra
 }
 
 template <typename T>
-Model<T>::Model(const ModelConfig& config, int64_t max_tokens, LayerRange range)
-    : config_(config), max_tokens_(max_tokens), first_(range.first),
+Status Model<T>::tp_reduce(T* data, int64_t count) {
+  if (tp_.size <= 1) return Status::ok();
+  const auto begin = Clock::now();
+  if (!tp_.all_reduce) return internal_error("tensor parallelism without an all-reduce");
+  DISTCA_RETURN_IF_ERROR(tp_.all_reduce(data, count));
+  tp_seconds_ += since(begin);
+  return Status::ok();
+}
+
+template <typename T>
+Model<T>::Model(const ModelConfig& config, int64_t max_tokens, LayerRange range, TensorParallel<T> tp)
+    : config_(config), tp_(std::move(tp)), max_tokens_(max_tokens), first_(range.first),
       count_(range.count < 0 ? config.num_layers - range.first : range.count) {
   DISTCA_CHECK(first_ >= 0 && count_ >= 1 && first_ + count_ <= config.num_layers)
       << "layers [" << first_ << ", " << first_ + count_ << ") of " << config.num_layers;
@@ -234,6 +297,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
                                  double loss_scale, PassTimes* times, const T* x_in) {
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
+  const double tp_before = tp_seconds_;
   const ModelConfig& c = config_;
   const auto n = static_cast<int64_t>(in.tokens.size());
   if (n > max_tokens_) return invalid_argument(fmt::format("{} tokens but the model's workspace holds {}", n, max_tokens_));
@@ -274,20 +338,32 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
     rope(a.q, n, c.num_q_heads, c.head_dim, cos_, sin_, T(1));
     rope(a.k, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(1));
     DISTCA_RETURN_IF_ERROR(attention.forward(static_cast<int>(first_ + l), a.q, a.k, a.v, a.o, a.lse));
-    std::memcpy(a.x_mid, a.x, sizeof(T) * n * d);
-    gemm(false, false, n, d, qw, a.o, lw.wo, T(1), a.x_mid);
+    if (tp_.size > 1) {  // x_mid = x + sum over the group of o Wo
+      gemm(false, false, n, d, qw, a.o, lw.wo, T(0), a.x_mid);
+      DISTCA_RETURN_IF_ERROR(tp_reduce(a.x_mid, n * d));
+      for (int64_t i = 0; i < n * d; ++i) a.x_mid[i] += a.x[i];
+    } else {
+      std::memcpy(a.x_mid, a.x, sizeof(T) * n * d);
+      gemm(false, false, n, d, qw, a.o, lw.wo, T(1), a.x_mid);
+    }
     rmsnorm_forward(a.x_mid, lw.mlp_norm, n, d, c.norm_eps, a.h2, a.rstd2);
     gemm(false, false, n, f, d, a.h2, lw.w_gate, T(0), a.gate);
     gemm(false, false, n, f, d, a.h2, lw.w_up, T(0), a.up);
     for (int64_t i = 0; i < n * f; ++i) a.s[i] = a.gate[i] * sigmoid(a.gate[i]) * a.up[i];
-    std::memcpy(x_out, a.x_mid, sizeof(T) * n * d);
-    gemm(false, false, n, d, f, a.s, lw.w_down, T(1), x_out);
+    if (tp_.size > 1) {
+      gemm(false, false, n, d, f, a.s, lw.w_down, T(0), x_out);
+      DISTCA_RETURN_IF_ERROR(tp_reduce(x_out, n * d));
+      for (int64_t i = 0; i < n * d; ++i) x_out[i] += a.x_mid[i];
+    } else {
+      std::memcpy(x_out, a.x_mid, sizeof(T) * n * d);
+      gemm(false, false, n, d, f, a.s, lw.w_down, T(1), x_out);
+    }
   }
   if (!has_head()) {
     if (times != nullptr) {
       times->total += since(begin);
       times->attention += attention.times.compute - before.compute;
-      times->comm += attention.times.comm - before.comm;
+      times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
     }
     return 0.0;
   }
@@ -315,7 +391,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
   if (times != nullptr) {
     times->total += since(begin);
     times->attention += attention.times.compute - before.compute;
-    times->comm += attention.times.comm - before.comm;
+    times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
   }
   return loss;
 }
@@ -324,6 +400,7 @@ template <typename T>
 Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times, const T* dx_in) {
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
+  const double tp_before = tp_seconds_;
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size;
   state.grads.fill(T(0));
@@ -356,6 +433,7 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
     gemm(true, false, d, f, n, a.h2, dup_, T(0), lg.w_up);
     gemm(false, true, n, d, f, dgate_, lw.w_gate, T(0), dh_);
     gemm(false, true, n, d, f, dup_, lw.w_up, T(1), dh_);
+    DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
     rmsnorm_backward(a.x_mid, lw.mlp_norm, a.rstd2, dh_, n, d, dx_, lg.mlp_norm);  // dx_ = d / d x_mid
     // Attention: x_mid = x + o Wo.
     gemm(true, false, qw, d, n, a.o, dx_, T(0), lg.wo);
@@ -366,9 +444,16 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
     gemm(true, false, d, qw, n, a.h1, dq_, T(0), lg.wq);
     gemm(true, false, d, kw, n, a.h1, dk_, T(0), lg.wk);
     gemm(true, false, d, kw, n, a.h1, dv_, T(0), lg.wv);
+    if (tp_.kv_all_reduce) {  // key/value heads shared by several TP ranks: each saw some of their queries
+      const auto t0 = Clock::now();
+      DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wk, d * kw));
+      DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wv, d * kw));
+      tp_seconds_ += since(t0);
+    }
     gemm(false, true, n, d, qw, dq_, lw.wq, T(0), dh_);
     gemm(false, true, n, d, kw, dk_, lw.wk, T(1), dh_);
     gemm(false, true, n, d, kw, dv_, lw.wv, T(1), dh_);
+    DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
     rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
   }
   for (int64_t i = 0; i < n && has_embedding(); ++i) {
@@ -379,7 +464,7 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
   if (times != nullptr) {
     times->total += since(begin);
     times->attention += attention.times.compute - before.compute;
-    times->comm += attention.times.comm - before.comm;
+    times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
   }
   return Status::ok();
 }

@@ -57,6 +57,10 @@ Status PipelineOptions::validate(int world_size) const {
   if (pp < 1 || pp > world_size || world_size % pp != 0) {
     return invalid_argument(fmt::format("--pp {} must divide the {} ranks", pp, world_size));
   }
+  if (world_size % (pp * train.tp) != 0) {
+    return invalid_argument(fmt::format("--tp {} x --pp {} must divide the {} ranks (the rest is data parallelism)",
+                                        train.tp, pp, world_size));
+  }
   if (train.model.num_layers % pp != 0) {
     return invalid_argument(fmt::format("--pp {} must divide the model's {} layers (equal layers per stage)", pp,
                                         train.model.num_layers));
@@ -154,12 +158,12 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
   }
   auto t = std::unique_ptr<PipelineTrainer>(new PipelineTrainer(world, std::move(options)));
   const PipelineOptions& po = t->options_;
+  DISTCA_ASSIGN_OR_RETURN(t->groups_, RankGroups::split(world, po.train.tp, po.pp, po.train.model));
   t->pp_ = po.pp;
-  t->dp_ = world.size() / po.pp;
-  t->stage_ = world.rank() / t->dp_;
-  t->replica_ = world.rank() % t->dp_;
-  DISTCA_ASSIGN_OR_RETURN(t->dp_group_, world.split(t->stage_, t->replica_, "dp"));
-  DISTCA_ASSIGN_OR_RETURN(t->pp_group_, world.split(t->replica_, t->stage_, "pp"));
+  t->dp_ = t->groups_.map.dp;
+  t->stage_ = t->groups_.me.pp;
+  t->replica_ = t->groups_.me.dp;
+  const ModelConfig shard = tensor_parallel_shard(po.train.model, po.train.tp).value();
   DISTCA_ASSIGN_OR_RETURN(t->schedule_, runtime::pipeline_schedule(po.schedule, po.pp, po.micro_batches));
   std::unique_ptr<DocumentSource> source;
   if (po.train.data_path.empty()) {
@@ -168,14 +172,14 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
     DISTCA_ASSIGN_OR_RETURN(source, open_data_source(po.train.data_path));
   }
   t->packer_ = std::make_unique<Packer>(std::move(source), t->dp_, po.train.context);
-  t->state_ = ModelState<float>::create(po.train.model);
+  t->state_ = ModelState<float>::create(po.train.model, po.train.tp, t->groups_.me.tp);
   std::tie(t->own_begin_, t->own_end_) = stage_range(t->state_, t->stage_, po.pp);
   const int64_t per = po.train.model.num_layers / po.pp;
   const LayerRange range{t->stage_ * per, per};
   const int slots = peak_in_flight(t->schedule_, t->stage_);
   for (int k = 0; k < slots; ++k) {
     auto s = std::make_unique<Slot>();
-    s->model = std::make_unique<Model<float>>(po.train.model, po.train.context, range);
+    s->model = std::make_unique<Model<float>>(shard, po.train.context, range, tensor_parallel(t->groups_));
     s->x_in.assign(static_cast<size_t>(po.train.context * po.train.model.d_model), 0.0f);
     s->dx_in = s->x_in;
     if (po.schedule == "colocated") {
@@ -185,7 +189,7 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
       d.threads = po.train.threads;
       d.tolerance = po.train.tolerance;
       d.granularity = po.train.granularity;
-      DISTCA_ASSIGN_OR_RETURN(s->attention, DispatchAttention::create(*t->dp_group_, po.train.model, d));
+      DISTCA_ASSIGN_OR_RETURN(s->attention, DispatchAttention::create(*t->groups_.dp, shard, d));
     }
     t->slots_.push_back(std::move(s));
   }
@@ -198,7 +202,7 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
 Status PipelineTrainer::send(const float* data, int64_t count, int peer, int tag) {
   auto pending = std::make_unique<Pending>();
   pending->data.assign(data, data + count);
-  DISTCA_ASSIGN_OR_RETURN(pending->work, pp_group_->send_async(pending->data.data(), count * static_cast<int64_t>(sizeof(float)), peer, tag));
+  DISTCA_ASSIGN_OR_RETURN(pending->work, groups_.pp->send_async(pending->data.data(), count * static_cast<int64_t>(sizeof(float)), peer, tag));
   sends_.push_back(std::move(pending));
   int64_t held = 0;
   for (const auto& p : sends_) held += static_cast<int64_t>(p->data.capacity() * sizeof(float));
@@ -227,7 +231,8 @@ Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std
       is_backward = tick[r].op == runtime::PipeOp::kBackward;
       parts.push_back({&mbs[tick[r].micro_batch].batch, r * dp_, r, tick[r].micro_batch});
     }
-    DISTCA_ASSIGN_OR_RETURN(plan::PooledBatch pool, plan::pool_batches(parts, world_.size(), T));
+    comm::Communicator& servers = *groups_.cad;  // the ranks of this TP index, ranked stage-major
+    DISTCA_ASSIGN_OR_RETURN(plan::PooledBatch pool, plan::pool_batches(parts, servers.size(), T));
     DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(options_.train.policy));
     plan::PlannerOptions opt;
     opt.tolerance = options_.train.tolerance;
@@ -242,9 +247,10 @@ Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std
     runtime::DispatchOptions dopt;
     dopt.backward_mode = plan::BackwardMode::kStateless;
     dopt.num_threads = options_.train.threads;
-    const ModelConfig& c = options_.train.model;
-    DISTCA_ASSIGN_OR_RETURN(dispatcher, runtime::Dispatcher::create(world_, pool.batch, p,
+    const ModelConfig& c = state_.config;  // this TP rank's heads
+    DISTCA_ASSIGN_OR_RETURN(dispatcher, runtime::Dispatcher::create(servers, pool.batch, p,
                                                                     runtime::HeadShape{c.num_q_heads, c.num_kv_heads, c.head_dim}, dopt));
+    if (groups_.map.tp > 1) DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, p.hash, fmt::format("step {}, tick plan", step_ + 1)));
     me.comm += since(setup);  // the plan-hash check is a collective
     pooled_->set(dispatcher.get());
     pooled_->times = {};
@@ -277,18 +283,18 @@ Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std
     s.micro_batch = m;
     if (stage_ > 0) {
       const auto t0 = Clock::now();
-      DISTCA_RETURN_IF_ERROR(pp_group_->recv(s.x_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ - 1, kActivationTag));
+      DISTCA_RETURN_IF_ERROR(groups_.pp->recv(s.x_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ - 1, kActivationTag));
       me.pipeline_wait += since(t0);
     }
     const StepTokens in{data.slice(data.tokens, replica_), data.slice(data.targets, replica_), data.slice(data.positions, replica_)};
     DISTCA_ASSIGN_OR_RETURN(double loss, s.model->forward(state_, in, attention, scale, &pass, stage_ > 0 ? s.x_in.data() : nullptr));
-    loss_sum += loss;
+    if (groups_.me.tp == 0) loss_sum += loss;  // a replica's loss once
     if (stage_ + 1 < pp_) DISTCA_RETURN_IF_ERROR(send(s.model->output(), T * d, stage_ + 1, kActivationTag));
   } else {
     if (s.micro_batch != m) return internal_error(fmt::format("stage {}: backward of micro-batch {} without its forward", stage_, m));
     if (stage_ + 1 < pp_) {
       const auto t0 = Clock::now();
-      DISTCA_RETURN_IF_ERROR(pp_group_->recv(s.dx_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ + 1, kGradientTag));
+      DISTCA_RETURN_IF_ERROR(groups_.pp->recv(s.dx_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ + 1, kGradientTag));
       me.pipeline_wait += since(t0);
     }
     DISTCA_RETURN_IF_ERROR(s.model->backward(state_, attention, &pass, stage_ + 1 < pp_ ? s.dx_in.data() : nullptr));
@@ -342,19 +348,19 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   DISTCA_RETURN_IF_ERROR(world_.barrier());
   me.idle += since(t);
   t = Clock::now();
-  if (dp_ > 1) DISTCA_RETURN_IF_ERROR(dp_group_->all_reduce_sum(acc_.data(), static_cast<int64_t>(acc_.size())));
-  double ss = 0;
-  for (float g : acc_) ss += static_cast<double>(g) * g;
-  // Every stage's sum of squares, one slot each (a float sum of P values keeps the order fixed).
+  if (dp_ > 1) DISTCA_RETURN_IF_ERROR(groups_.dp->all_reduce_sum(acc_.data(), static_cast<int64_t>(acc_.size())));
+  std::copy(acc_.begin(), acc_.end(), state_.grads.data() + own_begin_);
+  // The stage's sum of squares (with TP: over its TP group), then every stage's, one slot each (a
+  // float sum of P values keeps the order fixed).
+  DISTCA_ASSIGN_OR_RETURN(const double ss, gradient_square_sum(state_, own_begin_, own_end_, groups_));
   std::vector<float> squares(static_cast<size_t>(pp_), 0.0f);
   squares[stage_] = static_cast<float>(ss);
-  DISTCA_RETURN_IF_ERROR(pp_group_->all_reduce_sum(squares.data(), pp_));
+  DISTCA_RETURN_IF_ERROR(groups_.pp->all_reduce_sum(squares.data(), pp_));
   double total = 0;
   for (float x : squares) total += x;
   const double norm = std::sqrt(total);
   me.comm += since(t);
   t = Clock::now();
-  std::copy(acc_.begin(), acc_.end(), state_.grads.data() + own_begin_);
   const double lr = options_.train.optim.lr_at(state_.step);
   adamw_step_range(state_, options_.train.optim, own_begin_, own_end_, norm);
   me.optimizer += since(t);

@@ -33,6 +33,13 @@ Status TrainOptions::validate() const {
     }
   }
   DISTCA_RETURN_IF_ERROR(plan::find_planner(policy).status());
+  if (tp < 1 || tp > 1024) return invalid_argument(fmt::format("--tp must be 1..1024, got {}", tp));
+  if (tp > 1) {
+    DISTCA_RETURN_IF_ERROR(tensor_parallel_shard(model, tp).status());
+    if (!checkpoint_path.empty() || !resume_path.empty()) {
+      return invalid_argument("--tp does not support --checkpoint or --resume yet (each rank holds a slice of the model): drop them");
+    }
+  }
   if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
   if (granularity < 0) return invalid_argument(fmt::format("--granularity must be >= 0 (0: auto), got {}", granularity));
   if (!(tolerance >= 0) || tolerance > 10) return invalid_argument(fmt::format("--tolerance must be 0..10, got {}", tolerance));
@@ -57,6 +64,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"backends", backends},
           {"policy", policy},
           {"backward_mode", plan::backward_mode_name(backward_mode)},
+          {"tp", tp},
           {"threads", threads},
           {"granularity", granularity},
           {"tolerance", tolerance},
@@ -102,7 +110,9 @@ nlohmann::json StepRecord::to_json() const {
 
 MemoryEstimate estimate_memory(const TrainOptions& o, int ranks) {
   MemoryEstimate e;
-  const ModelConfig& m = o.model;
+  auto shard = tensor_parallel_shard(o.model, std::max(o.tp, 1));
+  const ModelConfig m = shard.is_ok() ? shard.value() : o.model;
+  ranks = std::max(ranks / std::max(o.tp, 1), 1);
   const int64_t f = static_cast<int64_t>(sizeof(float));
   // Parameters, gradients and two AdamW moments per backend.
   e.states_bytes = static_cast<int64_t>(o.backends.size()) * 4 * m.num_parameters() * f;
@@ -143,6 +153,9 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
   }
   auto t = std::unique_ptr<Trainer>(new Trainer(comm, std::move(options)));
   const TrainOptions& o = t->options_;
+  DISTCA_ASSIGN_OR_RETURN(t->groups_, RankGroups::split(comm, o.tp, 1, o.model));
+  comm::Communicator& dp = *t->groups_.dp;
+  const ModelConfig shard = tensor_parallel_shard(o.model, o.tp).value();
   std::unique_ptr<DocumentSource> source;
   if (o.data_path.empty()) {
     DISTCA_ASSIGN_OR_RETURN(source, make_synthetic_source(o.workload, o.context, o.data_seed));
@@ -152,10 +165,10 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
   if (o.eval_every > 0) {
     DISTCA_ASSIGN_OR_RETURN(auto held_out, source->hold_out(o.eval_docs));
     DISTCA_ASSIGN_OR_RETURN(t->validation_,
-                            make_validation_steps(std::move(held_out), comm.size(), o.context, o.eval_steps));
+                            make_validation_steps(std::move(held_out), dp.size(), o.context, o.eval_steps));
   }
-  t->packer_ = std::make_unique<Packer>(std::move(source), comm.size(), o.context);
-  t->model_ = std::make_unique<Model<float>>(o.model, o.context);
+  t->packer_ = std::make_unique<Packer>(std::move(source), dp.size(), o.context);
+  t->model_ = std::make_unique<Model<float>>(shard, o.context, LayerRange{}, tensor_parallel(t->groups_));
   for (const std::string& name : o.backends) {
     auto run = std::make_unique<Run>();
     run->name = name;
@@ -165,8 +178,8 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     d.threads = o.threads;
     d.tolerance = o.tolerance;
     d.granularity = o.granularity;
-    DISTCA_ASSIGN_OR_RETURN(run->attention, DispatchAttention::create(comm, o.model, d));
-    run->state = ModelState<float>::create(o.model);
+    DISTCA_ASSIGN_OR_RETURN(run->attention, DispatchAttention::create(dp, shard, d));
+    run->state = ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);
     t->runs_.push_back(std::move(run));
   }
   if (!o.resume_path.empty()) {
@@ -232,7 +245,7 @@ Result<std::vector<StepRecord>> Trainer::step() {
 
 Result<std::vector<EvalRecord>> Trainer::evaluate() {
   DISTCA_CHECK(!validation_.empty()) << "evaluate() without held-out steps (eval_every is 0)";
-  const int rank = comm_.rank();
+  const int rank = groups_.me.dp;  // the replica's tokens (its TP ranks share them)
   std::vector<EvalRecord> out;
   for (auto& run : runs_) {
     // Sums over ranks and held-out steps of the loss and the targets; the forward alone (the
@@ -243,7 +256,7 @@ Result<std::vector<EvalRecord>> Trainer::evaluate() {
       DISTCA_RETURN_IF_ERROR(run->attention->begin_step(data.batch));
       const StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
       DISTCA_ASSIGN_OR_RETURN(double loss, model_->forward(run->state, in, *run->attention, 1.0, nullptr));
-      loss_sum[0] += static_cast<float>(loss);
+      if (groups_.me.tp == 0) loss_sum[0] += static_cast<float>(loss);  // once per replica
       targets += data.num_targets;
     }
     DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(loss_sum.data(), 1));
@@ -259,12 +272,17 @@ Result<std::vector<EvalRecord>> Trainer::evaluate() {
 }
 
 Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
-  const int rank = comm_.rank();
+  const int rank = groups_.me.dp;  // this replica's tokens
   const int R = comm_.size();
   DispatchAttention& attention = *run.attention;
   attention.times = {};
   const auto begin = Clock::now();
   DISTCA_RETURN_IF_ERROR(attention.begin_step(data.batch));
+  if (groups_.map.tp > 1) {
+    const auto t0 = Clock::now();
+    DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, attention.plan().hash, fmt::format("step {} ({})", step_ + 1, run.name)));
+    attention.times.comm += since(t0);
+  }
   const double setup = attention.times.comm;
   PassTimes pass;
   const StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
@@ -275,11 +293,14 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   DISTCA_RETURN_IF_ERROR(comm_.barrier());
   const double wait = since(t);
   t = Clock::now();
-  DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(run.state.grads.data(), run.state.grads.size()));
+  if (groups_.dp->size() > 1) DISTCA_RETURN_IF_ERROR(groups_.dp->all_reduce_sum(run.state.grads.data(), run.state.grads.size()));
+  // The global norm: with TP, every rank's slice of the sharded blocks, the replicated ones once.
+  DISTCA_ASSIGN_OR_RETURN(const double squares, gradient_square_sum(run.state, 0, run.state.grads.size(), groups_));
   const double reduce = since(t);
   t = Clock::now();
   const double lr = options_.optim.lr_at(run.state.step);
-  const double norm = adamw_step(run.state, options_.optim);
+  const double norm = std::sqrt(squares);
+  adamw_step_range(run.state, options_.optim, 0, run.state.params.size(), norm);
   const double optimizer = since(t);
   const double step_seconds = since(begin);
   // Every rank's numbers, one slot each.
@@ -290,9 +311,10 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   const int64_t attn_memory = attention.buffer_bytes();
   std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
   const double mine[kSlots] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
-                               loss_sum, static_cast<double>(bytes), static_cast<double>(attn_memory >> 24),
+                               groups_.me.tp == 0 ? loss_sum : 0.0,  // a replica's loss once
+                               static_cast<double>(bytes), static_cast<double>(attn_memory >> 24),
                                static_cast<double>(attn_memory & ((int64_t{1} << 24) - 1))};
-  for (int i = 0; i < kSlots; ++i) all[rank * kSlots + i] = static_cast<float>(mine[i]);
+  for (int i = 0; i < kSlots; ++i) all[comm_.rank() * kSlots + i] = static_cast<float>(mine[i]);
   DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
   StepRecord rec;
@@ -342,7 +364,7 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   rec.memory_activations_bytes = model_->allocated_bytes();
   rec.memory_max_bytes = rec.memory_states_bytes + rec.memory_activations_bytes + rec.memory_attention_max_bytes;
   rec.memory_mean_bytes = static_cast<double>(rec.memory_states_bytes + rec.memory_activations_bytes) + rec.memory_attention_mean_bytes;
-  rec.tokens_per_second = static_cast<double>(R * options_.context) / rec.step_seconds;
+  rec.tokens_per_second = static_cast<double>(groups_.map.dp * options_.context) / rec.step_seconds;
   if (!std::isfinite(rec.loss)) return internal_error(fmt::format("step {}: the loss is {} ({})", rec.step, rec.loss, run.name));
   return rec;
 }

@@ -32,6 +32,18 @@ struct ModelConfig {
   int64_t num_parameters() const;
 };
 
+// One tensor-parallel rank's slice of a model (Megatron): query heads and the FFN width divided
+// by `tp` (column-parallel Wq/Wk/Wv and Wgate/Wup, row-parallel Wo and Wdown); key/value heads
+// divided too, or, with fewer of them than ranks (GQA), one per rank, shared by tp / Hkv ranks
+// (Megatron's replicated KV heads); embedding, norms and LM head whole. An error names what `tp`
+// does not divide.
+Result<ModelConfig> tensor_parallel_shard(const ModelConfig& config, int tp);
+// How many tensor-parallel ranks hold each key/value head: tp / Hkv with fewer heads than
+// ranks, else 1.
+inline int kv_head_replicas(const ModelConfig& config, int tp) {
+  return config.num_kv_heads < tp ? tp / static_cast<int>(config.num_kv_heads) : 1;
+}
+
 // AdamW and its learning-rate schedule. Every schedule starts with a linear warm-up: step s < W
 // (W = warmup_steps) uses lr * (s + 1) / W, so the peak `lr` is reached at step P = max(W - 1, 0).
 // After it:

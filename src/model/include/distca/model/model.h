@@ -10,6 +10,7 @@
 // checks).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -51,12 +52,17 @@ struct ModelState {
   int64_t step = 0;  // optimizer steps taken
 
   // Parameters drawn from config.init_seed (normal(0, init_std); output projections scaled by
-  // 1 / sqrt(2 layers); norm gains 1), the same on every rank; moments zero.
-  static ModelState create(const ModelConfig& config);
+  // 1 / sqrt(2 layers); norm gains 1), the same on every rank; moments zero. With tp_size > 1,
+  // tensor-parallel rank tp_index's slice of exactly those parameters (config: the whole model;
+  // the state's config is tensor_parallel_shard's): columns of Wq, Wk, Wv, Wgate, Wup, rows of
+  // Wo, Wdown, the rest whole.
+  static ModelState create(const ModelConfig& config, int tp_size = 1, int tp_index = 0);
   Weights<T> weights() { return views(params); }
   Weights<T> gradients() { return views(grads); }
   // Whether weight decay applies to a block (matrices yes, norm gains no).
   static bool is_decayed(const std::string& block_name);
+  // Whether tensor parallelism slices a block (the projections) rather than replicating it.
+  static bool is_tp_sharded(const std::string& block_name);
 
  private:
   Weights<T> views(Arena<T>& arena) const;
@@ -85,12 +91,28 @@ struct LayerRange {
   int64_t count = -1;  // -1: every layer from `first` on
 };
 
+// Tensor parallelism (Megatron, without sequence parallelism): a rank runs its shard's heads and
+// FFN columns (its config is tensor_parallel_shard's) on the whole [n, d] activations, which are
+// the same on every rank of the group. The row-parallel outputs (o Wo, s Wdown) and the input
+// gradients of the column-parallel projections (dq Wq^T + dk Wk^T + dv Wv^T, dgate Wgate^T +
+// dup Wup^T) are partial sums: all_reduce sums them over the group, four all-reduces of [n, d]
+// per layer and step. With key/value heads shared by several ranks (fewer heads than ranks),
+// their projections' gradients are partial too: kv_all_reduce sums them over the sharing ranks.
+// size 1: none.
+template <typename T>
+struct TensorParallel {
+  int size = 1;
+  std::function<Status(T*, int64_t)> all_reduce;  // in place; bit-identical on every member
+  std::function<Status(T*, int64_t)> kv_all_reduce;  // empty: every rank has key/value heads of its own
+};
+
 template <typename T>
 class Model {
  public:
   // A workspace (activations and gradients scratch) for up to max_tokens rows, allocated here
   // once: a step allocates nothing. `range`: the layers this model runs (a pipeline stage).
-  Model(const ModelConfig& config, int64_t max_tokens, LayerRange range = {});
+  // `config`: the model (with tensor parallelism, this rank's shard of it).
+  Model(const ModelConfig& config, int64_t max_tokens, LayerRange range = {}, TensorParallel<T> tp = {});
   const ModelConfig& config() const { return config_; }
   // The bytes the constructor allocates, computed without allocating (memory estimates).
   static int64_t workspace_bytes(const ModelConfig& config, int64_t max_tokens, LayerRange range = {});
@@ -128,7 +150,12 @@ class Model {
     T *x, *h1, *rstd1, *q, *k, *v, *o, *x_mid, *h2, *rstd2, *gate, *up, *s;
     float* lse;
   };
+  // Sums a partial [rows, d] over the tensor-parallel group (nothing without one); its seconds
+  // count as communication.
+  Status tp_reduce(T* data, int64_t count);
   ModelConfig config_;
+  TensorParallel<T> tp_;
+  double tp_seconds_ = 0;
   int64_t max_tokens_ = 0;
   int64_t first_ = 0, count_ = 0;  // the layers run: [first_, first_ + count_)
   int64_t n_ = 0;

@@ -1,5 +1,7 @@
-// Pipeline-parallel training (issue 18): the model's layers split over P stages, D = world / P
-// data-parallel replicas per stage (world rank w is stage w / D, replica w % D), M micro-batches
+// Pipeline-parallel training (issue 18): the model's layers split over P stages, D = world / (P x TP)
+// data-parallel replicas per stage, each replica's model optionally split over TP tensor-parallel
+// ranks (the rank map of tensor_parallel.h: world rank w is TP index w % TP, replica (w / TP) % D,
+// stage w / (TP x D); every group below is per TP index), M micro-batches
 // per step (each D ranks x T tokens, packed from the stream as the data-parallel trainer packs a
 // step), walked by a tick table (runtime/pipeline_schedule.h):
 //   colocated  plain 1F1B; each stage attends its own micro-batch over its DP group (planner
@@ -22,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "distca/comm/communicator.h"
+#include "distca/model/tensor_parallel.h"
 #include "distca/model/trainer.h"
 #include "distca/runtime/pipeline_schedule.h"
 
@@ -80,6 +83,8 @@ class PipelineTrainer {
 
   const PipelineOptions& options() const { return options_; }
   const runtime::PipelineSchedule& schedule() const { return schedule_; }
+  const RankMap& rank_map() const { return groups_.map; }
+  int tp_index() const { return groups_.me.tp; }
   int stage() const { return stage_; }
   int replica() const { return replica_; }
   ModelState<float>& state() { return state_; }
@@ -113,7 +118,7 @@ class PipelineTrainer {
   comm::Communicator& world_;
   PipelineOptions options_;
   int pp_ = 1, dp_ = 1, stage_ = 0, replica_ = 0;
-  std::unique_ptr<comm::Communicator> dp_group_, pp_group_;
+  RankGroups groups_;  // tp, dp, pp and cad (the pooled servers: every rank of this TP index)
   runtime::PipelineSchedule schedule_;
   std::unique_ptr<Packer> packer_;
   ModelState<float> state_;

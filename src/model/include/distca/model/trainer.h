@@ -16,6 +16,7 @@
 #include "distca/model/data.h"
 #include "distca/model/dispatch_attention.h"
 #include "distca/model/model.h"
+#include "distca/model/tensor_parallel.h"
 #include "distca/plan/planner.h"
 
 namespace distca::model {
@@ -31,6 +32,7 @@ struct TrainOptions {
   std::vector<std::string> backends = {"cad"};  // "colocated" and/or "cad", in run order
   std::string policy = std::string(plan::kDefaultPlanner);  // the CAD planner
   plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
+  int tp = 1;                     // tensor-parallel ranks per model replica (see tensor_parallel.h)
   int threads = 1;                // BLAS and attention threads per rank
   int64_t granularity = 0;        // planner granularity; 0: context / 32 rounded down to a power of two, 16..128
   double tolerance = 0.05;
@@ -101,6 +103,7 @@ struct MemoryEstimate {
   int64_t data_bytes = 0;
   int64_t total() const { return states_bytes + activations_bytes + attention_bytes + data_bytes; }
 };
+// `ranks`: the world (with tensor parallelism, options.tp of them share each replica's tokens).
 MemoryEstimate estimate_memory(const TrainOptions& options, int ranks);
 
 // The loss of one backend on the held-out steps.
@@ -112,6 +115,10 @@ struct EvalRecord {
   nlohmann::json to_json() const;
 };
 
+// With tensor parallelism (options.tp = T > 1) the world is T x D ranks (rank map in
+// tensor_parallel.h): the D replicas each take a context of tokens; the T ranks of a replica share
+// it, each running its slice of the heads and FFN; CAD plans over the D replicas and every TP
+// index dispatches its own head slice among the ranks of the same index.
 class Trainer {
  public:
   // Collective (every rank creates its trainer with the same options).
@@ -120,6 +127,8 @@ class Trainer {
   // One step of every backend.
   Result<std::vector<StepRecord>> step();
   int64_t steps_done() const { return step_; }
+  const RankMap& rank_map() const { return groups_.map; }
+  const RankCoords& coords() const { return groups_.me; }
   // The data source's epoch as of the last step (0 until a file source wraps).
   int64_t epoch() const { return packer_->epoch(); }
   // The loss of every backend on the held-out steps (collective). REQUIRES: eval_every > 0.
@@ -141,6 +150,7 @@ class Trainer {
 
   comm::Communicator& comm_;
   TrainOptions options_;
+  RankGroups groups_;  // tp and dp (no pipeline: pp groups of one)
   std::unique_ptr<Packer> packer_;
   std::unique_ptr<Model<float>> model_;  // one workspace, shared by the backends' states
   std::vector<std::unique_ptr<Run>> runs_;
