@@ -51,6 +51,7 @@ struct TrainArgs {
   int64_t save_every = 0;
   std::string resume;
   int ranks = 2;
+  int tp = 1;
   int pp = 1;
   int micro_batches = 0;
   bool is_print_schedule = false;
@@ -168,6 +169,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
     return invalid_argument(fmt::format("--backward-mode must be stateful or stateless, got '{}'", a.backward_mode));
   }
   o.threads = a.threads;
+  o.tp = a.tp;
   o.granularity = a.granularity;
   o.tolerance = a.tolerance;
   o.checkpoint_path = a.checkpoint;
@@ -193,6 +195,11 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
       return invalid_argument("--pp with CAD plans every tick anew (a micro-batch's forward and backward fall in "
                               "different ticks), so its backward is stateless: drop --backward-mode stateful");
     }
+  }
+  if (const int w = world_size(a.ranks); w % (a.tp * a.pp) != 0) {
+    return invalid_argument(fmt::format("--tp {} x --pp {} must divide the {} ranks (the rest is data parallelism); "
+                                        "change --ranks (mpirun -np) or the layout",
+                                        a.tp, a.pp, w));
   }
   const bool is_power_of_two = o.granularity > 0 && (o.granularity & (o.granularity - 1)) == 0;
   if (o.granularity != 0 && (!is_power_of_two || o.granularity < 16 || o.granularity > 4096)) {
@@ -223,7 +230,8 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
     // A stage holds up to 2P - 1 micro-batches between their forward and backward (cad's lockstep
     // first stage; 1F1B's holds P), each in a workspace of its L / P layers.
     const int64_t per = o.model.num_layers / a.pp;
-    m.activations_bytes = (2 * a.pp - 1) * model::Model<float>::workspace_bytes(o.model, o.context, {0, per});
+    const model::ModelConfig shard = model::tensor_parallel_shard(o.model, o.tp).value();
+    m.activations_bytes = (2 * a.pp - 1) * model::Model<float>::workspace_bytes(shard, o.context, {0, per});
   }
   const int64_t here = m.total() * ranks_on_this_machine(a.ranks);
   const int64_t available = available_memory_bytes();
@@ -238,6 +246,24 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   return o;
 }
 
+// How the model splits over the TP ranks ("" without TP).
+std::string tp_note(const model::TrainOptions& o) {
+  if (o.tp <= 1) return "";
+  const model::ModelConfig s = model::tensor_parallel_shard(o.model, o.tp).value();
+  const int shared = model::kv_head_replicas(o.model, o.tp);
+  return fmt::format("; tensor parallel over {} ranks: {}/{} heads and ffn {} each{} (Megatron, all-reduce after Wo and "
+                     "Wdown)", o.tp, s.num_q_heads, s.num_kv_heads, s.ffn_dim,
+                     shared > 1 ? fmt::format(", each key/value head shared by {} ranks", shared) : "");
+}
+
+// The rank map: each rank's (tp, pp, dp) and the groups it joins (the first 16 ranks).
+void print_rank_map(const model::RankMap& map) {
+  fmt::print("  ranks      tp {} x pp {} x dp {} (rank = (pp x {} + dp) x {} + tp):\n", map.tp, map.pp, map.dp, map.dp, map.tp);
+  const std::vector<std::string> lines = map.describe();
+  for (size_t i = 0; i < lines.size() && i < 16; ++i) fmt::print("             {}\n", lines[i]);
+  if (lines.size() > 16) fmt::print("             ... ({} ranks; --json has all)\n", lines.size());
+}
+
 std::string si(double v) {
   if (v >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
   if (v >= 1e3) return fmt::format("{:.1f}k", v / 1e3);
@@ -248,10 +274,13 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
   const model::ModelConfig& m = o.model;
   fmt::print("distca train: {} rank(s) over {}, attention {}{}\n", c.size(), c.name() == "mpi" ? "MPI" : "threads (LocalComm)",
              fmt::join(o.backends, " vs "), o.backends.size() > 1 ? " (compared, interleaved step by step)" : "");
-  fmt::print("  model      {} layers, d {}, heads {}/{} x {}, ffn {}, vocab {}: {} parameters\n", m.num_layers, m.d_model,
-             m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim, m.vocab_size, si(static_cast<double>(m.num_parameters())));
-  fmt::print("  data       {}; {} tokens per rank per step, {} steps{}\n", t.data_description(), o.context, o.steps,
+  fmt::print("  model      {} layers, d {}, heads {}/{} x {}, ffn {}, vocab {}: {} parameters{}\n", m.num_layers, m.d_model,
+             m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim, m.vocab_size, si(static_cast<double>(m.num_parameters())),
+             tp_note(o));
+  fmt::print("  data       {}; {} tokens per {} per step, {} steps{}\n", t.data_description(), o.context,
+             o.tp > 1 ? "replica (its TP ranks share them)" : "rank", o.steps,
              t.steps_done() > 0 ? fmt::format(" (resumed after step {})", t.steps_done()) : "");
+  print_rank_map(t.rank_map());
   if (std::find(o.backends.begin(), o.backends.end(), "cad") != o.backends.end()) {
     fmt::print("  cad        planner {}, granularity {}, tolerance {}, {} backward; {} thread(s) per rank\n", o.policy,
                o.granularity, o.tolerance, plan::backward_mode_name(o.backward_mode), o.threads);
@@ -265,7 +294,7 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
              o.optim.beta1, o.optim.beta2, o.optim.weight_decay, o.optim.clip_norm);
   if (o.eval_every > 0) {
     fmt::print("  validation every {} steps: {} held-out step(s) of {} x {} tokens ({})\n", o.eval_every, o.eval_steps,
-               c.size(), o.context, o.data_path.empty() ? "another seed's stream" : fmt::format("the last {} documents, never trained on", o.eval_docs));
+               t.rank_map().dp, o.context, o.data_path.empty() ? "another seed's stream" : fmt::format("the last {} documents, never trained on", o.eval_docs));
   }
   fmt::print("  step time  the straggler's own parts (the rank the others waited for; they add up); attention min-max "
              "across ranks beside it\n");
@@ -422,27 +451,21 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
     const model::PipelineOptions& po = trainers[0]->options();
     if (is_root) {
       const model::ModelConfig& m = o.model;
-      fmt::print("distca train: {} rank(s) over {}: {} pipeline stages x {} data-parallel replicas, {} micro-batches per "
+      fmt::print("distca train: {} rank(s) over {}: {} pipeline stages x {} data-parallel replicas{}, {} micro-batches per "
                  "step, schedule {}{}\n",
-                 c.size(), c.name() == "mpi" ? "MPI" : "threads (LocalComm)", a.pp, c.size() / a.pp, po.micro_batches,
+                 c.size(), c.name() == "mpi" ? "MPI" : "threads (LocalComm)", a.pp, trainers[0]->rank_map().dp,
+                 o.tp > 1 ? fmt::format(" x {} tensor-parallel ranks", o.tp) : "", po.micro_batches,
                  fmt::join(schedules, " vs "), schedules.size() > 1 ? " (compared, interleaved step by step)" : "");
-      fmt::print("  model      {} layers ({} per stage), d {}, heads {}/{} x {}, ffn {}: {} parameters\n", m.num_layers,
+      fmt::print("  model      {} layers ({} per stage), d {}, heads {}/{} x {}, ffn {}: {} parameters{}\n", m.num_layers,
                  m.num_layers / a.pp, m.d_model, m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim,
-                 si(static_cast<double>(m.num_parameters())));
-      fmt::print("  data       {} tokens per rank per micro-batch, {} steps\n", o.context, o.steps);
-      // The rank map: rank w is stage w / D, replica w % D; its DP group is its stage's ranks,
-      // its PP group its replica's.
-      const int D = c.size() / a.pp;
-      std::vector<std::string> map;
-      for (int w = 0; w < c.size() && w < 16; ++w) {
-        map.push_back(fmt::format("{}=(pp {}, dp {})", w, w / D, w % D));
-      }
-      fmt::print("  ranks      {}{}; DP group of stage s: ranks s*{}..s*{}+{}; PP group of replica x: ranks x, x+{}, ...\n",
-                 fmt::join(map, " "), c.size() > 16 ? " ..." : "", D, D, D - 1, D);
+                 si(static_cast<double>(m.num_parameters())), tp_note(o));
+      fmt::print("  data       {} tokens per {} per micro-batch, {} steps\n", o.context,
+                 o.tp > 1 ? "replica (its TP ranks share them)" : "rank", o.steps);
+      print_rank_map(trainers[0]->rank_map());
       if (std::find(schedules.begin(), schedules.end(), "cad") != schedules.end()) {
-        fmt::print("  cad        lockstep ticks, one plan per tick over all {} ranks (planner {}, granularity {}, tolerance "
+        fmt::print("  cad        lockstep ticks, one plan per tick over all {} ranks{} (planner {}, granularity {}, tolerance "
                    "{}, stateless backward); idle stages serve attention\n",
-                   c.size(), o.policy, trainers[0]->options().train.granularity, o.tolerance);
+                   c.size() / o.tp, o.tp > 1 ? " of each TP index" : "", o.policy, trainers[0]->options().train.granularity, o.tolerance);
       }
       fmt::print("  step time  the slowest rank's own parts (they add up): linear + attn + comm + pipe (waiting for the "
                  "neighbour stage) + idle (ticks without work, and the end-of-step wait) + optim + other\n");
@@ -506,6 +529,7 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
       for (const auto& r : records) steps.push_back(r.to_json());
       const nlohmann::json out = {{"format", "distca-train-pipeline"}, {"version", 1}, {"ranks", c.size()},
                                   {"comm", c.name()}, {"pp", a.pp}, {"micro_batches", po.micro_batches},
+                                  {"rank_map", trainers[0]->rank_map().to_json()},
                                   {"preset", a.preset}, {"config", o.to_json()}, {"steps", steps}, {"summary", summary}};
       DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
       fmt::print("wrote {}\n", a.json_path);
@@ -575,7 +599,8 @@ int run_train(const TrainArgs& a) {
       for (const model::EvalRecord& r : evals) validation.push_back(r.to_json());
       const nlohmann::json out = {{"format", "distca-train"}, {"version", 2},       {"ranks", c.size()},
                                   {"comm", c.name()},         {"preset", a.preset}, {"config", o.to_json()},
-                                  {"data", trainer->data_description()},            {"steps", steps},
+                                  {"data", trainer->data_description()},            {"rank_map", trainer->rank_map().to_json()},
+                                  {"steps", steps},
                                   {"validation", validation},                      {"summary", summary}};
       DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
       fmt::print("wrote {}\n", a.json_path);
@@ -598,7 +623,7 @@ std::function<int()> add_train_command(CLI::App& app) {
                         ->capture_default_str();
   cmd->add_flag("--compare", a.is_compare, "train colocated and CAD from the same weights on the same data, interleaved");
   cmd->add_option("--steps", a.steps, "optimizer steps (default: the preset's)");
-  cmd->add_option("--context", a.context, "tokens per rank per step (default: the preset's)");
+  cmd->add_option("--context", a.context, "tokens per rank per step; with --tp, per data-parallel replica (its TP ranks share them) (default: the preset's)");
   cmd->add_option("--layers", a.layers, "transformer layers (default: the preset's)");
   cmd->add_option("--lr", a.lr, "peak learning rate (default: the preset's)");
   cmd->add_option("--warmup", a.warmup, "linear warm-up steps to the peak (default: the preset's)");
@@ -629,6 +654,11 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--resume", a.resume, "continue from this checkpoint (same data, ranks and context)");
   a.ranks_opt = cmd->add_option("--ranks", a.ranks, "ranks to run as threads, 1..256 (not under mpirun: there -np sets them)")
                     ->capture_default_str();
+  cmd->add_option("--tp", a.tp,
+                  "tensor-parallel ranks per model replica (Megatron: heads and FFN split, all-reduce after Wo and "
+                  "Wdown; divides the query heads, the FFN and the ranks); CAD dispatches each TP rank's heads to the "
+                  "ranks of its TP index. Rank map: rank = (pp x dp_size + dp) x tp_size + tp, printed at the start")
+      ->capture_default_str();
   a.pp_opt = cmd->add_option("--pp", a.pp,
                              "pipeline stages (divides the layers and the ranks): colocated runs 1F1B, cad lockstep ticks "
                              "with one plan per tick over all ranks")

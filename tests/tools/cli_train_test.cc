@@ -89,6 +89,33 @@ TEST(Cli, TrainCompareJsonHasTheDocumentedFields) {
 
 // --pp: the tick tables as printed, the refusals, and a compared run whose every rank's parts add
 // up to its step, with the same losses under both schedules.
+// --tp: the rank map printed and in the JSON, the model's split named, layouts the model or the
+// ranks cannot take refused with the reason.
+TEST(Cli, TrainTensorParallelPrintsItsRankMapAndRefusesLayoutsItCannotSplit) {
+  const std::string json = (scratch() / "train-tp.json").string();
+  CmdResult run = distca("train --preset tiny --tp 2 --ranks 4 --compare --steps 2 --json " + json);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("tensor parallel over 2 ranks: 1/1 heads and ffn 64 each, each key/value head shared by 2 ranks"),
+            std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("ranks      tp 2 x pp 1 x dp 2 (rank = (pp x 2 + dp) x 2 + tp):"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("rank 3: tp 1, pp 0, dp 1; groups tp [2 3], dp [1 3], pp [3], cad servers [1 3]"), std::string::npos) << run.out;
+  auto j = nlohmann::json::parse(distca::read_text_file(json).value());
+  EXPECT_EQ(j["config"]["tp"], 2);
+  EXPECT_EQ(j["rank_map"]["dp"], 2);
+  ASSERT_EQ(j["rank_map"]["ranks"].size(), 4u);
+  EXPECT_EQ(j["rank_map"]["ranks"][1]["cad_group"], nlohmann::json::array({1, 3}));
+  EXPECT_LT(j["summary"]["loss_max_rel_diff"].get<double>(), 1e-6);
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--tp 2 --ranks 3", "--tp 2 x --pp 1 must divide the 3 ranks"},
+           {"--tp 4 --ranks 4", "--tp 4 must divide the model's query heads (2)"},
+           {"--tp 0", "--tp must be 1..1024"},
+           {"--tp 2 --checkpoint x.ckpt", "--tp does not support --checkpoint or --resume yet"}}) {
+    CmdResult bad = distca("train --preset tiny --steps 1 " + args);
+    EXPECT_EQ(bad.exit_code, 2) << args << ": " << bad.out;
+    EXPECT_NE(bad.err.find(message), std::string::npos) << args << ": " << bad.err;
+  }
+}
+
 TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   CmdResult r = distca("train --preset tiny --pp 2 --micro-batches 3 --print-schedule --compare");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -109,7 +136,8 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   CmdResult run = distca("train --preset tiny --layers 4 --pp 2 --micro-batches 3 --compare --steps 3 --ranks 4 --json " + json);
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_NE(run.out.find("2 pipeline stages x 2 data-parallel replicas, 3 micro-batches"), std::string::npos) << run.out;
-  EXPECT_NE(run.out.find("ranks      0=(pp 0, dp 0) 1=(pp 0, dp 1) 2=(pp 1, dp 0) 3=(pp 1, dp 1)"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("ranks      tp 1 x pp 2 x dp 2"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("rank 2: tp 0, pp 1, dp 0; groups tp [2], dp [2 3], pp [0 2], cad servers [0 1 2 3]"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("speedup of CAD over colocated 1F1B"), std::string::npos) << run.out;
   auto j = nlohmann::json::parse(distca::read_text_file(json).value());
   EXPECT_EQ(j["format"], "distca-train-pipeline");
