@@ -48,6 +48,26 @@ inline PipelineOptions pipeline_options(const std::string& data, int pp, int M, 
   return o;
 }
 
+// A model tensor parallelism can split up to 8 ways: 8 query heads over 2 key/value heads of
+// 32 (tp 2 slices the key/value heads, tp 4 and 8 share each between 2 and 4 ranks), FFN 64.
+inline ModelConfig tp_model(int64_t layers) {
+  ModelConfig m;
+  m.num_layers = layers;
+  m.d_model = 64;
+  m.num_q_heads = 8;
+  m.num_kv_heads = 2;
+  m.head_dim = 32;
+  m.ffn_dim = 64;
+  return m;
+}
+
+// The largest relative difference of two loss curves (of the same length).
+inline double worst_relative(const std::vector<double>& got, const std::vector<double>& want) {
+  double w = got.size() == want.size() ? 0 : 1e30;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) w = std::max(w, std::abs(got[i] - want[i]) / std::abs(want[i]));
+  return w;
+}
+
 struct Curve {
   std::vector<double> losses;
   std::vector<float> gradient;  // step 1, the whole arena (each stage's owned range, from its first replica)

@@ -28,18 +28,7 @@ std::string data_file() {
   return path;
 }
 
-// 8 query heads over 2 key/value heads of 32, FFN 64: tp 2 slices the key/value heads, tp 4 and 8
-// share each between 2 and 4 ranks.
-ModelConfig tp_model(int64_t layers) {
-  ModelConfig m;
-  m.num_layers = layers;
-  m.d_model = 64;
-  m.num_q_heads = 8;
-  m.num_kv_heads = 2;
-  m.head_dim = 32;
-  m.ffn_dim = 64;
-  return m;
-}
+using testing::tp_model;
 
 TEST(RankMap, TensorParallelIsInnermostThenDataThenPipeline) {
   const RankMap m = RankMap::of(8, 2, 2);  // tp 2, pp 2, dp 2
@@ -131,9 +120,7 @@ TEST(TensorParallel, RanksWithDifferentPlansAllSayWhich) {
 
 double worst(const std::vector<double>& got, const std::vector<double>& want) {
   EXPECT_EQ(got.size(), want.size());
-  double w = 0;
-  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) w = std::max(w, std::abs(got[i] - want[i]) / std::abs(want[i]));
-  return w;
+  return testing::worst_relative(got, want);
 }
 
 TrainOptions dp_options(int tp, int64_t context, int64_t steps) {
