@@ -233,13 +233,14 @@ int64_t Model<T>::workspace_bytes(const ModelConfig& c, int64_t n, LayerRange ra
   const int64_t layers = range.count < 0 ? c.num_layers - range.first : range.count;
   // Per token, as the constructor lays it out: per layer x, h1, x_mid, h2 (d each), rstd1/2, q and
   // o, k and v, gate, up and s; then x_final, hf, dx, dh, rstdf, logits and dlogits, RoPE cos and
-  // sin, dq, do, dk, dv, dgate, dup, ds; LSE per layer and query head (fp32); the token ids.
+  // sin, dq, do, dk, dv, dgate, dup, ds; LSE per layer and query head (fp32); the token ids and
+  // targets.
   const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width();
   const int64_t per_layer = 4 * d + 2 + 2 * qw + 2 * kw + 3 * f;
   const int64_t global = 4 * d + 1 + 2 * c.vocab_size + 2 * (c.head_dim / 2) + 2 * qw + 2 * kw + 3 * f;
   const int64_t elements = n * (layers * per_layer + global);
   return elements * static_cast<int64_t>(sizeof(T)) +
-         n * (layers * c.num_q_heads * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int32_t)));
+         n * (layers * c.num_q_heads * static_cast<int64_t>(sizeof(float)) + 2 * static_cast<int64_t>(sizeof(int32_t)));
 }
 
 template <typename T>
@@ -290,14 +291,20 @@ Model<T>::Model(const ModelConfig& config, int64_t max_tokens, LayerRange range,
   dq_ = acts_.at(dq), dk_ = acts_.at(dk), dv_ = acts_.at(dv), do_ = acts_.at(d_o), dgate_ = acts_.at(dgate);
   dup_ = acts_.at(dup), ds_ = acts_.at(ds);
   tokens_.assign(static_cast<size_t>(n), 0);
+  targets_.assign(static_cast<size_t>(n), -1);
 }
 
 template <typename T>
-Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
-                                 double loss_scale, PassTimes* times, const T* x_in) {
-  const auto begin = Clock::now();
-  const AttentionTimes before = attention.times;
-  const double tp_before = tp_seconds_;
+const typename Model<T>::Views& Model<T>::views(ModelState<T>& state) {
+  // Rebuilt when another state (or a reallocated one) comes: block lookups by name are not free.
+  if (views_.state != &state || views_.data != state.params.data() || views_.grad_data != state.grads.data()) {
+    views_ = {&state, state.params.data(), state.grads.data(), state.weights(), state.gradients()};
+  }
+  return views_;
+}
+
+template <typename T>
+Status Model<T>::begin_forward(ModelState<T>& state, const StepTokens& in, const T* x_in) {
   const ModelConfig& c = config_;
   const auto n = static_cast<int64_t>(in.tokens.size());
   if (n > max_tokens_) return invalid_argument(fmt::format("{} tokens but the model's workspace holds {}", n, max_tokens_));
@@ -305,7 +312,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
     return invalid_argument("tokens, targets and positions must have one entry per token");
   }
   n_ = n;
-  const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size;
+  const int64_t d = c.d_model, V = c.vocab_size;
   const Weights<T> w = state.weights();
   if (!has_embedding() && x_in == nullptr) return invalid_argument("a stage without the embedding needs its input activations");
   if (!has_embedding()) std::memcpy(layer_acts_[0].x, x_in, sizeof(T) * n * d);
@@ -317,6 +324,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
       return invalid_argument(fmt::format("target {} at row {} is outside the vocabulary of {}", in.targets[i], i, V));
     }
     tokens_[i] = t;
+    targets_[i] = in.targets[i];
     if (has_embedding()) std::memcpy(layer_acts_[0].x + i * d, w.embed + t * d, sizeof(T) * d);
   }
   const int64_t half = c.head_dim / 2;
@@ -327,46 +335,65 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
       sin_[i * half + j] = static_cast<T>(std::sin(angle));
     }
   }
-  for (int64_t l = 0; l < count_; ++l) {
-    const LayerWeights<T>& lw = w.layers[first_ + l];
-    const LayerActs& a = layer_acts_[l];
-    T* x_out = l + 1 < count_ ? layer_acts_[l + 1].x : x_final_;
-    rmsnorm_forward(a.x, lw.attn_norm, n, d, c.norm_eps, a.h1, a.rstd1);
-    gemm(false, false, n, qw, d, a.h1, lw.wq, T(0), a.q);
-    gemm(false, false, n, kw, d, a.h1, lw.wk, T(0), a.k);
-    gemm(false, false, n, kw, d, a.h1, lw.wv, T(0), a.v);
-    rope(a.q, n, c.num_q_heads, c.head_dim, cos_, sin_, T(1));
-    rope(a.k, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(1));
-    DISTCA_RETURN_IF_ERROR(attention.forward(static_cast<int>(first_ + l), a.q, a.k, a.v, a.o, a.lse));
-    if (tp_.size > 1) {  // x_mid = x + sum over the group of o Wo
-      gemm(false, false, n, d, qw, a.o, lw.wo, T(0), a.x_mid);
-      DISTCA_RETURN_IF_ERROR(tp_reduce(a.x_mid, n * d));
-      for (int64_t i = 0; i < n * d; ++i) a.x_mid[i] += a.x[i];
-    } else {
-      std::memcpy(a.x_mid, a.x, sizeof(T) * n * d);
-      gemm(false, false, n, d, qw, a.o, lw.wo, T(1), a.x_mid);
-    }
-    rmsnorm_forward(a.x_mid, lw.mlp_norm, n, d, c.norm_eps, a.h2, a.rstd2);
-    gemm(false, false, n, f, d, a.h2, lw.w_gate, T(0), a.gate);
-    gemm(false, false, n, f, d, a.h2, lw.w_up, T(0), a.up);
-    for (int64_t i = 0; i < n * f; ++i) a.s[i] = a.gate[i] * sigmoid(a.gate[i]) * a.up[i];
-    if (tp_.size > 1) {
-      gemm(false, false, n, d, f, a.s, lw.w_down, T(0), x_out);
-      DISTCA_RETURN_IF_ERROR(tp_reduce(x_out, n * d));
-      for (int64_t i = 0; i < n * d; ++i) x_out[i] += a.x_mid[i];
-    } else {
-      std::memcpy(x_out, a.x_mid, sizeof(T) * n * d);
-      gemm(false, false, n, d, f, a.s, lw.w_down, T(1), x_out);
-    }
+  return Status::ok();
+}
+
+template <typename T>
+typename Model<T>::AttentionIo Model<T>::attention_io(int64_t slot) {
+  const LayerActs& a = layer_acts_[slot];
+  return {a.q, a.k, a.v, a.o, a.lse, do_, dq_, dk_, dv_};
+}
+
+template <typename T>
+void Model<T>::forward_pre_attention(ModelState<T>& state, int64_t slot) {
+  const ModelConfig& c = config_;
+  const int64_t n = n_, d = c.d_model, qw = c.q_width(), kw = c.kv_width();
+  const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
+  const LayerActs& a = layer_acts_[slot];
+  rmsnorm_forward(a.x, lw.attn_norm, n, d, c.norm_eps, a.h1, a.rstd1);
+  gemm(false, false, n, qw, d, a.h1, lw.wq, T(0), a.q);
+  gemm(false, false, n, kw, d, a.h1, lw.wk, T(0), a.k);
+  gemm(false, false, n, kw, d, a.h1, lw.wv, T(0), a.v);
+  rope(a.q, n, c.num_q_heads, c.head_dim, cos_, sin_, T(1));
+  rope(a.k, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(1));
+}
+
+template <typename T>
+Status Model<T>::forward_post_attention(ModelState<T>& state, int64_t slot) {
+  const ModelConfig& c = config_;
+  const int64_t n = n_, d = c.d_model, f = c.ffn_dim, qw = c.q_width();
+  const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
+  const LayerActs& a = layer_acts_[slot];
+  T* x_out = slot + 1 < count_ ? layer_acts_[slot + 1].x : x_final_;
+  if (tp_.size > 1) {  // x_mid = x + sum over the group of o Wo
+    gemm(false, false, n, d, qw, a.o, lw.wo, T(0), a.x_mid);
+    DISTCA_RETURN_IF_ERROR(tp_reduce(a.x_mid, n * d));
+    for (int64_t i = 0; i < n * d; ++i) a.x_mid[i] += a.x[i];
+  } else {
+    std::memcpy(a.x_mid, a.x, sizeof(T) * n * d);
+    gemm(false, false, n, d, qw, a.o, lw.wo, T(1), a.x_mid);
   }
-  if (!has_head()) {
-    if (times != nullptr) {
-      times->total += since(begin);
-      times->attention += attention.times.compute - before.compute;
-      times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
-    }
-    return 0.0;
+  rmsnorm_forward(a.x_mid, lw.mlp_norm, n, d, c.norm_eps, a.h2, a.rstd2);
+  gemm(false, false, n, f, d, a.h2, lw.w_gate, T(0), a.gate);
+  gemm(false, false, n, f, d, a.h2, lw.w_up, T(0), a.up);
+  for (int64_t i = 0; i < n * f; ++i) a.s[i] = a.gate[i] * sigmoid(a.gate[i]) * a.up[i];
+  if (tp_.size > 1) {
+    gemm(false, false, n, d, f, a.s, lw.w_down, T(0), x_out);
+    DISTCA_RETURN_IF_ERROR(tp_reduce(x_out, n * d));
+    for (int64_t i = 0; i < n * d; ++i) x_out[i] += a.x_mid[i];
+  } else {
+    std::memcpy(x_out, a.x_mid, sizeof(T) * n * d);
+    gemm(false, false, n, d, f, a.s, lw.w_down, T(1), x_out);
   }
+  return Status::ok();
+}
+
+template <typename T>
+double Model<T>::finish_forward(ModelState<T>& state, double loss_scale) {
+  if (!has_head()) return 0.0;
+  const ModelConfig& c = config_;
+  const int64_t n = n_, d = c.d_model, V = c.vocab_size;
+  const Weights<T> w = state.weights();
   rmsnorm_forward(x_final_, w.final_norm, n, d, c.norm_eps, hf_, rstdf_);
   gemm(false, false, n, V, d, hf_, w.lm_head, T(0), logits_);
   // Cross-entropy; dlogits = (softmax - onehot) * loss_scale on rows with a target, else 0.
@@ -374,7 +401,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
   for (int64_t i = 0; i < n; ++i) {
     const T* z = logits_ + i * V;
     T* dz = dlogits_ + i * V;
-    const int32_t target = in.targets[i];
+    const int32_t target = targets_[i];
     if (target < 0) {
       std::fill(dz, dz + V, T(0));
       continue;
@@ -388,12 +415,120 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
     for (int64_t j = 0; j < V; ++j) dz[j] = static_cast<T>(std::exp(static_cast<double>(z[j]) - lse) * loss_scale);
     dz[target] -= static_cast<T>(loss_scale);
   }
-  if (times != nullptr) {
-    times->total += since(begin);
-    times->attention += attention.times.compute - before.compute;
-    times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
-  }
   return loss;
+}
+
+template <typename T>
+void Model<T>::add_times(PassTimes* times, std::chrono::steady_clock::time_point begin, const AttentionTimes& before,
+                         const AttentionBackend<T>& attention, double tp_before) const {
+  if (times == nullptr) return;
+  times->total += since(begin);
+  times->attention += attention.times.compute - before.compute;
+  times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
+}
+
+template <typename T>
+Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
+                                 double loss_scale, PassTimes* times, const T* x_in) {
+  const auto begin = Clock::now();
+  const AttentionTimes before = attention.times;
+  const double tp_before = tp_seconds_;
+  DISTCA_RETURN_IF_ERROR(begin_forward(state, in, x_in));
+  for (int64_t l = 0; l < count_; ++l) {
+    forward_pre_attention(state, l);
+    const AttentionIo io = attention_io(l);
+    DISTCA_RETURN_IF_ERROR(attention.forward(static_cast<int>(first_ + l), io.q, io.k, io.v, io.o, io.lse));
+    DISTCA_RETURN_IF_ERROR(forward_post_attention(state, l));
+  }
+  const double loss = finish_forward(state, loss_scale);
+  add_times(times, begin, before, attention, tp_before);
+  return loss;
+}
+
+template <typename T>
+Status Model<T>::begin_backward(ModelState<T>& state, const T* dx_in) {
+  const ModelConfig& c = config_;
+  const int64_t n = n_, d = c.d_model, V = c.vocab_size;
+  state.grads.fill(T(0));
+  if (has_head()) {
+    // Head and final norm: dx_ = d loss / d x_final.
+    const Weights<T> w = state.weights();
+    const Weights<T> g = state.gradients();
+    gemm(true, false, d, V, n, hf_, dlogits_, T(0), g.lm_head);
+    gemm(false, true, n, d, V, dlogits_, w.lm_head, T(0), dh_);
+    std::fill(dx_, dx_ + n * d, T(0));
+    rmsnorm_backward(x_final_, w.final_norm, rstdf_, dh_, n, d, dx_, g.final_norm);
+    return Status::ok();
+  }
+  if (dx_in == nullptr) return invalid_argument("a stage without the head needs the gradient of its output");
+  std::memcpy(dx_, dx_in, sizeof(T) * n * d);
+  return Status::ok();
+}
+
+template <typename T>
+Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
+  const ModelConfig& c = config_;
+  const int64_t n = n_, d = c.d_model, f = c.ffn_dim, qw = c.q_width();
+  const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
+  const LayerWeights<T>& lg = views(state).grads.layers[first_ + slot];
+  const LayerActs& a = layer_acts_[slot];
+  // MLP: x_out = x_mid + s Wdown, s = silu(gate) up.
+  gemm(true, false, f, d, n, a.s, dx_, T(0), lg.w_down);
+  gemm(false, true, n, f, d, dx_, lw.w_down, T(0), ds_);
+  for (int64_t i = 0; i < n * f; ++i) {
+    const T sg = sigmoid(a.gate[i]);
+    const T silu = a.gate[i] * sg;
+    dup_[i] = ds_[i] * silu;
+    dgate_[i] = ds_[i] * a.up[i] * sg * (T(1) + a.gate[i] * (T(1) - sg));
+  }
+  gemm(true, false, d, f, n, a.h2, dgate_, T(0), lg.w_gate);
+  gemm(true, false, d, f, n, a.h2, dup_, T(0), lg.w_up);
+  gemm(false, true, n, d, f, dgate_, lw.w_gate, T(0), dh_);
+  gemm(false, true, n, d, f, dup_, lw.w_up, T(1), dh_);
+  DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
+  rmsnorm_backward(a.x_mid, lw.mlp_norm, a.rstd2, dh_, n, d, dx_, lg.mlp_norm);  // dx_ = d / d x_mid
+  // Attention: x_mid = x + o Wo.
+  gemm(true, false, qw, d, n, a.o, dx_, T(0), lg.wo);
+  gemm(false, true, n, qw, d, dx_, lw.wo, T(0), do_);
+  return Status::ok();
+}
+
+template <typename T>
+Status Model<T>::backward_pre_attention(ModelState<T>& state, int64_t slot) {
+  const ModelConfig& c = config_;
+  const int64_t n = n_, d = c.d_model, qw = c.q_width(), kw = c.kv_width();
+  const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
+  const LayerWeights<T>& lg = views(state).grads.layers[first_ + slot];
+  const LayerActs& a = layer_acts_[slot];
+  rope(dq_, n, c.num_q_heads, c.head_dim, cos_, sin_, T(-1));
+  rope(dk_, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(-1));
+  gemm(true, false, d, qw, n, a.h1, dq_, T(0), lg.wq);
+  gemm(true, false, d, kw, n, a.h1, dk_, T(0), lg.wk);
+  gemm(true, false, d, kw, n, a.h1, dv_, T(0), lg.wv);
+  if (tp_.kv_all_reduce) {  // key/value heads shared by several TP ranks: each saw some of their queries
+    const auto t0 = Clock::now();
+    DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wk, d * kw));
+    DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wv, d * kw));
+    tp_seconds_ += since(t0);
+  }
+  gemm(false, true, n, d, qw, dq_, lw.wq, T(0), dh_);
+  gemm(false, true, n, d, kw, dk_, lw.wk, T(1), dh_);
+  gemm(false, true, n, d, kw, dv_, lw.wv, T(1), dh_);
+  DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
+  rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
+  return Status::ok();
+}
+
+template <typename T>
+void Model<T>::finish_backward(ModelState<T>& state) {
+  if (!has_embedding()) return;
+  const int64_t d = config_.d_model;
+  T* embed = state.gradients().embed;
+  for (int64_t i = 0; i < n_; ++i) {
+    T* ge = embed + tokens_[i] * d;
+    const T* dxi = dx_ + i * d;
+    for (int64_t j = 0; j < d; ++j) ge[j] += dxi[j];
+  }
 }
 
 template <typename T>
@@ -401,71 +536,16 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
   const double tp_before = tp_seconds_;
-  const ModelConfig& c = config_;
-  const int64_t n = n_, d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size;
-  state.grads.fill(T(0));
-  const Weights<T> w = state.weights();
-  const Weights<T> g = state.gradients();
-  if (has_head()) {
-    // Head and final norm: dx_ = d loss / d x_final.
-    gemm(true, false, d, V, n, hf_, dlogits_, T(0), g.lm_head);
-    gemm(false, true, n, d, V, dlogits_, w.lm_head, T(0), dh_);
-    std::fill(dx_, dx_ + n * d, T(0));
-    rmsnorm_backward(x_final_, w.final_norm, rstdf_, dh_, n, d, dx_, g.final_norm);
-  } else {
-    if (dx_in == nullptr) return invalid_argument("a stage without the head needs the gradient of its output");
-    std::memcpy(dx_, dx_in, sizeof(T) * n * d);
-  }
+  DISTCA_RETURN_IF_ERROR(begin_backward(state, dx_in));
   for (int64_t l = count_ - 1; l >= 0; --l) {
-    const LayerWeights<T>& lw = w.layers[first_ + l];
-    const LayerWeights<T>& lg = g.layers[first_ + l];
-    const LayerActs& a = layer_acts_[l];
-    // MLP: x_out = x_mid + s Wdown, s = silu(gate) up.
-    gemm(true, false, f, d, n, a.s, dx_, T(0), lg.w_down);
-    gemm(false, true, n, f, d, dx_, lw.w_down, T(0), ds_);
-    for (int64_t i = 0; i < n * f; ++i) {
-      const T sg = sigmoid(a.gate[i]);
-      const T silu = a.gate[i] * sg;
-      dup_[i] = ds_[i] * silu;
-      dgate_[i] = ds_[i] * a.up[i] * sg * (T(1) + a.gate[i] * (T(1) - sg));
-    }
-    gemm(true, false, d, f, n, a.h2, dgate_, T(0), lg.w_gate);
-    gemm(true, false, d, f, n, a.h2, dup_, T(0), lg.w_up);
-    gemm(false, true, n, d, f, dgate_, lw.w_gate, T(0), dh_);
-    gemm(false, true, n, d, f, dup_, lw.w_up, T(1), dh_);
-    DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
-    rmsnorm_backward(a.x_mid, lw.mlp_norm, a.rstd2, dh_, n, d, dx_, lg.mlp_norm);  // dx_ = d / d x_mid
-    // Attention: x_mid = x + o Wo.
-    gemm(true, false, qw, d, n, a.o, dx_, T(0), lg.wo);
-    gemm(false, true, n, qw, d, dx_, lw.wo, T(0), do_);
-    DISTCA_RETURN_IF_ERROR(attention.backward(static_cast<int>(first_ + l), a.q, a.k, a.v, a.o, a.lse, do_, dq_, dk_, dv_));
-    rope(dq_, n, c.num_q_heads, c.head_dim, cos_, sin_, T(-1));
-    rope(dk_, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(-1));
-    gemm(true, false, d, qw, n, a.h1, dq_, T(0), lg.wq);
-    gemm(true, false, d, kw, n, a.h1, dk_, T(0), lg.wk);
-    gemm(true, false, d, kw, n, a.h1, dv_, T(0), lg.wv);
-    if (tp_.kv_all_reduce) {  // key/value heads shared by several TP ranks: each saw some of their queries
-      const auto t0 = Clock::now();
-      DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wk, d * kw));
-      DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wv, d * kw));
-      tp_seconds_ += since(t0);
-    }
-    gemm(false, true, n, d, qw, dq_, lw.wq, T(0), dh_);
-    gemm(false, true, n, d, kw, dk_, lw.wk, T(1), dh_);
-    gemm(false, true, n, d, kw, dv_, lw.wv, T(1), dh_);
-    DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
-    rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
+    DISTCA_RETURN_IF_ERROR(backward_post_attention(state, l));
+    const AttentionIo io = attention_io(l);
+    DISTCA_RETURN_IF_ERROR(attention.backward(static_cast<int>(first_ + l), io.q, io.k, io.v, io.o, io.lse, io.d_o, io.dq,
+                                              io.dk, io.dv));
+    DISTCA_RETURN_IF_ERROR(backward_pre_attention(state, l));
   }
-  for (int64_t i = 0; i < n && has_embedding(); ++i) {
-    T* ge = g.embed + tokens_[i] * d;
-    const T* dxi = dx_ + i * d;
-    for (int64_t j = 0; j < d; ++j) ge[j] += dxi[j];
-  }
-  if (times != nullptr) {
-    times->total += since(begin);
-    times->attention += attention.times.compute - before.compute;
-    times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
-  }
+  finish_backward(state);
+  add_times(times, begin, before, attention, tp_before);
   return Status::ok();
 }
 

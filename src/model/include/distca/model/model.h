@@ -9,6 +9,7 @@
 // loss (a document's last token has no target). T is float (training) or double (gradient
 // checks).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -121,8 +122,8 @@ class Model {
   bool has_embedding() const { return first_ == 0; }
   bool has_head() const { return first_ + count_ == config_.num_layers; }
   int64_t allocated_bytes() const {
-    return acts_.size() * static_cast<int64_t>(sizeof(T)) + static_cast<int64_t>(lse_.size() * sizeof(float) +
-                                                                                  tokens_.size() * sizeof(int32_t));
+    return acts_.size() * static_cast<int64_t>(sizeof(T)) +
+           static_cast<int64_t>(lse_.size() * sizeof(float) + (tokens_.size() + targets_.size()) * sizeof(int32_t));
   }
 
   // Runs the forward and the loss. Returns the sum over this rank's targets of the loss; keeps
@@ -136,6 +137,28 @@ class Model {
   // d loss / d x_in in input_grad().
   Status backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times = nullptr,
                   const T* dx_in = nullptr);
+  // The same passes in phases, for a caller that drives attention itself (ping-pong interleaves
+  // two models' phases): forward() is begin_forward, then per layer slot l (0 .. stage layers - 1)
+  // forward_pre_attention(l) (norm, Q/K/V, RoPE), attention on attention_io(l), forward_post_attention(l)
+  // (Wo, residual, MLP), then finish_forward (head and loss; 0 without the head). backward() is
+  // begin_backward (zeroes the gradients; head), then per slot from the last
+  // backward_post_attention(l) (MLP, Wo: leaves dO), attention's backward on attention_io(l),
+  // backward_pre_attention(l) (RoPE, Q/K/V, norm), then finish_backward (embedding).
+  struct AttentionIo {
+    T *q, *k, *v, *o;
+    float* lse;
+    T *d_o, *dq, *dk, *dv;  // the backward's (shared by the layers: one layer's backward at a time)
+  };
+  Status begin_forward(ModelState<T>& state, const StepTokens& in, const T* x_in = nullptr);
+  void forward_pre_attention(ModelState<T>& state, int64_t slot);
+  Status forward_post_attention(ModelState<T>& state, int64_t slot);
+  double finish_forward(ModelState<T>& state, double loss_scale);
+  Status begin_backward(ModelState<T>& state, const T* dx_in = nullptr);
+  Status backward_post_attention(ModelState<T>& state, int64_t slot);
+  Status backward_pre_attention(ModelState<T>& state, int64_t slot);
+  void finish_backward(ModelState<T>& state);
+  AttentionIo attention_io(int64_t slot);
+
   // [n, d] the last forward's output activations (a stage without the head).
   const T* output() const { return x_final_; }
   // [n, d] the last backward's gradient of the input activations (a stage without the embedding).
@@ -153,6 +176,8 @@ class Model {
   // Sums a partial [rows, d] over the tensor-parallel group (nothing without one); its seconds
   // count as communication.
   Status tp_reduce(T* data, int64_t count);
+  void add_times(PassTimes* times, std::chrono::steady_clock::time_point begin, const AttentionTimes& before,
+                 const AttentionBackend<T>& attention, double tp_before) const;
   ModelConfig config_;
   TensorParallel<T> tp_;
   double tp_seconds_ = 0;
@@ -164,7 +189,16 @@ class Model {
   std::vector<LayerActs> layer_acts_;
   T *x_final_, *hf_, *rstdf_, *logits_, *dlogits_, *cos_, *sin_;
   T *dx_, *dh_, *dq_, *dk_, *dv_, *do_, *dgate_, *dup_, *ds_;
-  std::vector<int32_t> tokens_;
+  std::vector<int32_t> tokens_, targets_;
+  // The state's weight and gradient views, cached for the phases.
+  struct Views {
+    const ModelState<T>* state = nullptr;
+    const T* data = nullptr;
+    const T* grad_data = nullptr;
+    Weights<T> params, grads;
+  };
+  const Views& views(ModelState<T>& state);
+  Views views_;
 };
 
 extern template struct ModelState<float>;
