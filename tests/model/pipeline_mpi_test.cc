@@ -4,9 +4,6 @@
 // same model on one rank (<= 1e-5 relative over 10 steps) and its step-1 gradients (<= 1e-5 of
 // the largest). With --fault on 3 ranks (pp 3), rank 1 fails in step 2 and the whole job ends.
 #include <fmt/format.h>
-#include <unistd.h>
-
-#include <cstdio>
 
 #include "../comm/mpi_test_main.h"
 #include "distca/kernels/gemm_attention.h"
@@ -20,12 +17,8 @@ int main(int argc, char** argv) {
   comm::MpiComm& c = *t.comm;
   auto fail = [&t](const Status& st) { return t.fail(st); };
   kernels::blas_set_num_threads(1);
-  const std::string data = model::testing::write_pipeline_data(fmt::format("/tmp/distca_pipeline_mpi_{}.jsonl", ::getpid()));
-  // This process's own file (concurrent runs share /tmp), removed when the test ends.
-  struct RemoveAtExit {
-    std::string path;
-    ~RemoveAtExit() { std::remove(path.c_str()); }
-  } remove_data{data};
+  const model::testing::ProcessDataFile data_file("distca_pipeline_mpi");
+  const std::string& data = data_file.path();
   constexpr int64_t T = 64;
   constexpr int kSteps = 10;
   if (t.is_fault) {

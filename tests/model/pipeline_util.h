@@ -2,6 +2,9 @@
 // D ranks of T tokens and one rank of D x T, the small model, and one rank's reference run.
 #pragma once
 #include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include <filesystem>
 #include <fstream>
@@ -26,6 +29,21 @@ inline std::string write_pipeline_data(const std::string& path) {
   }
   return path;
 }
+
+// The data file of one process of an mpirun test: named by its pid (concurrent test runs share
+// /tmp), written at construction, removed at destruction.
+class ProcessDataFile {
+ public:
+  explicit ProcessDataFile(const std::string& prefix)
+      : path_(write_pipeline_data(fmt::format("/tmp/{}_{}.jsonl", prefix, ::getpid()))) {}
+  ~ProcessDataFile() { std::remove(path_.c_str()); }
+  ProcessDataFile(const ProcessDataFile&) = delete;
+  ProcessDataFile& operator=(const ProcessDataFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 // 2 layers per stage of d 64, 2/1 heads of 32; AdamW at the preset's defaults.
 inline PipelineOptions pipeline_options(const std::string& data, int pp, int M, const std::string& schedule,

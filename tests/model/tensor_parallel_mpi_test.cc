@@ -4,9 +4,6 @@
 // of the same model on one rank, within 1e-5 relative over 10 steps. With --fault (3 ranks, one TP
 // group of 3), TP rank 1 fails in step 2 and the whole job must end.
 #include <fmt/format.h>
-#include <unistd.h>
-
-#include <cstdio>
 
 #include <array>
 #include <map>
@@ -23,12 +20,8 @@ int main(int argc, char** argv) {
   comm::MpiComm& c = *t.comm;
   auto fail = [&t](const Status& st) { return t.fail(st); };
   kernels::blas_set_num_threads(1);
-  const std::string data = model::testing::write_pipeline_data(fmt::format("/tmp/distca_tp_mpi_{}.jsonl", ::getpid()));
-  // This process's own file (concurrent runs share /tmp), removed when the test ends.
-  struct RemoveAtExit {
-    std::string path;
-    ~RemoveAtExit() { std::remove(path.c_str()); }
-  } remove_data{data};
+  const model::testing::ProcessDataFile data_file("distca_tp_mpi");
+  const std::string& data = data_file.path();
   constexpr int64_t T = 64;
   constexpr int kSteps = 10;
   auto dp_options = [&](int tp, int64_t context, int64_t steps) {
