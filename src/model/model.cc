@@ -16,14 +16,22 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Row-major C[M, N] = op(A) op(B) + beta C, op(A) [M, K], op(B) [K, N].
+// k == 0 (no rows to sum over): C = beta C.
+template <typename T>
+bool gemm_is_empty(int64_t m, int64_t n, int64_t k, T beta, T* c) {
+  if (m == 0 || n == 0) return true;
+  if (k > 0) return false;
+  if (beta == T(0)) std::fill(c, c + m * n, T(0));
+  return true;
+}
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b, float beta, float* c) {
-  if (m == 0 || n == 0) return;
+  if (gemm_is_empty(m, n, k, beta, c)) return;
   cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
               static_cast<int>(n), static_cast<int>(k), 1.0f, a, static_cast<int>(ta ? m : k), b,
               static_cast<int>(tb ? k : n), beta, c, static_cast<int>(n));
 }
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a, const double* b, double beta, double* c) {
-  if (m == 0 || n == 0) return;
+  if (gemm_is_empty(m, n, k, beta, c)) return;
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
               static_cast<int>(n), static_cast<int>(k), 1.0, a, static_cast<int>(ta ? m : k), b,
               static_cast<int>(tb ? k : n), beta, c, static_cast<int>(n));
@@ -290,8 +298,36 @@ Model<T>::Model(const ModelConfig& config, int64_t max_tokens, LayerRange range,
   dlogits_ = acts_.at(dlogits), cos_ = acts_.at(cos), sin_ = acts_.at(sin), dx_ = acts_.at(dx), dh_ = acts_.at(dh);
   dq_ = acts_.at(dq), dk_ = acts_.at(dk), dv_ = acts_.at(dv), do_ = acts_.at(d_o), dgate_ = acts_.at(dgate);
   dup_ = acts_.at(dup), ds_ = acts_.at(ds);
-  tokens_.assign(static_cast<size_t>(n), 0);
-  targets_.assign(static_cast<size_t>(n), -1);
+  ids_.assign(static_cast<size_t>(2 * n), -1);
+  tokens_ = ids_.data();
+  targets_ = ids_.data() + n;
+}
+
+template <typename T>
+Model<T>::Model(Model& whole, int64_t r0, int64_t rows)
+    : config_(whole.config_), tp_(whole.tp_), max_tokens_(rows), first_(whole.first_), count_(whole.count_) {
+  const ModelConfig& c = config_;
+  const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size, half = c.head_dim / 2;
+  for (const LayerActs& a : whole.layer_acts_) {  // every buffer is [rows, width]: row r0 on
+    layer_acts_.push_back({a.x + r0 * d, a.h1 + r0 * d, a.rstd1 + r0, a.q + r0 * qw, a.k + r0 * kw, a.v + r0 * kw,
+                           a.o + r0 * qw, a.x_mid + r0 * d, a.h2 + r0 * d, a.rstd2 + r0, a.gate + r0 * f,
+                           a.up + r0 * f, a.s + r0 * f, a.lse + r0 * c.num_q_heads});
+  }
+  x_final_ = whole.x_final_ + r0 * d, hf_ = whole.hf_ + r0 * d, rstdf_ = whole.rstdf_ + r0;
+  logits_ = whole.logits_ + r0 * V, dlogits_ = whole.dlogits_ + r0 * V;
+  cos_ = whole.cos_ + r0 * half, sin_ = whole.sin_ + r0 * half;
+  dx_ = whole.dx_ + r0 * d, dh_ = whole.dh_ + r0 * d, dq_ = whole.dq_ + r0 * qw, dk_ = whole.dk_ + r0 * kw;
+  dv_ = whole.dv_ + r0 * kw, do_ = whole.do_ + r0 * qw, dgate_ = whole.dgate_ + r0 * f, dup_ = whole.dup_ + r0 * f;
+  ds_ = whole.ds_ + r0 * f;
+  tokens_ = whole.tokens_ + r0;
+  targets_ = whole.targets_ + r0;
+}
+
+template <typename T>
+std::unique_ptr<Model<T>> Model<T>::slice(int64_t first_row, int64_t rows) {
+  DISTCA_CHECK(first_row >= 0 && rows >= 0 && first_row + rows <= max_tokens_)
+      << "rows [" << first_row << ", " << first_row + rows << ") of a workspace of " << max_tokens_;
+  return std::unique_ptr<Model>(new Model(*this, first_row, rows));
 }
 
 template <typename T>
@@ -446,15 +482,15 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
 }
 
 template <typename T>
-Status Model<T>::begin_backward(ModelState<T>& state, const T* dx_in) {
+Status Model<T>::begin_backward(ModelState<T>& state, const T* dx_in, bool zero_grads) {
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, V = c.vocab_size;
-  state.grads.fill(T(0));
+  if (zero_grads) state.grads.fill(T(0));
   if (has_head()) {
     // Head and final norm: dx_ = d loss / d x_final.
     const Weights<T> w = state.weights();
     const Weights<T> g = state.gradients();
-    gemm(true, false, d, V, n, hf_, dlogits_, T(0), g.lm_head);
+    gemm(true, false, d, V, n, hf_, dlogits_, T(1), g.lm_head);
     gemm(false, true, n, d, V, dlogits_, w.lm_head, T(0), dh_);
     std::fill(dx_, dx_ + n * d, T(0));
     rmsnorm_backward(x_final_, w.final_norm, rstdf_, dh_, n, d, dx_, g.final_norm);
@@ -473,7 +509,7 @@ Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
   const LayerWeights<T>& lg = views(state).grads.layers[first_ + slot];
   const LayerActs& a = layer_acts_[slot];
   // MLP: x_out = x_mid + s Wdown, s = silu(gate) up.
-  gemm(true, false, f, d, n, a.s, dx_, T(0), lg.w_down);
+  gemm(true, false, f, d, n, a.s, dx_, T(1), lg.w_down);
   gemm(false, true, n, f, d, dx_, lw.w_down, T(0), ds_);
   for (int64_t i = 0; i < n * f; ++i) {
     const T sg = sigmoid(a.gate[i]);
@@ -481,14 +517,14 @@ Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
     dup_[i] = ds_[i] * silu;
     dgate_[i] = ds_[i] * a.up[i] * sg * (T(1) + a.gate[i] * (T(1) - sg));
   }
-  gemm(true, false, d, f, n, a.h2, dgate_, T(0), lg.w_gate);
-  gemm(true, false, d, f, n, a.h2, dup_, T(0), lg.w_up);
+  gemm(true, false, d, f, n, a.h2, dgate_, T(1), lg.w_gate);
+  gemm(true, false, d, f, n, a.h2, dup_, T(1), lg.w_up);
   gemm(false, true, n, d, f, dgate_, lw.w_gate, T(0), dh_);
   gemm(false, true, n, d, f, dup_, lw.w_up, T(1), dh_);
   DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
   rmsnorm_backward(a.x_mid, lw.mlp_norm, a.rstd2, dh_, n, d, dx_, lg.mlp_norm);  // dx_ = d / d x_mid
   // Attention: x_mid = x + o Wo.
-  gemm(true, false, qw, d, n, a.o, dx_, T(0), lg.wo);
+  gemm(true, false, qw, d, n, a.o, dx_, T(1), lg.wo);
   gemm(false, true, n, qw, d, dx_, lw.wo, T(0), do_);
   return Status::ok();
 }
@@ -502,15 +538,9 @@ Status Model<T>::backward_pre_attention(ModelState<T>& state, int64_t slot) {
   const LayerActs& a = layer_acts_[slot];
   rope(dq_, n, c.num_q_heads, c.head_dim, cos_, sin_, T(-1));
   rope(dk_, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(-1));
-  gemm(true, false, d, qw, n, a.h1, dq_, T(0), lg.wq);
-  gemm(true, false, d, kw, n, a.h1, dk_, T(0), lg.wk);
-  gemm(true, false, d, kw, n, a.h1, dv_, T(0), lg.wv);
-  if (tp_.kv_all_reduce) {  // key/value heads shared by several TP ranks: each saw some of their queries
-    const auto t0 = Clock::now();
-    DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wk, d * kw));
-    DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wv, d * kw));
-    tp_seconds_ += since(t0);
-  }
+  gemm(true, false, d, qw, n, a.h1, dq_, T(1), lg.wq);
+  gemm(true, false, d, kw, n, a.h1, dk_, T(1), lg.wk);
+  gemm(true, false, d, kw, n, a.h1, dv_, T(1), lg.wv);
   gemm(false, true, n, d, qw, dq_, lw.wq, T(0), dh_);
   gemm(false, true, n, d, kw, dk_, lw.wk, T(1), dh_);
   gemm(false, true, n, d, kw, dv_, lw.wv, T(1), dh_);
@@ -532,6 +562,20 @@ void Model<T>::finish_backward(ModelState<T>& state) {
 }
 
 template <typename T>
+Status Model<T>::reduce_shared_grads(ModelState<T>& state) {
+  if (!tp_.kv_all_reduce) return Status::ok();
+  const auto t0 = Clock::now();
+  const int64_t n = config_.d_model * config_.kv_width();
+  for (int64_t l = first_; l < first_ + count_; ++l) {
+    const LayerWeights<T>& lg = views(state).grads.layers[l];
+    DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wk, n));
+    DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wv, n));
+  }
+  tp_seconds_ += since(t0);
+  return Status::ok();
+}
+
+template <typename T>
 Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times, const T* dx_in) {
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
@@ -545,6 +589,7 @@ Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, 
     DISTCA_RETURN_IF_ERROR(backward_pre_attention(state, l));
   }
   finish_backward(state);
+  DISTCA_RETURN_IF_ERROR(reduce_shared_grads(state));
   add_times(times, begin, before, attention, tp_before);
   return Status::ok();
 }

@@ -145,6 +145,72 @@ TEST(Model, FloatModelWithCpuKernelsMatchesTheDoubleReference) {
   EXPECT_LT(worst, 1e-4 * norm);
 }
 
+// Two nano-batches in two row slices of one workspace, their phases interleaved layer by layer
+// as ping-pong runs them, and their gradients summed (zero_grads false), give the whole batch's
+// loss and gradients: the slices share no rows and the phases accumulate.
+TEST(Model, TwoRowSlicesInterleavedEqualTheWholeBatch) {
+  const ModelConfig c = small_config();
+  const Doc1 a = make_docs({5, 7}, c.vocab_size, 11), b = make_docs({1, 3}, c.vocab_size, 12);
+  // The whole batch is a's documents then b's, with the same tokens.
+  Doc1 ab = make_docs({5, 7, 1, 3}, c.vocab_size, 0);
+  for (auto* v : {&ab.tokens, &ab.targets, &ab.positions}) v->clear();
+  for (const Doc1* x : {&a, &b}) {
+    ab.tokens.insert(ab.tokens.end(), x->tokens.begin(), x->tokens.end());
+    ab.targets.insert(ab.targets.end(), x->targets.begin(), x->targets.end());
+    ab.positions.insert(ab.positions.end(), x->positions.begin(), x->positions.end());
+  }
+  ab.num_targets = a.num_targets + b.num_targets;
+  const double scale = 1.0 / static_cast<double>(ab.num_targets);
+  auto reference = ModelState<double>::create(c);
+  Model<double> full(c, 16);
+  LocalAttention<double> attention(c, 0);
+  ASSERT_TRUE(attention.begin_step(ab.batch).is_ok());
+  auto want_loss = full.forward(reference, ab.in(), attention, scale);
+  ASSERT_TRUE(want_loss.is_ok());
+  ASSERT_TRUE(full.backward(reference, attention).is_ok());
+
+  auto state = ModelState<double>::create(c);
+  Model<double> workspace(c, 16);
+  std::unique_ptr<Model<double>> sa = workspace.slice(0, 12), sb = workspace.slice(12, 4);
+  LocalAttention<double> att_a(c, 0), att_b(c, 0);
+  ASSERT_TRUE(att_a.begin_step(a.batch).is_ok());
+  ASSERT_TRUE(att_b.begin_step(b.batch).is_ok());
+  ASSERT_TRUE(sa->begin_forward(state, a.in()).is_ok());
+  ASSERT_TRUE(sb->begin_forward(state, b.in()).is_ok());
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (auto [m, att] : {std::pair{sa.get(), &att_a}, {sb.get(), &att_b}}) {
+      m->forward_pre_attention(state, l);
+      const auto io = m->attention_io(l);
+      ASSERT_TRUE(att->forward(static_cast<int>(l), io.q, io.k, io.v, io.o, io.lse).is_ok());
+      ASSERT_TRUE(m->forward_post_attention(state, l).is_ok());
+    }
+  }
+  const double loss = sa->finish_forward(state, scale) + sb->finish_forward(state, scale);
+  EXPECT_NEAR(loss, want_loss.value(), 1e-12 * std::abs(loss));
+  state.grads.fill(0.0);  // the caller zeroes once; the slices only add
+  ASSERT_TRUE(sa->begin_backward(state, nullptr, false).is_ok());
+  ASSERT_TRUE(sb->begin_backward(state, nullptr, false).is_ok());
+  for (int64_t l = c.num_layers - 1; l >= 0; --l) {
+    for (auto [m, att] : {std::pair{sb.get(), &att_b}, {sa.get(), &att_a}}) {
+      ASSERT_TRUE(m->backward_post_attention(state, l).is_ok());
+      const auto io = m->attention_io(l);
+      ASSERT_TRUE(att->backward(static_cast<int>(l), io.q, io.k, io.v, io.o, io.lse, io.d_o, io.dq, io.dk, io.dv).is_ok());
+      ASSERT_TRUE(m->backward_pre_attention(state, l).is_ok());
+    }
+  }
+  sa->finish_backward(state);
+  sb->finish_backward(state);
+  ASSERT_TRUE(sa->reduce_shared_grads(state).is_ok());
+  EXPECT_EQ(sa->allocated_bytes(), 0);
+  double worst = 0, largest = 0;
+  for (int64_t i = 0; i < state.grads.size(); ++i) {
+    worst = std::max(worst, std::abs(state.grads.data()[i] - reference.grads.data()[i]));
+    largest = std::max(largest, std::abs(reference.grads.data()[i]));
+  }
+  EXPECT_GT(largest, 1e-3);
+  EXPECT_LT(worst, 1e-12 * largest);
+}
+
 // AdamW against the update written out by hand for two steps: clipping by the global norm,
 // bias correction, warm-up, and decay on matrices only.
 TEST(Model, AdamWMatchesTheHandWrittenUpdate) {

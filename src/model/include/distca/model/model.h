@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -114,6 +115,12 @@ class Model {
   // once: a step allocates nothing. `range`: the layers this model runs (a pipeline stage).
   // `config`: the model (with tensor parallelism, this rank's shard of it).
   Model(const ModelConfig& config, int64_t max_tokens, LayerRange range = {}, TensorParallel<T> tp = {});
+  // A model over rows [first_row, first_row + rows) of this one's workspace: the same layers,
+  // config and tensor parallelism, its own passes. Two row slices of one workspace run two
+  // nano-batches side by side (ping-pong) in the memory of one micro-batch. The slice owns
+  // nothing (allocated_bytes 0) and must not outlive this model.
+  std::unique_ptr<Model> slice(int64_t first_row, int64_t rows);
+  int64_t max_tokens() const { return max_tokens_; }
   const ModelConfig& config() const { return config_; }
   // The bytes the constructor allocates, computed without allocating (memory estimates).
   static int64_t workspace_bytes(const ModelConfig& config, int64_t max_tokens, LayerRange range = {});
@@ -123,7 +130,7 @@ class Model {
   bool has_head() const { return first_ + count_ == config_.num_layers; }
   int64_t allocated_bytes() const {
     return acts_.size() * static_cast<int64_t>(sizeof(T)) +
-           static_cast<int64_t>(lse_.size() * sizeof(float) + (tokens_.size() + targets_.size()) * sizeof(int32_t));
+           static_cast<int64_t>(lse_.size() * sizeof(float) + ids_.size() * sizeof(int32_t));
   }
 
   // Runs the forward and the loss. Returns the sum over this rank's targets of the loss; keeps
@@ -132,7 +139,8 @@ class Model {
   // stage's output()); one without the head returns 0 and leaves its activations in output().
   Result<double> forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
                          double loss_scale, PassTimes* times = nullptr, const T* x_in = nullptr);
-  // Gradients of loss_scale x the summed loss into state.grads (overwritten). A stage without
+  // Gradients of loss_scale x the summed loss into state.grads (overwritten; the shared key/value
+  // heads' summed over their ranks: reduce_shared_grads). A stage without
   // the head takes d loss / d output() as `dx_in` [n, d]; one without the embedding leaves
   // d loss / d x_in in input_grad().
   Status backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times = nullptr,
@@ -141,9 +149,12 @@ class Model {
   // two models' phases): forward() is begin_forward, then per layer slot l (0 .. stage layers - 1)
   // forward_pre_attention(l) (norm, Q/K/V, RoPE), attention on attention_io(l), forward_post_attention(l)
   // (Wo, residual, MLP), then finish_forward (head and loss; 0 without the head). backward() is
-  // begin_backward (zeroes the gradients; head), then per slot from the last
-  // backward_post_attention(l) (MLP, Wo: leaves dO), attention's backward on attention_io(l),
-  // backward_pre_attention(l) (RoPE, Q/K/V, norm), then finish_backward (embedding).
+  // begin_backward (zeroes the gradients unless told to accumulate; head), then per slot from the
+  // last backward_post_attention(l) (MLP, Wo: leaves dO), attention's backward on
+  // attention_io(l), backward_pre_attention(l) (RoPE, Q/K/V, norm), then finish_backward
+  // (embedding), then reduce_shared_grads. The phases add to state.grads, so passes begun with
+  // zero_grads false (two nano-batches) sum their gradients; reduce_shared_grads runs once after
+  // the last of them.
   struct AttentionIo {
     T *q, *k, *v, *o;
     float* lse;
@@ -153,10 +164,15 @@ class Model {
   void forward_pre_attention(ModelState<T>& state, int64_t slot);
   Status forward_post_attention(ModelState<T>& state, int64_t slot);
   double finish_forward(ModelState<T>& state, double loss_scale);
-  Status begin_backward(ModelState<T>& state, const T* dx_in = nullptr);
+  Status begin_backward(ModelState<T>& state, const T* dx_in = nullptr, bool zero_grads = true);
   Status backward_post_attention(ModelState<T>& state, int64_t slot);
   Status backward_pre_attention(ModelState<T>& state, int64_t slot);
   void finish_backward(ModelState<T>& state);
+  // Key/value heads shared by several TP ranks: each rank saw some of their queries, so their
+  // projections' gradients are summed over the sharing ranks (nothing without sharing).
+  Status reduce_shared_grads(ModelState<T>& state);
+  // Seconds this model spent in tensor-parallel all-reduces (communication), accumulated.
+  double tp_seconds() const { return tp_seconds_; }
   AttentionIo attention_io(int64_t slot);
 
   // [n, d] the last forward's output activations (a stage without the head).
@@ -173,6 +189,7 @@ class Model {
     T *x, *h1, *rstd1, *q, *k, *v, *o, *x_mid, *h2, *rstd2, *gate, *up, *s;
     float* lse;
   };
+  Model(Model& whole, int64_t first_row, int64_t rows);  // slice()
   // Sums a partial [rows, d] over the tensor-parallel group (nothing without one); its seconds
   // count as communication.
   Status tp_reduce(T* data, int64_t count);
@@ -189,7 +206,8 @@ class Model {
   std::vector<LayerActs> layer_acts_;
   T *x_final_, *hf_, *rstdf_, *logits_, *dlogits_, *cos_, *sin_;
   T *dx_, *dh_, *dq_, *dk_, *dv_, *do_, *dgate_, *dup_, *ds_;
-  std::vector<int32_t> tokens_, targets_;
+  std::vector<int32_t> ids_;  // [2, max_tokens] token ids, then targets
+  int32_t *tokens_ = nullptr, *targets_ = nullptr;
   // The state's weight and gradient views, cached for the phases.
   struct Views {
     const ModelState<T>* state = nullptr;
