@@ -1,6 +1,7 @@
 #include "distca/runtime/pingpong.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -97,41 +98,118 @@ Status check_chains(const std::vector<Stage>& a, const std::vector<Stage>& b) {
   return Status::ok();
 }
 
+// Every stage computed once, in chain order, after the previous stage's communication finished;
+// every communication started after its compute and finished once.
+Status check_schedule(const std::vector<ScheduleOp>& schedule, int stages) {
+  std::array<std::vector<int>, 2> state;  // per stage: 0 nothing, 1 computed, 2 started, 3 finished
+  for (auto& s : state) s.assign(static_cast<size_t>(stages), 0);
+  for (const ScheduleOp& op : schedule) {
+    if (op.nano < 0 || op.nano > 1 || op.stage < 0 || op.stage >= stages) {
+      return invalid_argument(fmt::format("schedule: no stage {} of nano-batch {}", op.stage, op.nano));
+    }
+    int& at = state[op.nano][op.stage];
+    const int want = op.kind == OpKind::kCompute ? 0 : op.kind == OpKind::kStart ? 1 : 2;
+    const bool ready = op.kind != OpKind::kCompute || op.stage == 0 || state[op.nano][op.stage - 1] == 3;
+    if (at != want || !ready) {
+      return invalid_argument(fmt::format("schedule: stage {} of nano-batch {} out of order", op.stage, op.nano));
+    }
+    at = want + 1;
+  }
+  for (const auto& s : state) {
+    for (int i = 0; i < stages; ++i) {
+      if (s[i] != 3) return invalid_argument(fmt::format("schedule: stage {} is not run to its end", i));
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
-Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b) {
+std::vector<ScheduleOp> sequential_schedule(int stages) {
+  std::vector<ScheduleOp> out;
+  for (int n = 0; n < 2; ++n) {
+    for (int i = 0; i < stages; ++i) {
+      for (OpKind k : {OpKind::kCompute, OpKind::kStart, OpKind::kFinish}) out.push_back({k, n, i});
+    }
+  }
+  return out;
+}
+
+std::vector<ScheduleOp> pingpong_schedule(int stages) {
+  std::vector<ScheduleOp> out;
+  for (int i = 0; i < stages; ++i) {
+    for (int n = 0; n < 2; ++n) {
+      if (i > 0) out.push_back({OpKind::kFinish, n, i - 1});
+      out.push_back({OpKind::kCompute, n, i});
+      out.push_back({OpKind::kStart, n, i});
+    }
+  }
+  if (stages > 0) {
+    out.push_back({OpKind::kFinish, 0, stages - 1});
+    out.push_back({OpKind::kFinish, 1, stages - 1});
+  }
+  return out;
+}
+
+std::vector<ComputeOverlap> overlaps(const std::vector<ScheduleOp>& schedule) {
+  std::vector<std::pair<int, int>> in_flight;
+  std::vector<ComputeOverlap> out;
+  for (const ScheduleOp& op : schedule) {
+    const std::pair<int, int> me{op.nano, op.stage};
+    if (op.kind == OpKind::kStart) in_flight.push_back(me);
+    if (op.kind == OpKind::kFinish) std::erase(in_flight, me);
+    if (op.kind == OpKind::kCompute) out.push_back({op.nano, op.stage, in_flight});
+  }
+  return out;
+}
+
+std::vector<std::string> describe(const std::vector<ScheduleOp>& schedule, const std::vector<Stage>& a,
+                                  const std::vector<Stage>& b) {
+  auto chain = [&](int n) -> const std::vector<Stage>& { return n == 0 ? a : b; };
+  auto label = [](int n) { return n == 0 ? "A" : "B"; };
+  std::vector<std::string> out;
+  for (const ComputeOverlap& c : overlaps(schedule)) {
+    std::string line = fmt::format("{} {}", label(c.nano), chain(c.nano).at(c.stage).name);
+    std::vector<std::string> flying;
+    for (auto [n, i] : c.in_flight) {
+      if (chain(n).at(i).start_comm) flying.push_back(fmt::format("{} {}", label(n), chain(n).at(i).comm_name));
+    }
+    line += flying.empty() ? " | nothing in flight" : fmt::format(" | in flight: {}", fmt::join(flying, ", "));
+    out.push_back(line);
+  }
+  return out;
+}
+
+Result<ScheduleTiming> run_schedule(const std::vector<ScheduleOp>& schedule, std::vector<Stage>& a,
+                                    std::vector<Stage>& b) {
   DISTCA_RETURN_IF_ERROR(check_chains(a, b));
+  DISTCA_RETURN_IF_ERROR(check_schedule(schedule, static_cast<int>(a.size())));
   ScheduleTiming t;
   const auto start = Clock::now();
-  for (int n = 0; n < 2; ++n) {
-    for (Stage& s : n == 0 ? a : b) {
-      DISTCA_RETURN_IF_ERROR(timed(s.compute, t.compute_seconds, t.nano_compute_seconds[n]));
-      DISTCA_RETURN_IF_ERROR(timed(s.start_comm, t.comm_seconds, t.nano_comm_seconds[n]));
-      DISTCA_RETURN_IF_ERROR(timed(s.finish_comm, t.comm_seconds, t.nano_comm_seconds[n]));
+  for (const ScheduleOp& op : schedule) {
+    Stage& s = (op.nano == 0 ? a : b)[op.stage];
+    switch (op.kind) {
+      case OpKind::kCompute:
+        DISTCA_RETURN_IF_ERROR(timed(s.compute, t.compute_seconds, t.nano_compute_seconds[op.nano]));
+        break;
+      case OpKind::kStart:
+        DISTCA_RETURN_IF_ERROR(timed(s.start_comm, t.comm_seconds, t.nano_comm_seconds[op.nano]));
+        break;
+      case OpKind::kFinish:
+        DISTCA_RETURN_IF_ERROR(timed(s.finish_comm, t.comm_seconds, t.nano_comm_seconds[op.nano]));
+        break;
     }
   }
   t.seconds = since(start);
   return t;
 }
 
+Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b) {
+  return run_schedule(sequential_schedule(static_cast<int>(a.size())), a, b);
+}
+
 Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b) {
-  DISTCA_RETURN_IF_ERROR(check_chains(a, b));
-  ScheduleTiming t;
-  const auto start = Clock::now();
-  for (size_t i = 0; i < a.size(); ++i) {
-    for (int n = 0; n < 2; ++n) {
-      std::vector<Stage>& chain = n == 0 ? a : b;
-      if (i > 0) DISTCA_RETURN_IF_ERROR(timed(chain[i - 1].finish_comm, t.comm_seconds, t.nano_comm_seconds[n]));
-      DISTCA_RETURN_IF_ERROR(timed(chain[i].compute, t.compute_seconds, t.nano_compute_seconds[n]));
-      DISTCA_RETURN_IF_ERROR(timed(chain[i].start_comm, t.comm_seconds, t.nano_comm_seconds[n]));
-    }
-  }
-  if (!a.empty()) {
-    DISTCA_RETURN_IF_ERROR(timed(a.back().finish_comm, t.comm_seconds, t.nano_comm_seconds[0]));
-    DISTCA_RETURN_IF_ERROR(timed(b.back().finish_comm, t.comm_seconds, t.nano_comm_seconds[1]));
-  }
-  t.seconds = since(start);
-  return t;
+  return run_schedule(pingpong_schedule(static_cast<int>(a.size())), a, b);
 }
 
 }  // namespace distca::runtime

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "distca/comm/local_comm.h"
 #include "distca/runtime/pingpong.h"
 #include "harness.h"
@@ -191,6 +193,85 @@ TEST(PingPong, MismatchedChainsAreRefused) {
   EXPECT_FALSE(run_pingpong(a, b).is_ok());
   std::vector<Stage> c(2, Stage{[] { return Status::ok(); }, [] { return Status::ok(); }, nullptr});
   EXPECT_FALSE(run_sequential(a, c).is_ok());
+}
+
+// A chain shaped like a training step's: per layer a linear stage that ends by posting the
+// dispatch and an attention stage that ends by posting the return, forward then backward, and a
+// last linear stage.
+std::vector<Stage> step_chain(int layers) {
+  auto ok = [] { return Status::ok(); };
+  std::vector<Stage> chain;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = 0; i < layers; ++i) {
+      const int l = pass == 0 ? i : layers - 1 - i;
+      const char* dir = pass == 0 ? "fwd" : "bwd";
+      chain.push_back({ok, ok, ok, fmt::format("L{} {} linear", l, dir), fmt::format("L{} {} dispatch", l, dir)});
+      chain.push_back({ok, ok, ok, fmt::format("L{} {} attention", l, dir), fmt::format("L{} {} return", l, dir)});
+    }
+  }
+  chain.push_back({ok, nullptr, nullptr, "last linear", ""});
+  return chain;
+}
+
+TEST(PingPongSchedule, EveryComputeButTheEndsOverlapsTheOtherNanoBatchsCommunication) {
+  for (int stages : {1, 2, 9, 17}) {
+    const std::vector<ComputeOverlap> pp = overlaps(pingpong_schedule(stages));
+    ASSERT_EQ(pp.size(), static_cast<size_t>(2 * stages));
+    for (size_t k = 0; k < pp.size(); ++k) {
+      const ComputeOverlap& c = pp[k];
+      EXPECT_EQ(c.nano, static_cast<int>(k % 2));  // A and B alternate
+      EXPECT_EQ(c.stage, static_cast<int>(k / 2));
+      // A(i) runs under B's communication i - 1, B(i) under A's communication i: never its own.
+      const std::vector<std::pair<int, int>> want =
+          c.nano == 0 ? (c.stage == 0 ? std::vector<std::pair<int, int>>{} : std::vector<std::pair<int, int>>{{1, c.stage - 1}})
+                      : std::vector<std::pair<int, int>>{{0, c.stage}};
+      EXPECT_EQ(c.in_flight, want) << "stages " << stages << ", compute " << k;
+    }
+    for (const ComputeOverlap& c : overlaps(sequential_schedule(stages))) EXPECT_TRUE(c.in_flight.empty());
+  }
+}
+
+TEST(PingPongSchedule, EachLayerRunsThePapersFourTicksForwardAndBackward) {
+  const std::vector<Stage> a = step_chain(2), b = step_chain(2);
+  const std::vector<std::string> lines = describe(pingpong_schedule(static_cast<int>(a.size())), a, b);
+  ASSERT_EQ(lines.size(), 2 * a.size());
+  // Layer 1 forward (stages 2, 3) and layer 1 backward (stages 4, 5): linear under the other's
+  // return (or dispatch), attention under the other's dispatch (or return).
+  const std::vector<std::string> want = {
+      "A L1 fwd linear | in flight: B L0 fwd return",
+      "B L1 fwd linear | in flight: A L1 fwd dispatch",
+      "A L1 fwd attention | in flight: B L1 fwd dispatch",
+      "B L1 fwd attention | in flight: A L1 fwd return",
+      "A L1 bwd linear | in flight: B L1 fwd return",
+      "B L1 bwd linear | in flight: A L1 bwd dispatch",
+      "A L1 bwd attention | in flight: B L1 bwd dispatch",
+      "B L1 bwd attention | in flight: A L1 bwd return",
+  };
+  EXPECT_EQ(std::vector<std::string>(lines.begin() + 4, lines.begin() + 12), want);
+  EXPECT_EQ(lines.front(), "A L0 fwd linear | nothing in flight");
+  EXPECT_EQ(lines.back(), "B last linear | nothing in flight");  // A's last stage moves nothing
+  EXPECT_EQ(lines[lines.size() - 2], "A last linear | in flight: B L0 bwd return");
+  for (const std::string& line : describe(sequential_schedule(static_cast<int>(a.size())), a, b)) {
+    EXPECT_TRUE(line.ends_with("nothing in flight")) << line;
+  }
+}
+
+TEST(PingPongSchedule, SchedulesThatBreakAChainsOrderAreRefused) {
+  std::vector<Stage> a = step_chain(1), b = step_chain(1);
+  std::vector<ScheduleOp> s = pingpong_schedule(static_cast<int>(a.size()));
+  EXPECT_TRUE(run_schedule(s, a, b).is_ok());
+  std::vector<ScheduleOp> early = pingpong_schedule(static_cast<int>(a.size()));
+  // A computes stage 1 before its communication 0 finished.
+  auto finish = std::find(early.begin(), early.end(), ScheduleOp{OpKind::kFinish, 0, 0});
+  auto compute = std::find(early.begin(), early.end(), ScheduleOp{OpKind::kCompute, 0, 1});
+  std::iter_swap(finish, compute);
+  EXPECT_FALSE(run_schedule(early, a, b).is_ok());
+  std::vector<ScheduleOp> unfinished = pingpong_schedule(static_cast<int>(a.size()));
+  unfinished.pop_back();
+  EXPECT_FALSE(run_schedule(unfinished, a, b).is_ok());
+  std::vector<ScheduleOp> twice = pingpong_schedule(static_cast<int>(a.size()));
+  twice.push_back(twice.front());
+  EXPECT_FALSE(run_schedule(twice, a, b).is_ok());
 }
 
 }  // namespace

@@ -12,6 +12,8 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "distca/core/status.h"
@@ -38,7 +40,40 @@ struct Stage {
   std::function<Status()> compute;
   std::function<Status()> start_comm;   // may be empty: no communication after this stage
   std::function<Status()> finish_comm;  // set with start_comm
+  std::string name;       // what compute does ("L0 linear"), for schedules printed and tested
+  std::string comm_name;  // what the communication moves ("L0 dispatch")
 };
+
+// A schedule is plain data: the order in which two chains' operations run, each operation one
+// stage's compute, start of its communication, or finish (wait) of it. Communication i of a
+// nano-batch is in flight from its start to its finish, while whatever computes in between runs.
+enum class OpKind { kCompute, kStart, kFinish };
+struct ScheduleOp {
+  OpKind kind;
+  int nano;   // 0: chain a, 1: chain b
+  int stage;  // index in its chain
+  bool operator==(const ScheduleOp&) const = default;
+};
+// Chain a whole (compute, start, finish of each stage), then chain b.
+std::vector<ScheduleOp> sequential_schedule(int stages);
+// The interleaving (stages >= 1): compute A(i), start A(i); finish B(i-1), compute B(i),
+// start B(i); finish A(i), compute A(i+1), ...; so A's communication i is in flight while B
+// computes stage i, and B's while A computes stage i + 1. With a chain of linear and attention
+// stages per layer this is the paper's four ticks: A's linear work under B's return, B's linear
+// work under A's dispatch, A's attention under B's dispatch, B's attention under A's return.
+std::vector<ScheduleOp> pingpong_schedule(int stages);
+
+// Per compute operation of a schedule, in order: the communications in flight while it runs
+// (started, not yet finished), as (nano, stage).
+struct ComputeOverlap {
+  int nano = 0, stage = 0;
+  std::vector<std::pair<int, int>> in_flight;
+};
+std::vector<ComputeOverlap> overlaps(const std::vector<ScheduleOp>& schedule);
+// One line per compute: "A L0 attention | in flight: B L0 dispatch" (names from the chains;
+// a stage without communication is never in flight).
+std::vector<std::string> describe(const std::vector<ScheduleOp>& schedule, const std::vector<Stage>& a,
+                                  const std::vector<Stage>& b);
 
 struct ScheduleTiming {
   double seconds = 0;          // wall time of the whole schedule
@@ -49,7 +84,11 @@ struct ScheduleTiming {
   std::array<double, 2> nano_comm_seconds{0, 0};
 };
 
-// Both chains must have the same number of stages.
+// Runs the chains in the schedule's order. Both chains must have the same number of stages, and
+// the schedule must start every communication it finishes, finish every one it starts, and
+// compute every stage once, after its predecessor's communication finished.
+Result<ScheduleTiming> run_schedule(const std::vector<ScheduleOp>& schedule, std::vector<Stage>& a,
+                                    std::vector<Stage>& b);
 Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b);
 Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b);
 
