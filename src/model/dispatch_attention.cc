@@ -70,11 +70,14 @@ Status DispatchAttention::begin_step(const plan::Batch& batch) {
   d.backward_mode = options_.backward_mode;
   d.num_threads = options_.threads;
   dispatcher_.reset();
+  const auto check = Clock::now();
   DISTCA_ASSIGN_OR_RETURN(dispatcher_, runtime::Dispatcher::create(
                                            comm_, batch, plan_,
                                            runtime::HeadShape{config_.num_q_heads, config_.num_kv_heads, config_.head_dim}, d));
-  times.comm += since(begin);  // the plan-hash check is a collective
+  times.comm += since(check);  // the plan-hash check is a collective
   peak_bytes_ = current_bytes();
+  pass_layer_ = -1;
+  pass_lends_ = false;
   return Status::ok();
 }
 
@@ -89,35 +92,76 @@ int64_t DispatchAttention::current_bytes() const {
   return floats * static_cast<int64_t>(sizeof(float)) + (dispatcher_ ? dispatcher_->exchange_bytes() : 0);
 }
 
-Status DispatchAttention::run(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b) {
+void DispatchAttention::lend_backward_set(runtime::ServerBuffers& server) {
+  for (auto [a, b] : {std::pair{&server.d_o, &backward_scratch_.d_o}, {&server.dq, &backward_scratch_.dq},
+                      {&server.dk, &backward_scratch_.dk}, {&server.dv, &backward_scratch_.dv}}) {
+    a->swap(*b);
+  }
+}
+
+Status DispatchAttention::start_pass(int layer, bool is_backward, const runtime::ForwardArgs& f,
+                                     const runtime::BackwardArgs& b) {
   if (!dispatcher_) return invalid_argument("DispatchAttention: begin_step first");
   if (layer < 0 || layer >= static_cast<int>(servers_.size())) return invalid_argument(fmt::format("no layer {}", layer));
-  runtime::Dispatcher& d = *dispatcher_;
+  if (pass_layer_ >= 0) return internal_error(fmt::format("DispatchAttention: layer {}'s pass is still running", pass_layer_));
   // The stateful backward needs each layer's forward buffers; the stateless one keeps nothing
-  // between passes, so every layer reuses one set.
+  // between passes, so every layer reuses one set. The backward set moves between the scratch
+  // and the layer's buffers for the pass.
   const bool is_stateful = options_.backward_mode == plan::BackwardMode::kStateful;
   runtime::ServerBuffers& server = is_stateful ? servers_[layer] : servers_[0];
-  auto lend = [&] {  // the backward set moves between the scratch and the layer's buffers
-    for (auto [a, b] : {std::pair{&server.d_o, &backward_scratch_.d_o}, {&server.dq, &backward_scratch_.dq},
-                        {&server.dk, &backward_scratch_.dk}, {&server.dv, &backward_scratch_.dv}}) {
-      a->swap(*b);
-    }
-  };
-  if (is_backward && is_stateful) lend();
-  auto t = Clock::now();
-  DISTCA_RETURN_IF_ERROR(is_backward ? d.start_backward(b, server) : d.start_forward(f, server));
-  DISTCA_RETURN_IF_ERROR(d.finish_comm());
+  pass_layer_ = layer;
+  pass_lends_ = is_backward && is_stateful;
+  if (pass_lends_) lend_backward_set(server);
+  const auto t = Clock::now();
+  const Status st = is_backward ? dispatcher_->start_backward(b, server) : dispatcher_->start_forward(f, server);
   times.comm += since(t);
-  t = Clock::now();
-  DISTCA_RETURN_IF_ERROR(d.compute());
+  return st;
+}
+
+Status DispatchAttention::start_forward(int layer, const runtime::ForwardArgs& f) { return start_pass(layer, false, f, {}); }
+Status DispatchAttention::start_backward(int layer, const runtime::BackwardArgs& b) { return start_pass(layer, true, {}, b); }
+
+Status DispatchAttention::finish_dispatch() {
+  const auto t = Clock::now();
+  const Status st = dispatcher_->finish_comm();
+  times.comm += since(t);
+  return st;
+}
+
+Status DispatchAttention::compute() {
+  const auto t = Clock::now();
+  const Status st = dispatcher_->compute();
   times.compute += since(t);
-  t = Clock::now();
-  DISTCA_RETURN_IF_ERROR(d.start_return());
-  DISTCA_RETURN_IF_ERROR(d.finish_comm());
+  return st;
+}
+
+Status DispatchAttention::start_return() {
+  const auto t = Clock::now();
+  const Status st = dispatcher_->start_return();
+  times.comm += since(t);
+  return st;
+}
+
+Status DispatchAttention::finish_return() {
+  const auto t = Clock::now();
+  DISTCA_RETURN_IF_ERROR(dispatcher_->finish_comm());
   times.comm += since(t);
   peak_bytes_ = std::max(peak_bytes_, current_bytes());
-  if (is_backward && is_stateful) lend();
+  if (pass_lends_) {
+    const bool is_stateful = options_.backward_mode == plan::BackwardMode::kStateful;
+    lend_backward_set(is_stateful ? servers_[pass_layer_] : servers_[0]);
+  }
+  pass_layer_ = -1;
+  pass_lends_ = false;
   return Status::ok();
+}
+
+Status DispatchAttention::run(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b) {
+  DISTCA_RETURN_IF_ERROR(start_pass(layer, is_backward, f, b));
+  DISTCA_RETURN_IF_ERROR(finish_dispatch());
+  DISTCA_RETURN_IF_ERROR(compute());
+  DISTCA_RETURN_IF_ERROR(start_return());
+  return finish_return();
 }
 
 Status DispatchAttention::forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) {

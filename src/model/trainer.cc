@@ -9,7 +9,9 @@
 #include <fmt/format.h>
 
 #include "distca/model/checkpoint.h"
+#include "distca/model/nano_chain.h"
 #include "distca/model/optimizer.h"
+#include "distca/runtime/pingpong.h"
 #include "distca/plan/planner.h"
 
 namespace distca::model {
@@ -40,6 +42,9 @@ Status TrainOptions::validate() const {
       return invalid_argument("--tp does not support --checkpoint or --resume yet (each rank holds a slice of the model): drop them");
     }
   }
+  if (pingpong != "auto" && pingpong != "on" && pingpong != "off") {
+    return invalid_argument(fmt::format("--pingpong must be on or off (auto: on for cad, off for colocated), got '{}'", pingpong));
+  }
   if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
   if (granularity < 0) return invalid_argument(fmt::format("--granularity must be >= 0 (0: auto), got {}", granularity));
   if (!(tolerance >= 0) || tolerance > 10) return invalid_argument(fmt::format("--tolerance must be 0..10, got {}", tolerance));
@@ -65,6 +70,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"policy", policy},
           {"backward_mode", plan::backward_mode_name(backward_mode)},
           {"tp", tp},
+          {"pingpong", pingpong},
           {"threads", threads},
           {"granularity", granularity},
           {"tolerance", tolerance},
@@ -100,6 +106,7 @@ nlohmann::json StepRecord::to_json() const {
           {"attention_bytes", attention_bytes},
           {"attention_tasks", attention_tasks},
           {"split_tasks", split_tasks},
+          {"nano_batches", nano_batches},
           {"memory_states_bytes", memory_states_bytes},
           {"memory_activations_bytes", memory_activations_bytes},
           {"memory_attention_max_bytes", memory_attention_max_bytes},
@@ -131,7 +138,20 @@ MemoryEstimate estimate_memory(const TrainOptions& o, int ranks) {
 struct Trainer::Run {
   std::string name;
   std::unique_ptr<DispatchAttention> attention;
+  bool pingpong = false;
+  std::array<std::unique_ptr<DispatchAttention>, 2> nano;  // ping-pong: one backend per nano-batch
   ModelState<float> state;
+};
+
+// One step's forward and backward on this rank.
+struct Trainer::Pass {
+  double loss_sum = 0;    // over this rank's targets
+  PassTimes times;        // the passes (ping-pong: the whole schedule)
+  double setup = 0;       // planning's collectives: the plan-hash checks (communication)
+  int64_t bytes = 0;      // sent by the attention backends
+  int64_t attention_memory = 0;  // the backends' buffers at their peak (ping-pong: both, they coexist)
+  int64_t tasks = 0, split_tasks = 0;
+  int nano_batches = 1;
 };
 
 Trainer::Trainer(comm::Communicator& comm, TrainOptions options) : comm_(comm), options_(std::move(options)) {}
@@ -179,6 +199,12 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     d.tolerance = o.tolerance;
     d.granularity = o.granularity;
     DISTCA_ASSIGN_OR_RETURN(run->attention, DispatchAttention::create(dp, shard, d));
+    run->pingpong = o.pingpong == "on" || (o.pingpong == "auto" && name == "cad");
+    if (run->pingpong) {
+      for (auto& nano : run->nano) {
+        DISTCA_ASSIGN_OR_RETURN(nano, DispatchAttention::create(dp, shard, d));
+      }
+    }
     run->state = ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);
     t->runs_.push_back(std::move(run));
   }
@@ -271,24 +297,113 @@ Result<std::vector<EvalRecord>> Trainer::evaluate() {
   return out;
 }
 
-Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
+namespace {
+
+void count_plan(const plan::Plan& p, int64_t& tasks, int64_t& split) {
+  for (const plan::Task& task : p.tasks) {
+    ++tasks;
+    split += task.k0 > 0 || !task.is_causal() ? 1 : 0;
+  }
+}
+
+int64_t bytes_sent(const runtime::Dispatcher& d) {
+  int64_t bytes = 0;
+  for (int p = 0; p < plan::kNumPhases; ++p) bytes += d.stats(static_cast<plan::Phase>(p)).bytes_sent;
+  return bytes;
+}
+
+}  // namespace
+
+Result<Trainer::Pass> Trainer::whole_pass(Run& run, const StepData& data) {
   const int rank = groups_.me.dp;  // this replica's tokens
-  const int R = comm_.size();
   DispatchAttention& attention = *run.attention;
   attention.times = {};
-  const auto begin = Clock::now();
+  Pass out;
   DISTCA_RETURN_IF_ERROR(attention.begin_step(data.batch));
   if (groups_.map.tp > 1) {
     const auto t0 = Clock::now();
     DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, attention.plan().hash, fmt::format("step {} ({})", step_ + 1, run.name)));
     attention.times.comm += since(t0);
   }
-  const double setup = attention.times.comm;
-  PassTimes pass;
+  out.setup = attention.times.comm;
   const StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
   const double scale = data.num_targets > 0 ? 1.0 / static_cast<double>(data.num_targets) : 0.0;
-  DISTCA_ASSIGN_OR_RETURN(double loss_sum, model_->forward(run.state, in, attention, scale, &pass));
-  DISTCA_RETURN_IF_ERROR(model_->backward(run.state, attention, &pass));
+  DISTCA_ASSIGN_OR_RETURN(out.loss_sum, model_->forward(run.state, in, attention, scale, &out.times));
+  DISTCA_RETURN_IF_ERROR(model_->backward(run.state, attention, &out.times));
+  out.bytes = bytes_sent(*attention.dispatcher());
+  out.attention_memory = attention.buffer_bytes();
+  count_plan(attention.plan(), out.tasks, out.split_tasks);
+  return out;
+}
+
+Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
+  DISTCA_ASSIGN_OR_RETURN(runtime::NanoBatches nb, runtime::split_nano_batches(data.batch));
+  // A step of one document has nothing to put in the second nano-batch: it runs whole.
+  if (nb.batches[0].num_docs() == 0 || nb.batches[1].num_docs() == 0) return whole_pass(run, data);
+  const int rank = groups_.me.dp;
+  Pass out;
+  out.nano_batches = 2;
+  for (int n = 0; n < 2; ++n) {
+    DispatchAttention& att = *run.nano[n];
+    att.times = {};
+    DISTCA_RETURN_IF_ERROR(att.begin_step(nb.batches[n]));
+    if (groups_.map.tp > 1) {
+      const auto t0 = Clock::now();
+      DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, att.plan().hash,
+                                             fmt::format("step {} ({}, nano-batch {})", step_ + 1, run.name, n)));
+      att.times.comm += since(t0);
+    }
+    out.setup += att.times.comm;
+  }
+  // Each nano-batch's rows of this rank, gathered into a row slice of the one workspace.
+  const std::span<const int32_t> tokens = data.slice(data.tokens, rank), targets = data.slice(data.targets, rank),
+                                 positions = data.slice(data.positions, rank);
+  std::array<NanoPass, 2> passes;
+  std::array<std::unique_ptr<Model<float>>, 2> slices;
+  int64_t first_row = 0;
+  const double scale = data.num_targets > 0 ? 1.0 / static_cast<double>(data.num_targets) : 0.0;
+  for (int n = 0; n < 2; ++n) {
+    const std::vector<int64_t>& rows = nb.rows[n][rank];
+    std::array<std::vector<int32_t>, 3>& ids = nano_ids_[n];
+    for (auto& v : ids) v.clear();
+    for (int64_t r : rows) {
+      ids[0].push_back(tokens[r]);
+      ids[1].push_back(targets[r]);
+      ids[2].push_back(positions[r]);
+    }
+    const auto count = static_cast<int64_t>(rows.size());
+    slices[n] = model_->slice(first_row, count);
+    first_row += count;
+    passes[n] = NanoPass{slices[n].get(), &run.state, run.nano[n].get(), StepTokens{ids[0], ids[1], ids[2]},
+                         nullptr, nullptr, scale, 0};
+  }
+  std::array<std::vector<runtime::Stage>, 2> chains;
+  for (int n = 0; n < 2; ++n) chains[n] = joined(forward_stages(passes[n]), backward_stages(passes[n]));
+  run.state.grads.fill(0.0f);  // both nano-batches add theirs
+  const auto t0 = Clock::now();
+  DISTCA_RETURN_IF_ERROR(runtime::run_pingpong(chains[0], chains[1]).status());
+  DISTCA_RETURN_IF_ERROR(slices[0]->reduce_shared_grads(run.state));
+  out.times.total = since(t0);
+  for (int n = 0; n < 2; ++n) {
+    const DispatchAttention& att = *run.nano[n];
+    out.loss_sum += passes[n].loss;
+    out.times.attention += att.times.compute;
+    out.times.comm += att.times.comm + slices[n]->tp_seconds();
+    out.bytes += bytes_sent(*att.dispatcher());
+    out.attention_memory += att.buffer_bytes();
+    count_plan(att.plan(), out.tasks, out.split_tasks);
+  }
+  out.times.comm -= out.setup;  // the plan checks ran before the passes
+  return out;
+}
+
+Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
+  const int R = comm_.size();
+  const auto begin = Clock::now();
+  DISTCA_ASSIGN_OR_RETURN(Pass p, run.pingpong ? pingpong_pass(run, data) : whole_pass(run, data));
+  const PassTimes& pass = p.times;
+  const double setup = p.setup;
+  const double loss_sum = p.loss_sum;
   auto t = Clock::now();
   DISTCA_RETURN_IF_ERROR(comm_.barrier());
   const double wait = since(t);
@@ -304,11 +419,10 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   const double optimizer = since(t);
   const double step_seconds = since(begin);
   // Every rank's numbers, one slot each.
-  int64_t bytes = 0;
-  for (int p = 0; p < plan::kNumPhases; ++p) bytes += attention.dispatcher()->stats(static_cast<plan::Phase>(p)).bytes_sent;
+  const int64_t bytes = p.bytes;
   // Attention buffer bytes travel as two floats of 24 bits each, so they arrive exact.
   enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kBytes, kAttnMemHigh, kAttnMemLow, kSlots };
-  const int64_t attn_memory = attention.buffer_bytes();
+  const int64_t attn_memory = p.attention_memory;
   std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
   const double mine[kSlots] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
                                groups_.me.tp == 0 ? loss_sum : 0.0,  // a replica's loss once
@@ -319,10 +433,9 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
   StepRecord rec;
   rec.step = step_ + 1;
-  for (const plan::Task& task : attention.plan().tasks) {  // the same plan on every rank (hash-checked)
-    ++rec.attention_tasks;
-    rec.split_tasks += task.k0 > 0 || !task.is_causal() ? 1 : 0;
-  }
+  rec.attention_tasks = p.tasks;  // the same plans on every rank (hash-checked)
+  rec.split_tasks = p.split_tasks;
+  rec.nano_batches = p.nano_batches;
   rec.backend = run.name;
   rec.grad_norm = norm;
   rec.lr = lr;

@@ -43,6 +43,7 @@ struct TrainArgs {
   uint64_t seed = 1;
   std::string policy = std::string(plan::kDefaultPlanner);
   std::string backward_mode = "stateful";
+  std::string pingpong = "auto";
   int threads = 1;
   int64_t granularity = 0;
   double tolerance = 0.05;
@@ -61,7 +62,7 @@ struct TrainArgs {
   CLI::Option *attention_opt = nullptr, *policy_opt = nullptr, *workload_opt = nullptr, *seed_opt = nullptr,
               *ranks_opt = nullptr, *skip_opt = nullptr, *backward_opt = nullptr, *granularity_opt = nullptr,
               *tolerance_opt = nullptr, *eval_docs_opt = nullptr, *eval_steps_opt = nullptr, *pp_opt = nullptr,
-              *micro_batches_opt = nullptr;
+              *micro_batches_opt = nullptr, *pingpong_opt = nullptr;
   bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
 
@@ -170,6 +171,10 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   }
   o.threads = a.threads;
   o.tp = a.tp;
+  o.pingpong = a.pingpong;
+  if (a.given(a.pingpong_opt) && a.pingpong == "auto") {
+    return invalid_argument("--pingpong must be on or off (leave it out for on with cad, off with colocated)");
+  }
   o.granularity = a.granularity;
   o.tolerance = a.tolerance;
   o.checkpoint_path = a.checkpoint;
@@ -190,6 +195,10 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
     }
     if (!a.checkpoint.empty() || !a.resume.empty() || a.eval_every > 0) {
       return invalid_argument("--pp does not support --checkpoint, --resume or --eval-every yet: drop them");
+    }
+    if (a.pingpong == "on") {
+      return invalid_argument("--pp does not run ping-pong inside its ticks yet (the lockstep pools a tick's "
+                              "micro-batches into one plan instead): drop --pingpong on");
     }
     if (has_cad && a.given(a.backward_opt) && o.backward_mode == plan::BackwardMode::kStateful) {
       return invalid_argument("--pp with CAD plans every tick anew (a micro-batch's forward and backward fall in "
@@ -256,6 +265,19 @@ std::string tp_note(const model::TrainOptions& o) {
                      shared > 1 ? fmt::format(", each key/value head shared by {} ranks", shared) : "");
 }
 
+// Which backends split their steps into two ping-pong nano-batches.
+std::string pingpong_note(const model::TrainOptions& o) {
+  std::vector<std::string> on, off;
+  for (const std::string& b : o.backends) (o.pingpong == "on" || (o.pingpong == "auto" && b == "cad") ? on : off).push_back(b);
+  std::string s;
+  if (!on.empty()) {
+    s = fmt::format("on for {}: each step splits into two nano-batches (whole documents, halved by causal pairs), each "
+                    "planned; one's dispatch and return in flight while the other computes", fmt::join(on, ", "));
+  }
+  if (!off.empty()) s += fmt::format("{}off for {}: each layer dispatch, compute, return in turn", s.empty() ? "" : "; ", fmt::join(off, ", "));
+  return s;
+}
+
 // The rank map: each rank's (tp, pp, dp) and the groups it joins (the first 16 ranks).
 void print_rank_map(const model::RankMap& map) {
   fmt::print("  ranks      tp {} x pp {} x dp {} (rank = (pp x {} + dp) x {} + tp):\n", map.tp, map.pp, map.dp, map.dp, map.tp);
@@ -287,6 +309,7 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
   } else {
     fmt::print("  colocated  each rank attends its own documents; {} thread(s) per rank\n", o.threads);
   }
+  fmt::print("  ping-pong  {}\n", pingpong_note(o));
   fmt::print("  optimizer  AdamW lr {} (warm-up {} steps, then {}), betas {}/{}, weight decay {}, clip {}\n", o.optim.lr,
              o.optim.warmup_steps,
              o.optim.schedule == "constant" ? std::string("constant")
@@ -643,6 +666,9 @@ std::function<int()> add_train_command(CLI::App& app) {
   a.backward_opt = cmd->add_option("--backward-mode", a.backward_mode,
                                    "stateful (servers keep forward state) | stateless (the paper's)")
                        ->capture_default_str();
+  a.pingpong_opt = cmd->add_option("--pingpong", a.pingpong,
+                                   "on | off: split each step into two nano-batches whose attention dispatch and return "
+                                   "overlap the other's compute (default: on for cad, off for colocated; not with --pp)");
   cmd->add_option("--threads", a.threads, "BLAS and attention threads per rank")->capture_default_str();
   a.granularity_opt = cmd->add_option("--granularity", a.granularity,
                                       "planner shard granularity: a power of two 16..4096 (0: context / 32 rounded down to a power of two, 16..128)")

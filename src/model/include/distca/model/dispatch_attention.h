@@ -39,6 +39,18 @@ class DispatchAttention final : public AttentionBackend<float> {
   Status backward(int layer, const float* q, const float* k, const float* v, const float* o, const float* lse,
                   const float* d_o, float* dq, float* dk, float* dv) override;
 
+  // A pass in stages, for a caller that overlaps it with other work (ping-pong; see
+  // runtime::Dispatcher): start_* packs and posts the dispatch, finish_dispatch waits for it,
+  // compute runs this rank's server kernel, start_return posts the return, finish_return waits
+  // and unpacks O/LSE (dQ/dK/dV) into the linear layout. forward() / backward() run all five.
+  // The pointers must stay valid until finish_return.
+  Status start_forward(int layer, const runtime::ForwardArgs& f);
+  Status start_backward(int layer, const runtime::BackwardArgs& b);
+  Status finish_dispatch();
+  Status compute();
+  Status start_return();
+  Status finish_return();
+
   const DispatchAttentionOptions& options() const { return options_; }
   // This step's plan and dispatcher (after begin_step).
   const plan::Plan& plan() const { return plan_; }
@@ -52,6 +64,10 @@ class DispatchAttention final : public AttentionBackend<float> {
   DispatchAttention(comm::Communicator& comm, const ModelConfig& config, DispatchAttentionOptions options,
                     plan::PlanFn planner);
   Status run(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b);
+  Status start_pass(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b);
+  void lend_backward_set(runtime::ServerBuffers& server);
+  int pass_layer_ = -1;     // the layer whose pass is between start and finish_return
+  bool pass_lends_ = false;  // it borrowed the backward set
 
   comm::Communicator& comm_;
   ModelConfig config_;

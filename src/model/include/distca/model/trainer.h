@@ -3,6 +3,7 @@
 // Communicator, clipped, AdamW. With two backends (--compare) both train from the same weights
 // on the same data, step by step interleaved, so their times are measured in the same run.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,6 +34,11 @@ struct TrainOptions {
   std::string policy = std::string(plan::kDefaultPlanner);  // the CAD planner
   plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
   int tp = 1;                     // tensor-parallel ranks per model replica (see tensor_parallel.h)
+  // Ping-pong inside the step: "on" splits every step into two nano-batches (whole documents,
+  // balanced by causal pairs), each planned on its own, whose layers alternate so that one's
+  // attention dispatch and return are in flight while the other computes; "off" runs the step
+  // whole, each layer dispatch -> compute -> return; "auto": on for cad, off for colocated.
+  std::string pingpong = "auto";
   int threads = 1;                // BLAS and attention threads per rank
   int64_t granularity = 0;        // planner granularity; 0: context / 32 rounded down to a power of two, 16..128
   double tolerance = 0.05;
@@ -80,6 +86,9 @@ struct StepRecord {
   int64_t attention_bytes = 0;  // sent between ranks by the attention backend, all ranks and phases
   int64_t attention_tasks = 0;  // CA tasks in this step's plan (one plan per step, all layers)
   int64_t split_tasks = 0;      // of them, tasks over part of their rows' key range (k0 > 0 or non-causal)
+  // 2: the step ran as two ping-pong nano-batches (tasks and bytes are both plans'); 1: whole
+  // (ping-pong off, or a step with a single document, which cannot be split).
+  int nano_batches = 1;
   // Memory per rank at the end of the step (the buffers only grow within a step): this backend's
   // parameters, gradients and AdamW moments, the model's activation workspace (the same on every
   // rank), and its attention buffers (server buffers per layer and exchange buffers), which
@@ -145,8 +154,12 @@ class Trainer {
 
  private:
   struct Run;
+  struct Pass;
   Trainer(comm::Communicator& comm, TrainOptions options);
   Result<StepRecord> step_one(Run& run, const StepData& data);
+  // The forward and backward of one step on this rank, whole or as two ping-pong nano-batches.
+  Result<Pass> whole_pass(Run& run, const StepData& data);
+  Result<Pass> pingpong_pass(Run& run, const StepData& data);
 
   comm::Communicator& comm_;
   TrainOptions options_;
@@ -157,6 +170,7 @@ class Trainer {
   int64_t step_ = 0;
   plan::Batch last_batch_;
   std::vector<StepData> validation_;
+  std::array<std::array<std::vector<int32_t>, 3>, 2> nano_ids_;  // ping-pong: tokens, targets, positions per nano-batch
 };
 
 // A summary of a whole run: per backend mean step time (and its parts), tokens/s, waits, the

@@ -1,0 +1,41 @@
+// A nano-batch's passes as chains of ping-pong stages (runtime/pingpong.h): the model's phases
+// (on a row slice of the micro-batch's workspace) and its attention backend's staged passes, so
+// that runtime::run_pingpong can interleave two nano-batches layer by layer.
+//
+// Forward, per layer l: a linear stage (the previous layer's post-attention work, then this
+// layer's norm, Q/K/V and RoPE) that ends by posting the dispatch, and an attention stage (the
+// server kernel) that ends by posting the return; then a last stage (the last layer's
+// post-attention work and the head's loss). Backward mirrors it: per layer from the last, a
+// linear stage (the layer above's pre-attention backward, then this layer's MLP and Wo backward)
+// ending with the dispatch of dO, and an attention stage ending with the return of dQ/dK/dV; then
+// a last stage (layer 0's pre-attention backward and the embedding). The backward adds to the
+// state's gradients: the caller zeroes them once and calls reduce_shared_grads after both
+// nano-batches.
+#pragma once
+#include <vector>
+
+#include "distca/model/dispatch_attention.h"
+#include "distca/model/model.h"
+#include "distca/runtime/pingpong.h"
+
+namespace distca::model {
+
+// What a nano-batch's chain works on. The stages capture this object: it must outlive them.
+struct NanoPass {
+  Model<float>* model = nullptr;  // a row slice holding this nano-batch's rows
+  ModelState<float>* state = nullptr;
+  DispatchAttention* attention = nullptr;  // begin_step done with the nano-batch's layout
+  StepTokens in;
+  const float* x_in = nullptr;   // a stage without the embedding: its input activations
+  const float* dx_in = nullptr;  // a stage without the head: the gradient of its output
+  double loss_scale = 0;
+  double loss = 0;  // out: the forward's summed loss (0 without the head)
+};
+
+std::vector<runtime::Stage> forward_stages(NanoPass& pass);
+std::vector<runtime::Stage> backward_stages(NanoPass& pass);
+// a then b as one chain: when a's last stage posts nothing, b's first compute joins it (so the
+// turn from the forward to the backward is one stage, overlapped like the others).
+std::vector<runtime::Stage> joined(std::vector<runtime::Stage> a, std::vector<runtime::Stage> b);
+
+}  // namespace distca::model

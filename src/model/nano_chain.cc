@@ -1,0 +1,102 @@
+#include "distca/model/nano_chain.h"
+
+#include <fmt/format.h>
+
+namespace distca::model {
+
+namespace {
+
+// The attention stage of layer l (posting its return) and the linear stage's communication.
+runtime::Stage attention_stage(DispatchAttention* att, int64_t layer, const char* dir) {
+  return {[att] { return att->compute(); }, [att] { return att->start_return(); },
+          [att] { return att->finish_return(); }, fmt::format("L{} {} attention", layer, dir),
+          fmt::format("L{} {} return", layer, dir)};
+}
+
+}  // namespace
+
+std::vector<runtime::Stage> forward_stages(NanoPass& p) {
+  Model<float>& m = *p.model;
+  const int64_t layers = m.num_stage_layers(), first = m.first_layer();
+  std::vector<runtime::Stage> out;
+  for (int64_t l = 0; l < layers; ++l) {
+    auto compute = [&p, l]() -> Status {
+      Model<float>& m = *p.model;
+      if (l == 0) {
+        DISTCA_RETURN_IF_ERROR(m.begin_forward(*p.state, p.in, p.x_in));
+      } else {
+        DISTCA_RETURN_IF_ERROR(m.forward_post_attention(*p.state, l - 1));
+      }
+      m.forward_pre_attention(*p.state, l);
+      return Status::ok();
+    };
+    auto start = [&p, l, first] {
+      const auto io = p.model->attention_io(l);
+      return p.attention->start_forward(static_cast<int>(first + l), {io.q, io.k, io.v, io.o, io.lse});
+    };
+    DispatchAttention* att = p.attention;
+    out.push_back({compute, start, [att] { return att->finish_dispatch(); }, fmt::format("L{} fwd linear", first + l),
+                   fmt::format("L{} fwd dispatch", first + l)});
+    out.push_back(attention_stage(att, first + l, "fwd"));
+  }
+  out.push_back({[&p, layers]() -> Status {
+                   DISTCA_RETURN_IF_ERROR(p.model->forward_post_attention(*p.state, layers - 1));
+                   p.loss = p.model->finish_forward(*p.state, p.loss_scale);
+                   return Status::ok();
+                 },
+                 nullptr, nullptr, fmt::format("L{} fwd post-attention, head", first + layers - 1), ""});
+  return out;
+}
+
+std::vector<runtime::Stage> backward_stages(NanoPass& p) {
+  Model<float>& m = *p.model;
+  const int64_t layers = m.num_stage_layers(), first = m.first_layer();
+  std::vector<runtime::Stage> out;
+  for (int64_t l = layers - 1; l >= 0; --l) {
+    auto compute = [&p, l, layers]() -> Status {
+      Model<float>& m = *p.model;
+      if (l == layers - 1) {
+        DISTCA_RETURN_IF_ERROR(m.begin_backward(*p.state, p.dx_in, /*zero_grads=*/false));
+      } else {
+        DISTCA_RETURN_IF_ERROR(m.backward_pre_attention(*p.state, l + 1));
+      }
+      return m.backward_post_attention(*p.state, l);
+    };
+    auto start = [&p, l, first] {
+      const auto io = p.model->attention_io(l);
+      return p.attention->start_backward(static_cast<int>(first + l),
+                                         {io.q, io.k, io.v, io.o, io.lse, io.d_o, io.dq, io.dk, io.dv});
+    };
+    DispatchAttention* att = p.attention;
+    out.push_back({compute, start, [att] { return att->finish_dispatch(); }, fmt::format("L{} bwd linear", first + l),
+                   fmt::format("L{} bwd dispatch", first + l)});
+    out.push_back(attention_stage(att, first + l, "bwd"));
+  }
+  out.push_back({[&p]() -> Status {
+                   DISTCA_RETURN_IF_ERROR(p.model->backward_pre_attention(*p.state, 0));
+                   p.model->finish_backward(*p.state);
+                   return Status::ok();
+                 },
+                 nullptr, nullptr, fmt::format("L{} bwd pre-attention, embedding", first), ""});
+  return out;
+}
+
+std::vector<runtime::Stage> joined(std::vector<runtime::Stage> a, std::vector<runtime::Stage> b) {
+  if (!a.empty() && !b.empty() && !a.back().start_comm) {
+    runtime::Stage& last = a.back();
+    runtime::Stage next = std::move(b.front());
+    last.compute = [first = std::move(last.compute), second = std::move(next.compute)]() -> Status {
+      DISTCA_RETURN_IF_ERROR(first());
+      return second();
+    };
+    last.start_comm = std::move(next.start_comm);
+    last.finish_comm = std::move(next.finish_comm);
+    last.name = fmt::format("{}; {}", last.name, next.name);
+    last.comm_name = std::move(next.comm_name);
+    b.erase(b.begin());
+  }
+  for (runtime::Stage& s : b) a.push_back(std::move(s));
+  return a;
+}
+
+}  // namespace distca::model
