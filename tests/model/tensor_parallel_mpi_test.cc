@@ -1,6 +1,7 @@
 // Tensor parallelism under mpirun: on 2 ranks tp 2; on 4 ranks (tp, pp, dp) = (2, 1, 2), (4, 1, 1)
 // and (2, 2, 1); on 8 ranks (2, 2, 2), (2, 1, 4), (8, 1, 1) and (4, 2, 1). Colocated and CAD
-// (the data-parallel trainer for pp 1, the pipeline trainer otherwise) reproduce the loss curve
+// (the data-parallel trainer for pp 1, with ping-pong on and off; the pipeline trainer otherwise)
+// reproduce the loss curve
 // of the same model on one rank, within 1e-5 relative over 10 steps. With --fault (3 ranks, one TP
 // group of 3), TP rank 1 fails in step 2 and the whole job must end.
 #include <fmt/format.h>
@@ -62,21 +63,35 @@ int main(int argc, char** argv) {
     std::vector<double> want;
     std::map<std::string, std::vector<double>> got;
     if (pp == 1) {
-      TrainOptions one = dp_options(1, dp * T, kSteps);
+      const int64_t context = dp == 1 ? 2 * T : T;  // ping-pong needs two documents in a step
+      TrainOptions one = dp_options(1, dp * context, kSteps);
       one.backends = {"colocated"};
       auto self = c.split(c.rank(), 0, "self");  // one rank alone (each rank computes the reference)
       if (!self.is_ok()) return fail(self.status());
       auto reference = Trainer::create(*self.value(), one);
       if (!reference.is_ok()) return fail(reference.status());
-      auto trainer = Trainer::create(c, dp_options(tp, T, kSteps));
-      if (!trainer.is_ok()) return fail(trainer.status());
       for (int s = 0; s < kSteps; ++s) {
         auto r = reference.value()->step();
         if (!r.is_ok()) return fail(r.status());
         want.push_back(r.value()[0].loss);
-        auto records = trainer.value()->step();
-        if (!records.is_ok()) return fail(records.status());
-        for (const StepRecord& x : records.value()) got[x.backend].push_back(x.loss);
+      }
+      for (const char* pingpong : {"on", "off"}) {
+        TrainOptions o = dp_options(tp, context, kSteps);
+        o.pingpong = pingpong;
+        auto trainer = Trainer::create(c, o);
+        if (!trainer.is_ok()) return fail(trainer.status());
+        int split = 0;
+        for (int s = 0; s < kSteps; ++s) {
+          auto records = trainer.value()->step();
+          if (!records.is_ok()) return fail(records.status());
+          for (const StepRecord& x : records.value()) {
+            got[fmt::format("{}, ping-pong {}", x.backend, pingpong)].push_back(x.loss);
+            split += x.backend == "cad" && x.nano_batches == 2 ? 1 : 0;
+          }
+        }
+        if ((std::string(pingpong) == "on") != (split >= kSteps / 2)) {
+          return fail(internal_error(fmt::format("ping-pong {}: {} of {} steps ran as two nano-batches", pingpong, split, kSteps)));
+        }
       }
     } else {
       auto options = [&](int tp_, int pp_, int64_t context, const std::string& schedule, const std::string& policy) {

@@ -136,44 +136,72 @@ TrainOptions dp_options(int tp, int64_t context, int64_t steps) {
 }
 
 // Rank 0's loss per backend, in step order; every rank of the run must report the same.
-std::map<std::string, std::vector<double>> train_dp(int ranks, const TrainOptions& o) {
+// `split_steps`: the steps CAD ran as two ping-pong nano-batches (a step of one document runs
+// whole), never one without ping-pong.
+std::map<std::string, std::vector<double>> train_dp(int ranks, const TrainOptions& o, int* split_steps = nullptr) {
   std::vector<std::map<std::string, std::vector<double>>> per_rank(static_cast<size_t>(ranks));
+  std::vector<int> split(static_cast<size_t>(ranks), 0);
   auto statuses = comm::LocalWorld::run(ranks, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto t, Trainer::create(c, o));
     for (int64_t s = 0; s < o.steps; ++s) {
       DISTCA_ASSIGN_OR_RETURN(auto records, t->step());
-      for (const StepRecord& r : records) per_rank[c.rank()][r.backend].push_back(r.loss);
+      for (const StepRecord& r : records) {
+        per_rank[c.rank()][r.backend].push_back(r.loss);
+        if (o.pingpong == "off" && r.nano_batches != 1) return internal_error("ping-pong off split a step");
+        if (r.backend == "cad") split[c.rank()] += r.nano_batches == 2 ? 1 : 0;
+      }
     }
     return Status::ok();
   }, std::chrono::seconds(60));
   for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].message();
   for (int r = 1; r < ranks; ++r) EXPECT_EQ(per_rank[r], per_rank[0]) << "rank " << r;
+  for (int r = 1; r < ranks; ++r) EXPECT_EQ(split[r], split[0]) << "rank " << r;
+  if (split_steps != nullptr) *split_steps = split[0];
   return per_rank[0];
 }
 
+// Colocated and CAD, ping-pong on (both backends: two nano-batches per step) and off, reproduce
+// the one-rank curve (colocated, whole steps) on every layout.
 TEST(TensorParallel, DataParallelLayoutsReproduceTheOneRankCurve) {
   constexpr int64_t T = 64;
   constexpr int64_t kSteps = 10;
-  for (auto [tp, dp] : {std::pair{2, 1}, {2, 2}, {2, 4}, {4, 1}, {4, 2}, {8, 1}}) {
-    for (const char* policy : {"minbytes", "distca"}) {
-      for (auto mode : {plan::BackwardMode::kStateful, plan::BackwardMode::kStateless}) {
-        TrainOptions one = dp_options(1, dp * T, kSteps);
-        one.backends = {"colocated"};
-        const auto want = train_dp(1, one)["colocated"];
-        ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
-        ASSERT_LT(want.back(), want.front());  // it learns
-        TrainOptions o = dp_options(tp, T, kSteps);
-        o.policy = policy;
-        o.backward_mode = mode;
-        auto got = train_dp(tp * dp, o);
-        const std::string where = fmt::format("tp {}, dp {}, {}, {}", tp, dp, policy, plan::backward_mode_name(mode));
+  struct Variant {
+    const char* policy;
+    plan::BackwardMode mode;
+    const char* pingpong;
+  };
+  const std::vector<Variant> all = {{"minbytes", plan::BackwardMode::kStateful, "on"},
+                                    {"minbytes", plan::BackwardMode::kStateless, "off"},
+                                    {"distca", plan::BackwardMode::kStateless, "on"},
+                                    {"distca", plan::BackwardMode::kStateful, "off"}};
+  for (int dp : {1, 2, 4, 8}) {
+    // One replica gets 2T (ping-pong needs two documents in a step; T tokens often hold one).
+    const int64_t context = dp == 1 ? 2 * T : T;
+    TrainOptions one = dp_options(1, dp * context, kSteps);
+    one.backends = {"colocated"};
+    one.pingpong = "off";
+    const auto want = train_dp(1, one)["colocated"];
+    ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
+    ASSERT_LT(want.back(), want.front());  // it learns
+    for (auto [tp, dp_size] : {std::pair{1, 2}, {2, 1}, {2, 2}, {2, 4}, {4, 1}, {4, 2}, {8, 1}}) {
+      if (dp_size != dp) continue;
+      // The larger layouts with ping-pong on and off once each (time).
+      const size_t variants = tp * dp > 4 ? 2 : all.size();
+      for (size_t v = 0; v < variants; ++v) {
+        TrainOptions o = dp_options(tp, context, kSteps);
+        o.policy = all[v].policy;
+        o.backward_mode = all[v].mode;
+        o.pingpong = all[v].pingpong;
+        int split = 0;
+        auto got = train_dp(tp * dp, o, &split);
+        const std::string where = fmt::format("tp {}, dp {}, {}, {}, ping-pong {} ({} of {} steps split)", tp, dp, o.policy,
+                                              plan::backward_mode_name(o.backward_mode), o.pingpong, split, kSteps);
+        if (o.pingpong == "on") EXPECT_GE(split, kSteps / 2) << where;
         const double col = worst(got["colocated"], want), cad = worst(got["cad"], want);
         std::printf("%s: max rel loss diff vs one rank: colocated %.2e, cad %.2e\n", where.c_str(), col, cad);
         EXPECT_LE(col, 1e-5) << where << ", colocated";
         EXPECT_LE(cad, 1e-5) << where << ", cad";
-        if (tp * dp > 4) break;  // the larger layouts once (time)
       }
-      if (tp * dp > 4) break;
     }
   }
 }
