@@ -42,7 +42,8 @@ Status TrainOptions::validate() const {
       return invalid_argument("--tp does not support --checkpoint or --resume yet (each rank holds a slice of the model): drop them");
     }
   }
-  if (pingpong != "auto" && pingpong != "on" && pingpong != "off") {
+  if (attention_link) DISTCA_RETURN_IF_ERROR(attention_link->validate());
+  if (pingpong != "auto" && pingpong != "on" && pingpong != "off" && pingpong != "sequential") {
     return invalid_argument(fmt::format("--pingpong must be on or off (auto: on for cad, off for colocated), got '{}'", pingpong));
   }
   if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
@@ -175,6 +176,8 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
   const TrainOptions& o = t->options_;
   DISTCA_ASSIGN_OR_RETURN(t->groups_, RankGroups::split(comm, o.tp, 1, o.model));
   comm::Communicator& dp = *t->groups_.dp;
+  if (o.attention_link) t->link_ = std::make_unique<comm::EmulatedLink>(dp, *o.attention_link);
+  comm::Communicator& attention_comm = t->link_ ? static_cast<comm::Communicator&>(*t->link_) : dp;
   const ModelConfig shard = tensor_parallel_shard(o.model, o.tp).value();
   std::unique_ptr<DocumentSource> source;
   if (o.data_path.empty()) {
@@ -198,11 +201,11 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     d.threads = o.threads;
     d.tolerance = o.tolerance;
     d.granularity = o.granularity;
-    DISTCA_ASSIGN_OR_RETURN(run->attention, DispatchAttention::create(dp, shard, d));
-    run->pingpong = o.pingpong == "on" || (o.pingpong == "auto" && name == "cad");
+    DISTCA_ASSIGN_OR_RETURN(run->attention, DispatchAttention::create(attention_comm, shard, d));
+    run->pingpong = o.pingpong == "on" || o.pingpong == "sequential" || (o.pingpong == "auto" && name == "cad");
     if (run->pingpong) {
       for (auto& nano : run->nano) {
-        DISTCA_ASSIGN_OR_RETURN(nano, DispatchAttention::create(dp, shard, d));
+        DISTCA_ASSIGN_OR_RETURN(nano, DispatchAttention::create(attention_comm, shard, d));
       }
     }
     run->state = ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);
@@ -381,7 +384,9 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   for (int n = 0; n < 2; ++n) chains[n] = joined(forward_stages(passes[n]), backward_stages(passes[n]));
   run.state.grads.fill(0.0f);  // both nano-batches add theirs
   const auto t0 = Clock::now();
-  DISTCA_RETURN_IF_ERROR(runtime::run_pingpong(chains[0], chains[1]).status());
+  DISTCA_RETURN_IF_ERROR((options_.pingpong == "sequential" ? runtime::run_sequential(chains[0], chains[1])
+                                                              : runtime::run_pingpong(chains[0], chains[1]))
+                             .status());
   DISTCA_RETURN_IF_ERROR(slices[0]->reduce_shared_grads(run.state));
   out.times.total = since(t0);
   for (int n = 0; n < 2; ++n) {

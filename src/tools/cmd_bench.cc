@@ -8,6 +8,7 @@
 #include "bench_attention.h"
 #include "bench_dispatch.h"
 #include "bench_planner.h"
+#include "bench_step.h"
 #include "cmd_profile.h"
 #include "world.h"
 
@@ -113,6 +114,45 @@ int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
   return kExitOk;
 }
 
+struct StepArgs {
+  StepBenchOptions options;
+  bool is_json = false;
+  double timeout_seconds = kDefaultTimeoutSeconds;
+};
+
+int run_step(const StepArgs& a, const CLI::App& cmd) {
+  Status s = validate(a.options);
+  if (s.is_ok() && a.options.link == "off" && cmd.count("--latency-us") + cmd.count("--ratio") > 0) {
+    s = invalid_argument("--latency-us and --ratio shape the emulated link, and --link off runs none: drop them");
+  }
+  Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
+  if (s.is_ok()) s = timeout.status();
+  if (!s.is_ok()) {
+    print_usage_error("bench step", s.message());
+    return kExitBadInput;
+  }
+  auto progress = [](const std::string& line) { fmt::print(stderr, "[bench step] {}\n", line); };
+  std::optional<nlohmann::json> root_report;
+  WorldOptions world;
+  world.is_ranks_given = cmd.count("--ranks") > 0;
+  world.timeout = timeout.value();
+  const int code = run_world(
+      "bench step", a.options.ranks,
+      [&](comm::Communicator& c) -> Status {
+        DISTCA_ASSIGN_OR_RETURN(nlohmann::json report, run_step_bench(c, a.options, progress));
+        if (c.rank() == 0) root_report = std::move(report);
+        return Status::ok();
+      },
+      world);
+  if (code != kExitOk || !root_report) return code;
+  if (a.is_json) {
+    fmt::print("{}\n", root_report->dump(2));
+  } else {
+    print_step_report(*root_report);
+  }
+  return kExitOk;
+}
+
 struct PlannerArgs {
   PlannerBenchOptions options;
   bool is_json = false;
@@ -189,6 +229,29 @@ std::function<int()> add_bench_command(CLI::App& app) {
   dcmd->add_flag("--json", dispatch->is_json, "print one JSON object instead of the table");
   dcmd->add_option("--timeout", dispatch->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
+  auto step = std::make_shared<StepArgs>();
+  StepBenchOptions& so = step->options;
+  CLI::App* scmd = bench->add_subcommand(
+      "step",
+      "ping-pong inside the real CAD training step: sequential nano-batches vs ping-pong vs a zero-cost link vs the "
+      "whole step, interleaved on the same batches; over an emulated link calibrated so that communication = linear "
+      "compute, or over the communicator itself (--link off, e.g. under mpirun)");
+  scmd->add_option("--ranks", so.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
+  scmd->add_option("--preset", so.preset, "model and context: tiny | demo")->capture_default_str();
+  scmd->add_option("--context", so.context, "tokens per rank (0: the preset's)")->capture_default_str();
+  scmd->add_option("--layers", so.layers, "layers (0: the preset's)")->capture_default_str();
+  scmd->add_option("--workload", so.workload, "document lengths: pretrain | prolong | skewed (default: the preset's)");
+  scmd->add_option("--steps", so.steps, "measured steps, after a warm-up and a calibration step")->capture_default_str();
+  scmd->add_option("--threads", so.threads, "BLAS and attention threads per rank")->capture_default_str();
+  scmd->add_option("--link", so.link, "auto: an emulated link, communication = --ratio x linear compute; off: the "
+                                      "communicator itself")
+      ->capture_default_str();
+  scmd->add_option("--ratio", so.ratio, "emulated communication time / linear compute time of a step")->capture_default_str();
+  scmd->add_option("--latency-us", so.latency_us, "emulated link latency per operation")->capture_default_str();
+  scmd->add_option("--backward", so.backward_mode, "stateful | stateless")->capture_default_str();
+  scmd->add_flag("--json", step->is_json, "print one JSON object instead of the table");
+  scmd->add_option("--timeout", step->timeout_seconds, kTimeoutHelp)->capture_default_str();
+
   auto planner = std::make_shared<PlannerArgs>();
   PlannerBenchOptions& po = planner->options;
   CLI::App* pcmd = bench->add_subcommand(
@@ -205,9 +268,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
 
   auto calibration = add_calibration_command(*bench);
 
-  return [bench, attention, cmd, dispatch, dcmd, planner, calibration]() -> int {
+  return [bench, attention, cmd, dispatch, dcmd, step, scmd, planner, calibration]() -> int {
     if (bench->got_subcommand("attention")) return run_attention(*attention, *cmd);
     if (bench->got_subcommand("dispatch")) return run_dispatch(*dispatch, *dcmd);
+    if (bench->got_subcommand("step")) return run_step(*step, *scmd);
     if (bench->got_subcommand("planner")) return run_planner(*planner);
     if (bench->got_subcommand("calibration")) return calibration();
     return 2;

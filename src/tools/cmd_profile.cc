@@ -208,6 +208,7 @@ int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
     t.steps = a.steps;
     t.workload = preset.workload;
     t.backends = {"colocated", "cad"};
+    t.pingpong = "off";  // the simulator prices one plan per step, run layer by layer
     DISTCA_ASSIGN_OR_RETURN(auto trainer, model::Trainer::create(c, t));
     const sim::LinearEntry* linear = profile.find_linear(linear_model_key(preset.model));
     if (linear == nullptr) return internal_error("the measured profile has no entry for the model");

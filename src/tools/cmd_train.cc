@@ -172,7 +172,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.threads = a.threads;
   o.tp = a.tp;
   o.pingpong = a.pingpong;
-  if (a.given(a.pingpong_opt) && a.pingpong == "auto") {
+  if (a.given(a.pingpong_opt) && a.pingpong != "on" && a.pingpong != "off") {
     return invalid_argument("--pingpong must be on or off (leave it out for on with cad, off with colocated)");
   }
   o.granularity = a.granularity;

@@ -7,12 +7,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "distca/comm/communicator.h"
+#include "distca/comm/emulated_link.h"
 #include "distca/model/config.h"
 #include "distca/model/data.h"
 #include "distca/model/dispatch_attention.h"
@@ -38,7 +40,12 @@ struct TrainOptions {
   // balanced by causal pairs), each planned on its own, whose layers alternate so that one's
   // attention dispatch and return are in flight while the other computes; "off" runs the step
   // whole, each layer dispatch -> compute -> return; "auto": on for cad, off for colocated.
+  // "sequential" (benchmarks): the two nano-batches of "on", one after the other, nothing
+  // overlapped: the same plans and bytes as "on", so the two times differ by the overlap alone.
   std::string pingpong = "auto";
+  // Benchmarks: the attention's dispatch and return over an emulated link of this latency and
+  // bandwidth (comm/emulated_link.h) over the data-parallel group; unset: that group itself.
+  std::optional<comm::LinkOptions> attention_link;
   int threads = 1;                // BLAS and attention threads per rank
   int64_t granularity = 0;        // planner granularity; 0: context / 32 rounded down to a power of two, 16..128
   double tolerance = 0.05;
@@ -137,6 +144,9 @@ class Trainer {
   Result<std::vector<StepRecord>> step();
   int64_t steps_done() const { return step_; }
   const RankMap& rank_map() const { return groups_.map; }
+  // The emulated link of options().attention_link (nullptr without one): its counters, and new
+  // latency and bandwidth between steps.
+  comm::EmulatedLink* attention_link() { return link_.get(); }
   const RankCoords& coords() const { return groups_.me; }
   // The data source's epoch as of the last step (0 until a file source wraps).
   int64_t epoch() const { return packer_->epoch(); }
@@ -150,6 +160,8 @@ class Trainer {
   ModelState<float>& state(size_t i);
   // The last step's layout, and backend i's plan of it (calibration prices exactly these).
   const plan::Batch& last_batch() const { return last_batch_; }
+  // With ping-pong the step ran two plans, of the nano-batches: this is the unsplit backend's, so
+  // it is meaningful with ping-pong off only.
   const plan::Plan& last_plan(size_t i) const;
 
  private:
@@ -164,6 +176,7 @@ class Trainer {
   comm::Communicator& comm_;
   TrainOptions options_;
   RankGroups groups_;  // tp and dp (no pipeline: pp groups of one)
+  std::unique_ptr<comm::EmulatedLink> link_;  // over groups_.dp, for the attention (benchmarks)
   std::unique_ptr<Packer> packer_;
   std::unique_ptr<Model<float>> model_;  // one workspace, shared by the backends' states
   std::vector<std::unique_ptr<Run>> runs_;

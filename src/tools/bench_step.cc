@@ -1,0 +1,243 @@
+#include "bench_step.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "distca/model/config.h"
+#include "distca/model/trainer.h"
+
+namespace distca::tools {
+
+namespace {
+
+enum Variant { kSequential, kPingPong, kZeroCost, kWhole, kVariants };
+constexpr const char* kNames[kVariants] = {"sequential", "pingpong", "zero_cost", "whole"};
+
+struct Spread {
+  double median = 0, min = 0, max = 0;
+};
+
+Spread spread_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  if (n == 0) return {};
+  return {n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front(), v.back()};
+}
+
+nlohmann::json to_json(const Spread& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
+
+model::TrainOptions train_options(const StepBenchOptions& o, const model::Preset& p) {
+  model::TrainOptions t;
+  t.model = p.model;
+  if (o.layers > 0) t.model.num_layers = o.layers;
+  t.optim = p.optim;
+  t.context = o.context > 0 ? o.context : p.context;
+  t.workload = o.workload.empty() ? p.workload : o.workload;
+  t.steps = o.steps + 2;
+  t.backends = {"cad"};
+  t.threads = o.threads;
+  t.backward_mode = o.backward_mode == "stateless" ? plan::BackwardMode::kStateless : plan::BackwardMode::kStateful;
+  return t;
+}
+
+}  // namespace
+
+Status validate(const StepBenchOptions& o) {
+  DISTCA_RETURN_IF_ERROR(model::find_preset(o.preset).status());
+  if (o.ranks < 1 || o.ranks > 64) return invalid_argument(fmt::format("--ranks must be 1..64, got {}", o.ranks));
+  if (o.steps < 1 || o.steps > 1000) return invalid_argument(fmt::format("--steps must be 1..1000, got {}", o.steps));
+  if (o.link != "auto" && o.link != "off") return invalid_argument(fmt::format("--link must be auto or off, got '{}'", o.link));
+  if (!(o.ratio > 0) || o.ratio > 100) return invalid_argument(fmt::format("--ratio must be in (0, 100], got {}", o.ratio));
+  if (!(o.latency_us >= 0) || o.latency_us > 1e6) {
+    return invalid_argument(fmt::format("--latency-us must be 0..1e6, got {}", o.latency_us));
+  }
+  if (o.backward_mode != "stateful" && o.backward_mode != "stateless") {
+    return invalid_argument(fmt::format("--backward must be stateful or stateless, got '{}'", o.backward_mode));
+  }
+  if (o.context < 0 || o.layers < 0) return invalid_argument("--context and --layers must be >= 0 (0: the preset's)");
+  model::TrainOptions t = train_options(o, model::find_preset(o.preset).value());
+  t.pingpong = "on";
+  return t.validate();
+}
+
+Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchOptions& o,
+                                      const std::function<void(const std::string&)>& progress) {
+  DISTCA_RETURN_IF_ERROR(validate(o));
+  if (comm.size() < 2) {
+    return invalid_argument("bench step needs 2 or more ranks: with one, nothing crosses a link and ping-pong hides nothing");
+  }
+  const bool is_root = comm.rank() == 0;
+  auto say = [&](const std::string& line) {
+    if (is_root) progress(line);
+  };
+  const model::Preset preset = model::find_preset(o.preset).value();
+  const bool emulated = o.link == "auto";
+  std::array<std::unique_ptr<model::Trainer>, kVariants> trainers;
+  for (int v = 0; v < kVariants; ++v) {
+    if (v == kZeroCost && !emulated) continue;
+    model::TrainOptions t = train_options(o, preset);
+    t.pingpong = v == kSequential ? "sequential" : v == kWhole ? "off" : "on";
+    if (emulated) t.attention_link = comm::LinkOptions{};  // unlimited (counting) until calibrated
+    DISTCA_ASSIGN_OR_RETURN(trainers[v], model::Trainer::create(comm, t));
+  }
+  auto step_all = [&](std::array<model::StepRecord, kVariants>& out) -> Status {
+    for (int v = 0; v < kVariants; ++v) {
+      if (!trainers[v]) continue;
+      DISTCA_RETURN_IF_ERROR(comm.barrier());
+      DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> r, trainers[v]->step());
+      out[v] = r.at(0);
+    }
+    return Status::ok();
+  };
+  std::array<model::StepRecord, kVariants> warm{}, cal{};
+  say("warm-up step (every variant)");
+  DISTCA_RETURN_IF_ERROR(step_all(warm));
+  // Calibration: the sequential variant's link counts this step's bytes; its straggler's linear
+  // seconds set the bandwidth at which the step's communication takes ratio x that.
+  nlohmann::json calibration = nullptr;
+  if (emulated) trainers[kSequential]->attention_link()->reset_counters();
+  say("calibration step");
+  DISTCA_RETURN_IF_ERROR(step_all(cal));
+  if (emulated) {
+    const comm::LinkCounters& c = trainers[kSequential]->attention_link()->counters();
+    std::vector<float> slots(static_cast<size_t>(2 * comm.size()), 0.0f);
+    slots[2 * comm.rank()] = static_cast<float>(c.wire_bytes);
+    slots[2 * comm.rank() + 1] = static_cast<float>(c.operations);
+    DISTCA_RETURN_IF_ERROR(comm.all_reduce_sum(slots.data(), static_cast<int64_t>(slots.size())));
+    double wire = 0, ops = 0;
+    for (int r = 0; r < comm.size(); ++r) {
+      if (slots[2 * r] > wire) wire = slots[2 * r], ops = slots[2 * r + 1];
+    }
+    const double linear = cal[kSequential].linear_seconds;
+    const double latency = o.latency_us * 1e-6;
+    const double budget = o.ratio * linear - ops * latency;
+    if (!(budget > 0) || !(wire > 0)) {
+      return invalid_argument(fmt::format("the link cannot be calibrated: {} operations of {} us latency take {:.3f} s, "
+                                          "more than {} x the step's linear {:.3f} s (lower --latency-us)",
+                                          ops, o.latency_us, ops * latency, o.ratio, linear));
+    }
+    comm::LinkOptions link{latency, wire / budget};
+    for (int v : {kSequential, kPingPong, kWhole}) trainers[v]->attention_link()->set_options(link);
+    calibration = {{"linear_seconds", linear},    {"wire_bytes", wire},        {"operations", ops},
+                   {"latency_us", o.latency_us},  {"bytes_per_second", link.bytes_per_second},
+                   {"ratio", o.ratio}};
+    say(fmt::format("link: {:.1f} MB/s, {} us per operation ({:.0f} MB and {:.0f} operations per step on the busiest "
+                    "rank = {} x the step's linear {:.3f} s)",
+                    link.bytes_per_second / 1e6, o.latency_us, wire / 1e6, ops, o.ratio, linear));
+  }
+  std::array<std::vector<double>, kVariants> seconds;
+  std::vector<double> hidden, comm_seq, linear_seq;
+  nlohmann::json steps = nlohmann::json::array();
+  for (int s = 0; s < o.steps; ++s) {
+    std::array<model::StepRecord, kVariants> r{};
+    DISTCA_RETURN_IF_ERROR(step_all(r));
+    // The same nano-batches and plans: the same loss, bit for bit.
+    for (int v : {kPingPong, kZeroCost}) {
+      if (trainers[v] && r[v].loss != r[kSequential].loss) {
+        return internal_error(fmt::format("step {}: {} loss {} differs from sequential's {}", r[v].step, kNames[v],
+                                          r[v].loss, r[kSequential].loss));
+      }
+    }
+    nlohmann::json j = {{"step", r[kSequential].step}, {"nano_batches", r[kPingPong].nano_batches}};
+    for (int v = 0; v < kVariants; ++v) {
+      if (!trainers[v]) continue;
+      seconds[v].push_back(r[v].step_seconds);
+      j[std::string(kNames[v]) + "_seconds"] = r[v].step_seconds;
+    }
+    comm_seq.push_back(r[kSequential].comm_seconds);
+    linear_seq.push_back(r[kSequential].linear_seconds);
+    j["sequential_comm_seconds"] = r[kSequential].comm_seconds;
+    j["sequential_linear_seconds"] = r[kSequential].linear_seconds;
+    std::string line = fmt::format("step {}/{}: sequential {:.3f} s, ping-pong {:.3f} s", s + 1, o.steps,
+                                   r[kSequential].step_seconds, r[kPingPong].step_seconds);
+    if (emulated) {
+      const double exposed = r[kSequential].step_seconds - r[kZeroCost].step_seconds;
+      const double h = exposed > 0 ? (r[kSequential].step_seconds - r[kPingPong].step_seconds) / exposed : 0.0;
+      hidden.push_back(h);
+      j["hidden_fraction"] = h;
+      line += fmt::format(", zero-cost {:.3f} s: {:.0f}% hidden", r[kZeroCost].step_seconds, 100 * h);
+    }
+    line += fmt::format("; whole {:.3f} s", r[kWhole].step_seconds);
+    say(line);
+    steps.push_back(j);
+  }
+  nlohmann::json report = {{"benchmark", "step"},
+                           {"ranks", comm.size()},
+                           {"communicator", comm.name()},
+                           {"preset", o.preset},
+                           {"model", model::to_json(train_options(o, preset).model)},
+                           {"context", train_options(o, preset).context},
+                           {"threads", o.threads},
+                           {"backward_mode", o.backward_mode},
+                           {"link", o.link},
+                           {"calibration", calibration},
+                           {"steps", steps}};
+  for (int v = 0; v < kVariants; ++v) {
+    if (trainers[v]) report[std::string(kNames[v]) + "_seconds"] = to_json(spread_of(seconds[v]));
+  }
+  report["sequential_comm_seconds"] = to_json(spread_of(comm_seq));
+  report["sequential_linear_seconds"] = to_json(spread_of(linear_seq));
+  const double seq = spread_of(seconds[kSequential]).median, pp = spread_of(seconds[kPingPong]).median;
+  const double whole = spread_of(seconds[kWhole]).median;
+  report["pingpong_over_whole"] = whole > 0 ? pp / whole : 0.0;
+  report["pingpong_over_sequential"] = seq > 0 ? pp / seq : 0.0;
+  if (emulated) {
+    const double zero = spread_of(seconds[kZeroCost]).median;
+    const double h = seq > zero ? (seq - pp) / (seq - zero) : 0.0;  // of the medians
+    report["hidden_fraction"] = h;
+    // Above 1 (ping-pong faster than free communication) or below 0 is noise, never clamped.
+    report["hidden_fraction_is_measurement_error"] = h < 0 || h > 1;
+    report["hidden_fraction_per_step"] = to_json(spread_of(hidden));
+  } else {
+    report["hidden_fraction"] = nullptr;
+    report["hidden_fraction_is_measurement_error"] = nullptr;
+    report["hidden_fraction_per_step"] = nullptr;
+  }
+  return report;
+}
+
+void print_step_report(const nlohmann::json& j) {
+  fmt::print("distca bench step: {} ranks over {}, preset {} ({} tokens per rank), {} backward, {} measured steps\n",
+             j["ranks"].get<int>(), j["communicator"].get<std::string>(), j["preset"].get<std::string>(),
+             j["context"].get<int64_t>(), j["backward_mode"].get<std::string>(), j["steps"].size());
+  if (!j["calibration"].is_null()) {
+    const auto& c = j["calibration"];
+    fmt::print("emulated link for the attention exchange: {:.1f} MB/s and {} us per operation, set so that a step's "
+               "communication = {} x its linear compute ({:.3f} s on the calibration step)\n",
+               c["bytes_per_second"].get<double>() / 1e6, c["latency_us"].get<double>(), c["ratio"].get<double>(),
+               c["linear_seconds"].get<double>());
+  } else {
+    fmt::print("no emulated link: the attention exchange runs over the communicator itself\n");
+  }
+  auto cell = [&](const char* key) {
+    if (!j.contains(key)) return std::string("-");
+    const auto& s = j[key];
+    return fmt::format("{:.3f} ({:.3f}..{:.3f})", s["median"].get<double>(), s["min"].get<double>(), s["max"].get<double>());
+  };
+  fmt::print("\n{:<34} {}\n", "step (s), median (min..max)", "");
+  fmt::print("  {:<32} {}\n", "sequential nano-batches", cell("sequential_seconds"));
+  fmt::print("  {:<32} {}\n", "ping-pong", cell("pingpong_seconds"));
+  if (j.contains("zero_cost_seconds")) fmt::print("  {:<32} {}\n", "ping-pong, zero-cost link", cell("zero_cost_seconds"));
+  fmt::print("  {:<32} {}\n", "whole step (ping-pong off)", cell("whole_seconds"));
+  fmt::print("  {:<32} {}\n", "sequential: communication", cell("sequential_comm_seconds"));
+  fmt::print("  {:<32} {}\n", "sequential: linear compute", cell("sequential_linear_seconds"));
+  fmt::print("\n");
+  if (!j["hidden_fraction"].is_null()) {
+    const auto& h = j["hidden_fraction_per_step"];
+    fmt::print("communication hidden by ping-pong: {:.0f}% of the medians ((sequential - ping-pong) / (sequential - "
+               "zero-cost)); per step {:.0f}%..{:.0f}%\n",
+               100 * j["hidden_fraction"].get<double>(), 100 * h["min"].get<double>(), 100 * h["max"].get<double>());
+    if (j["hidden_fraction_is_measurement_error"].get<bool>()) {
+      fmt::print("  (outside 0..100%: the steps' own noise is larger than the difference; run more --steps)\n");
+    }
+  }
+  fmt::print("ping-pong / whole step: {:.3f}; ping-pong / sequential: {:.3f} (same run, same batches)\n",
+             j["pingpong_over_whole"].get<double>(), j["pingpong_over_sequential"].get<double>());
+}
+
+}  // namespace distca::tools
