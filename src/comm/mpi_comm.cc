@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -23,6 +24,14 @@ Status mpi_status(int code, const char* what) {
 #define DISTCA_MPI_CHECK(call) DISTCA_RETURN_IF_ERROR(mpi_status((call), #call))
 
 constexpr int64_t kMaxMessage = int64_t{1} << 30;  // bytes per MPI message (counts are int)
+
+// MPI is initialized MPI_THREAD_SERIALIZED: one thread in MPI at a time. Every MPI call of this
+// file holds this lock, so that a progress thread (Communicator::progress) may run beside the
+// thread that posts and waits.
+std::mutex& mpi_mutex() {
+  static std::mutex mu;
+  return mu;
+}
 
 class MpiWork final : public Work {
  public:
@@ -43,6 +52,7 @@ class MpiWork final : public Work {
 
   Result<bool> test() override {
     if (is_done_) return true;
+    std::lock_guard lock(mpi_mutex());
     int flag = 0;
     std::vector<MPI_Status> statuses(requests_.size());
     const int code = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, statuses.data());
@@ -72,6 +82,7 @@ class MpiWork final : public Work {
       if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     std::vector<int> late;
+    std::lock_guard lock(mpi_mutex());
     for (std::size_t i = 0; i < requests_.size(); ++i) {
       int flag = 0;
       if (requests_[i] != MPI_REQUEST_NULL) MPI_Test(&requests_[i], &flag, MPI_STATUS_IGNORE);
@@ -123,6 +134,7 @@ Result<std::unique_ptr<MpiComm>> MpiComm::create(int* argc, char*** argv) {
 }
 
 MpiComm::~MpiComm() {
+  std::lock_guard lock(mpi_mutex());
   for (void* p : {comm_, p2p_comm_, outcome_comm_}) {
     auto* c = static_cast<MPI_Comm*>(p);
     if (c != nullptr && *c != MPI_COMM_NULL && *c != MPI_COMM_WORLD) MPI_Comm_free(c);
@@ -136,6 +148,7 @@ std::string MpiComm::who(int rank) const {
 }
 
 Result<std::unique_ptr<Communicator>> MpiComm::split(int color, int key, const std::string& label) {
+  std::lock_guard lock(mpi_mutex());
   if (color < 0) return invalid_argument(fmt::format("split: color {} (must be >= 0)", color));
   if (label.empty()) return invalid_argument("split: a group needs a label");
   MPI_Comm parent = *static_cast<MPI_Comm*>(comm_);
@@ -158,6 +171,7 @@ Result<std::unique_ptr<Communicator>> MpiComm::split(int color, int key, const s
 }
 
 Result<std::unique_ptr<Work>> MpiComm::send_async(const void* data, int64_t bytes, int peer, int tag) {
+  std::lock_guard lock(mpi_mutex());
   DISTCA_RETURN_IF_ERROR(check_p2p("send", data, bytes, peer, tag));
   auto work = std::make_unique<MpiWork>("send", next_p2p_seq_++, rank_, timeout());
   work->set_names(who(rank_), who(peer));
@@ -173,6 +187,7 @@ Result<std::unique_ptr<Work>> MpiComm::send_async(const void* data, int64_t byte
 }
 
 Result<std::unique_ptr<Work>> MpiComm::recv_async(void* data, int64_t bytes, int peer, int tag) {
+  std::lock_guard lock(mpi_mutex());
   DISTCA_RETURN_IF_ERROR(check_p2p("recv", data, bytes, peer, tag));
   auto work = std::make_unique<MpiWork>("recv", next_p2p_seq_++, rank_, timeout());
   work->set_names(who(rank_), who(peer));
@@ -192,11 +207,17 @@ Result<MpiComm::Outcome> MpiComm::agree_on_outcome(int code, std::chrono::millis
   static_assert(INT_MAX / 256 > (1 << 20), "room for a million ranks");
   int value = code == 0 ? INT_MAX : rank_ * 256 + (code & 0xff);
   MPI_Request request;
-  DISTCA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &value, 1, MPI_INT, MPI_MIN, *static_cast<MPI_Comm*>(outcome_comm_), &request));
+  {
+    std::lock_guard lock(mpi_mutex());
+    DISTCA_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &value, 1, MPI_INT, MPI_MIN, *static_cast<MPI_Comm*>(outcome_comm_), &request));
+  }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     int flag = 0;
-    DISTCA_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE));
+    {
+      std::lock_guard lock(mpi_mutex());
+      DISTCA_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE));
+    }
     if (flag) break;
     if (std::chrono::steady_clock::now() > deadline) {
       return internal_error(fmt::format("rank {}: not every rank reached the end of the job within {} ms", rank_,
@@ -209,6 +230,7 @@ Result<MpiComm::Outcome> MpiComm::agree_on_outcome(int code, std::chrono::millis
 }
 
 Result<std::unique_ptr<Work>> MpiComm::all_to_all_v_async(const AllToAllV& a) {
+  std::lock_guard lock(mpi_mutex());
   DISTCA_RETURN_IF_ERROR(check(a));
   if (a.send_counts[rank_] != a.recv_counts[rank_]) {
     return invalid_argument(fmt::format("all_to_all_v: rank {} sends itself {} bytes but expects {}", rank_,
@@ -242,6 +264,7 @@ Result<std::unique_ptr<Work>> MpiComm::all_to_all_v_async(const AllToAllV& a) {
 }
 
 Result<std::unique_ptr<Work>> MpiComm::all_reduce_sum_async(float* data, int64_t count) {
+  std::lock_guard lock(mpi_mutex());
   if (count < 0 || count > INT_MAX || (count > 0 && data == nullptr)) {
     return invalid_argument(fmt::format("all_reduce_sum: {} floats (at most {} per call)", count, INT_MAX));
   }
@@ -253,6 +276,7 @@ Result<std::unique_ptr<Work>> MpiComm::all_reduce_sum_async(float* data, int64_t
 }
 
 Result<std::unique_ptr<Work>> MpiComm::broadcast_async(void* data, int64_t bytes, int root) {
+  std::lock_guard lock(mpi_mutex());
   if (root < 0 || root >= size_) return invalid_argument(fmt::format("broadcast: root {} is not a rank", root));
   if (bytes < 0 || bytes > INT_MAX || (bytes > 0 && data == nullptr)) return invalid_argument("broadcast: bad buffer");
   auto work = std::make_unique<MpiWork>("broadcast", next_seq_++, rank_, timeout());
@@ -263,11 +287,21 @@ Result<std::unique_ptr<Work>> MpiComm::broadcast_async(void* data, int64_t bytes
 }
 
 Result<std::unique_ptr<Work>> MpiComm::barrier_async() {
+  std::lock_guard lock(mpi_mutex());
   auto work = std::make_unique<MpiWork>("barrier", next_seq_++, rank_, timeout());
   MPI_Request r;
   DISTCA_MPI_CHECK(MPI_Ibarrier(*static_cast<MPI_Comm*>(comm_), &r));
   work->add(r, -1);
   return std::unique_ptr<Work>(std::move(work));
+}
+
+Status MpiComm::progress() {
+  // Any MPI call runs Open MPI's progress engine over every pending request; a probe is the
+  // cheapest that touches nothing.
+  std::lock_guard lock(mpi_mutex());
+  int flag = 0;
+  DISTCA_MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, *static_cast<MPI_Comm*>(comm_), &flag, MPI_STATUS_IGNORE));
+  return Status::ok();
 }
 
 void MpiComm::abort(const std::string& reason) { abort_with(1, reason); }

@@ -305,7 +305,7 @@ Model<T>::Model(const ModelConfig& config, int64_t max_tokens, LayerRange range,
 
 template <typename T>
 Model<T>::Model(Model& whole, int64_t r0, int64_t rows)
-    : config_(whole.config_), tp_(whole.tp_), max_tokens_(rows), first_(whole.first_), count_(whole.count_) {
+    : config_(whole.config_), tp_(whole.tp_), poll_(whole.poll_), max_tokens_(rows), first_(whole.first_), count_(whole.count_) {
   const ModelConfig& c = config_;
   const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size, half = c.head_dim / 2;
   for (const LayerActs& a : whole.layer_acts_) {  // every buffer is [rows, width]: row r0 on
@@ -388,8 +388,11 @@ void Model<T>::forward_pre_attention(ModelState<T>& state, int64_t slot) {
   const LayerActs& a = layer_acts_[slot];
   rmsnorm_forward(a.x, lw.attn_norm, n, d, c.norm_eps, a.h1, a.rstd1);
   gemm(false, false, n, qw, d, a.h1, lw.wq, T(0), a.q);
+  poll();
   gemm(false, false, n, kw, d, a.h1, lw.wk, T(0), a.k);
+  poll();
   gemm(false, false, n, kw, d, a.h1, lw.wv, T(0), a.v);
+  poll();
   rope(a.q, n, c.num_q_heads, c.head_dim, cos_, sin_, T(1));
   rope(a.k, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(1));
 }
@@ -403,23 +406,29 @@ Status Model<T>::forward_post_attention(ModelState<T>& state, int64_t slot) {
   T* x_out = slot + 1 < count_ ? layer_acts_[slot + 1].x : x_final_;
   if (tp_.size > 1) {  // x_mid = x + sum over the group of o Wo
     gemm(false, false, n, d, qw, a.o, lw.wo, T(0), a.x_mid);
+    poll();
     DISTCA_RETURN_IF_ERROR(tp_reduce(a.x_mid, n * d));
     for (int64_t i = 0; i < n * d; ++i) a.x_mid[i] += a.x[i];
   } else {
     std::memcpy(a.x_mid, a.x, sizeof(T) * n * d);
     gemm(false, false, n, d, qw, a.o, lw.wo, T(1), a.x_mid);
+    poll();
   }
   rmsnorm_forward(a.x_mid, lw.mlp_norm, n, d, c.norm_eps, a.h2, a.rstd2);
   gemm(false, false, n, f, d, a.h2, lw.w_gate, T(0), a.gate);
+  poll();
   gemm(false, false, n, f, d, a.h2, lw.w_up, T(0), a.up);
+  poll();
   for (int64_t i = 0; i < n * f; ++i) a.s[i] = a.gate[i] * sigmoid(a.gate[i]) * a.up[i];
   if (tp_.size > 1) {
     gemm(false, false, n, d, f, a.s, lw.w_down, T(0), x_out);
+    poll();
     DISTCA_RETURN_IF_ERROR(tp_reduce(x_out, n * d));
     for (int64_t i = 0; i < n * d; ++i) x_out[i] += a.x_mid[i];
   } else {
     std::memcpy(x_out, a.x_mid, sizeof(T) * n * d);
     gemm(false, false, n, d, f, a.s, lw.w_down, T(1), x_out);
+    poll();
   }
   return Status::ok();
 }
@@ -510,7 +519,9 @@ Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
   const LayerActs& a = layer_acts_[slot];
   // MLP: x_out = x_mid + s Wdown, s = silu(gate) up.
   gemm(true, false, f, d, n, a.s, dx_, T(1), lg.w_down);
+  poll();
   gemm(false, true, n, f, d, dx_, lw.w_down, T(0), ds_);
+  poll();
   for (int64_t i = 0; i < n * f; ++i) {
     const T sg = sigmoid(a.gate[i]);
     const T silu = a.gate[i] * sg;
@@ -518,14 +529,20 @@ Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
     dgate_[i] = ds_[i] * a.up[i] * sg * (T(1) + a.gate[i] * (T(1) - sg));
   }
   gemm(true, false, d, f, n, a.h2, dgate_, T(1), lg.w_gate);
+  poll();
   gemm(true, false, d, f, n, a.h2, dup_, T(1), lg.w_up);
+  poll();
   gemm(false, true, n, d, f, dgate_, lw.w_gate, T(0), dh_);
+  poll();
   gemm(false, true, n, d, f, dup_, lw.w_up, T(1), dh_);
+  poll();
   DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
   rmsnorm_backward(a.x_mid, lw.mlp_norm, a.rstd2, dh_, n, d, dx_, lg.mlp_norm);  // dx_ = d / d x_mid
   // Attention: x_mid = x + o Wo.
   gemm(true, false, qw, d, n, a.o, dx_, T(1), lg.wo);
+  poll();
   gemm(false, true, n, qw, d, dx_, lw.wo, T(0), do_);
+  poll();
   return Status::ok();
 }
 
@@ -539,11 +556,17 @@ Status Model<T>::backward_pre_attention(ModelState<T>& state, int64_t slot) {
   rope(dq_, n, c.num_q_heads, c.head_dim, cos_, sin_, T(-1));
   rope(dk_, n, c.num_kv_heads, c.head_dim, cos_, sin_, T(-1));
   gemm(true, false, d, qw, n, a.h1, dq_, T(1), lg.wq);
+  poll();
   gemm(true, false, d, kw, n, a.h1, dk_, T(1), lg.wk);
+  poll();
   gemm(true, false, d, kw, n, a.h1, dv_, T(1), lg.wv);
+  poll();
   gemm(false, true, n, d, qw, dq_, lw.wq, T(0), dh_);
+  poll();
   gemm(false, true, n, d, kw, dk_, lw.wk, T(1), dh_);
+  poll();
   gemm(false, true, n, d, kw, dv_, lw.wv, T(1), dh_);
+  poll();
   DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
   rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
   return Status::ok();

@@ -46,6 +46,9 @@ Status TrainOptions::validate() const {
   if (pingpong != "auto" && pingpong != "on" && pingpong != "off" && pingpong != "sequential") {
     return invalid_argument(fmt::format("--pingpong must be on or off (auto: on for cad, off for colocated), got '{}'", pingpong));
   }
+  if (progress != "none" && progress != "poll" && progress != "thread") {
+    return invalid_argument(fmt::format("--progress must be none, poll or thread, got '{}'", progress));
+  }
   if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
   if (granularity < 0) return invalid_argument(fmt::format("--granularity must be >= 0 (0: auto), got {}", granularity));
   if (!(tolerance >= 0) || tolerance > 10) return invalid_argument(fmt::format("--tolerance must be 0..10, got {}", tolerance));
@@ -72,6 +75,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"backward_mode", plan::backward_mode_name(backward_mode)},
           {"tp", tp},
           {"pingpong", pingpong},
+          {"progress", progress},
           {"threads", threads},
           {"granularity", granularity},
           {"tolerance", tolerance},
@@ -376,6 +380,7 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
     }
     const auto count = static_cast<int64_t>(rows.size());
     slices[n] = model_->slice(first_row, count);
+    if (options_.progress == "poll") slices[n]->set_poll([this] { (void)attention_comm().progress(); });
     first_row += count;
     passes[n] = NanoPass{slices[n].get(), &run.state, run.nano[n].get(), StepTokens{ids[0], ids[1], ids[2]},
                          nullptr, nullptr, scale, 0};
@@ -384,9 +389,14 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   for (int n = 0; n < 2; ++n) chains[n] = joined(forward_stages(passes[n]), backward_stages(passes[n]));
   run.state.grads.fill(0.0f);  // both nano-batches add theirs
   const auto t0 = Clock::now();
+  std::optional<runtime::ProgressThread> progress;
+  if (options_.progress == "thread") {
+    progress.emplace([this] { return attention_comm().progress(); }, std::chrono::microseconds(50));
+  }
   DISTCA_RETURN_IF_ERROR((options_.pingpong == "sequential" ? runtime::run_sequential(chains[0], chains[1])
                                                               : runtime::run_pingpong(chains[0], chains[1]))
                              .status());
+  if (progress) DISTCA_RETURN_IF_ERROR(progress->stop());
   DISTCA_RETURN_IF_ERROR(slices[0]->reduce_shared_grads(run.state));
   out.times.total = since(t0);
   for (int n = 0; n < 2; ++n) {

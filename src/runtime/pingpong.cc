@@ -212,4 +212,29 @@ Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b
   return run_schedule(pingpong_schedule(static_cast<int>(a.size())), a, b);
 }
 
+ProgressThread::ProgressThread(std::function<Status()> poll, std::chrono::microseconds interval)
+    : poll_(std::move(poll)), interval_(interval) {
+  thread_ = std::thread([this] {
+    while (!stop_.load(std::memory_order_relaxed)) {
+      Status st = poll_();
+      polls_.fetch_add(1, std::memory_order_relaxed);
+      if (!st.is_ok()) {
+        error_ = std::move(st);
+        return;
+      }
+      std::this_thread::sleep_for(interval_);
+    }
+  });
+}
+
+Status ProgressThread::stop() {
+  if (thread_.joinable()) {
+    stop_.store(true);
+    thread_.join();
+  }
+  return error_;
+}
+
+ProgressThread::~ProgressThread() { (void)stop(); }
+
 }  // namespace distca::runtime

@@ -42,6 +42,7 @@ model::TrainOptions train_options(const StepBenchOptions& o, const model::Preset
   t.backends = {"cad"};
   t.threads = o.threads;
   t.backward_mode = o.backward_mode == "stateless" ? plan::BackwardMode::kStateless : plan::BackwardMode::kStateful;
+  t.progress = o.progress;
   return t;
 }
 
@@ -174,6 +175,7 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                            {"context", train_options(o, preset).context},
                            {"threads", o.threads},
                            {"backward_mode", o.backward_mode},
+                           {"progress", o.progress},
                            {"link", o.link},
                            {"calibration", calibration},
                            {"steps", steps}};
@@ -202,9 +204,11 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
 }
 
 void print_step_report(const nlohmann::json& j) {
-  fmt::print("distca bench step: {} ranks over {}, preset {} ({} tokens per rank), {} backward, {} measured steps\n",
+  fmt::print("distca bench step: {} ranks over {}, preset {} ({} tokens per rank), {} backward, progress {}, {} "
+             "measured steps\n",
              j["ranks"].get<int>(), j["communicator"].get<std::string>(), j["preset"].get<std::string>(),
-             j["context"].get<int64_t>(), j["backward_mode"].get<std::string>(), j["steps"].size());
+             j["context"].get<int64_t>(), j["backward_mode"].get<std::string>(), j["progress"].get<std::string>(),
+             j["steps"].size());
   if (!j["calibration"].is_null()) {
     const auto& c = j["calibration"];
     fmt::print("emulated link for the attention exchange: {:.1f} MB/s and {} us per operation, set so that a step's "

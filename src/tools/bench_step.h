@@ -37,6 +37,7 @@ struct StepBenchOptions {
   double ratio = 1.0;            // emulated communication time / linear compute time per step
   double latency_us = 20;
   std::string backward_mode = "stateful";
+  std::string progress = "poll";  // how transfers advance while a rank computes: none | poll | thread
 };
 
 Status validate(const StepBenchOptions& o);

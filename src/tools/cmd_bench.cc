@@ -249,6 +249,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
   scmd->add_option("--ratio", so.ratio, "emulated communication time / linear compute time of a step")->capture_default_str();
   scmd->add_option("--latency-us", so.latency_us, "emulated link latency per operation")->capture_default_str();
   scmd->add_option("--backward", so.backward_mode, "stateful | stateless")->capture_default_str();
+  scmd->add_option("--progress", so.progress,
+                   "how transfers advance while a rank computes: none (when the schedule waits) | poll (between the "
+                   "model's GEMMs) | thread (a progress thread)")
+      ->capture_default_str();
   scmd->add_flag("--json", step->is_json, "print one JSON object instead of the table");
   scmd->add_option("--timeout", step->timeout_seconds, kTimeoutHelp)->capture_default_str();
 

@@ -66,6 +66,12 @@ class Communicator {
   // This rank's rank in the world communicator the groups were split from.
   virtual int world_rank() const { return rank(); }
 
+  // Advances pending non-blocking operations without waiting for any (a rank whose transfers
+  // only move inside its own calls, as MPI's, calls this while it computes). Safe to call from a
+  // second thread while the first posts and waits. Default: nothing to do (the transfers move
+  // by themselves).
+  virtual Status progress() { return Status::ok(); }
+
   // Blocking forms: start, then wait.
   Status all_to_all_v(const AllToAllV& a);
   Status all_reduce_sum(float* data, int64_t count);

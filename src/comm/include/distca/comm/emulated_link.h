@@ -61,6 +61,7 @@ class EmulatedLink final : public Communicator {
     return inner_.split(color, key, label);
   }
   int world_rank() const override { return inner_.world_rank(); }
+  Status progress() override { return inner_.progress(); }
   void abort(const std::string& reason) override { inner_.abort(reason); }
 
   const LinkCounters& counters() const { return counters_; }

@@ -30,6 +30,9 @@ class MpiComm final : public Communicator {
   Result<std::unique_ptr<Work>> barrier_async() override;
   Result<std::unique_ptr<Work>> send_async(const void* data, int64_t bytes, int peer, int tag) override;
   Result<std::unique_ptr<Work>> recv_async(void* data, int64_t bytes, int peer, int tag) override;
+  // One pass of MPI's progress engine. Every MPI call of MpiComm holds one lock, so this may run
+  // on a progress thread beside the thread that posts and waits.
+  Status progress() override;
   // MPI_Comm_split; the group's abort() still ends the whole job.
   Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& label) override;
   int world_rank() const override { return world_rank_; }

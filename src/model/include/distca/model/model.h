@@ -171,6 +171,10 @@ class Model {
   // Key/value heads shared by several TP ranks: each rank saw some of their queries, so their
   // projections' gradients are summed over the sharing ranks (nothing without sharing).
   Status reduce_shared_grads(ModelState<T>& state);
+  // Called between the GEMMs of the phases (nothing when empty): a rank whose communication
+  // moves only inside its own calls (MPI) polls it there while it computes (ping-pong). A slice
+  // takes its model's.
+  void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
   // Seconds this model spent in tensor-parallel all-reduces (communication), accumulated.
   double tp_seconds() const { return tp_seconds_; }
   AttentionIo attention_io(int64_t slot);
@@ -197,6 +201,10 @@ class Model {
                  const AttentionBackend<T>& attention, double tp_before) const;
   ModelConfig config_;
   TensorParallel<T> tp_;
+  std::function<void()> poll_;
+  void poll() const {
+    if (poll_) poll_();
+  }
   double tp_seconds_ = 0;
   int64_t max_tokens_ = 0;
   int64_t first_ = 0, count_ = 0;  // the layers run: [first_, first_ + count_)

@@ -43,6 +43,10 @@ struct TrainOptions {
   // "sequential" (benchmarks): the two nano-batches of "on", one after the other, nothing
   // overlapped: the same plans and bytes as "on", so the two times differ by the overlap alone.
   std::string pingpong = "auto";
+  // How a ping-pong step's transfers advance while the rank computes (MPI moves data only inside
+  // MPI calls): "none", only when the schedule finishes a communication; "poll", between the
+  // GEMMs of the model's phases; "thread", a progress thread polling every 50 us.
+  std::string progress = "poll";
   // Benchmarks: the attention's dispatch and return over an emulated link of this latency and
   // bandwidth (comm/emulated_link.h) over the data-parallel group; unset: that group itself.
   std::optional<comm::LinkOptions> attention_link;
@@ -177,6 +181,7 @@ class Trainer {
   TrainOptions options_;
   RankGroups groups_;  // tp and dp (no pipeline: pp groups of one)
   std::unique_ptr<comm::EmulatedLink> link_;  // over groups_.dp, for the attention (benchmarks)
+  comm::Communicator& attention_comm() { return link_ ? static_cast<comm::Communicator&>(*link_) : *groups_.dp; }
   std::unique_ptr<Packer> packer_;
   std::unique_ptr<Model<float>> model_;  // one workspace, shared by the backends' states
   std::vector<std::unique_ptr<Run>> runs_;

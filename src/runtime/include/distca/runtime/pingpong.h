@@ -10,9 +10,12 @@
 #pragma once
 
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -91,5 +94,26 @@ Result<ScheduleTiming> run_schedule(const std::vector<ScheduleOp>& schedule, std
                                     std::vector<Stage>& b);
 Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b);
 Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b);
+
+// While it lives, a thread that calls `poll` (Communicator::progress) every `interval`: the
+// transfers of a communicator that moves data only inside its own calls (MPI) advance while this
+// rank computes. The first error poll returns stops the polling and is returned by stop().
+class ProgressThread {
+ public:
+  ProgressThread(std::function<Status()> poll, std::chrono::microseconds interval);
+  ~ProgressThread();
+  ProgressThread(const ProgressThread&) = delete;
+  ProgressThread& operator=(const ProgressThread&) = delete;
+  Status stop();
+  int64_t polls() const { return polls_.load(); }
+
+ private:
+  std::function<Status()> poll_;
+  std::chrono::microseconds interval_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> polls_{0};
+  Status error_ = Status::ok();
+  std::thread thread_;
+};
 
 }  // namespace distca::runtime
