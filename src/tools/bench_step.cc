@@ -86,8 +86,13 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
     if (emulated) t.attention_link = comm::LinkOptions{};  // unlimited (counting) until calibrated
     DISTCA_ASSIGN_OR_RETURN(trainers[v], model::Trainer::create(comm, t));
   }
+  // Every other step in the reverse order, so that neither drift nor a variant's place after
+  // another (caches, the allocator) favours one.
+  int round = 0;
   auto step_all = [&](std::array<model::StepRecord, kVariants>& out) -> Status {
-    for (int v = 0; v < kVariants; ++v) {
+    const bool reverse = round++ % 2 == 1;
+    for (int k = 0; k < kVariants; ++k) {
+      const int v = reverse ? kVariants - 1 - k : k;
       if (!trainers[v]) continue;
       DISTCA_RETURN_IF_ERROR(comm.barrier());
       DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> r, trainers[v]->step());
