@@ -10,7 +10,8 @@
 // With --link auto the attention's dispatch and return go over an emulated link whose bandwidth
 // is set, on a calibration step, so that the step's communication time equals its linear compute
 // time (--ratio): hidden = (sequential - ping-pong) / (sequential - zero-cost), per step and of
-// the medians. With --link off the communicator itself (mpirun: MPI) carries them and ping-pong
+// the medians; every other step runs the variants in the reverse order. With --link off the
+// communicator itself (mpirun: MPI) carries them and ping-pong
 // is compared with the whole step. The three ping-pong forms run the same plans, so their losses
 // must agree exactly; the benchmark checks it.
 #pragma once

@@ -116,6 +116,34 @@ TEST(Cli, TrainTensorParallelPrintsItsRankMapAndRefusesLayoutsItCannotSplit) {
   }
 }
 
+TEST(Cli, TrainPingPongSplitsCadStepsByDefaultAndRefusesWhatItCannotRun) {
+  const std::string json = (scratch() / "train-pingpong.json").string();
+  CmdResult run = distca("train --preset tiny --ranks 2 --compare --steps 3 --json " + json);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("ping-pong  on for cad: each step splits into two nano-batches"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("off for colocated"), std::string::npos) << run.out;
+  auto j = nlohmann::json::parse(distca::read_text_file(json).value());
+  EXPECT_EQ(j["config"]["pingpong"], "auto");
+  int split = 0;
+  for (const auto& r : j["steps"]) {
+    if (r["backend"] == "colocated") EXPECT_EQ(r["nano_batches"], 1);
+    if (r["backend"] == "cad") split += r["nano_batches"] == 2 ? 1 : 0;
+  }
+  EXPECT_GE(split, 1);
+  EXPECT_LT(j["summary"]["loss_max_rel_diff"].get<double>(), 1e-5);
+  CmdResult off = distca("train --preset tiny --ranks 2 --steps 2 --pingpong off");
+  ASSERT_EQ(off.exit_code, 0) << off.err;
+  EXPECT_NE(off.out.find("ping-pong  off for cad"), std::string::npos) << off.out;
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--pingpong maybe", "--pingpong must be on or off"},
+           {"--pingpong sequential", "--pingpong must be on or off"},
+           {"--pp 2 --pingpong on", "--pp does not run ping-pong inside its ticks yet"}}) {
+    CmdResult bad = distca("train --preset tiny --steps 1 " + args);
+    EXPECT_EQ(bad.exit_code, 2) << args << ": " << bad.out;
+    EXPECT_NE(bad.err.find(message), std::string::npos) << args << ": " << bad.err;
+  }
+}
+
 TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   CmdResult r = distca("train --preset tiny --pp 2 --micro-batches 3 --print-schedule --compare");
   ASSERT_EQ(r.exit_code, 0) << r.err;
