@@ -9,6 +9,14 @@ namespace distca::model {
 namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+// Runs fn, adding its seconds to `seconds`.
+template <typename Fn>
+Status timed(double& seconds, Fn&& fn) {
+  const auto t = Clock::now();
+  Status st = fn();
+  seconds += since(t);
+  return st;
+}
 }  // namespace
 
 plan::ThroughputProfile cpu_throughput_profile() {
@@ -112,40 +120,18 @@ Status DispatchAttention::start_pass(int layer, bool is_backward, const runtime:
   pass_layer_ = layer;
   pass_lends_ = is_backward && is_stateful;
   if (pass_lends_) lend_backward_set(server);
-  const auto t = Clock::now();
-  const Status st = is_backward ? dispatcher_->start_backward(b, server) : dispatcher_->start_forward(f, server);
-  times.comm += since(t);
-  return st;
+  return timed(times.comm, [&] { return is_backward ? dispatcher_->start_backward(b, server) : dispatcher_->start_forward(f, server); });
 }
 
 Status DispatchAttention::start_forward(int layer, const runtime::ForwardArgs& f) { return start_pass(layer, false, f, {}); }
 Status DispatchAttention::start_backward(int layer, const runtime::BackwardArgs& b) { return start_pass(layer, true, {}, b); }
 
-Status DispatchAttention::finish_dispatch() {
-  const auto t = Clock::now();
-  const Status st = dispatcher_->finish_comm();
-  times.comm += since(t);
-  return st;
-}
-
-Status DispatchAttention::compute() {
-  const auto t = Clock::now();
-  const Status st = dispatcher_->compute();
-  times.compute += since(t);
-  return st;
-}
-
-Status DispatchAttention::start_return() {
-  const auto t = Clock::now();
-  const Status st = dispatcher_->start_return();
-  times.comm += since(t);
-  return st;
-}
+Status DispatchAttention::finish_dispatch() { return timed(times.comm, [this] { return dispatcher_->finish_comm(); }); }
+Status DispatchAttention::compute() { return timed(times.compute, [this] { return dispatcher_->compute(); }); }
+Status DispatchAttention::start_return() { return timed(times.comm, [this] { return dispatcher_->start_return(); }); }
 
 Status DispatchAttention::finish_return() {
-  const auto t = Clock::now();
-  DISTCA_RETURN_IF_ERROR(dispatcher_->finish_comm());
-  times.comm += since(t);
+  DISTCA_RETURN_IF_ERROR(timed(times.comm, [this] { return dispatcher_->finish_comm(); }));
   peak_bytes_ = std::max(peak_bytes_, current_bytes());
   if (pass_lends_) {
     const bool is_stateful = options_.backward_mode == plan::BackwardMode::kStateful;

@@ -49,6 +49,32 @@ int run_report(const char* name, const Options& options, bool is_json, Run&& run
   return kExitOk;
 }
 
+// A multi-rank benchmark: `bench` on every rank (threads, or the processes of mpirun), then rank
+// 0's report as JSON or as the table.
+template <typename Bench, typename Print>
+int run_world_report(const char* name, int ranks, const CLI::App& cmd, std::chrono::milliseconds timeout, bool is_json,
+                     Bench&& bench, Print&& print) {
+  std::optional<nlohmann::json> root_report;
+  WorldOptions world;
+  world.is_ranks_given = cmd.count("--ranks") > 0;
+  world.timeout = timeout;
+  const int code = run_world(
+      name, ranks,
+      [&](comm::Communicator& c) -> Status {
+        DISTCA_ASSIGN_OR_RETURN(nlohmann::json report, bench(c));
+        if (c.rank() == 0) root_report = std::move(report);
+        return Status::ok();
+      },
+      world);
+  if (code != kExitOk || !root_report) return code;  // under MPI only rank 0 reports
+  if (is_json) {
+    fmt::print("{}\n", root_report->dump(2));
+  } else {
+    print(*root_report);
+  }
+  return kExitOk;
+}
+
 int run_attention(AttentionArgs a, const CLI::App& cmd) {
   if (a.is_quick) {
     auto quick = quick_default(cmd);
@@ -93,25 +119,9 @@ int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
     return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench dispatch] {}\n", line); };
-  std::optional<nlohmann::json> root_report;
-  WorldOptions world;
-  world.is_ranks_given = cmd.count("--ranks") > 0;
-  world.timeout = timeout.value();
-  const int code = run_world(
-      "bench dispatch", a.options.ranks,
-      [&](comm::Communicator& c) -> Status {
-        DISTCA_ASSIGN_OR_RETURN(nlohmann::json report, run_dispatch_bench(c, a.options, progress));
-        if (c.rank() == 0) root_report = std::move(report);
-        return Status::ok();
-      },
-      world);
-  if (code != kExitOk || !root_report) return code;  // under MPI only rank 0 reports
-  if (a.is_json) {
-    fmt::print("{}\n", root_report->dump(2));
-  } else {
-    print_dispatch_report(*root_report);
-  }
-  return kExitOk;
+  return run_world_report(
+      "bench dispatch", a.options.ranks, cmd, timeout.value(), a.is_json,
+      [&](comm::Communicator& c) { return run_dispatch_bench(c, a.options, progress); }, print_dispatch_report);
 }
 
 struct StepArgs {
@@ -132,25 +142,9 @@ int run_step(const StepArgs& a, const CLI::App& cmd) {
     return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench step] {}\n", line); };
-  std::optional<nlohmann::json> root_report;
-  WorldOptions world;
-  world.is_ranks_given = cmd.count("--ranks") > 0;
-  world.timeout = timeout.value();
-  const int code = run_world(
-      "bench step", a.options.ranks,
-      [&](comm::Communicator& c) -> Status {
-        DISTCA_ASSIGN_OR_RETURN(nlohmann::json report, run_step_bench(c, a.options, progress));
-        if (c.rank() == 0) root_report = std::move(report);
-        return Status::ok();
-      },
-      world);
-  if (code != kExitOk || !root_report) return code;
-  if (a.is_json) {
-    fmt::print("{}\n", root_report->dump(2));
-  } else {
-    print_step_report(*root_report);
-  }
-  return kExitOk;
+  return run_world_report(
+      "bench step", a.options.ranks, cmd, timeout.value(), a.is_json,
+      [&](comm::Communicator& c) { return run_step_bench(c, a.options, progress); }, print_step_report);
 }
 
 struct PlannerArgs {

@@ -149,6 +149,48 @@ void expect_median_and_range(const nlohmann::json& run, int repeats) {
   EXPECT_EQ(run.contains("measurement_error"), hidden < 0 || hidden > 1);
 }
 
+// bench step: the four variants on the same batches, the link calibrated on the linear compute
+// of a measured step, the hidden fraction against the zero-cost link (the benchmark itself fails
+// when the split variants' losses differ), and its refusals.
+TEST(Cli, BenchStepMeasuresPingPongInTheRealStep) {
+  CmdResult r = distca("bench step --preset tiny --steps 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["benchmark"], "step");
+  EXPECT_EQ(j["communicator"], "local");
+  ASSERT_EQ(j["steps"].size(), 2u);
+  for (const char* v : {"sequential", "pingpong", "zero_cost", "whole"}) {
+    const std::string key = std::string(v) + "_seconds";
+    std::vector<double> per_step;
+    for (const auto& s : j["steps"]) per_step.push_back(s[key].get<double>());
+    std::sort(per_step.begin(), per_step.end());
+    EXPECT_GT(per_step.front(), 0.0) << key;
+    EXPECT_DOUBLE_EQ(j[key]["median"].get<double>(), 0.5 * (per_step[0] + per_step[1])) << key;
+    EXPECT_DOUBLE_EQ(j[key]["min"].get<double>(), per_step[0]) << key;
+    EXPECT_DOUBLE_EQ(j[key]["max"].get<double>(), per_step[1]) << key;
+  }
+  const auto& c = j["calibration"];
+  EXPECT_GT(c["bytes_per_second"].get<double>(), 0.0);
+  EXPECT_GT(c["wire_bytes"].get<double>(), 0.0);
+  // The link takes ratio x linear per step: latency per operation plus the bytes at that rate.
+  EXPECT_NEAR(c["operations"].get<double>() * c["latency_us"].get<double>() * 1e-6 +
+                  c["wire_bytes"].get<double>() / c["bytes_per_second"].get<double>(),
+              c["ratio"].get<double>() * c["linear_seconds"].get<double>(), 1e-9);
+  EXPECT_TRUE(std::isfinite(j["hidden_fraction"].get<double>()));
+  const double h = j["hidden_fraction"].get<double>();
+  EXPECT_EQ(j["hidden_fraction_is_measurement_error"].get<bool>(), h < 0 || h > 1);
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--ranks 1", "bench step needs 2 or more ranks"},
+           {"--link off --ratio 2", "--link off runs none"},
+           {"--link maybe", "--link must be auto or off"},
+           {"--progress spin", "--progress must be none, poll or thread"},
+           {"--steps 0", "--steps must be 1..1000"}}) {
+    CmdResult bad = distca("bench step --preset tiny " + args);
+    EXPECT_NE(bad.exit_code, 0) << args;
+    EXPECT_NE(bad.err.find(message), std::string::npos) << args << ": " << bad.err;
+  }
+}
+
 TEST(Cli, BenchDispatchJsonHasTheDocumentedFields) {
   CmdResult r = distca("bench dispatch --quick --link 2 --latency-us 5 --repeats 2 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
