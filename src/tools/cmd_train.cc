@@ -44,6 +44,7 @@ struct TrainArgs {
   std::string policy = std::string(plan::kDefaultPlanner);
   std::string backward_mode = "stateful";
   std::string pingpong = "auto";
+  std::string progress = "poll";
   int threads = 1;
   int64_t granularity = 0;
   double tolerance = 0.05;
@@ -172,6 +173,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.threads = a.threads;
   o.tp = a.tp;
   o.pingpong = a.pingpong;
+  o.progress = a.progress;
   if (a.given(a.pingpong_opt) && a.pingpong != "on" && a.pingpong != "off") {
     return invalid_argument("--pingpong must be on or off (leave it out for on with cad, off with colocated)");
   }
@@ -669,6 +671,10 @@ std::function<int()> add_train_command(CLI::App& app) {
   a.pingpong_opt = cmd->add_option("--pingpong", a.pingpong,
                                    "on | off: split each step into two nano-batches whose attention dispatch and return "
                                    "overlap the other's compute (default: on for cad, off for colocated; not with --pp)");
+  cmd->add_option("--progress", a.progress,
+                  "with ping-pong, how the attention's transfers advance while a rank computes (MPI moves data only "
+                  "inside MPI calls): poll (between the model's GEMMs) | thread (a progress thread) | none")
+      ->capture_default_str();
   cmd->add_option("--threads", a.threads, "BLAS and attention threads per rank")->capture_default_str();
   a.granularity_opt = cmd->add_option("--granularity", a.granularity,
                                       "planner shard granularity: a power of two 16..4096 (0: context / 32 rounded down to a power of two, 16..128)")
