@@ -14,6 +14,7 @@
 #include "distca/runtime/dispatcher.h"
 #include "distca/runtime/pingpong.h"
 #include "blas_setup.h"
+#include "spread.h"
 
 namespace distca::tools {
 
@@ -142,8 +143,8 @@ void build_chain(Nano& x, int layers) {
                        [&x, d, l, buffers] {
                          return d->start_forward({x.q.data(), x.k.data(), x.v.data(), x.o[l].data(), x.lse[l].data()}, buffers(l));
                        },
-                       finish});
-    x.chain.push_back({attend, start_return, finish});
+                       finish, fmt::format("L{} fwd linear", l), fmt::format("L{} fwd dispatch", l)});
+    x.chain.push_back({attend, start_return, finish, fmt::format("L{} fwd attention", l), fmt::format("L{} fwd return", l)});
   }
   for (int l = layers - 1; l >= 0; --l) {
     x.chain.push_back({[&x] { linear(x, 2 * x.linear_n); return Status::ok(); },
@@ -152,10 +153,10 @@ void build_chain(Nano& x, int layers) {
                                                    x.d_o.data(), x.dq.data(), x.dk.data(), x.dv.data()},
                                                   buffers(l));
                        },
-                       finish});
-    x.chain.push_back({attend, start_return, finish});
+                       finish, fmt::format("L{} bwd linear", l), fmt::format("L{} bwd dispatch", l)});
+    x.chain.push_back({attend, start_return, finish, fmt::format("L{} bwd attention", l), fmt::format("L{} bwd return", l)});
   }
-  x.chain.push_back({[&x] { linear(x, 2 * x.linear_n); return Status::ok(); }, nullptr, nullptr});
+  x.chain.push_back({[&x] { linear(x, 2 * x.linear_n); return Status::ok(); }, nullptr, nullptr, "last linear", ""});
 }
 
 // Dispatchers over `link` for both nano-batches, and their chains (collective).
@@ -239,16 +240,6 @@ Result<Series> measure(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, int
   }
   DISTCA_RETURN_IF_ERROR(check_traffic(link.rank(), nanos, heads, mode));
   return out;
-}
-
-struct Spread {
-  double median = 0, min = 0, max = 0;
-};
-
-Spread spread_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return {n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front(), v.back()};
 }
 
 template <typename Get>

@@ -10,6 +10,7 @@
 
 #include "distca/model/config.h"
 #include "distca/model/trainer.h"
+#include "spread.h"
 
 namespace distca::tools {
 
@@ -17,17 +18,6 @@ namespace {
 
 enum Variant { kSequential, kPingPong, kZeroCost, kWhole, kVariants };
 constexpr const char* kNames[kVariants] = {"sequential", "pingpong", "zero_cost", "whole"};
-
-struct Spread {
-  double median = 0, min = 0, max = 0;
-};
-
-Spread spread_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  if (n == 0) return {};
-  return {n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front(), v.back()};
-}
 
 nlohmann::json to_json(const Spread& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
 

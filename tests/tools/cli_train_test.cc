@@ -137,7 +137,8 @@ TEST(Cli, TrainPingPongSplitsCadStepsByDefaultAndRefusesWhatItCannotRun) {
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
            {"--pingpong maybe", "--pingpong must be on or off"},
            {"--pingpong sequential", "--pingpong must be on or off"},
-           {"--pp 2 --pingpong on", "--pp does not run ping-pong inside its ticks yet"}}) {
+           {"--pp 2 --pingpong on", "--pp does not run ping-pong inside its ticks yet"},
+           {"--progress spin", "--progress must be none, poll or thread"}}) {
     CmdResult bad = distca("train --preset tiny --steps 1 " + args);
     EXPECT_EQ(bad.exit_code, 2) << args << ": " << bad.out;
     EXPECT_NE(bad.err.find(message), std::string::npos) << args << ": " << bad.err;
