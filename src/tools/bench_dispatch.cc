@@ -242,6 +242,8 @@ Result<Series> measure(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, int
   return out;
 }
 
+using tools::spread_of;  // the values' (spread.h), beside the samples' below
+
 template <typename Get>
 Spread spread_of(const std::vector<Sample>& samples, Get get) {
   std::vector<double> v;

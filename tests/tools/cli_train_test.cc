@@ -70,7 +70,9 @@ TEST(Cli, TrainCompareJsonHasTheDocumentedFields) {
     EXPECT_GE(rec["memory_attention_mean_bytes"].get<double>(), 0.0);
     EXPECT_EQ(states % 16, 0);
     EXPECT_GT(acts, 0);
-    if (rec["backend"] == "cad") EXPECT_GT(attn, 0);
+    if (rec["backend"] == "cad") {
+      EXPECT_GT(attn, 0);
+    }
   }
   for (const char* backend : {"colocated", "cad"}) {
     EXPECT_GE(s["backends"][backend]["memory_max_over_mean"].get<double>(), 1.0) << backend;
@@ -126,7 +128,9 @@ TEST(Cli, TrainPingPongSplitsCadStepsByDefaultAndRefusesWhatItCannotRun) {
   EXPECT_EQ(j["config"]["pingpong"], "auto");
   int split = 0;
   for (const auto& r : j["steps"]) {
-    if (r["backend"] == "colocated") EXPECT_EQ(r["nano_batches"], 1);
+    if (r["backend"] == "colocated") {
+      EXPECT_EQ(r["nano_batches"], 1);
+    }
     if (r["backend"] == "cad") split += r["nano_batches"] == 2 ? 1 : 0;
   }
   EXPECT_GE(split, 1);
