@@ -4,13 +4,13 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/stopwatch.h"
 #include "distca/kernels/ref.h"
 
 namespace distca::model {
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = SteadyClock;
 }  // namespace
 
 template <typename T>
@@ -53,7 +53,7 @@ Status LocalAttention<T>::forward(int, const T* q, const T* k, const T* v, T* o,
       for (size_t i = 0; i < lse_.size(); ++i) lse[t.q_offset * c.num_q_heads + static_cast<int64_t>(i)] = static_cast<float>(lse_[i]);
     }
   }
-  this->times.compute += since(begin);
+  this->times.compute += seconds_since(begin);
   return Status::ok();
 }
 
@@ -75,7 +75,7 @@ Status LocalAttention<T>::backward(int, const T* q, const T* k, const T* v, cons
       kernels::ref::dense_document_backward(doc, q + qo, k + ko, v + ko, d_o + qo, dq + qo, dk + ko, dv + ko);
     }
   }
-  this->times.compute += since(begin);
+  this->times.compute += seconds_since(begin);
   return Status::ok();
 }
 

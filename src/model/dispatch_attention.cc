@@ -4,19 +4,12 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/stopwatch.h"
+
 namespace distca::model {
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-// Runs fn, adding its seconds to `seconds`.
-template <typename Fn>
-Status timed(double& seconds, Fn&& fn) {
-  const auto t = Clock::now();
-  Status st = fn();
-  seconds += since(t);
-  return st;
-}
+using Clock = SteadyClock;
 }  // namespace
 
 plan::ThroughputProfile cpu_throughput_profile() {
@@ -73,7 +66,7 @@ Status DispatchAttention::begin_step(const plan::Batch& batch) {
   po.tolerance = options_.tolerance;
   po.granularity = options_.granularity;
   DISTCA_ASSIGN_OR_RETURN(plan_, planner_(batch, cost_, po));
-  planning_seconds += since(begin);
+  planning_seconds += seconds_since(begin);
   runtime::DispatchOptions d;
   d.backward_mode = options_.backward_mode;
   d.num_threads = options_.threads;
@@ -82,7 +75,7 @@ Status DispatchAttention::begin_step(const plan::Batch& batch) {
   DISTCA_ASSIGN_OR_RETURN(dispatcher_, runtime::Dispatcher::create(
                                            comm_, batch, plan_,
                                            runtime::HeadShape{config_.num_q_heads, config_.num_kv_heads, config_.head_dim}, d));
-  times.comm += since(check);  // the plan-hash check is a collective
+  times.comm += seconds_since(check);  // the plan-hash check is a collective
   peak_bytes_ = current_bytes();
   pass_layer_ = -1;
   pass_lends_ = false;

@@ -8,12 +8,13 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/stopwatch.h"
+
 namespace distca::model {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = SteadyClock;
 
 // Row-major C[M, N] = op(A) op(B) + beta C, op(A) [M, K], op(B) [K, N].
 // k == 0 (no rows to sum over): C = beta C.
@@ -257,7 +258,7 @@ Status Model<T>::tp_reduce(T* data, int64_t count) {
   const auto begin = Clock::now();
   if (!tp_.all_reduce) return internal_error("tensor parallelism without an all-reduce");
   DISTCA_RETURN_IF_ERROR(tp_.all_reduce(data, count));
-  tp_seconds_ += since(begin);
+  tp_seconds_ += seconds_since(begin);
   return Status::ok();
 }
 
@@ -467,7 +468,7 @@ template <typename T>
 void Model<T>::add_times(PassTimes* times, std::chrono::steady_clock::time_point begin, const AttentionTimes& before,
                          const AttentionBackend<T>& attention, double tp_before) const {
   if (times == nullptr) return;
-  times->total += since(begin);
+  times->total += seconds_since(begin);
   times->attention += attention.times.compute - before.compute;
   times->comm += attention.times.comm - before.comm + (tp_seconds_ - tp_before);
 }
@@ -594,7 +595,7 @@ Status Model<T>::reduce_shared_grads(ModelState<T>& state) {
     DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wk, n));
     DISTCA_RETURN_IF_ERROR(tp_.kv_all_reduce(lg.wv, n));
   }
-  tp_seconds_ += since(t0);
+  tp_seconds_ += seconds_since(t0);
   return Status::ok();
 }
 

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/stopwatch.h"
 #include "distca/model/checkpoint.h"
 #include "distca/model/nano_chain.h"
 #include "distca/model/optimizer.h"
@@ -17,8 +18,7 @@
 namespace distca::model {
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = SteadyClock;
 }  // namespace
 
 Status TrainOptions::validate() const {
@@ -330,7 +330,7 @@ Result<Trainer::Pass> Trainer::whole_pass(Run& run, const StepData& data) {
   if (groups_.map.tp > 1) {
     const auto t0 = Clock::now();
     DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, attention.plan().hash, fmt::format("step {} ({})", step_ + 1, run.name)));
-    attention.times.comm += since(t0);
+    attention.times.comm += seconds_since(t0);
   }
   out.setup = attention.times.comm;
   const StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
@@ -358,7 +358,7 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
       const auto t0 = Clock::now();
       DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, att.plan().hash,
                                              fmt::format("step {} ({}, nano-batch {})", step_ + 1, run.name, n)));
-      att.times.comm += since(t0);
+      att.times.comm += seconds_since(t0);
     }
     out.setup += att.times.comm;
   }
@@ -398,7 +398,7 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
                              .status());
   if (progress) DISTCA_RETURN_IF_ERROR(progress->stop());
   DISTCA_RETURN_IF_ERROR(slices[0]->reduce_shared_grads(run.state));
-  out.times.total = since(t0);
+  out.times.total = seconds_since(t0);
   for (int n = 0; n < 2; ++n) {
     const DispatchAttention& att = *run.nano[n];
     out.loss_sum += passes[n].loss;
@@ -421,18 +421,18 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   const double loss_sum = p.loss_sum;
   auto t = Clock::now();
   DISTCA_RETURN_IF_ERROR(comm_.barrier());
-  const double wait = since(t);
+  const double wait = seconds_since(t);
   t = Clock::now();
   if (groups_.dp->size() > 1) DISTCA_RETURN_IF_ERROR(groups_.dp->all_reduce_sum(run.state.grads.data(), run.state.grads.size()));
   // The global norm: with TP, every rank's slice of the sharded blocks, the replicated ones once.
   DISTCA_ASSIGN_OR_RETURN(const double squares, gradient_square_sum(run.state, 0, run.state.grads.size(), groups_));
-  const double reduce = since(t);
+  const double reduce = seconds_since(t);
   t = Clock::now();
   const double lr = options_.optim.lr_at(run.state.step);
   const double norm = std::sqrt(squares);
   adamw_step_range(run.state, options_.optim, 0, run.state.params.size(), norm);
-  const double optimizer = since(t);
-  const double step_seconds = since(begin);
+  const double optimizer = seconds_since(t);
+  const double step_seconds = seconds_since(begin);
   // Every rank's numbers, one slot each.
   const int64_t bytes = p.bytes;
   // Attention buffer bytes travel as two floats of 24 bits each, so they arrive exact.

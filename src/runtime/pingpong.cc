@@ -7,6 +7,7 @@
 #include <chrono>
 #include <numeric>
 
+#include "distca/core/stopwatch.h"
 #include "distca/plan/cost.h"
 
 namespace distca::runtime {
@@ -68,16 +69,15 @@ Result<NanoBatches> split_nano_batches(const plan::Batch& batch) {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Clock = SteadyClock;
 
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Adds fn's time to `seconds` and to the nano-batch's own counter.
 Status timed(const std::function<Status()>& fn, double& seconds, double& nano_seconds) {
   if (!fn) return Status::ok();
   const auto t = Clock::now();
   Status st = fn();
-  const double s = since(t);
+  const double s = seconds_since(t);
   seconds += s;
   nano_seconds += s;
   return st;
@@ -200,7 +200,7 @@ Result<ScheduleTiming> run_schedule(const std::vector<ScheduleOp>& schedule, std
         break;
     }
   }
-  t.seconds = since(start);
+  t.seconds = seconds_since(start);
   return t;
 }
 

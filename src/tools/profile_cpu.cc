@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "distca/core/stopwatch.h"
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/model/model.h"
@@ -17,8 +18,7 @@ namespace distca::tools {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = SteadyClock;
 
 template <typename Fn>
 Result<double> best_of(int repeats, Fn&& fn) {
@@ -26,7 +26,7 @@ Result<double> best_of(int repeats, Fn&& fn) {
   for (int i = 0; i < repeats; ++i) {
     const auto t = Clock::now();
     DISTCA_RETURN_IF_ERROR(fn());
-    best = std::min(best, since(t));
+    best = std::min(best, seconds_since(t));
   }
   return best;
 }
