@@ -7,7 +7,7 @@ namespace distca::model {
 namespace {
 
 // The attention stage of layer l (posting its return) and the linear stage's communication.
-runtime::Stage attention_stage(DispatchAttention* att, int64_t layer, const char* dir) {
+runtime::Stage attention_stage(StagedAttention* att, int64_t layer, const char* dir) {
   return {[att] { return att->compute(); }, [att] { return att->start_return(); },
           [att] { return att->finish_return(); }, fmt::format("L{} {} attention", layer, dir),
           fmt::format("L{} {} return", layer, dir)};
@@ -34,7 +34,7 @@ std::vector<runtime::Stage> forward_stages(NanoPass& p) {
       const auto io = p.model->attention_io(l);
       return p.attention->start_forward(static_cast<int>(first + l), {io.q, io.k, io.v, io.o, io.lse});
     };
-    DispatchAttention* att = p.attention;
+    StagedAttention* att = p.attention;
     out.push_back({compute, start, [att] { return att->finish_dispatch(); }, fmt::format("L{} fwd linear", first + l),
                    fmt::format("L{} fwd dispatch", first + l)});
     out.push_back(attention_stage(att, first + l, "fwd"));
@@ -67,7 +67,7 @@ std::vector<runtime::Stage> backward_stages(NanoPass& p) {
       return p.attention->start_backward(static_cast<int>(first + l),
                                          {io.q, io.k, io.v, io.o, io.lse, io.d_o, io.dq, io.dk, io.dv});
     };
-    DispatchAttention* att = p.attention;
+    StagedAttention* att = p.attention;
     out.push_back({compute, start, [att] { return att->finish_dispatch(); }, fmt::format("L{} bwd linear", first + l),
                    fmt::format("L{} bwd dispatch", first + l)});
     out.push_back(attention_stage(att, first + l, "bwd"));
@@ -78,6 +78,23 @@ std::vector<runtime::Stage> backward_stages(NanoPass& p) {
                    return Status::ok();
                  },
                  nullptr, nullptr, fmt::format("L{} bwd pre-attention, embedding", first), ""});
+  return out;
+}
+
+std::vector<runtime::Stage> serve_stages(StagedAttention& attention, int64_t first, int64_t layers, bool is_backward) {
+  StagedAttention* att = &attention;
+  const char* dir = is_backward ? "bwd" : "fwd";
+  std::vector<runtime::Stage> out;
+  for (int64_t i = 0; i < layers; ++i) {
+    const int layer = static_cast<int>(is_backward ? first + layers - 1 - i : first + i);
+    auto start = [att, layer, is_backward] {
+      return is_backward ? att->start_backward(layer, {}) : att->start_forward(layer, {});
+    };
+    out.push_back({[] { return Status::ok(); }, start, [att] { return att->finish_dispatch(); },
+                   fmt::format("L{} {} serve", layer, dir), fmt::format("L{} {} dispatch", layer, dir)});
+    out.push_back(attention_stage(att, layer, dir));
+  }
+  out.push_back({[] { return Status::ok(); }, nullptr, nullptr, fmt::format("{} serve end", dir), ""});
   return out;
 }
 

@@ -6,15 +6,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <span>
 
+#include "distca/core/stopwatch.h"
+#include "distca/model/nano_chain.h"
 #include "distca/model/optimizer.h"
 #include "distca/runtime/dispatcher.h"
 
 namespace distca::model {
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = SteadyClock;
 
 constexpr int kActivationTag = 0, kGradientTag = 1;
 
@@ -77,56 +80,81 @@ Status PipelineOptions::validate(int world_size) const {
 
 // One workspace: the activations of one micro-batch between its forward and its backward, the
 // buffers its stage messages land in, and (colocated) the attention over the stage's DP group.
+// A micro-batch that runs as two nano-batches keeps its rows in nano-batch order (A's, then
+// B's) on every stage, in its messages too, so that its forward and backward (different ticks)
+// and its neighbour stages agree on them.
 struct PipelineTrainer::Slot {
   std::unique_ptr<Model<float>> model;
   std::vector<float> x_in, dx_in;  // [T, d] from the previous / next stage
   std::unique_ptr<DispatchAttention> attention;
+  std::array<std::unique_ptr<DispatchAttention>, 2> nano;  // colocated with ping-pong: one per nano-batch
   int micro_batch = -1;
+  // Ping-pong: the nano-batches' row slices of `model` and their tokens, targets and positions.
+  std::array<std::unique_ptr<Model<float>>, 2> slices;
+  std::array<std::array<std::vector<int32_t>, 3>, 2> ids;
 };
 
-// CAD's attention: one Dispatcher per tick over all ranks (the pooled plan); layer `l` of a stage
-// is its slot l - first, the same on every stage.
-class PipelineTrainer::PooledAttention final : public AttentionBackend<float> {
+// CAD's attention in a tick: a Dispatcher over all ranks with the tick's pooled plan (or the
+// plan of one of its nano-batches); layer `l` of a stage is its slot l - first, the same on
+// every stage. Stateless: no layer's buffers outlive its exchange, so all share one set.
+class PipelineTrainer::TickAttention final : public StagedAttention {
  public:
-  PooledAttention(int64_t first_layer, int64_t layers) : first_(first_layer), layers_(layers) {}
+  TickAttention(int64_t first_layer, int64_t layers) : first_(first_layer), layers_(layers) {}
   std::string name() const override { return "cad"; }
   Status begin_step(const plan::Batch&) override { return Status::ok(); }
   void set(runtime::Dispatcher* d) { d_ = d; }
   // The most the server buffers and a tick's exchange buffers held at once since reset_peak().
   int64_t peak_bytes() const { return peak_bytes_; }
   void reset_peak() { peak_bytes_ = current_bytes(); }
+
+  Status start_forward(int layer, const runtime::ForwardArgs& f) override {
+    DISTCA_RETURN_IF_ERROR(check(layer));
+    return timed(times.comm, [&] { return d_->start_forward(f, server_); });
+  }
+  Status start_backward(int layer, const runtime::BackwardArgs& b) override {
+    DISTCA_RETURN_IF_ERROR(check(layer));
+    return timed(times.comm, [&] { return d_->start_backward(b, server_); });
+  }
+  Status finish_dispatch() override { return timed(times.comm, [this] { return d_->finish_comm(); }); }
+  Status compute() override { return timed(times.compute, [this] { return d_->compute(); }); }
+  Status start_return() override { return timed(times.comm, [this] { return d_->start_return(); }); }
+  Status finish_return() override {
+    DISTCA_RETURN_IF_ERROR(timed(times.comm, [this] { return d_->finish_comm(); }));
+    peak_bytes_ = std::max(peak_bytes_, current_bytes());
+    return Status::ok();
+  }
+
   Status forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) override {
-    return run(layer - first_, false, {q, k, v, o, lse}, {});
+    DISTCA_RETURN_IF_ERROR(start_forward(layer, {q, k, v, o, lse}));
+    return finish_pass();
   }
   Status backward(int layer, const float* q, const float* k, const float* v, const float* o, const float* lse,
                   const float* d_o, float* dq, float* dk, float* dv) override {
-    return run(layer - first_, true, {}, {q, k, v, o, lse, d_o, dq, dk, dv});
+    DISTCA_RETURN_IF_ERROR(start_backward(layer, {q, k, v, o, lse, d_o, dq, dk, dv}));
+    return finish_pass();
   }
   // A rank with no micro-batch of its own in the tick: every exchange of every layer slot, with
   // no rows of its own (it serves attention for the others).
   Status serve(bool is_backward) {
-    for (int64_t i = 0; i < layers_; ++i) DISTCA_RETURN_IF_ERROR(run(is_backward ? layers_ - 1 - i : i, is_backward, {}, {}));
+    for (int64_t i = 0; i < layers_; ++i) {
+      const int layer = static_cast<int>(first_ + (is_backward ? layers_ - 1 - i : i));
+      DISTCA_RETURN_IF_ERROR(is_backward ? start_backward(layer, {}) : start_forward(layer, {}));
+      DISTCA_RETURN_IF_ERROR(finish_pass());
+    }
     return Status::ok();
   }
 
  private:
-  Status run(int64_t slot, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b) {
+  Status check(int layer) const {
     if (d_ == nullptr) return internal_error("pooled attention without a tick's dispatcher");
-    if (slot < 0 || slot >= layers_) return internal_error(fmt::format("no layer slot {}", slot));
-    auto t = Clock::now();
-    // Stateless: no layer slot's buffers outlive its exchange, so all share one set.
-    DISTCA_RETURN_IF_ERROR(is_backward ? d_->start_backward(b, server_) : d_->start_forward(f, server_));
-    DISTCA_RETURN_IF_ERROR(d_->finish_comm());
-    times.comm += since(t);
-    t = Clock::now();
-    DISTCA_RETURN_IF_ERROR(d_->compute());
-    times.compute += since(t);
-    t = Clock::now();
-    DISTCA_RETURN_IF_ERROR(d_->start_return());
-    DISTCA_RETURN_IF_ERROR(d_->finish_comm());
-    times.comm += since(t);
-    peak_bytes_ = std::max(peak_bytes_, current_bytes());
+    if (layer < first_ || layer >= first_ + layers_) return internal_error(fmt::format("layer {} is not this stage's", layer));
     return Status::ok();
+  }
+  Status finish_pass() {
+    DISTCA_RETURN_IF_ERROR(finish_dispatch());
+    DISTCA_RETURN_IF_ERROR(compute());
+    DISTCA_RETURN_IF_ERROR(start_return());
+    return finish_return();
   }
   int64_t current_bytes() const {
     int64_t floats = 0;
@@ -176,10 +204,17 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
   std::tie(t->own_begin_, t->own_end_) = stage_range(t->state_, t->stage_, po.pp);
   const int64_t per = po.train.model.num_layers / po.pp;
   const LayerRange range{t->stage_ * per, per};
+  const std::string& pingpong = po.train.pingpong;
+  t->pingpong_ = pingpong == "on" || pingpong == "sequential" || (pingpong == "auto" && po.schedule == "cad");
   const int slots = peak_in_flight(t->schedule_, t->stage_);
   for (int k = 0; k < slots; ++k) {
     auto s = std::make_unique<Slot>();
     s->model = std::make_unique<Model<float>>(shard, po.train.context, range, tensor_parallel(t->groups_));
+    if (t->pingpong_ && po.train.progress == "poll") {
+      // Its nano-batches' slices poll the attention's communicator between their GEMMs.
+      PipelineTrainer* self = t.get();
+      s->model->set_poll([self] { (void)self->attention_comm().progress(); });
+    }
     s->x_in.assign(static_cast<size_t>(po.train.context * po.train.model.d_model), 0.0f);
     s->dx_in = s->x_in;
     if (po.schedule == "colocated") {
@@ -190,10 +225,17 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
       d.tolerance = po.train.tolerance;
       d.granularity = po.train.granularity;
       DISTCA_ASSIGN_OR_RETURN(s->attention, DispatchAttention::create(*t->groups_.dp, shard, d));
+      if (t->pingpong_) {
+        for (auto& nano : s->nano) {
+          DISTCA_ASSIGN_OR_RETURN(nano, DispatchAttention::create(*t->groups_.dp, shard, d));
+        }
+      }
     }
     t->slots_.push_back(std::move(s));
   }
-  if (po.schedule == "cad") t->pooled_ = std::make_unique<PooledAttention>(range.first, per);
+  if (po.schedule == "cad") {
+    for (int n = 0; n < (t->pingpong_ ? 2 : 1); ++n) t->pooled_[n] = std::make_unique<TickAttention>(range.first, per);
+  }
   return t;
 }
 
@@ -215,100 +257,210 @@ Status PipelineTrainer::send(const float* data, int64_t count, int peer, int tag
   return Status::ok();
 }
 
+comm::Communicator& PipelineTrainer::attention_comm() const {
+  return options_.schedule == "cad" ? *groups_.cad : *groups_.dp;
+}
+
+Result<runtime::ScheduleTiming> PipelineTrainer::run_chains(std::array<std::vector<runtime::Stage>, 2>& chains) {
+  std::optional<runtime::ProgressThread> progress;
+  if (options_.train.progress == "thread") {
+    progress.emplace([this] { return attention_comm().progress(); }, std::chrono::microseconds(50));
+  }
+  Result<runtime::ScheduleTiming> r = options_.train.pingpong == "sequential" ? runtime::run_sequential(chains[0], chains[1])
+                                                                             : runtime::run_pingpong(chains[0], chains[1]);
+  if (progress) DISTCA_RETURN_IF_ERROR(progress->stop());
+  return r;
+}
+
+Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(const std::vector<runtime::PipeSlot>& tick,
+                                                                        const std::vector<StepData>& mbs, int nano,
+                                                                        bool is_backward, PipelineStepRecord::Rank& me) {
+  const auto begin = Clock::now();
+  // One plan for the tick: every active (stage, micro-batch) over all ranks; a micro-batch with
+  // nothing in this nano-batch adds nothing (its ranks serve in it).
+  std::vector<plan::PoolPart> parts;
+  for (int r = 0; r < pp_; ++r) {
+    if (tick[r].op == runtime::PipeOp::kIdle) continue;
+    const int m = tick[r].micro_batch;
+    const plan::Batch& b = nano < 0 ? mbs[m].batch : nanos_[m].batches[nano];
+    if (b.num_docs() > 0) parts.push_back({&b, r * dp_, r, m});
+  }
+  comm::Communicator& servers = *groups_.cad;  // the ranks of this TP index, ranked stage-major
+  const int64_t T = options_.train.context;
+  DISTCA_ASSIGN_OR_RETURN(plan::PooledBatch pool, plan::pool_batches(parts, servers.size(), T));
+  DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(options_.train.policy));
+  plan::PlannerOptions opt;
+  opt.tolerance = options_.train.tolerance;
+  opt.granularity = options_.train.granularity;
+  const plan::CostModel cost(model_shape(options_.train.model), cpu_throughput_profile());
+  DISTCA_ASSIGN_OR_RETURN(plan::Plan p, fn(pool.batch, cost, opt));
+  TickPlan record{is_backward, nano, {}, pool.batch, p.tasks};
+  for (int r = 0; r < pp_; ++r) record.micro_batch.push_back(tick[r].micro_batch);
+  last_ticks_.push_back(std::move(record));
+  me.other += seconds_since(begin);
+  const auto setup = Clock::now();
+  runtime::DispatchOptions dopt;
+  dopt.backward_mode = plan::BackwardMode::kStateless;
+  dopt.num_threads = options_.train.threads;
+  const ModelConfig& c = state_.config;  // this TP rank's heads
+  DISTCA_ASSIGN_OR_RETURN(auto dispatcher, runtime::Dispatcher::create(servers, pool.batch, p,
+                                                                      runtime::HeadShape{c.num_q_heads, c.num_kv_heads, c.head_dim}, dopt));
+  if (groups_.map.tp > 1) {
+    DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, p.hash, fmt::format("step {}, tick plan{}", step_ + 1,
+                                                                           nano < 0 ? "" : fmt::format(", nano-batch {}", nano))));
+  }
+  me.comm += seconds_since(setup);  // the plan-hash check is a collective
+  return dispatcher;
+}
+
 Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std::vector<StepData>& mbs, double scale,
                                  double& loss_sum, PipelineStepRecord::Rank& me) {
   const runtime::PipeSlot mine = tick[stage_];
+  const bool is_cad = options_.schedule == "cad", is_idle = mine.op == runtime::PipeOp::kIdle;
+  // Two nano-batches when a micro-batch of the tick splits: cad, any (the tick's plans pool
+  // them all); colocated, this rank's.
+  bool is_backward = mine.op == runtime::PipeOp::kBackward, two = false;
+  for (int r = 0; r < pp_; ++r) {
+    if (tick[r].op == runtime::PipeOp::kIdle || (!is_cad && r != stage_)) continue;
+    is_backward = tick[r].op == runtime::PipeOp::kBackward;  // cad: one direction per tick (lockstep)
+    two = two || (pingpong_ && splits_[tick[r].micro_batch]);
+  }
+  if (!is_cad) return is_idle ? Status::ok() : run_micro_batch(mine, two, mbs[mine.micro_batch], scale, loss_sum, me);
+  std::array<std::unique_ptr<runtime::Dispatcher>, 2> dispatchers;
+  for (int n = 0; n < (two ? 2 : 1); ++n) {
+    DISTCA_ASSIGN_OR_RETURN(dispatchers[n], plan_tick(tick, mbs, two ? n : -1, is_backward, me));
+    pooled_[n]->set(dispatchers[n].get());
+  }
+  Status st = Status::ok();
+  if (!is_idle) {
+    st = run_micro_batch(mine, two, mbs[mine.micro_batch], scale, loss_sum, me);
+  } else {
+    // No micro-batch of its own: serve every exchange of the tick's plans.
+    const auto t0 = Clock::now();
+    AttentionTimes served;
+    for (int n = 0; n < (two ? 2 : 1); ++n) pooled_[n]->times = {};
+    if (two) {
+      const int64_t per = options_.train.model.num_layers / pp_;
+      std::array<std::vector<runtime::Stage>, 2> chains;
+      for (int n = 0; n < 2; ++n) chains[n] = serve_stages(*pooled_[n], stage_ * per, per, is_backward);
+      st = run_chains(chains).status();
+    } else {
+      st = pooled_[0]->serve(is_backward);
+    }
+    for (int n = 0; n < (two ? 2 : 1); ++n) served.compute += pooled_[n]->times.compute, served.comm += pooled_[n]->times.comm;
+    me.attention += served.compute;
+    me.comm += served.comm;
+    me.served_in_idle += served.compute;
+    me.other += seconds_since(t0) - served.compute - served.comm;
+  }
+  for (auto& p : pooled_) if (p) p->set(nullptr);
+  return st;
+}
+
+Status PipelineTrainer::run_micro_batch(runtime::PipeSlot mine, bool two, const StepData& data, double scale,
+                                        double& loss_sum, PipelineStepRecord::Rank& me) {
   const int64_t T = options_.train.context, d = options_.train.model.d_model;
-  const bool is_cad = options_.schedule == "cad";
-  std::unique_ptr<runtime::Dispatcher> dispatcher;
-  if (is_cad) {
-    // One plan for the tick: every active (stage, micro-batch) over all ranks.
-    const auto begin = Clock::now();
-    std::vector<plan::PoolPart> parts;
-    bool is_backward = false;
-    for (int r = 0; r < pp_; ++r) {
-      if (tick[r].op == runtime::PipeOp::kIdle) continue;
-      is_backward = tick[r].op == runtime::PipeOp::kBackward;
-      parts.push_back({&mbs[tick[r].micro_batch].batch, r * dp_, r, tick[r].micro_batch});
-    }
-    comm::Communicator& servers = *groups_.cad;  // the ranks of this TP index, ranked stage-major
-    DISTCA_ASSIGN_OR_RETURN(plan::PooledBatch pool, plan::pool_batches(parts, servers.size(), T));
-    DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(options_.train.policy));
-    plan::PlannerOptions opt;
-    opt.tolerance = options_.train.tolerance;
-    opt.granularity = options_.train.granularity;
-    const plan::CostModel cost(model_shape(options_.train.model), cpu_throughput_profile());
-    DISTCA_ASSIGN_OR_RETURN(plan::Plan p, fn(pool.batch, cost, opt));
-    TickPlan record{is_backward, {}, pool.batch, p.tasks};
-    for (int r = 0; r < pp_; ++r) record.micro_batch.push_back(tick[r].micro_batch);
-    last_ticks_.push_back(std::move(record));
-    me.other += since(begin);
-    const auto setup = Clock::now();
-    runtime::DispatchOptions dopt;
-    dopt.backward_mode = plan::BackwardMode::kStateless;
-    dopt.num_threads = options_.train.threads;
-    const ModelConfig& c = state_.config;  // this TP rank's heads
-    DISTCA_ASSIGN_OR_RETURN(dispatcher, runtime::Dispatcher::create(servers, pool.batch, p,
-                                                                    runtime::HeadShape{c.num_q_heads, c.num_kv_heads, c.head_dim}, dopt));
-    if (groups_.map.tp > 1) DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, p.hash, fmt::format("step {}, tick plan", step_ + 1)));
-    me.comm += since(setup);  // the plan-hash check is a collective
-    pooled_->set(dispatcher.get());
-    pooled_->times = {};
-    if (mine.op == runtime::PipeOp::kIdle) {
-      const auto t0 = Clock::now();
-      DISTCA_RETURN_IF_ERROR(pooled_->serve(is_backward));
-      const double spent = since(t0);
-      me.attention += pooled_->times.compute;
-      me.comm += pooled_->times.comm;
-      me.served_in_idle += pooled_->times.compute;
-      me.other += spent - pooled_->times.compute - pooled_->times.comm;
-    }
-  }
-  if (mine.op == runtime::PipeOp::kIdle) {
-    pooled_ ? pooled_->set(nullptr) : void();
-    return Status::ok();
-  }
+  const bool is_cad = options_.schedule == "cad", is_forward = mine.op == runtime::PipeOp::kForward;
   const int m = mine.micro_batch;
   Slot& s = *slots_[m % slots_.size()];
-  const StepData& data = mbs[m];
-  AttentionBackend<float>& attention = is_cad ? static_cast<AttentionBackend<float>&>(*pooled_) : *s.attention;
-  const AttentionTimes before = attention.times;
-  PassTimes pass;
-  if (mine.op == runtime::PipeOp::kForward) {
-    if (!is_cad) {
-      const auto t0 = Clock::now();
-      DISTCA_RETURN_IF_ERROR(s.attention->begin_step(data.batch));
-      me.comm += since(t0);
-    }
+  if (is_forward) {
     s.micro_batch = m;
-    if (stage_ > 0) {
-      const auto t0 = Clock::now();
-      DISTCA_RETURN_IF_ERROR(groups_.pp->recv(s.x_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ - 1, kActivationTag));
-      me.pipeline_wait += since(t0);
+  } else if (s.micro_batch != m) {
+    return internal_error(fmt::format("stage {}: backward of micro-batch {} without its forward", stage_, m));
+  }
+  // The stage message this pass starts from: activations from the previous stage, gradients
+  // from the next.
+  const bool has_message = is_forward ? stage_ > 0 : stage_ + 1 < pp_;
+  float* message = is_forward ? s.x_in.data() : s.dx_in.data();
+  if (has_message) {
+    const auto t0 = Clock::now();
+    DISTCA_RETURN_IF_ERROR(groups_.pp->recv(message, T * d * static_cast<int64_t>(sizeof(float)),
+                                            is_forward ? stage_ - 1 : stage_ + 1, is_forward ? kActivationTag : kGradientTag));
+    me.pipeline_wait += seconds_since(t0);
+  }
+  const std::span<const int32_t> tokens = data.slice(data.tokens, replica_), targets = data.slice(data.targets, replica_),
+                                 positions = data.slice(data.positions, replica_);
+  if (!two) {
+    AttentionBackend<float>& attention = is_cad ? static_cast<AttentionBackend<float>&>(*pooled_[0]) : *s.attention;
+    PassTimes pass;
+    if (is_forward) {
+      if (!is_cad) DISTCA_RETURN_IF_ERROR(timed(me.comm, [&] { return s.attention->begin_step(data.batch); }));
+      const StepTokens in{tokens, targets, positions};
+      DISTCA_ASSIGN_OR_RETURN(double loss, s.model->forward(state_, in, attention, scale, &pass, has_message ? message : nullptr));
+      if (groups_.me.tp == 0) loss_sum += loss;  // a replica's loss once
+    } else {
+      DISTCA_RETURN_IF_ERROR(s.model->backward(state_, attention, &pass, has_message ? message : nullptr));
     }
-    const StepTokens in{data.slice(data.tokens, replica_), data.slice(data.targets, replica_), data.slice(data.positions, replica_)};
-    DISTCA_ASSIGN_OR_RETURN(double loss, s.model->forward(state_, in, attention, scale, &pass, stage_ > 0 ? s.x_in.data() : nullptr));
-    if (groups_.me.tp == 0) loss_sum += loss;  // a replica's loss once
+    me.linear += pass.linear();
+    me.attention += pass.attention;
+    me.comm += pass.comm;
+  } else {
+    // Two nano-batches in row slices of the workspace, A's rows first. A micro-batch that does
+    // not split (cad: another stage's does) runs whole in nano-batch A's plan, its rows in their
+    // order, and serves in B's.
+    const bool split = splits_[m];
+    std::array<StagedAttention*, 2> att{};
+    std::array<NanoPass, 2> passes;
+    std::array<Model<float>*, 2> models{s.model.get(), nullptr};
+    int64_t first_row = 0;
+    for (int n = 0; n < 2; ++n) {
+      att[n] = is_cad ? static_cast<StagedAttention*>(pooled_[n].get()) : s.nano[n].get();
+      if (!split && n == 1) break;
+      const float* in = has_message ? message + first_row * d : nullptr;
+      StepTokens ids{tokens, targets, positions};
+      if (split) {
+        const std::vector<int64_t>& rows = nanos_[m].rows[n][replica_];
+        const auto count = static_cast<int64_t>(rows.size());
+        if (is_forward) {
+          for (auto& v : s.ids[n]) v.clear();
+          for (int64_t r : rows) {
+            s.ids[n][0].push_back(tokens[r]);
+            s.ids[n][1].push_back(targets[r]);
+            s.ids[n][2].push_back(positions[r]);
+          }
+          s.slices[n] = s.model->slice(first_row, count);
+          if (!is_cad) DISTCA_RETURN_IF_ERROR(timed(me.comm, [&] { return s.nano[n]->begin_step(nanos_[m].batches[n]); }));
+        }
+        ids = StepTokens{s.ids[n][0], s.ids[n][1], s.ids[n][2]};
+        models[n] = s.slices[n].get();
+        first_row += count;
+      }
+      passes[n] = NanoPass{models[n], &state_, att[n], ids, is_forward ? in : nullptr, is_forward ? nullptr : in, scale, 0};
+    }
+    const int64_t per = options_.train.model.num_layers / pp_;
+    std::array<std::vector<runtime::Stage>, 2> chains;
+    for (int n = 0; n < 2; ++n) {
+      chains[n] = models[n] == nullptr ? serve_stages(*att[n], stage_ * per, per, !is_forward)
+                  : is_forward         ? forward_stages(passes[n])
+                                       : backward_stages(passes[n]);
+    }
+    if (!is_forward) state_.grads.fill(0.0f);  // both nano-batches add theirs
+    std::array<AttentionTimes, 2> before{att[0]->times, att[1]->times};
+    auto tp_seconds = [&] { return models[0]->tp_seconds() + (models[1] ? models[1]->tp_seconds() : 0.0); };
+    const double tp_before = tp_seconds();
+    const auto t0 = Clock::now();
+    DISTCA_RETURN_IF_ERROR(run_chains(chains).status());
+    if (!is_forward) DISTCA_RETURN_IF_ERROR(models[0]->reduce_shared_grads(state_));
+    double attention = 0, comm = tp_seconds() - tp_before;
+    for (int n = 0; n < 2; ++n) {
+      attention += att[n]->times.compute - before[n].compute;
+      comm += att[n]->times.comm - before[n].comm;
+    }
+    me.linear += seconds_since(t0) - attention - comm;
+    me.attention += attention;
+    me.comm += comm;
+    if (is_forward && groups_.me.tp == 0) loss_sum += passes[0].loss + passes[1].loss;
+  }
+  if (is_forward) {
     if (stage_ + 1 < pp_) DISTCA_RETURN_IF_ERROR(send(s.model->output(), T * d, stage_ + 1, kActivationTag));
   } else {
-    if (s.micro_batch != m) return internal_error(fmt::format("stage {}: backward of micro-batch {} without its forward", stage_, m));
-    if (stage_ + 1 < pp_) {
-      const auto t0 = Clock::now();
-      DISTCA_RETURN_IF_ERROR(groups_.pp->recv(s.dx_in.data(), T * d * static_cast<int64_t>(sizeof(float)), stage_ + 1, kGradientTag));
-      me.pipeline_wait += since(t0);
-    }
-    DISTCA_RETURN_IF_ERROR(s.model->backward(state_, attention, &pass, stage_ + 1 < pp_ ? s.dx_in.data() : nullptr));
     const auto t0 = Clock::now();
     const float* g = state_.grads.data();
     for (int64_t i = own_begin_; i < own_end_; ++i) acc_[i - own_begin_] += g[i];
-    me.other += since(t0);
+    me.other += seconds_since(t0);
     if (stage_ > 0) DISTCA_RETURN_IF_ERROR(send(s.model->input_grad(), T * d, stage_ - 1, kGradientTag));
     s.micro_batch = -1;
   }
-  me.linear += pass.linear();
-  me.attention += attention.times.compute - before.compute;
-  me.comm += attention.times.comm - before.comm;
-  if (is_cad) pooled_->set(nullptr);
   return Status::ok();
 }
 
@@ -329,7 +481,16 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   last_ticks_.clear();
   acc_.assign(static_cast<size_t>(own_end_ - own_begin_), 0.0f);
   sends_peak_bytes_ = 0;
-  if (pooled_) pooled_->reset_peak();
+  for (auto& p : pooled_) if (p) p->reset_peak();
+  nanos_.clear();
+  splits_.assign(static_cast<size_t>(M), 0);
+  if (pingpong_) {
+    for (int m = 0; m < M; ++m) {
+      DISTCA_ASSIGN_OR_RETURN(runtime::NanoBatches nb, runtime::split_nano_batches(mbs[m].batch));
+      splits_[m] = nb.batches[1].num_docs() > 0;
+      nanos_.push_back(std::move(nb));
+    }
+  }
   double loss_sum = 0;
   for (const auto& tick : schedule_.ticks) {
     const auto t0 = Clock::now();
@@ -338,7 +499,7 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
     if (tick[stage_].op == runtime::PipeOp::kIdle) {
       // The idle tick's time less what was accounted (serving, planning): the bubble.
       const double accounted = (me.attention - was.attention) + (me.comm - was.comm) + (me.other - was.other);
-      me.idle += since(t0) - accounted;
+      me.idle += seconds_since(t0) - accounted;
     }
   }
   for (auto& p : sends_) DISTCA_RETURN_IF_ERROR(p->work->wait());
@@ -346,7 +507,7 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   // Waiting for the slowest rank, then the stage's DP all-reduce and the global norm.
   auto t = Clock::now();
   DISTCA_RETURN_IF_ERROR(world_.barrier());
-  me.idle += since(t);
+  me.idle += seconds_since(t);
   t = Clock::now();
   if (dp_ > 1) DISTCA_RETURN_IF_ERROR(groups_.dp->all_reduce_sum(acc_.data(), static_cast<int64_t>(acc_.size())));
   std::copy(acc_.begin(), acc_.end(), state_.grads.data() + own_begin_);
@@ -359,12 +520,12 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   double total = 0;
   for (float x : squares) total += x;
   const double norm = std::sqrt(total);
-  me.comm += since(t);
+  me.comm += seconds_since(t);
   t = Clock::now();
   const double lr = options_.train.optim.lr_at(state_.step);
   adamw_step_range(state_, options_.train.optim, own_begin_, own_end_, norm);
-  me.optimizer += since(t);
-  me.step = since(begin);
+  me.optimizer += seconds_since(t);
+  me.step = seconds_since(begin);
   me.other = me.step - me.linear - me.attention - me.comm - me.pipeline_wait - me.idle - me.optimizer;
   constexpr int64_t f = sizeof(float);
   me.memory_states = 4 * state_.params.size() * f + static_cast<int64_t>(acc_.capacity()) * f;
@@ -372,7 +533,7 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
     me.memory_activations += s->model->allocated_bytes() + static_cast<int64_t>(s->x_in.capacity() + s->dx_in.capacity()) * f;
     if (s->attention) me.memory_attention += s->attention->buffer_bytes();
   }
-  if (pooled_) me.memory_attention += pooled_->peak_bytes();
+  for (const auto& p : pooled_) me.memory_attention += p ? p->peak_bytes() : 0;  // ping-pong: both coexist
   me.memory_messages = sends_peak_bytes_;
   // Every rank's numbers, one row each; a byte count travels as two floats of 24 bits each, so
   // it arrives exact.
@@ -391,6 +552,7 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   PipelineStepRecord rec;
   rec.step = ++step_;
   rec.schedule = options_.schedule;
+  for (char split : splits_) rec.split_micro_batches += split;
   rec.grad_norm = norm;
   rec.lr = lr;
   double loss = 0, attn_sum = 0, attn_max = 0;
@@ -434,6 +596,7 @@ nlohmann::json PipelineStepRecord::to_json() const {
   }
   return {{"step", step},
           {"schedule", schedule},
+          {"split_micro_batches", split_micro_batches},
           {"loss", loss},
           {"grad_norm", grad_norm},
           {"lr", lr},

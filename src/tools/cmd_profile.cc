@@ -140,6 +140,7 @@ Status calibrate_pipeline(comm::Communicator& c, const CalibrationArgs& a, const
     po.train.steps = a.steps;
     po.train.workload = preset.workload;
     po.train.backward_mode = plan::BackwardMode::kStateless;
+    po.train.pingpong = "off";  // the simulator prices one plan per tick
     po.pp = a.pp;
     po.micro_batches = a.micro_batches;
     po.schedule = schedule;

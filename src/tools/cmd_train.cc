@@ -198,10 +198,6 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
     if (!a.checkpoint.empty() || !a.resume.empty() || a.eval_every > 0) {
       return invalid_argument("--pp does not support --checkpoint, --resume or --eval-every yet: drop them");
     }
-    if (a.pingpong == "on") {
-      return invalid_argument("--pp does not run ping-pong inside its ticks yet (the lockstep pools a tick's "
-                              "micro-batches into one plan instead): drop --pingpong on");
-    }
     if (has_cad && a.given(a.backward_opt) && o.backward_mode == plan::BackwardMode::kStateful) {
       return invalid_argument("--pp with CAD plans every tick anew (a micro-batch's forward and backward fall in "
                               "different ticks), so its backward is stateless: drop --backward-mode stateful");
@@ -268,13 +264,16 @@ std::string tp_note(const model::TrainOptions& o) {
 }
 
 // Which backends split their steps into two ping-pong nano-batches.
-std::string pingpong_note(const model::TrainOptions& o) {
+// With --pp, each micro-batch splits in its ticks (a cad tick: one pooled plan per nano-batch).
+std::string pingpong_note(const model::TrainOptions& o, const std::vector<std::string>& backends, bool pipeline) {
   std::vector<std::string> on, off;
-  for (const std::string& b : o.backends) (o.pingpong == "on" || (o.pingpong == "auto" && b == "cad") ? on : off).push_back(b);
+  for (const std::string& b : backends) (o.pingpong == "on" || (o.pingpong == "auto" && b == "cad") ? on : off).push_back(b);
   std::string s;
   if (!on.empty()) {
-    s = fmt::format("on for {}: each step splits into two nano-batches (whole documents, halved by causal pairs), each "
-                    "planned; one's dispatch and return in flight while the other computes", fmt::join(on, ", "));
+    s = fmt::format("on for {}: each {} splits into two nano-batches (whole documents, halved by causal pairs), each "
+                    "planned{}; one's dispatch and return in flight while the other computes{}", fmt::join(on, ", "),
+                    pipeline ? "micro-batch" : "step", pipeline ? " (cad: pooled over the tick's stages)" : "",
+                    pipeline ? "; a micro-batch of one document runs whole" : "");
   }
   if (!off.empty()) s += fmt::format("{}off for {}: each layer dispatch, compute, return in turn", s.empty() ? "" : "; ", fmt::join(off, ", "));
   return s;
@@ -311,7 +310,7 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
   } else {
     fmt::print("  colocated  each rank attends its own documents; {} thread(s) per rank\n", o.threads);
   }
-  fmt::print("  ping-pong  {}\n", pingpong_note(o));
+  fmt::print("  ping-pong  {}\n", pingpong_note(o, o.backends, false));
   fmt::print("  optimizer  AdamW lr {} (warm-up {} steps, then {}), betas {}/{}, weight decay {}, clip {}\n", o.optim.lr,
              o.optim.warmup_steps,
              o.optim.schedule == "constant" ? std::string("constant")
@@ -487,6 +486,7 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
       fmt::print("  data       {} tokens per {} per micro-batch, {} steps\n", o.context,
                  o.tp > 1 ? "replica (its TP ranks share them)" : "rank", o.steps);
       print_rank_map(trainers[0]->rank_map());
+      fmt::print("  ping-pong  {}\n", pingpong_note(o, schedules, true));
       if (std::find(schedules.begin(), schedules.end(), "cad") != schedules.end()) {
         fmt::print("  cad        lockstep ticks, one plan per tick over all {} ranks{} (planner {}, granularity {}, tolerance "
                    "{}, stateless backward); idle stages serve attention\n",
@@ -510,9 +510,10 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
           for (const auto& y : r.ranks) served += y.served_in_idle;
           fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  {:.3f}s = linear {:.3f} + attn {:.3f} + comm {:.3f} + "
                      "pipe {:.3f} + idle {:.3f} + optim {:.3f} + other {:.3f} (rank {})  attn imbalance {:.2f}, served in "
-                     "idle ticks {:.3f}s\n",
+                     "idle ticks {:.3f}s, ping-pong {}/{}\n",
                      r.step, o.steps, r.schedule, r.loss, si(r.tokens_per_second), r.step_seconds, x.linear, x.attention,
-                     x.comm, x.pipeline_wait, x.idle, x.optimizer, x.other, slow, r.attention_imbalance, served);
+                     x.comm, x.pipeline_wait, x.idle, x.optimizer, x.other, slow, r.attention_imbalance, served,
+                     r.split_micro_batches, t->options().micro_batches);
           std::fflush(stdout);
         }
         records.push_back(std::move(r));
@@ -670,7 +671,8 @@ std::function<int()> add_train_command(CLI::App& app) {
                        ->capture_default_str();
   a.pingpong_opt = cmd->add_option("--pingpong", a.pingpong,
                                    "on | off: split each step into two nano-batches whose attention dispatch and return "
-                                   "overlap the other's compute (default: on for cad, off for colocated; not with --pp)");
+                                   "overlap the other's compute (default: on for cad, off for colocated; with --pp each micro-batch splits in "
+                                   "its ticks)");
   cmd->add_option("--progress", a.progress,
                   "with ping-pong, how the attention's transfers advance while a rank computes (MPI moves data only "
                   "inside MPI calls): poll (between the model's GEMMs) | thread (a progress thread) | none")

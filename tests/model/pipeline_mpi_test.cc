@@ -1,9 +1,12 @@
 // Pipeline-parallel training under mpirun: with 2 ranks pp 2, with 3 ranks pp 3, with 4 ranks pp 2
 // x dp 2 and pp 4;
-// M in {1, 2, 2P + 1}; colocated 1F1B and CAD (minbytes, minmax, distca): the loss curve of the
+// M in {1, 2, 2P + 1}; colocated 1F1B and CAD (minbytes, minmax, distca), colocated and CAD
+// minbytes with ping-pong on and off: the loss curve of the
 // same model on one rank (<= 1e-5 relative over 10 steps) and its step-1 gradients (<= 1e-5 of
 // the largest). With --fault on 3 ranks (pp 3), rank 1 fails in step 2 and the whole job ends.
 #include <fmt/format.h>
+
+#include <array>
 
 #include "../comm/mpi_test_main.h"
 #include "distca/kernels/gemm_attention.h"
@@ -40,9 +43,13 @@ int main(int argc, char** argv) {
     for (int M : {1, 2, 2 * pp + 1}) {
       auto one = model::testing::one_rank_curve(model::testing::pipeline_options(data, 1, M, "colocated", "none", dp * T, kSteps, 2 * pp));
       if (!one.is_ok()) return fail(one.status());
-      for (const auto& [schedule, policy] : std::vector<std::pair<std::string, std::string>>{
-               {"colocated", "none"}, {"cad", "minbytes"}, {"cad", "minmax"}, {"cad", "distca"}}) {
-        auto trainer = PipelineTrainer::create(c, model::testing::pipeline_options(data, pp, M, schedule, policy, T, kSteps, 2 * pp));
+      // Ping-pong on and off for both schedules; the other policies with their default (on for cad).
+      for (const auto& [schedule, policy, pingpong] : std::vector<std::array<std::string, 3>>{
+               {"colocated", "none", "off"}, {"colocated", "none", "on"}, {"cad", "minbytes", "on"},
+               {"cad", "minbytes", "off"}, {"cad", "minmax", "auto"}, {"cad", "distca", "auto"}}) {
+        PipelineOptions o = model::testing::pipeline_options(data, pp, M, schedule, policy, T, kSteps, 2 * pp);
+        o.train.pingpong = pingpong;
+        auto trainer = PipelineTrainer::create(c, o);
         if (!trainer.is_ok()) return fail(trainer.status());
         std::vector<double> losses;
         std::vector<float> gradient;
@@ -54,8 +61,8 @@ int main(int argc, char** argv) {
         }
         const auto d = model::testing::difference(losses, gradient, trainer.value()->owned_range().first, one.value());
         if (d.loss > 1e-5 || d.gradient > 1e-5) {
-          return fail(internal_error(fmt::format("pp {}, dp {}, M {}, {} {}: loss differs by {:.2e}, step-1 gradient by {:.2e}",
-                                                 pp, dp, M, schedule, policy, d.loss, d.gradient)));
+          return fail(internal_error(fmt::format("pp {}, dp {}, M {}, {} {}, ping-pong {}: loss differs by {:.2e}, step-1 "
+                                                 "gradient by {:.2e}", pp, dp, M, schedule, policy, pingpong, d.loss, d.gradient)));
         }
         worst_loss = std::max(worst_loss, d.loss);
         worst_gradient = std::max(worst_gradient, d.gradient);

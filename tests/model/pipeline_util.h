@@ -89,6 +89,7 @@ inline double worst_relative(const std::vector<double>& got, const std::vector<d
 struct Curve {
   std::vector<double> losses;
   std::vector<float> gradient;  // step 1, the whole arena (each stage's owned range, from its first replica)
+  int split_micro_batches = 0;  // over the steps: run as two nano-batches (ping-pong)
 };
 
 // The same model on one rank (a one-rank LocalComm world), each micro-batch D x T tokens.

@@ -104,12 +104,23 @@ int main(int argc, char** argv) {
       if (!one.is_ok()) return fail(one.status());
       want = one.value().losses;
       for (const auto& [schedule, policy] : std::vector<std::pair<std::string, std::string>>{{"colocated", "none"}, {"cad", "minbytes"}}) {
-        auto trainer = PipelineTrainer::create(c, options(tp, pp, T, schedule, policy));
-        if (!trainer.is_ok()) return fail(trainer.status());
-        for (int s = 0; s < kSteps; ++s) {
-          auto r = trainer.value()->step();
-          if (!r.is_ok()) return fail(r.status());
-          got[schedule].push_back(r.value().loss);
+        for (const char* pingpong : {"on", "off"}) {
+          PipelineOptions o = options(tp, pp, T, schedule, policy);
+          o.train.pingpong = pingpong;
+          auto trainer = PipelineTrainer::create(c, o);
+          if (!trainer.is_ok()) return fail(trainer.status());
+          int split = 0;
+          for (int s = 0; s < kSteps; ++s) {
+            auto r = trainer.value()->step();
+            if (!r.is_ok()) return fail(r.status());
+            got[fmt::format("{}, ping-pong {}", schedule, pingpong)].push_back(r.value().loss);
+            split += r.value().split_micro_batches;
+          }
+          // On: most of the micro-batches hold several documents and split.
+          if ((std::string(pingpong) == "on") != (split >= kSteps * o.micro_batches / 2)) {
+            return fail(internal_error(fmt::format("{}, ping-pong {}: {} of {} micro-batches ran as two nano-batches", schedule,
+                                                   pingpong, split, kSteps * o.micro_batches)));
+          }
         }
       }
     }

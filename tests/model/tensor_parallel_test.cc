@@ -238,11 +238,18 @@ TEST(TensorParallel, PipelineLayoutsReproduceTheOneRankCurve) {
     const auto want = testing::one_rank_curve(options(1, 1, dp * T, "colocated", "none")).value().losses;
     ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
     const std::string where = fmt::format("tp {}, pp {}, dp {}", tp, pp, dp);
-    const double col = worst(train_pp(tp * pp * dp, options(tp, pp, T, "colocated", "none")), want);
-    const double cad = worst(train_pp(tp * pp * dp, options(tp, pp, T, "cad", "minbytes")), want);
-    std::printf("%s: max rel loss diff vs one rank: colocated %.2e, cad %.2e\n", where.c_str(), col, cad);
-    EXPECT_LE(col, 1e-5) << where << ", colocated";
-    EXPECT_LE(cad, 1e-5) << where << ", cad";
+    for (const char* pingpong : {"on", "off"}) {
+      auto with = [&](PipelineOptions o) {
+        o.train.pingpong = pingpong;
+        return o;
+      };
+      const double col = worst(train_pp(tp * pp * dp, with(options(tp, pp, T, "colocated", "none"))), want);
+      const double cad = worst(train_pp(tp * pp * dp, with(options(tp, pp, T, "cad", "minbytes"))), want);
+      std::printf("%s, ping-pong %s: max rel loss diff vs one rank: colocated %.2e, cad %.2e\n", where.c_str(), pingpong,
+                  col, cad);
+      EXPECT_LE(col, 1e-5) << where << ", colocated, ping-pong " << pingpong;
+      EXPECT_LE(cad, 1e-5) << where << ", cad, ping-pong " << pingpong;
+    }
   }
 }
 

@@ -141,7 +141,6 @@ TEST(Cli, TrainPingPongSplitsCadStepsByDefaultAndRefusesWhatItCannotRun) {
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
            {"--pingpong maybe", "--pingpong must be on or off"},
            {"--pingpong sequential", "--pingpong must be on or off"},
-           {"--pp 2 --pingpong on", "--pp does not run ping-pong inside its ticks yet"},
            {"--progress spin", "--progress must be none, poll or thread"}}) {
     CmdResult bad = distca("train --preset tiny --steps 1 " + args);
     EXPECT_EQ(bad.exit_code, 2) << args << ": " << bad.out;
@@ -172,11 +171,16 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   EXPECT_NE(run.out.find("ranks      tp 1 x pp 2 x dp 2"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("rank 2: tp 0, pp 1, dp 0; groups tp [2], dp [2 3], pp [0 2], cad servers [0 1 2 3]"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("speedup of CAD over colocated 1F1B"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("ping-pong  on for cad: each micro-batch splits into two nano-batches"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("off for colocated"), std::string::npos) << run.out;
   auto j = nlohmann::json::parse(distca::read_text_file(json).value());
   EXPECT_EQ(j["format"], "distca-train-pipeline");
   ASSERT_EQ(j["steps"].size(), 6u);
   double served = 0;
+  int split = 0;
   for (const auto& rec : j["steps"]) {
+    if (rec["schedule"] == "colocated") EXPECT_EQ(rec["split_micro_batches"], 0);
+    if (rec["schedule"] == "cad") split += rec["split_micro_batches"].get<int>();
     ASSERT_EQ(rec["ranks"].size(), 4u);
     double slowest = 0;
     for (const auto& x : rec["ranks"]) {
@@ -195,6 +199,7 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   }
   // In the warm-up and cool-down ticks the idle stage's ranks serve attention.
   EXPECT_GT(served, 0.0);
+  EXPECT_GE(split, 1);  // cad's micro-batches of several documents ran in ping-pong
   EXPECT_LE(j["summary"]["loss_max_rel_diff"].get<double>(), 1e-5);
 }
 

@@ -28,7 +28,23 @@ struct DispatchAttentionOptions {
 plan::ThroughputProfile cpu_throughput_profile();
 plan::ModelShape model_shape(const ModelConfig& config);
 
-class DispatchAttention final : public AttentionBackend<float> {
+// A backend whose passes also run in stages, for a caller that overlaps them with other work
+// (ping-pong; see runtime::Dispatcher): start_* packs and posts the dispatch, finish_dispatch
+// waits for it, compute runs this rank's server kernel, start_return posts the return,
+// finish_return waits and unpacks O/LSE (dQ/dK/dV) into the linear layout. The pointers must
+// stay valid until finish_return. Communication seconds go to times.comm, the kernel's to
+// times.compute.
+class StagedAttention : public AttentionBackend<float> {
+ public:
+  virtual Status start_forward(int layer, const runtime::ForwardArgs& f) = 0;
+  virtual Status start_backward(int layer, const runtime::BackwardArgs& b) = 0;
+  virtual Status finish_dispatch() = 0;
+  virtual Status compute() = 0;
+  virtual Status start_return() = 0;
+  virtual Status finish_return() = 0;
+};
+
+class DispatchAttention final : public StagedAttention {
  public:
   // Checks the options; `comm` must outlive the backend.
   static Result<std::unique_ptr<DispatchAttention>> create(comm::Communicator& comm, const ModelConfig& config,
@@ -39,17 +55,13 @@ class DispatchAttention final : public AttentionBackend<float> {
   Status backward(int layer, const float* q, const float* k, const float* v, const float* o, const float* lse,
                   const float* d_o, float* dq, float* dk, float* dv) override;
 
-  // A pass in stages, for a caller that overlaps it with other work (ping-pong; see
-  // runtime::Dispatcher): start_* packs and posts the dispatch, finish_dispatch waits for it,
-  // compute runs this rank's server kernel, start_return posts the return, finish_return waits
-  // and unpacks O/LSE (dQ/dK/dV) into the linear layout. forward() / backward() run all five.
-  // The pointers must stay valid until finish_return.
-  Status start_forward(int layer, const runtime::ForwardArgs& f);
-  Status start_backward(int layer, const runtime::BackwardArgs& b);
-  Status finish_dispatch();
-  Status compute();
-  Status start_return();
-  Status finish_return();
+  // The pass in stages (StagedAttention); forward() / backward() run all five.
+  Status start_forward(int layer, const runtime::ForwardArgs& f) override;
+  Status start_backward(int layer, const runtime::BackwardArgs& b) override;
+  Status finish_dispatch() override;
+  Status compute() override;
+  Status start_return() override;
+  Status finish_return() override;
 
   const DispatchAttentionOptions& options() const { return options_; }
   // This step's plan and dispatcher (after begin_step).

@@ -24,7 +24,7 @@ namespace distca::model {
 struct NanoPass {
   Model<float>* model = nullptr;  // a row slice holding this nano-batch's rows
   ModelState<float>* state = nullptr;
-  DispatchAttention* attention = nullptr;  // begin_step done with the nano-batch's layout
+  StagedAttention* attention = nullptr;  // begin_step done with the nano-batch's layout
   StepTokens in;
   const float* x_in = nullptr;   // a stage without the embedding: its input activations
   const float* dx_in = nullptr;  // a stage without the head: the gradient of its output
@@ -34,6 +34,11 @@ struct NanoPass {
 
 std::vector<runtime::Stage> forward_stages(NanoPass& pass);
 std::vector<runtime::Stage> backward_stages(NanoPass& pass);
+// The chain of a rank that serves a nano-batch's attention without rows of its own in it (an
+// idle pipeline stage, or a micro-batch with nothing in this nano-batch): every exchange of the
+// layers [first_layer, first_layer + layers), no linear work, in the shape of forward_stages
+// (backward_stages), so that its collectives pair with the other ranks'.
+std::vector<runtime::Stage> serve_stages(StagedAttention& attention, int64_t first_layer, int64_t layers, bool is_backward);
 // a then b as one chain: when a's last stage posts nothing, b's first compute joins it (so the
 // turn from the forward to the backward is one stage, overlapped like the others).
 std::vector<runtime::Stage> joined(std::vector<runtime::Stage> a, std::vector<runtime::Stage> b);

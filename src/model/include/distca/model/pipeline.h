@@ -17,6 +17,7 @@
 // AdamW to the blocks the stage owns. Every rank holds the whole ModelState (drawn from the same
 // seed), but uses and updates only its stage's contiguous range of it.
 #pragma once
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "distca/comm/communicator.h"
 #include "distca/model/tensor_parallel.h"
 #include "distca/model/trainer.h"
+#include "distca/runtime/pingpong.h"
 #include "distca/runtime/pipeline_schedule.h"
 
 namespace distca::model {
@@ -43,6 +45,7 @@ struct PipelineOptions {
 struct PipelineStepRecord {
   int64_t step = 0;
   std::string schedule;
+  int split_micro_batches = 0;  // micro-batches run as two nano-batches (ping-pong)
   double loss = 0;
   double grad_norm = 0;
   double lr = 0;
@@ -96,6 +99,7 @@ class PipelineTrainer {
   // The last step's micro-batches, and (cad) each tick's pool and plan: what the simulator prices.
   struct TickPlan {
     bool is_backward = false;
+    int nano = -1;  // ping-pong: the nano-batch (0, 1) the plan is of; -1: whole micro-batches
     std::vector<int> micro_batch;  // (stages) -1: idle
     plan::Batch pool;
     std::vector<plan::Task> tasks;
@@ -105,7 +109,7 @@ class PipelineTrainer {
 
  private:
   struct Slot;
-  class PooledAttention;
+  class TickAttention;
   struct Pending {
     std::vector<float> data;
     std::unique_ptr<comm::Work> work;
@@ -114,6 +118,17 @@ class PipelineTrainer {
   PipelineTrainer(comm::Communicator& world, PipelineOptions options);
   Status run_tick(const std::vector<runtime::PipeSlot>& tick, std::vector<StepData>& mbs, double scale,
                   double& loss_sum, PipelineStepRecord::Rank& me);
+  // cad: the tick's pooled plan and its dispatcher; nano -1: the whole micro-batches, else each
+  // one's nano-batch `nano`.
+  Result<std::unique_ptr<runtime::Dispatcher>> plan_tick(const std::vector<runtime::PipeSlot>& tick,
+                                                         const std::vector<StepData>& mbs, int nano, bool is_backward,
+                                                         PipelineStepRecord::Rank& me);
+  // This rank's micro-batch of the tick, whole or as two nano-batches run in ping-pong.
+  Status run_micro_batch(runtime::PipeSlot mine, bool two, const StepData& data, double scale, double& loss_sum,
+                         PipelineStepRecord::Rank& me);
+  // Two chains in ping-pong (or in sequence, for benchmarks) with the progress option.
+  Result<runtime::ScheduleTiming> run_chains(std::array<std::vector<runtime::Stage>, 2>& chains);
+  comm::Communicator& attention_comm() const;
 
   comm::Communicator& world_;
   PipelineOptions options_;
@@ -125,8 +140,13 @@ class PipelineTrainer {
   int64_t own_begin_ = 0, own_end_ = 0;
   std::vector<float> acc_;
   std::vector<std::unique_ptr<Slot>> slots_;  // workspaces: micro-batch m uses slots_[m % size]
-  std::unique_ptr<PooledAttention> pooled_;
-  std::vector<std::unique_ptr<Pending>> sends_;  // messages in flight, with their copies
+  // cad: the tick's pooled attention (ping-pong: one per nano-batch).
+  std::array<std::unique_ptr<TickAttention>, 2> pooled_;
+  bool pingpong_ = false;  // micro-batches of two or more documents run as two nano-batches
+  // This step's micro-batches split into nano-batches (ping-pong), and whether each splits (it
+  // has documents in both).
+  std::vector<runtime::NanoBatches> nanos_;
+  std::vector<char> splits_;  std::vector<std::unique_ptr<Pending>> sends_;  // messages in flight, with their copies
   int64_t sends_peak_bytes_ = 0;                 // the most their copies held at once this step
   std::vector<plan::Batch> last_batches_;
   std::vector<TickPlan> last_ticks_;
