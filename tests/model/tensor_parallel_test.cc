@@ -24,8 +24,9 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string data_file() {
-  static const std::string path = testing::write_pipeline_data((fs::path(::testing::TempDir()) / "distca_tp.jsonl").string());
-  return path;
+  // One file per process: ctest runs this binary's tests as concurrent processes.
+  static const testing::ProcessDataFile file("distca_tp");
+  return file.path();
 }
 
 using testing::tp_model;
