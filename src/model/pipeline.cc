@@ -83,9 +83,19 @@ Status PipelineOptions::validate(int world_size) const {
 // A micro-batch that runs as two nano-batches keeps its rows in nano-batch order (A's, then
 // B's) on every stage, in its messages too, so that its forward and backward (different ticks)
 // and its neighbour stages agree on them.
+//
+// With recompute, a stage has fewer workspaces than micro-batches in flight: a micro-batch whose
+// workspace goes to another keeps its stage input (its first layer's input, or its tokens) and
+// every layer's attention output (O and LSE, `saved`), and before its backward its linear activations are
+// recomputed from them in a workspace again. Attention is not rerun: no exchange, and the
+// recomputed activations are the originals bit for bit.
 struct PipelineTrainer::Slot {
-  std::unique_ptr<Model<float>> model;
-  std::vector<float> x_in, dx_in;  // [T, d] from the previous / next stage
+  Model<float>* model = nullptr;  // the workspace holding its activations (null: none, or saved)
+  int workspace = -1;
+  // recompute: the stage input [T, d] (a stage after the first), then every layer's O
+  // [T, Hq D] and LSE [T, Hq]
+  std::vector<float> saved;
+  bool split = false;              // ran as two nano-batches (the recompute runs its slices)
   std::unique_ptr<DispatchAttention> attention;
   std::array<std::unique_ptr<DispatchAttention>, 2> nano;  // colocated with ping-pong: one per nano-batch
   int micro_batch = -1;
@@ -207,16 +217,25 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
   const std::string& pingpong = po.train.pingpong;
   t->pingpong_ = pingpong == "on" || pingpong == "sequential" || (pingpong == "auto" && po.schedule == "cad");
   const int slots = peak_in_flight(t->schedule_, t->stage_);
-  for (int k = 0; k < slots; ++k) {
-    auto s = std::make_unique<Slot>();
-    s->model = std::make_unique<Model<float>>(shard, po.train.context, range, tensor_parallel(t->groups_));
+  // Recompute: as many workspaces as the last stage needs (it holds the fewest in flight).
+  const int workspaces = po.recompute ? std::min(slots, peak_in_flight(t->schedule_, po.pp - 1)) : slots;
+  for (int k = 0; k < workspaces; ++k) {
+    auto model = std::make_unique<Model<float>>(shard, po.train.context, range, tensor_parallel(t->groups_));
     if (t->pingpong_ && po.train.progress == "poll") {
       // Its nano-batches' slices poll the attention's communicator between their GEMMs.
       PipelineTrainer* self = t.get();
-      s->model->set_poll([self] { (void)self->attention_comm().progress(); });
+      model->set_poll([self] { (void)self->attention_comm().progress(); });
     }
-    s->x_in.assign(static_cast<size_t>(po.train.context * po.train.model.d_model), 0.0f);
-    s->dx_in = s->x_in;
+    t->workspaces_.push_back(std::move(model));
+    t->owners_.push_back(-1);
+  }
+  // The stage messages land here; the model copies them in (a micro-batch's forward or backward
+  // is one tick).
+  const auto message = static_cast<size_t>(po.train.context * po.train.model.d_model);
+  if (t->stage_ > 0) t->x_in_.assign(message, 0.0f);
+  if (t->stage_ + 1 < po.pp) t->dx_in_.assign(message, 0.0f);
+  for (int k = 0; k < slots; ++k) {
+    auto s = std::make_unique<Slot>();
     if (po.schedule == "colocated") {
       DispatchAttentionOptions d;
       d.policy = "none";
@@ -357,21 +376,112 @@ Status PipelineTrainer::run_tick(const std::vector<runtime::PipeSlot>& tick, std
   return st;
 }
 
+Status PipelineTrainer::bind_workspace(int slot) {
+  int w = static_cast<int>(std::find(owners_.begin(), owners_.end(), -1) - owners_.begin());
+  if (w == static_cast<int>(owners_.size())) {
+    // Every workspace is held: free the one whose micro-batch's backward comes last (both
+    // schedules run the backwards in micro-batch order), keeping what its recompute needs.
+    w = 0;
+    for (int k = 1; k < static_cast<int>(owners_.size()); ++k) {
+      if (slots_[owners_[k]]->micro_batch > slots_[owners_[w]]->micro_batch) w = k;
+    }
+    Slot& held = *slots_[owners_[w]];
+    const ModelConfig& c = held.model->config();
+    const int64_t T = options_.train.context, o = T * c.q_width(), lse = T * c.num_q_heads;
+    const int64_t input = stage_ > 0 ? T * c.d_model : 0;
+    held.saved.resize(static_cast<size_t>(input + held.model->num_stage_layers() * (o + lse)));
+    float* out = std::copy(held.model->stage_input(), held.model->stage_input() + input, held.saved.data());
+    for (int64_t l = 0; l < held.model->num_stage_layers(); ++l) {
+      const auto io = held.model->attention_io(l);
+      out = std::copy(io.lse, io.lse + lse, std::copy(io.o, io.o + o, out));
+    }
+    held.model = nullptr;
+    held.workspace = -1;
+    for (auto& x : held.slices) x.reset();
+  }
+  owners_[w] = slot;
+  Slot& s = *slots_[slot];
+  s.workspace = w;
+  s.model = workspaces_[w].get();
+  return Status::ok();
+}
+
+void PipelineTrainer::release_workspace(Slot& s) {
+  if (s.workspace >= 0) owners_[s.workspace] = -1;
+  s.workspace = -1;
+  s.model = nullptr;
+  for (auto& x : s.slices) x.reset();
+}
+
+Result<double> PipelineTrainer::recompute(int slot, const StepData& data, double scale) {
+  DISTCA_RETURN_IF_ERROR(bind_workspace(slot));
+  Slot& s = *slots_[slot];
+  Model<float>& model = *s.model;
+  const ModelConfig& c = model.config();
+  const int64_t T = options_.train.context, d = options_.train.model.d_model, o = T * c.q_width(), lse = T * c.num_q_heads;
+  const float* in = s.saved.data() + (stage_ > 0 ? T * d : 0);
+  for (int64_t l = 0; l < model.num_stage_layers(); ++l) {
+    const auto io = model.attention_io(l);
+    std::copy(in, in + o, io.o);
+    std::copy(in + o, in + o + lse, io.lse);
+    in += o + lse;
+  }
+  // The forward's phases without attention (its outputs are back in place), on the same rows;
+  // returns the seconds of tensor-parallel all-reduces among them.
+  double tp = 0;
+  auto phases = [&](Model<float>& m, const StepTokens& tokens, const float* x_in) -> Status {
+    const double before = m.tp_seconds();
+    DISTCA_RETURN_IF_ERROR(m.begin_forward(state_, tokens, x_in));
+    for (int64_t l = 0; l < m.num_stage_layers(); ++l) {
+      m.forward_pre_attention(state_, l);
+      DISTCA_RETURN_IF_ERROR(m.forward_post_attention(state_, l));
+    }
+    m.finish_forward(state_, scale);
+    tp += m.tp_seconds() - before;
+    return Status::ok();
+  };
+  const float* x_in = stage_ > 0 ? s.saved.data() : nullptr;
+  if (!s.split) {
+    DISTCA_RETURN_IF_ERROR(phases(model, StepTokens{data.slice(data.tokens, replica_), data.slice(data.targets, replica_),
+                                                    data.slice(data.positions, replica_)}, x_in));
+    return tp;
+  }
+  int64_t first_row = 0;
+  for (int n = 0; n < 2; ++n) {
+    const auto count = static_cast<int64_t>(nanos_[s.micro_batch].rows[n][replica_].size());
+    s.slices[n] = model.slice(first_row, count);
+    DISTCA_RETURN_IF_ERROR(phases(*s.slices[n], StepTokens{s.ids[n][0], s.ids[n][1], s.ids[n][2]},
+                                  x_in ? x_in + first_row * d : nullptr));
+    first_row += count;
+  }
+  return tp;
+}
+
 Status PipelineTrainer::run_micro_batch(runtime::PipeSlot mine, bool two, const StepData& data, double scale,
                                         double& loss_sum, PipelineStepRecord::Rank& me) {
   const int64_t T = options_.train.context, d = options_.train.model.d_model;
   const bool is_cad = options_.schedule == "cad", is_forward = mine.op == runtime::PipeOp::kForward;
   const int m = mine.micro_batch;
-  Slot& s = *slots_[m % slots_.size()];
+  const int slot = m % static_cast<int>(slots_.size());
+  Slot& s = *slots_[slot];
   if (is_forward) {
     s.micro_batch = m;
+    s.split = two && splits_[m];
+    DISTCA_RETURN_IF_ERROR(bind_workspace(slot));
   } else if (s.micro_batch != m) {
     return internal_error(fmt::format("stage {}: backward of micro-batch {} without its forward", stage_, m));
+  } else if (s.model == nullptr) {
+    const auto t0 = Clock::now();
+    DISTCA_ASSIGN_OR_RETURN(const double tp, recompute(slot, data, scale));
+    const double spent = seconds_since(t0);
+    me.comm += tp;
+    me.linear += spent - tp;
+    me.recompute += spent - tp;
   }
   // The stage message this pass starts from: activations from the previous stage, gradients
   // from the next.
   const bool has_message = is_forward ? stage_ > 0 : stage_ + 1 < pp_;
-  float* message = is_forward ? s.x_in.data() : s.dx_in.data();
+  float* message = is_forward ? x_in_.data() : dx_in_.data();
   if (has_message) {
     const auto t0 = Clock::now();
     DISTCA_RETURN_IF_ERROR(groups_.pp->recv(message, T * d * static_cast<int64_t>(sizeof(float)),
@@ -401,7 +511,7 @@ Status PipelineTrainer::run_micro_batch(runtime::PipeSlot mine, bool two, const 
     const bool split = splits_[m];
     std::array<StagedAttention*, 2> att{};
     std::array<NanoPass, 2> passes;
-    std::array<Model<float>*, 2> models{s.model.get(), nullptr};
+    std::array<Model<float>*, 2> models{s.model, nullptr};
     int64_t first_row = 0;
     for (int n = 0; n < 2; ++n) {
       att[n] = is_cad ? static_cast<StagedAttention*>(pooled_[n].get()) : s.nano[n].get();
@@ -460,6 +570,7 @@ Status PipelineTrainer::run_micro_batch(runtime::PipeSlot mine, bool two, const 
     me.other += seconds_since(t0);
     if (stage_ > 0) DISTCA_RETURN_IF_ERROR(send(s.model->input_grad(), T * d, stage_ - 1, kGradientTag));
     s.micro_batch = -1;
+    release_workspace(s);
   }
   return Status::ok();
 }
@@ -529,19 +640,21 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   me.other = me.step - me.linear - me.attention - me.comm - me.pipeline_wait - me.idle - me.optimizer;
   constexpr int64_t f = sizeof(float);
   me.memory_states = 4 * state_.params.size() * f + static_cast<int64_t>(acc_.capacity()) * f;
+  for (const auto& w : workspaces_) me.memory_activations += w->allocated_bytes();
+  me.memory_activations += static_cast<int64_t>(x_in_.capacity() + dx_in_.capacity()) * f;
   for (const auto& s : slots_) {
-    me.memory_activations += s->model->allocated_bytes() + static_cast<int64_t>(s->x_in.capacity() + s->dx_in.capacity()) * f;
+    me.memory_activations += static_cast<int64_t>(s->saved.capacity()) * f;
     if (s->attention) me.memory_attention += s->attention->buffer_bytes();
   }
   for (const auto& p : pooled_) me.memory_attention += p ? p->peak_bytes() : 0;  // ping-pong: both coexist
   me.memory_messages = sends_peak_bytes_;
   // Every rank's numbers, one row each; a byte count travels as two floats of 24 bits each, so
   // it arrives exact.
-  enum Col { kStep, kLinear, kAttention, kComm, kPipe, kIdle, kOpt, kOther, kServed, kLoss, kMem, kCols = kMem + 8 };
+  enum Col { kStep, kLinear, kAttention, kComm, kPipe, kIdle, kOpt, kOther, kServed, kRecompute, kLoss, kMem, kCols = kMem + 8 };
   const int R = world_.size();
   std::vector<float> all(static_cast<size_t>(kCols * R), 0.0f);
   const double row[kMem] = {me.step, me.linear, me.attention, me.comm, me.pipeline_wait, me.idle, me.optimizer, me.other,
-                            me.served_in_idle, loss_sum};
+                            me.served_in_idle, me.recompute, loss_sum};
   for (int i = 0; i < kMem; ++i) all[world_.rank() * kCols + i] = static_cast<float>(row[i]);
   const int64_t memory[4] = {me.memory_states, me.memory_activations, me.memory_attention, me.memory_messages};
   for (int i = 0; i < 4; ++i) {
@@ -558,7 +671,8 @@ Result<PipelineStepRecord> PipelineTrainer::step() {
   double loss = 0, attn_sum = 0, attn_max = 0;
   for (int r = 0; r < R; ++r) {
     auto at = [&](int c) { return static_cast<double>(all[r * kCols + c]); };
-    PipelineStepRecord::Rank x{at(kStep), at(kLinear), at(kAttention), at(kComm), at(kPipe), at(kIdle), at(kOpt), 0, at(kServed)};
+    PipelineStepRecord::Rank x{at(kStep), at(kLinear), at(kAttention), at(kComm), at(kPipe), at(kIdle), at(kOpt), 0,
+                               at(kServed), at(kRecompute)};
     x.other = x.step - x.linear - x.attention - x.comm - x.pipeline_wait - x.idle - x.optimizer;
     auto bytes = [&](int i) {
       return (static_cast<int64_t>(all[r * kCols + kMem + 2 * i]) << 24) + static_cast<int64_t>(all[r * kCols + kMem + 2 * i + 1]);
@@ -589,7 +703,7 @@ nlohmann::json PipelineStepRecord::to_json() const {
                   {"attention_seconds", r.attention}, {"comm_seconds", r.comm},
                   {"pipeline_wait_seconds", r.pipeline_wait}, {"idle_seconds", r.idle},
                   {"optimizer_seconds", r.optimizer}, {"other_seconds", r.other},
-                  {"served_in_idle_seconds", r.served_in_idle},
+                  {"served_in_idle_seconds", r.served_in_idle}, {"recompute_seconds", r.recompute},
                   {"memory_states_bytes", r.memory_states}, {"memory_activations_bytes", r.memory_activations},
                   {"memory_attention_bytes", r.memory_attention}, {"memory_messages_bytes", r.memory_messages},
                   {"memory_bytes", r.memory()}});

@@ -57,6 +57,7 @@ struct TrainArgs {
   int pp = 1;
   int micro_batches = 0;
   bool is_print_schedule = false;
+  bool is_recompute = false;
   int64_t skip = 1;
   double timeout_seconds = kDefaultTimeoutSeconds;
   // Which flags the user gave (a flag that the run would ignore is refused).
@@ -187,8 +188,8 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   if (a.micro_batches < 0 || a.micro_batches > 4096) {
     return invalid_argument(fmt::format("--micro-batches must be 1..4096 (0: 2 x --pp), got {}", a.micro_batches));
   }
-  if (a.pp == 1 && (a.given(a.micro_batches_opt) || a.is_print_schedule)) {
-    return invalid_argument("--micro-batches and --print-schedule shape a pipeline: add --pp P (P >= 2)");
+  if (a.pp == 1 && (a.given(a.micro_batches_opt) || a.is_print_schedule || a.is_recompute)) {
+    return invalid_argument("--micro-batches, --print-schedule and --recompute shape a pipeline: add --pp P (P >= 2)");
   }
   if (a.pp > 1) {
     if (o.model.num_layers % a.pp != 0) {
@@ -376,7 +377,7 @@ nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& re
   nlohmann::json out = {{"schedules", nlohmann::json::object()}};
   for (const auto& [name, rs] : by) {
     const size_t first = std::min<size_t>(static_cast<size_t>(skip), rs.size() - 1);
-    double step = 0, wait = 0, served = 0, imbalance = 0, attention = 0;
+    double step = 0, wait = 0, served = 0, imbalance = 0, attention = 0, recompute = 0;
     // The peak over the run of the fullest rank's memory, and the largest max / mean over ranks.
     // Within a stage (its DP replicas hold the same layers and the same number of micro-batches
     // in flight), the largest max / mean: what the attention layout decides; across stages the
@@ -403,13 +404,15 @@ nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& re
       imbalance += r.attention_imbalance;
       // The slowest rank's waiting (for stage messages and in idle ticks) and every rank's
       // attention served while its stage was idle.
-      double w = 0;
+      double w = 0, most_recompute = 0;
       for (const auto& x : r.ranks) {
         if (x.step == r.step_seconds) w = x.pipeline_wait + x.idle;
+        most_recompute = std::max(most_recompute, x.recompute);
         served += x.served_in_idle;
         attention += x.attention;
       }
       wait += w;
+      recompute += most_recompute;
     }
     const double n = static_cast<double>(rs.size() - first);
     out["schedules"][name] = {{"step_seconds", step / n},
@@ -417,6 +420,7 @@ nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& re
                               {"wait_and_bubble_share", wait / step},
                               {"attention_imbalance", imbalance / n},
                               {"served_in_idle_seconds", served / n},
+                              {"recompute_seconds", recompute / n},  // the rank that recomputed most
                               {"served_in_idle_share_of_attention", attention > 0 ? served / attention : 0.0},
                               {"loss_first", rs.front()->loss},
                               {"loss_last", rs.back()->loss},
@@ -466,6 +470,7 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
       po.train = o;
       po.pp = a.pp;
       po.micro_batches = a.micro_batches;
+      po.recompute = a.is_recompute;
       po.schedule = name;
       if (name == "cad") po.train.backward_mode = plan::BackwardMode::kStateless;
       DISTCA_ASSIGN_OR_RETURN(auto t, model::PipelineTrainer::create(c, po));
@@ -538,14 +543,20 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
     std::vector<std::string> memory;
     for (const std::string& name : schedules) {
       const nlohmann::json& s = summary["schedules"][name];
-      memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f}, within a stage {:.3f})", name,
+      memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f}, within a stage {:.3f}{})", name,
                                    s["memory_max_bytes"].get<double>() / (1 << 20), s["memory_max_over_mean"].get<double>(),
-                                   s["memory_max_over_mean_within_stage"].get<double>()));
+                                   s["memory_max_over_mean_within_stage"].get<double>(),
+                                   po.recompute ? fmt::format("; recomputing {:.3f} s per step on the rank that recomputed most",
+                                                              s["recompute_seconds"].get<double>())
+                                                : ""));
     }
     fmt::print("memory per rank, the fullest rank's peak (parameters, gradients, AdamW moments and the gradient "
-               "accumulator, micro-batch workspaces, attention buffers, stage messages in flight): {}; across stages the "
-               "schedule decides (a stage holds as many workspaces as it has micro-batches in flight)\n",
-               fmt::join(memory, "; "));
+               "accumulator, micro-batch workspaces, attention buffers, stage messages in flight): {}; {}\n",
+               fmt::join(memory, "; "),
+               po.recompute ? std::string("--recompute: every stage holds as many workspaces as the last stage and "
+                                          "recomputes the other micro-batches' linear activations (inside linear)")
+                            : std::string("across stages the schedule decides (a stage holds as many workspaces as it has "
+                                          "micro-batches in flight; --recompute evens it out)"));
     if (!summary["speedup"].is_null()) {
       fmt::print("speedup of CAD over colocated 1F1B (same run, same data): {:.2f}x; largest relative loss difference: "
                  "{:.2e}\n", summary["speedup"].get<double>(), summary["loss_max_rel_diff"].get<double>());
@@ -555,6 +566,7 @@ int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOp
       for (const auto& r : records) steps.push_back(r.to_json());
       const nlohmann::json out = {{"format", "distca-train-pipeline"}, {"version", 1}, {"ranks", c.size()},
                                   {"comm", c.name()}, {"pp", a.pp}, {"micro_batches", po.micro_batches},
+                                  {"recompute", po.recompute},
                                   {"rank_map", trainers[0]->rank_map().to_json()},
                                   {"preset", a.preset}, {"config", o.to_json()}, {"steps", steps}, {"summary", summary}};
       DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
@@ -700,6 +712,10 @@ std::function<int()> add_train_command(CLI::App& app) {
   a.micro_batches_opt = cmd->add_option("--micro-batches", a.micro_batches,
                                         "with --pp: micro-batches per step, each --context tokens per rank (0: 2 x --pp)")
                             ->capture_default_str();
+  cmd->add_flag("--recompute", a.is_recompute,
+                "with --pp: every stage holds as many activation workspaces as the last one (the fewest micro-batches "
+                "in flight) and recomputes the others' linear activations before their backward, from their stage "
+                "input and saved attention outputs (bit-identical): memory even across stages for some linear compute");
   cmd->add_flag("--print-schedule", a.is_print_schedule,
                 "with --pp: print the tick table of each schedule (which micro-batch each stage runs per tick) and exit");
   a.skip_opt = cmd->add_option("--skip", a.skip, "warm-up steps left out of the summary's time means (below --steps)")

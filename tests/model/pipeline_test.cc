@@ -24,8 +24,9 @@ namespace fs = std::filesystem;
 using testing::Curve;
 
 std::string data_file() {
-  static const std::string path = testing::write_pipeline_data((fs::path(::testing::TempDir()) / "distca_pipeline.jsonl").string());
-  return path;
+  // One file per process: ctest runs this binary's tests as concurrent processes.
+  static const testing::ProcessDataFile file("distca_pipeline");
+  return file.path();
 }
 
 PipelineOptions options(int pp, int M, const std::string& schedule, const std::string& policy, int64_t context, int steps,
@@ -128,9 +129,11 @@ TEST(Pipeline, MemoryPerRankIsWhatTheStageHoldsAndAddsUp) {
         held += tick[stage].op == runtime::PipeOp::kForward ? 1 : tick[stage].op == runtime::PipeOp::kBackward ? -1 : 0;
         peak = std::max(peak, held);
       }
-      const int64_t workspace = Model<float>::workspace_bytes(o.train.model, T, {stage * 2, 2}) +
-                                2 * T * o.train.model.d_model * static_cast<int64_t>(sizeof(float));
-      EXPECT_EQ(x.memory_activations, peak * workspace);
+      // A workspace per micro-batch in flight, and the buffer its stage messages land in (the
+      // first stage's from the next, the last's from the previous).
+      const int64_t workspace = Model<float>::workspace_bytes(o.train.model, T, {stage * 2, 2});
+      const int64_t message = T * o.train.model.d_model * static_cast<int64_t>(sizeof(float));
+      EXPECT_EQ(x.memory_activations, peak * workspace + message);
       EXPECT_EQ(x.memory_states, r.ranks[stage * 2].memory_states);  // the same within a stage
       EXPECT_GT(x.memory_attention, 0);
       EXPECT_GT(x.memory_messages, 0);
@@ -139,6 +142,65 @@ TEST(Pipeline, MemoryPerRankIsWhatTheStageHoldsAndAddsUp) {
     }
     EXPECT_EQ(r.memory_max_bytes, most);
     EXPECT_NEAR(r.memory_mean_bytes, mean, 1e-6 * mean);
+  }
+}
+
+// Recompute: a stage keeps as many workspaces as the last stage and recomputes the others'
+// linear activations from their stage input and saved attention outputs, so the curve and the
+// gradients are the same bit for bit, the first stage's recompute takes time, the last stage's
+// none, and the stages' memory evens out.
+TEST(Pipeline, RecomputeKeepsTheCurveBitForBitAndEvensMemoryAcrossStages) {
+  constexpr int64_t T = 64;
+  constexpr int kSteps = 3;
+  for (const char* schedule : {"colocated", "cad"}) {
+    for (const char* pingpong : {"off", "on"}) {
+      const std::string what = fmt::format("{}, ping-pong {}", schedule, pingpong);
+      SCOPED_TRACE(what);
+      struct Run {
+        std::vector<double> losses;
+        std::vector<float> gradient;
+        PipelineStepRecord last;
+      };
+      auto run = [&](bool recompute) {
+        PipelineOptions o = options(2, 3, schedule, schedule == std::string("cad") ? "minbytes" : "none", T, kSteps, 4);
+        o.train.pingpong = pingpong;
+        o.recompute = recompute;
+        Run out;
+        std::mutex mu;
+        auto statuses = comm::LocalWorld::run(4, [&](comm::Communicator& c) -> Status {
+          DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(c, o));
+          for (int s = 0; s < kSteps; ++s) {
+            DISTCA_ASSIGN_OR_RETURN(PipelineStepRecord r, t->step());
+            std::lock_guard lock(mu);
+            if (c.rank() == 0) out.losses.push_back(r.loss), out.last = r;
+            if (c.rank() == 0 && s == 0) out.gradient = t->last_gradient();  // stage 0's: the one that recomputes
+          }
+          return Status::ok();
+        }, std::chrono::seconds(60));
+        for (const Status& st : statuses) EXPECT_TRUE(st.is_ok()) << st.message();
+        return out;
+      };
+      const Run plain = run(false), again = run(true);
+      ASSERT_EQ(again.losses.size(), static_cast<size_t>(kSteps));
+      EXPECT_EQ(again.losses, plain.losses);
+      EXPECT_EQ(again.gradient, plain.gradient);
+      ASSERT_EQ(again.last.ranks.size(), 4u);
+      for (int w = 0; w < 4; ++w) {
+        const auto& x = again.last.ranks[w];
+        if (w < 2) {
+          EXPECT_GT(x.recompute, 0.0) << "rank " << w;
+          EXPECT_LE(x.recompute, x.linear) << "rank " << w;  // inside linear
+          EXPECT_LT(x.memory_activations, plain.last.ranks[w].memory_activations) << "rank " << w;
+        } else {
+          EXPECT_EQ(x.recompute, 0.0) << "rank " << w;
+          EXPECT_EQ(x.memory_activations, plain.last.ranks[w].memory_activations) << "rank " << w;
+        }
+      }
+      const double spread = static_cast<double>(again.last.memory_max_bytes) / again.last.memory_mean_bytes;
+      const double before = static_cast<double>(plain.last.memory_max_bytes) / plain.last.memory_mean_bytes;
+      std::printf("%s: memory max/mean over ranks %.3f without recompute, %.3f with\n", what.c_str(), before, spread);
+      EXPECT_LT(spread, before);
+    }
   }
 }
 

@@ -155,7 +155,8 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   EXPECT_NE(r.out.find("stage 0: F0 F1 .  F2 B0 .  B1 B2\nstage 1: .  F0 B0 F1 B1 F2 B2 .\n"), std::string::npos) << r.out;
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
            {"--pp 3", "--pp 3 must divide the model's 2 layers"},
-           {"--micro-batches 3", "--micro-batches and --print-schedule shape a pipeline: add --pp P"},
+           {"--micro-batches 3", "--micro-batches, --print-schedule and --recompute shape a pipeline: add --pp P"},
+           {"--recompute", "--micro-batches, --print-schedule and --recompute shape a pipeline: add --pp P"},
            {"--pp 2 --eval-every 1", "--pp does not support --checkpoint, --resume or --eval-every yet"},
            {"--pp 2 --backward-mode stateful", "its backward is stateless: drop --backward-mode stateful"},
            {"--pp 2 --micro-batches -1", "--micro-batches must be 1..4096"},
@@ -201,6 +202,21 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   EXPECT_GT(served, 0.0);
   EXPECT_GE(split, 1);  // cad's micro-batches of several documents ran in ping-pong
   EXPECT_LE(j["summary"]["loss_max_rel_diff"].get<double>(), 1e-5);
+
+  // --recompute: the first stage recomputes (its seconds inside linear), the last none.
+  const std::string json2 = (scratch() / "train-pp-recompute.json").string();
+  CmdResult again = distca("train --preset tiny --layers 4 --pp 2 --micro-batches 3 --steps 3 --recompute --json " + json2);
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("--recompute: every stage holds as many workspaces as the last stage"), std::string::npos) << again.out;
+  auto k = nlohmann::json::parse(distca::read_text_file(json2).value());
+  EXPECT_EQ(k["recompute"], true);
+  ASSERT_EQ(k["steps"].size(), 3u);
+  for (const auto& rec : k["steps"]) {
+    const auto& first = rec["ranks"][0];
+    EXPECT_GT(first["recompute_seconds"].get<double>(), 0.0);
+    EXPECT_LE(first["recompute_seconds"].get<double>(), first["linear_seconds"].get<double>());
+    EXPECT_EQ(rec["ranks"][1]["recompute_seconds"].get<double>(), 0.0);
+  }
 }
 
 TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {

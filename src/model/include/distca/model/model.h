@@ -179,6 +179,9 @@ class Model {
   double tp_seconds() const { return tp_seconds_; }
   AttentionIo attention_io(int64_t slot);
 
+  // [n, d] the last forward's input activations of its first layer (a stage without the
+  // embedding: its x_in).
+  const T* stage_input() const { return layer_acts_.front().x; }
   // [n, d] the last forward's output activations (a stage without the head).
   const T* output() const { return x_final_; }
   // [n, d] the last backward's gradient of the input activations (a stage without the embedding).

@@ -37,6 +37,10 @@ struct PipelineOptions {
   int pp = 1;                    // stages (divides the layers and the ranks)
   int micro_batches = 0;         // M per step; 0: 2 pp
   std::string schedule = "cad";  // "colocated" (1F1B) or "cad" (lockstep, pooled plans)
+  // A stage holds as many activation workspaces as the last stage (the fewest micro-batches in
+  // flight) and recomputes the linear activations of the others before their backward, from
+  // their stage input and saved attention outputs: memory even across stages, for some compute.
+  bool recompute = false;
   Status validate(int world_size) const;
 };
 
@@ -61,6 +65,7 @@ struct PipelineStepRecord {
     double optimizer = 0;
     double other = 0;          // the rest (planning, packing, bookkeeping)
     double served_in_idle = 0; // attention seconds served in ticks without a micro-batch of its own (cad; inside attention)
+    double recompute = 0;      // recomputing activations (--recompute; inside linear)
     // Memory at the step's peak, bytes (buffers only grow within a step): parameters, gradients
     // and AdamW moments as held (every rank holds the whole model's) and the stage's gradient
     // accumulator; the micro-batch workspaces (activations and the stage messages they receive);
@@ -124,6 +129,13 @@ class PipelineTrainer {
                                                          const std::vector<StepData>& mbs, int nano, bool is_backward,
                                                          PipelineStepRecord::Rank& me);
   // This rank's micro-batch of the tick, whole or as two nano-batches run in ping-pong.
+  // Gives slot a workspace, freeing the one whose backward comes last if none is free (its
+  // O and LSE saved for the recompute).
+  Status bind_workspace(int slot);
+  void release_workspace(Slot& s);
+  // Binds a workspace to a slot whose activations were freed and recomputes them; returns the
+  // seconds of tensor-parallel all-reduces in it (communication).
+  Result<double> recompute(int slot, const StepData& data, double scale);
   Status run_micro_batch(runtime::PipeSlot mine, bool two, const StepData& data, double scale, double& loss_sum,
                          PipelineStepRecord::Rank& me);
   // Two chains in ping-pong (or in sequence, for benchmarks) with the progress option.
@@ -139,7 +151,10 @@ class PipelineTrainer {
   ModelState<float> state_;
   int64_t own_begin_ = 0, own_end_ = 0;
   std::vector<float> acc_;
-  std::vector<std::unique_ptr<Slot>> slots_;  // workspaces: micro-batch m uses slots_[m % size]
+  std::vector<std::unique_ptr<Slot>> slots_;  // micro-batch m uses slots_[m % size]
+  std::vector<std::unique_ptr<Model<float>>> workspaces_;  // activations (as many as slots without recompute)
+  std::vector<int> owners_;                                // the slot each workspace holds (-1: free)
+  std::vector<float> x_in_, dx_in_;  // [T, d] the stage message from the previous / next stage
   // cad: the tick's pooled attention (ping-pong: one per nano-batch).
   std::array<std::unique_ptr<TickAttention>, 2> pooled_;
   bool pingpong_ = false;  // micro-batches of two or more documents run as two nano-batches
