@@ -268,7 +268,30 @@ PYBIND11_MODULE(_distca, m) {
         return layout_dict(runtime::exchange_layout(route));
       });
 
-  m.def("make_plan", &make_plan, py::arg("batch"), py::arg("request"), py::arg("profile_path") = "");
+  // Planning runs without the GIL: a data loader or a planner prefetching the next step on
+  // another Python thread keeps running while C++ plans.
+  m.def("make_plan", &make_plan, py::arg("batch"), py::arg("request"), py::arg("profile_path") = "",
+        py::call_guard<py::gil_scoped_release>());
+
+  // The layout of a part of a plan's tasks (a ping-pong nano-batch), checked for well-formed
+  // tasks only: rows whose tasks are all in the other part get no entry.
+  m.def("partial_layout", [](std::shared_ptr<plan::Batch> batch,
+                             py::array_t<int64_t, py::array::c_style | py::array::forcecast> tasks, int32_t rank) {
+    if (tasks.ndim() != 2 || tasks.shape(1) != 6) {
+      throw py::value_error("tasks must be an (n, 6) array of (doc, q0, q1, k0, k1, server) rows");
+    }
+    std::vector<plan::Task> list(static_cast<size_t>(tasks.shape(0)));
+    const int64_t* t = tasks.data();
+    for (plan::Task& task : list) {
+      if (t[0] < 0 || t[0] > INT32_MAX || t[5] < 0 || t[5] > INT32_MAX) {
+        throw py::value_error(fmt::format("task doc {} or server {} out of range", t[0], t[5]));
+      }
+      task = {static_cast<int32_t>(t[0]), t[1], t[2], t[3], t[4], static_cast<int32_t>(t[5])};
+      t += 6;
+    }
+    const runtime::Route route = take(runtime::build_partial_route(*batch, list, rank));
+    return layout_dict(runtime::exchange_layout(route));
+  });
 
   // A plan file (distca plan --out): its batch, model and tasks, re-verified and hash-checked.
   m.def("load_plan_json", [](const std::string& text) {

@@ -14,7 +14,6 @@ packages=(
   python3-venv python3-dev           # the Python package: its virtual environment and headers
   python3-numpy python3-pytest       # the package's arrays and its test suite
   python3-mypy                       # the test that the package and its stubs type-check
-  python3-torch                      # the PyTorch example (torch.distributed with gloo, CPU)
 )
 missing=()
 for p in "${packages[@]}"; do

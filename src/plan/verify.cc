@@ -104,4 +104,9 @@ Status verify_tasks(const Batch& batch, const std::vector<Task>& tasks) {
   return Status::ok();
 }
 
+Status verify_task_shapes(const Batch& batch, const std::vector<Task>& tasks) {
+  for (const Task& t : tasks) DISTCA_RETURN_IF_ERROR(check_well_formed(batch, t));
+  return Status::ok();
+}
+
 }  // namespace distca::plan

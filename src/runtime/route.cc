@@ -39,12 +39,19 @@ void append(std::vector<Segment>& segments, Segment s) {
 
 Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
                           int32_t rank) {
+  DISTCA_RETURN_IF_ERROR(batch.validate());
+  DISTCA_RETURN_IF_ERROR(plan::verify_tasks(batch, tasks));
+  return build_partial_route(batch, tasks, rank);
+}
+
+Result<Route> build_partial_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
+                                  int32_t rank) {
   const int32_t r = batch.num_ranks;
   if (rank < 0 || rank >= r) {
     return invalid_argument(fmt::format("rank {} outside the batch's {} ranks", rank, r));
   }
   DISTCA_RETURN_IF_ERROR(batch.validate());
-  DISTCA_RETURN_IF_ERROR(plan::verify_tasks(batch, tasks));
+  DISTCA_RETURN_IF_ERROR(plan::verify_task_shapes(batch, tasks));
 
   // Each piece's first row in its owner's linear layout.
   std::vector<int64_t> piece_row(batch.pieces.size());

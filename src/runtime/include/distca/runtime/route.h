@@ -71,4 +71,11 @@ struct Route {
 Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
                           int32_t rank);
 
+// The route of a part of a verified plan's tasks (a ping-pong nano-batch): each task is checked
+// to be well formed, not that the tasks cover every pair, so rows whose tasks are all elsewhere
+// get no entry. REQUIRES: the tasks are a subset of tasks that passed plan::verify_tasks, and
+// the tasks of one query range (its key splits) are all in it or all out of it.
+Result<Route> build_partial_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
+                                  int32_t rank);
+
 }  // namespace distca::runtime

@@ -1,0 +1,27 @@
+"""distca.torch: core attention disaggregation (CAD) as a PyTorch library.
+
+    import torch.distributed as dist
+    from distca.torch import StepPlanner, cad_attention
+
+    planner = StepPlanner(model={"heads": 32, "kv_heads": 8, "head_dim": 128})   # over the world group
+    layout = planner.plan(cu_seqlens)        # once per step, collective: this rank's packed documents
+    for layer in layers:                     # every layer reuses the step's layout
+        q, k, v = layer.qkv(x)               # [T, Hq, D], [T, Hkv, D], RoPE at layout.positions
+        o = cad_attention(q, k, v, layout)   # [T, Hq, D]; differentiable
+
+gloo on CPU, NCCL on CUDA; server kernels `reference`, `sdpa`, `varlen`, `flash_attn` (`auto` picks).
+See README.md, "distca.torch".
+"""
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # pragma: no cover (the package's own install brings torch)
+    raise ImportError("distca.torch needs PyTorch >= 2.10 (scripts/install-python.sh installs it into .venv)") from e
+
+from .attention import CADAttention, cad_attention
+from .backends import BackendUnavailable, ServerKernel, backend_names, get_backend
+from .layout import InputError, ModelShape, PlannedStep, StepLayout, StepPlanner, split_tasks
+
+__all__ = [
+    "StepPlanner", "StepLayout", "PlannedStep", "ModelShape", "cad_attention", "CADAttention", "InputError",
+    "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "split_tasks",
+]

@@ -1,0 +1,243 @@
+"""cad_attention: core attention of this rank's rows, computed by the plan's attention servers.
+
+One autograd.Function whose forward and backward are the CAD data path (DESIGN.md §4), per
+nano-batch:
+  forward   owner: gather Q rows and K/V rows (K/V once per (document, server))  -> all-to-all
+            server: lay the rows out per task, run the server kernel (O, LSE)      -> all-to-all back
+            owner: copy rows computed whole, merge key-split rows by the LSE rule
+  backward  owner: dO with the merged O and LSE (stateless: Q and K/V again)      -> all-to-all
+            server: kernel backward with the merged O/LSE (exact for key-split rows); dK/dV summed
+            over the tasks sharing a row (fp32)                                    -> all-to-all back
+            owner: dQ and dK/dV summed over the entries of each row (fp32)
+With two nano-batches (ping-pong) every all-to-all is posted asynchronously and waited for only
+when its result is needed: one nano-batch's exchanges run while the other computes.
+
+Rows travel as bytes: O and LSE (or dO, O and LSE) of a row are packed into one uint8 row, so each
+phase is one all_to_all_single per nano-batch and tensor kind.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .backends import default_scale, get_backend
+from .layout import PartLayout, StepLayout, agree
+
+
+def _pack(*tensors: torch.Tensor) -> torch.Tensor:
+    """Row-wise byte concatenation of tensors with the same first dimension -> [N, bytes] uint8."""
+    n = tensors[0].shape[0]
+    return torch.cat([t.contiguous().view(n, math.prod(t.shape[1:])).view(torch.uint8) for t in tensors], dim=1)
+
+
+def _unpack(packed: torch.Tensor, specs: list) -> list:
+    """Inverse of _pack: specs are (trailing shape, dtype) per tensor."""
+    n, out, at = packed.shape[0], [], 0
+    for shape, dtype in specs:
+        width = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(packed[:, at:at + width].contiguous().view(dtype).view(n, *shape))
+        at += width
+    return out
+
+
+class _Exchange:
+    """all_to_all_single of dim 0, posted asynchronously; wait() returns the received tensor."""
+
+    def __init__(self, x: torch.Tensor, send_splits: list, recv_splits: list, group):
+        self.out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        self.work = dist.all_to_all_single(self.out, x.contiguous(), recv_splits, send_splits, group=group,
+                                           async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+
+def _check(q, k, v, layout: StepLayout) -> Optional[str]:
+    """This rank's inputs against its layout: None when fine, else what is wrong."""
+    if not isinstance(layout, StepLayout):
+        return f"layout must be a StepLayout (StepPlanner.plan), got {type(layout).__name__}"
+    m = layout.model
+    for name, x, heads in (("q", q, m.num_q_heads), ("k", k, m.num_kv_heads), ("v", v, m.num_kv_heads)):
+        if not isinstance(x, torch.Tensor):
+            return f"{name} must be a tensor, got {type(x).__name__}"
+        want = (layout.num_local_rows, heads, m.head_dim)
+        if tuple(x.shape) != want:
+            return (f"{name} has shape {tuple(x.shape)}, the layout expects {list(want)} "
+                    f"([this rank's rows, {'Hq' if name == 'q' else 'Hkv'}, D])")
+        if not x.is_floating_point():
+            return f"{name} must be floating point, got {x.dtype}"
+        if x.dtype != q.dtype:
+            return f"q, k and v must share a dtype: q is {q.dtype}, {name} is {x.dtype}"
+        if x.device != layout.device:
+            return f"{name} is on {x.device}, the layout on {layout.device}"
+        if not x.is_contiguous():
+            return f"{name} is not contiguous (call .contiguous(); a strided view would be copied on every exchange)"
+    if dist.get_rank(layout.group) != layout.rank:
+        return f"the layout was made for rank {layout.rank} of its group, this is rank {dist.get_rank(layout.group)}"
+    return None
+
+
+def _agree_on_layout(layout: StepLayout, message: Optional[str]) -> None:
+    """All ranks check together: any rank's message, or ranks passing layouts of different steps,
+    raise the same InputError everywhere."""
+    serial = layout.serial if isinstance(layout, StepLayout) else 0
+    state = torch.tensor([0 if message is None else 1, serial, -serial], dtype=torch.int64)
+    group = layout.control_group if isinstance(layout, StepLayout) else None
+    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    if state[0].item() == 0 and state[1].item() == -state[2].item():
+        return
+    if message is None and state[0].item() == 0:
+        message = (f"the ranks passed layouts of different steps ({-state[2].item()} to {state[1].item()}); "
+                   f"this rank's is step {serial}: every rank must pass the layout of the same StepPlanner.plan call")
+    agree(group, message, "cad_attention")
+    raise AssertionError("unreachable: agree() raises when any rank has a message")
+
+
+def _server_forward(part: PartLayout, q_recv, kv_recv, kernel, scale):
+    """Received rows -> this server's O and LSE per received Q row (the return's send buffer)."""
+    q_var = q_recv.index_select(0, part.q_gather)
+    kv_var = kv_recv.index_select(0, part.kv_gather)
+    k_var, v_var = kv_var[:, 0].contiguous(), kv_var[:, 1].contiguous()
+    o_var, lse_var = kernel.forward(q_var, k_var, v_var, part.tasks, scale)
+    o_send = o_var.new_empty((part.num_q_recv,) + tuple(o_var.shape[1:])).index_copy_(0, part.q_gather, o_var)
+    lse_send = lse_var.new_empty((part.num_q_recv, lse_var.shape[1])).index_copy_(0, part.q_gather, lse_var)
+    return o_send, lse_send, (q_var, k_var, v_var)
+
+
+def _merge(part: PartLayout, o_ret, lse_ret, out, lse_out) -> None:
+    """Owner: rows computed whole are copied; partial results of key-split rows are merged by the
+    LSE rule in fp32: lse = log sum_m exp(lse_m), o = sum_m exp(lse_m - lse) o_m."""
+    out.index_copy_(0, part.copy_rows, o_ret.index_select(0, part.copy_entries))
+    lse_out.index_copy_(0, part.copy_rows, lse_ret.index_select(0, part.copy_entries))
+    if part.merge_entries.numel() == 0:
+        return
+    part_lse = lse_ret.index_select(0, part.merge_entries)                    # [E, Hq]
+    part_o = o_ret.index_select(0, part.merge_entries).float()                # [E, Hq, D]
+    rows, slot = part.merged_rows, part.merge_slot
+    shift = part_lse.new_full((rows.numel(), part_lse.shape[1]), float("-inf"))
+    shift.scatter_reduce_(0, slot[:, None].expand_as(part_lse), part_lse, "amax", include_self=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    weight = torch.exp(part_lse - shift.index_select(0, slot))
+    total = torch.zeros_like(shift).index_add_(0, slot, weight)
+    merged_lse = shift + torch.log(total)
+    weight = weight / total.index_select(0, slot)
+    merged_o = part_o.new_zeros((rows.numel(),) + tuple(part_o.shape[1:])).index_add_(0, slot, weight[..., None] * part_o)
+    out.index_copy_(0, rows, merged_o.to(out.dtype))
+    lse_out.index_copy_(0, rows, merged_lse)
+
+
+class CADAttention(torch.autograd.Function):
+    """See the module docstring. Inputs q [T, Hq, D], k/v [T, Hkv, D] (this rank's rows)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: StepLayout, kernel, scale: float):
+        group = layout.group
+        hq, d = q.shape[1], q.shape[2]
+        kv = torch.stack((k, v), dim=1)                                       # [T, 2, Hkv, D]
+        # 1. Dispatch every nano-batch's Q and K/V (posted, not waited for).
+        dispatch = [(_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group),
+                     _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group))
+                    for p in layout.parts]
+        # 2. Serve each nano-batch as its rows arrive; post its results back at once.
+        returns, saved = [], []
+        for p, (xq, xkv) in zip(layout.parts, dispatch):
+            o_send, lse_send, state = _server_forward(p, xq.wait(), xkv.wait(), kernel, scale)
+            returns.append(_Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group))
+            saved.append(state if layout.backward == "stateful" else None)
+        # 3. Owner: copy and merge each nano-batch's results as they come back.
+        out = q.new_zeros(q.shape)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for p, x in zip(layout.parts, returns):
+            o_ret, lse_ret = _unpack(x.wait(), [((hq, d), q.dtype), ((hq,), torch.float32)])
+            _merge(p, o_ret, lse_ret, out, lse)
+        ctx.layout, ctx.kernel, ctx.scale, ctx.server_state = layout, kernel, scale, saved
+        if layout.backward == "stateless":
+            ctx.save_for_backward(out, lse, q, k, v)
+        else:
+            ctx.save_for_backward(out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        layout, kernel, scale = ctx.layout, ctx.kernel, ctx.scale
+        group = layout.group
+        out, lse, *inputs = ctx.saved_tensors
+        dout = dout.contiguous()
+        hq, d = out.shape[1], out.shape[2]
+        hkv = layout.model.num_kv_heads
+        stateless = layout.backward == "stateless"
+        if stateless:
+            q, k, v = inputs
+            kv = torch.stack((k, v), dim=1)
+        # 1. Dispatch dO with the merged O and LSE (stateless: Q and K/V again), every nano-batch.
+        dispatch = []
+        for p in layout.parts:
+            rows = _pack(dout.index_select(0, p.q_send_index), out.index_select(0, p.q_send_index),
+                         lse.index_select(0, p.q_send_index))
+            xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group)
+            if stateless:
+                xs = (_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group),
+                      _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group))
+            else:
+                xs = None
+            dispatch.append((xq, xs))
+        # 2. Server: kernel backward per nano-batch; dQ back like O, dK/dV summed per received row.
+        returns = []
+        for i, (p, (xq, xs)) in enumerate(zip(layout.parts, dispatch)):
+            do_recv, o_recv, lse_recv = _unpack(xq.wait(), [((hq, d), out.dtype), ((hq, d), out.dtype),
+                                                            ((hq,), torch.float32)])
+            if stateless:
+                q_recv, kv_recv = xs[0].wait(), xs[1].wait()
+                q_var = q_recv.index_select(0, p.q_gather)
+                kv_var = kv_recv.index_select(0, p.kv_gather)
+                k_var, v_var = kv_var[:, 0].contiguous(), kv_var[:, 1].contiguous()
+            else:
+                q_var, k_var, v_var = ctx.server_state[i]
+            do_var, o_var, lse_var = (x.index_select(0, p.q_gather) for x in (do_recv, o_recv, lse_recv))
+            dq_var, dk_var, dv_var = kernel.backward(do_var, q_var, k_var, v_var, o_var, lse_var, p.tasks, scale)
+            dq_send = dq_var.new_empty((p.num_q_recv, hq, d)).index_copy_(0, p.q_gather, dq_var)
+            dkv_send = torch.zeros((p.num_kv_recv, 2, hkv, d), dtype=torch.float32, device=out.device)
+            dkv_send.index_add_(0, p.kv_gather, torch.stack((dk_var.float(), dv_var.float()), dim=1))
+            returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group),
+                            _Exchange(dkv_send, p.kv_recv_splits, p.kv_send_splits, group)))
+        ctx.server_state = None
+        # 3. Owner: sum each row's entries (fp32).
+        dq = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+        dkv = torch.zeros((out.shape[0], 2, hkv, d), dtype=torch.float32, device=out.device)
+        for p, (xdq, xdkv) in zip(layout.parts, returns):
+            dq.index_add_(0, p.q_send_index, xdq.wait().float())
+            dkv.index_add_(0, p.kv_send_index, xdkv.wait())
+        dtype = out.dtype
+        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None
+
+
+def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout, *,
+                  scale: Optional[float] = None, backend: Optional[str] = None,
+                  return_lse: bool = False):
+    """Causal core attention of this rank's rows, computed by the plan's attention servers.
+
+    q [T, Hq, D], k/v [T, Hkv, D]: this rank's rows (after RoPE at layout.positions), in the
+    order of the documents given to StepPlanner.plan; returns o [T, Hq, D] (and, with return_lse,
+    the LSE [T, Hq] fp32, not differentiable). Collective over the layout's group: every rank calls
+    it with the same step's layout. Differentiable in q, k, v. Bad input on any rank raises
+    InputError on every rank (unless the planner was made with check_inputs=False).
+    """
+    message = _check(q, k, v, layout)
+    kernel = None
+    if message is None:
+        try:
+            kernel = get_backend(backend or layout.backend, layout.device, q.dtype)
+        except ValueError as e:
+            message = str(e)
+    if isinstance(layout, StepLayout) and layout.check_inputs:
+        _agree_on_layout(layout, message)
+    elif message is not None:
+        raise ValueError(f"cad_attention: {message}")
+    scale = default_scale(q.shape[2]) if scale is None else float(scale)
+    out, lse = CADAttention.apply(q, k, v, layout, kernel, scale)
+    return (out, lse) if return_lse else out

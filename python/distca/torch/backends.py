@@ -1,0 +1,442 @@
+"""Server kernels: attention over one server's CA tasks, behind one small interface.
+
+A server holds, per nano-batch, its tasks' rows in the varlen layout (DESIGN.md §2 letters):
+    q  [Nq, Hq, D]   every task's query rows, causal tasks first
+    k  [Nk, Hkv, D]  every task's own key rows (a task's keys are contiguous), v likewise
+and `ServerTasks` says where each task's rows are. A kernel computes
+
+    forward(q, k, v, tasks, scale)                 -> o [Nq, Hq, D] (q's dtype), lse [Nq, Hq] fp32
+    backward(do, q, k, v, o, lse, tasks, scale)    -> dq [Nq, Hq, D], dk, dv [Nk, Hkv, D] (fp32)
+
+Causal tasks are bottom-right aligned (query i of a task with Lq queries and Lk keys sees keys
+[0, Lk - Lq + i]); non-causal tasks see all their keys. GQA: query head h reads key/value head
+h // (Hq / Hkv).
+
+The backward takes o and lse as arguments, not the kernel's own: for a row whose keys were split
+over several tasks, the caller passes the *merged* O and LSE, and the softmax gradient of each
+part is then exact (P = exp(S - LSE_merged), dS = P (dP - rowsum(dO O_merged))), the pattern of
+ring attention. So every backend here is exact on key-split rows, including kernels whose own
+autograd would drop the LSE gradient.
+
+Backends: `reference` (torch ops per task in fp32: the specification, any device and dtype),
+`sdpa` (PyTorch's fused scaled-dot-product kernels with their LSE, tasks grouped by shape; CPU
+and CUDA), `varlen` (PyTorch's FlashAttention-2 varlen kernel, one call per causal/non-causal
+group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA). `auto` picks the best
+that runs on the device. A named backend that cannot run raises BackendUnavailable with the reason.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+
+class BackendUnavailable(ValueError):
+    """A named server kernel cannot run here (device, dtype, missing package); says why."""
+
+
+@dataclass
+class TaskGroup:
+    """One varlen group: `num_tasks` tasks whose query rows start at q_offset + cu_q[i] and key rows
+    at k_offset + cu_k[i] in the server's varlen buffers."""
+    is_causal: bool
+    q_offset: int
+    k_offset: int
+    cu_q: np.ndarray          # (tasks + 1) int64, from 0
+    cu_k: np.ndarray          # (tasks + 1) int64, from 0
+    max_q: int
+    max_k: int
+    cu_q_dev: Optional[torch.Tensor] = None   # int32 copies on the device (varlen kernels)
+    cu_k_dev: Optional[torch.Tensor] = None
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.cu_q) - 1
+
+    @property
+    def num_q(self) -> int:
+        return int(self.cu_q[-1]) if len(self.cu_q) else 0
+
+    @property
+    def num_k(self) -> int:
+        return int(self.cu_k[-1]) if len(self.cu_k) else 0
+
+
+@dataclass
+class ShapeBatch:
+    """Tasks of one (Lq, Lk, causal) shape, stacked into a batch: rows q_index [B * Lq] and k_index
+    [B * Lk] of the varlen buffers (device tensors)."""
+    is_causal: bool
+    num_tasks: int
+    len_q: int
+    len_k: int
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    mask: Optional[torch.Tensor] = None   # additive bottom-right mask [Lq, Lk] where Lq != Lk (causal)
+
+
+@dataclass
+class ServerTasks:
+    """A server's tasks for one nano-batch: the causal group, then the non-causal one. Kernels may
+    cache derived forms (shape batches, masks) in `cache`, built once per step and reused by every
+    layer."""
+    groups: tuple[TaskGroup, TaskGroup]
+    num_q: int
+    num_k: int
+    device: torch.device
+    cache: dict = field(default_factory=dict)
+
+    def shape_batches(self, dtype: torch.dtype) -> list[ShapeBatch]:
+        """The tasks grouped by (causal, Lq, Lk), each group a batch (cached per dtype)."""
+        key = ("shape_batches", dtype)
+        if key not in self.cache:
+            batches = []
+            for g in self.groups:
+                lq, lk = np.diff(g.cu_q), np.diff(g.cu_k)
+                shapes: dict[tuple[int, int], list[int]] = {}
+                for i, shape in enumerate(zip(lq.tolist(), lk.tolist())):
+                    shapes.setdefault(shape, []).append(i)
+                for (len_q, len_k), tasks in sorted(shapes.items()):
+                    t = np.asarray(tasks)
+                    q_index = (g.q_offset + g.cu_q[t][:, None] + np.arange(len_q)[None, :]).reshape(-1)
+                    k_index = (g.k_offset + g.cu_k[t][:, None] + np.arange(len_k)[None, :]).reshape(-1)
+                    mask = None
+                    if g.is_causal and len_q != len_k:
+                        allowed = np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + (len_k - len_q)
+                        mask = torch.zeros(len_q, len_k, dtype=dtype).masked_fill_(
+                            torch.from_numpy(~allowed), float("-inf")).to(self.device)
+                    batches.append(ShapeBatch(g.is_causal, len(tasks), len_q, len_k,
+                                              torch.from_numpy(q_index).to(self.device),
+                                              torch.from_numpy(k_index).to(self.device), mask))
+            self.cache[key] = batches
+        return self.cache[key]
+
+
+class ServerKernel:
+    """The interface (see the module docstring). `unavailable(device, dtype)` is None when the
+    kernel runs there, else the reason."""
+    name = "?"
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        raise NotImplementedError
+
+    def forward(self, q, k, v, tasks: ServerTasks, scale: float):
+        raise NotImplementedError
+
+    def backward(self, do, q, k, v, o, lse, tasks: ServerTasks, scale: float):
+        raise NotImplementedError
+
+
+def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[..., Hkv, D] -> [..., Hq, D] (GQA: query head h reads kv head h // (Hq / Hkv))."""
+    group = num_q_heads // x.shape[-2]
+    return x if group == 1 else x.repeat_interleave(group, dim=-2)
+
+
+def _fold_kv_grad(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., Hq, D] -> [..., Hkv, D]: sums the gradients of the query heads sharing a kv head."""
+    hq = dx.shape[-2]
+    if hq == num_kv_heads:
+        return dx
+    return dx.unflatten(-2, (num_kv_heads, hq // num_kv_heads)).sum(-2)
+
+
+class ReferenceKernel(ServerKernel):
+    """Softmax attention written out per task in fp32 torch ops: the specification."""
+    name = "reference"
+
+    def unavailable(self, device, dtype):
+        return None
+
+    @staticmethod
+    def _tasks(tasks: ServerTasks):
+        for g in tasks.groups:
+            for i in range(g.num_tasks):
+                q0, q1 = g.q_offset + int(g.cu_q[i]), g.q_offset + int(g.cu_q[i + 1])
+                k0, k1 = g.k_offset + int(g.cu_k[i]), g.k_offset + int(g.cu_k[i + 1])
+                yield g.is_causal, slice(q0, q1), slice(k0, k1)
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        """q [Lq, Hq, D], k [Lk, Hq, D] fp32 -> [Hq, Lq, Lk], masked."""
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if causal:
+            lq, lk = q.shape[0], k.shape[0]
+            allowed = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+            s = s.masked_fill(~allowed, float("-inf"))
+        return s
+
+    def forward(self, q, k, v, tasks, scale):
+        hq = q.shape[1]
+        o = q.new_zeros(q.shape)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for causal, qs, ks in self._tasks(tasks):
+            qt = q[qs].float()
+            kt, vt = _expand_kv(k[ks].float(), hq), _expand_kv(v[ks].float(), hq)
+            s = self._scores(qt, kt, causal, scale)
+            m = torch.logsumexp(s, dim=-1)                                   # [Hq, Lq]
+            o[qs] = torch.einsum("hqk,khd->qhd", torch.exp(s - m[..., None]), vt).to(q.dtype)
+            lse[qs] = m.transpose(0, 1)
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, tasks, scale):
+        hq, hkv = q.shape[1], k.shape[1]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for causal, qs, ks in self._tasks(tasks):
+            qt, dot, ot = q[qs].float(), do[qs].float(), o[qs].float()
+            kt, vt = _expand_kv(k[ks].float(), hq), _expand_kv(v[ks].float(), hq)
+            s = self._scores(qt, kt, causal, scale)
+            p = torch.exp(s - lse[qs].transpose(0, 1)[..., None])           # [Hq, Lq, Lk]
+            dp = torch.einsum("qhd,khd->hqk", dot, vt)
+            delta = (dot * ot).sum(-1).transpose(0, 1)                      # [Hq, Lq]
+            ds = p * (dp - delta[..., None])
+            dq[qs] = torch.einsum("hqk,khd->qhd", ds, kt) * scale
+            dk[ks] = _fold_kv_grad(torch.einsum("hqk,qhd->khd", ds, qt) * scale, hkv)
+            dv[ks] = _fold_kv_grad(torch.einsum("hqk,qhd->khd", p, dot), hkv)
+        return dq.to(q.dtype), dk, dv
+
+
+class SdpaKernel(ServerKernel):
+    """PyTorch's fused attention kernels with their LSE: tasks of one (causal, Lq, Lk) shape run as
+    one batched call. CPU: the flash kernel for CPU (`_scaled_dot_product_flash_attention_for_cpu`
+    and its backward, which take O and LSE); CUDA: the memory-efficient kernel
+    (`_scaled_dot_product_efficient_attention`, additive mask for bottom-right causal tasks)."""
+    name = "sdpa"
+
+    def unavailable(self, device, dtype):
+        if device.type == "cpu":
+            if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+                return f"torch {torch.__version__} has no _scaled_dot_product_flash_attention_for_cpu"
+            return None
+        if device.type == "cuda":
+            if not torch.backends.cuda.mem_efficient_sdp_enabled():
+                return "the memory-efficient SDPA backend is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
+            return None
+        return f"sdpa runs on cpu and cuda, not {device.type}"
+
+    @staticmethod
+    def _stack(x, index, batch, length, heads):
+        """Rows `index` of x [N, H, D] as [B, H, L, D] (expanded to `heads` query heads)."""
+        return _expand_kv(x.index_select(0, index), heads).view(batch, length, heads, -1).transpose(1, 2)
+
+    @staticmethod
+    def _unstack(x):
+        """[B, H, L, D] -> [B * L, H, D]."""
+        return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+    def forward(self, q, k, v, tasks, scale):
+        hq = q.shape[1]
+        o = q.new_empty(q.shape)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for b in tasks.shape_batches(q.dtype):
+            qb = self._stack(q, b.q_index, b.num_tasks, b.len_q, hq)
+            kb = self._stack(k, b.k_index, b.num_tasks, b.len_k, hq)
+            vb = self._stack(v, b.k_index, b.num_tasks, b.len_k, hq)
+            ob, lb = self._call_forward(qb, kb, vb, b, scale)
+            o.index_copy_(0, b.q_index, self._unstack(ob))
+            lse.index_copy_(0, b.q_index, lb[..., :b.len_q].transpose(1, 2).reshape(-1, hq).float())
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, tasks, scale):
+        hq, hkv = q.shape[1], k.shape[1]
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for b in tasks.shape_batches(q.dtype):
+            qb = self._stack(q, b.q_index, b.num_tasks, b.len_q, hq)
+            kb = self._stack(k, b.k_index, b.num_tasks, b.len_k, hq)
+            vb = self._stack(v, b.k_index, b.num_tasks, b.len_k, hq)
+            dob = self._stack(do, b.q_index, b.num_tasks, b.len_q, hq)
+            ob = self._stack(o, b.q_index, b.num_tasks, b.len_q, hq)
+            lb = lse.index_select(0, b.q_index).view(b.num_tasks, b.len_q, hq).transpose(1, 2).contiguous()
+            dqb, dkb, dvb = self._call_backward(dob, qb, kb, vb, ob, lb, b, scale)
+            dq.index_copy_(0, b.q_index, self._unstack(dqb))
+            dk.index_copy_(0, b.k_index, _fold_kv_grad(self._unstack(dkb).float(), hkv))
+            dv.index_copy_(0, b.k_index, _fold_kv_grad(self._unstack(dvb).float(), hkv))
+        return dq, dk, dv
+
+    def _call_forward(self, qb, kb, vb, b: ShapeBatch, scale):
+        square_causal = b.is_causal and b.len_q == b.len_k
+        if qb.device.type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qb, kb, vb, 0.0, square_causal, attn_mask=b.mask, scale=scale)
+        bias = self._cuda_bias(b, qb)
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qb, kb, vb, bias, True, 0.0, square_causal, scale=scale)
+        return out, lse
+
+    def _call_backward(self, dob, qb, kb, vb, ob, lb, b: ShapeBatch, scale):
+        square_causal = b.is_causal and b.len_q == b.len_k
+        if qb.device.type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dob, qb, kb, vb, ob, lb, 0.0, square_causal, attn_mask=b.mask, scale=scale)
+        bias = self._cuda_bias(b, qb)
+        # The kernel's LSE may be padded along Lq (to a multiple of 32 on some releases).
+        pad = (-b.len_q) % 32
+        lse = torch.nn.functional.pad(lb, (0, pad)) if pad else lb
+        zero = torch.zeros((), dtype=torch.int64, device=qb.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dob, qb, kb, vb, bias if bias is not None else torch.empty(0, device=qb.device),
+            ob, lse, zero, zero, 0.0, [True, True, True, False], square_causal, scale=scale)
+        return dq, dk, dv
+
+    @staticmethod
+    def _cuda_bias(b: ShapeBatch, qb):
+        if b.mask is None:
+            return None
+        # The efficient kernel wants the bias' last dimension 16-byte aligned: pad, then slice.
+        width = -(-b.len_k // 8) * 8
+        padded = qb.new_zeros(b.len_q, width)
+        padded[:, :b.len_k] = b.mask
+        return padded[:, :b.len_k].expand(qb.shape[0], qb.shape[1], b.len_q, b.len_k)
+
+
+class VarlenKernel(ServerKernel):
+    """PyTorch's FlashAttention-2 varlen kernel (what `torch.nn.attention.varlen.varlen_attn`
+    calls): one call for the causal group and one for the non-causal group; its backward takes O
+    and LSE. GQA natively. CUDA, fp16/bf16."""
+    name = "varlen"
+
+    def unavailable(self, device, dtype):
+        if device.type != "cuda":
+            return f"varlen (FlashAttention-2 in PyTorch) runs on cuda, not {device.type}"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"varlen takes float16 or bfloat16, not {dtype}"
+        if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+            return f"torch {torch.__version__} has no aten._flash_attention_forward"
+        if not torch.backends.cuda.is_flash_attention_available():
+            return "this torch build has no flash attention"
+        return None
+
+    @staticmethod
+    def _rows(x, g: TaskGroup, offset_is_q: bool):
+        start = g.q_offset if offset_is_q else g.k_offset
+        return x[start:start + (g.num_q if offset_is_q else g.num_k)]
+
+    @staticmethod
+    def _lse_rows(lse, g: TaskGroup, hq):
+        """The kernel's LSE as [rows, Hq]: FlashAttention-2 varlen gives [Hq, rows]."""
+        if lse.dim() == 2 and lse.shape == (hq, g.num_q):
+            return lse.transpose(0, 1)
+        raise RuntimeError(f"varlen: unexpected LSE shape {tuple(lse.shape)} for {g.num_q} rows and {hq} heads "
+                           f"(torch {torch.__version__}); use backend='sdpa'")
+
+    def forward(self, q, k, v, tasks, scale):
+        hq = q.shape[1]
+        o = q.new_empty(q.shape)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for g in tasks.groups:
+            if g.num_tasks == 0:
+                continue
+            qg, kg, vg = self._rows(q, g, True), self._rows(k, g, False), self._rows(v, g, False)
+            out, lg, *_ = torch.ops.aten._flash_attention_forward(
+                qg, kg, vg, g.cu_q_dev, g.cu_k_dev, g.max_q, g.max_k, 0.0, g.is_causal, False, scale=scale)
+            o[g.q_offset:g.q_offset + g.num_q] = out
+            lse[g.q_offset:g.q_offset + g.num_q] = self._lse_rows(lg, g, hq)
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, tasks, scale):
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        for g in tasks.groups:
+            if g.num_tasks == 0:
+                continue
+            rows = slice(g.q_offset, g.q_offset + g.num_q)
+            keys = slice(g.k_offset, g.k_offset + g.num_k)
+            lg = lse[rows].transpose(0, 1).contiguous()
+            dqg, dkg, dvg = torch.ops.aten._flash_attention_backward(
+                do[rows].contiguous(), q[rows], k[keys], v[keys], o[rows].contiguous(), lg, g.cu_q_dev,
+                g.cu_k_dev, g.max_q, g.max_k, 0.0, g.is_causal, rng, unused, scale=scale)
+            dq[rows], dk[keys], dv[keys] = dqg, dkg.float(), dvg.float()
+        return dq, dk, dv
+
+
+class FlashAttnKernel(VarlenKernel):
+    """The flash-attn package's varlen kernels (`flash_attn.flash_attn_interface`), when importable."""
+    name = "flash_attn"
+
+    def unavailable(self, device, dtype):
+        try:
+            from flash_attn import flash_attn_interface  # noqa: F401
+        except Exception as e:  # noqa: BLE001 (any import failure means it cannot run)
+            return f"import flash_attn failed: {type(e).__name__}: {e}"
+        return VarlenKernel.unavailable(self, device, dtype)
+
+    def forward(self, q, k, v, tasks, scale):
+        from flash_attn import flash_attn_interface as fa
+        o = q.new_empty(q.shape)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for g in tasks.groups:
+            if g.num_tasks == 0:
+                continue
+            out, lg, _ = fa.flash_attn_varlen_func(
+                self._rows(q, g, True), self._rows(k, g, False), self._rows(v, g, False), g.cu_q_dev, g.cu_k_dev,
+                g.max_q, g.max_k, softmax_scale=scale, causal=g.is_causal, return_attn_probs=True)
+            o[g.q_offset:g.q_offset + g.num_q] = out
+            lse[g.q_offset:g.q_offset + g.num_q] = self._lse_rows(lg, g, q.shape[1])
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, tasks, scale):
+        from flash_attn import flash_attn_interface as fa
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=k.dtype, device=q.device)
+        dv = torch.zeros(v.shape, dtype=v.dtype, device=q.device)
+        for g in tasks.groups:
+            if g.num_tasks == 0:
+                continue
+            rows = slice(g.q_offset, g.q_offset + g.num_q)
+            keys = slice(g.k_offset, g.k_offset + g.num_k)
+            # flash-attn >= 2.6's positional signature: dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k,
+            # max_q, max_k, dropout_p, scale, causal, window_left, window_right, softcap, alibi, deterministic.
+            fa._flash_attn_varlen_backward(
+                do[rows].contiguous(), q[rows], k[keys], v[keys], o[rows].contiguous(),
+                lse[rows].transpose(0, 1).contiguous(), dq[rows], dk[keys], dv[keys], g.cu_q_dev, g.cu_k_dev,
+                g.max_q, g.max_k, 0.0, scale, g.is_causal, -1, -1, 0.0, None, False)
+        return dq, dk.float(), dv.float()
+
+
+_BACKENDS: dict[str, Callable[[], ServerKernel]] = {
+    "reference": ReferenceKernel,
+    "sdpa": SdpaKernel,
+    "varlen": VarlenKernel,
+    "flash_attn": FlashAttnKernel,
+}
+# `auto` tries these in order.
+_AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "sdpa", "reference"), "cpu": ("sdpa", "reference")}
+
+
+def backend_names() -> list[str]:
+    return ["auto"] + list(_BACKENDS)
+
+
+def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> ServerKernel:
+    """The server kernel `name` for tensors on `device` of `dtype`; `auto` picks the first that runs
+    (cuda: varlen, flash_attn, sdpa, reference; cpu: sdpa, reference). BackendUnavailable names why
+    a named one cannot run."""
+    if isinstance(name, ServerKernel):
+        return name
+    if name == "auto":
+        for candidate in _AUTO_ORDER.get(device.type, ("reference",)):
+            kernel = _BACKENDS[candidate]()
+            if kernel.unavailable(device, dtype) is None:
+                return kernel
+        raise BackendUnavailable(f"no server kernel runs on {device} with {dtype}")
+    if name not in _BACKENDS:
+        raise BackendUnavailable(f"backend must be one of {', '.join(backend_names())}, got {name!r}")
+    kernel = _BACKENDS[name]()
+    reason = kernel.unavailable(device, dtype)
+    if reason is not None:
+        raise BackendUnavailable(f"backend {name!r} cannot run on {device} with {dtype}: {reason}")
+    return kernel
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

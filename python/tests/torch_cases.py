@@ -1,0 +1,108 @@
+"""Shared by the distca.torch tests: random batches, whole-document attention in float64 (the
+ground truth), and a multi-process launcher (gloo on CPU, one process per rank, spawned)."""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HQ, HKV, D = 4, 2, 16
+MODEL = {"heads": HQ, "kv_heads": HKV, "head_dim": D}
+# What the planners price (test_metadata.py's): a model wide enough that these short documents'
+# attention outweighs a task's fixed cost, so minbytes splits key ranges.
+COST_MODEL = {"layers": 1, "hidden": 4096, "heads": 512, "kv_heads": 64, "head_dim": 512, "ffn_hidden": 4096}
+
+
+def random_batch(rng: np.random.Generator, world: int, spanning: bool):
+    """(doc_lengths, per-rank pieces [(doc, begin, end, length)]): documents of 1..300 tokens, a long
+    one in most batches. spanning: documents packed in order over the ranks (a document may span
+    several); else each rank holds whole documents."""
+    if spanning:
+        per_rank = int(rng.integers(64, 320))
+        lengths, total = [], 0
+        while total < per_rank * world:
+            n = int(min(rng.integers(1, 2 * per_rank), per_rank * world - total))
+            lengths.append(n)
+            total += n
+        ranks: list = [[] for _ in range(world)]
+        at = 0
+        for doc, n in enumerate(lengths):
+            begin = 0
+            while begin < n:
+                rank = at // per_rank
+                take = min(n - begin, per_rank * (rank + 1) - at)
+                ranks[rank].append((doc, begin, begin + take, n))
+                begin, at = begin + take, at + take
+        return lengths, ranks
+    lengths, ranks = [], []
+    for r in range(world):
+        mine = []
+        for _ in range(int(rng.integers(1, 5))):
+            n = int(rng.integers(1, 300)) if rng.random() < 0.8 else int(rng.integers(1, 24))
+            mine.append((len(lengths), 0, n, n))
+            lengths.append(n)
+        ranks.append(mine)
+    return lengths, ranks
+
+
+def doc_data(lengths, seed: int, dtype=torch.float32):
+    """Per document: q [L, HQ, D], k, v [L, HKV, D], do [L, HQ, D], the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, h, D, generator=gen, dtype=torch.float64).to(dtype) for h in (HQ, HKV, HKV, HQ)]
+            for n in lengths]
+
+
+def whole_document(q, k, v, do):
+    """Causal attention of one whole document and its gradients, float64: O, dQ, dK, dV."""
+    q, k, v, do = (x.detach().double().requires_grad_() for x in (q, k, v, do))
+    kr, vr = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q, kr) / D ** 0.5
+    n = q.shape[0]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vr)
+    grads = torch.autograd.grad(o, (q, k, v), do.detach())
+    return [o.detach()] + [g.detach() for g in grads]
+
+
+def local_rows(per_doc, pieces):
+    """This rank's rows of per-document tensors, in its pieces' order."""
+    return torch.cat([per_doc[doc][b:e] for doc, b, e, _ in pieces])
+
+
+def _worker(rank, world, store, fn, args, out_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        error = None
+    except BaseException as e:  # noqa: BLE001 (reported to the parent with its traceback)
+        result, error = None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"result": result, "error": error}, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_ranks(tmp_path, world, fn, *args, timeout=600):
+    """Runs fn(rank, world, *args) on `world` spawned gloo processes; returns each rank's
+    {"result", "error"} (fn's JSON-able return value, or the exception's text)."""
+    out_dir = tmp_path / f"ranks{world}"
+    out_dir.mkdir(exist_ok=True)
+    ctx = mp.start_processes(_worker, args=(world, str(tmp_path / f"store{world}"), fn, args, str(out_dir)),
+                             nprocs=world, join=False, start_method="spawn")
+    import time
+    deadline = time.time() + timeout
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{world} ranks ran past {timeout} s")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
