@@ -230,11 +230,18 @@ def test_named_backend_that_cannot_run_says_why():
     assert get_backend("auto", torch.device("cpu"), torch.float32).name == "sdpa"
 
 
-def test_split_tasks_keeps_query_ranges_together_and_balances_servers():
+def test_split_tasks_keeps_each_rows_tasks_together_and_balances_servers():
     from distca.torch import split_tasks
-    plan = distca.plan([[2048, 64], [128] * 8], policy="minbytes", granularity=16, model="llama-8b")
-    tasks = plan.tasks
-    a, b = split_tasks(tasks, 2)
-    assert len(a) and len(b) and len(np.intersect1d(a, b)) == 0 and len(a) + len(b) == len(tasks)
-    key = lambda i: (int(tasks["doc"][i]), int(tasks["q0"][i]), int(tasks["q1"][i]))  # noqa: E731
-    assert not {key(i) for i in a} & {key(i) for i in b}
+    for batch in ([[2048, 64], [128] * 8], [[194, 90], [284]], [[1024, 512], [64] * 4, [900]]):
+        plan = distca.plan(batch, policy="minbytes", granularity=16, model=COST_MODEL)
+        tasks = plan.tasks
+        parts = split_tasks(tasks, plan.num_ranks)
+        assert len(parts) == 2, batch
+        a, b = parts
+        assert len(np.intersect1d(a, b)) == 0 and len(a) + len(b) == len(tasks)
+        rows = lambda idx: {(int(tasks["doc"][i]), r) for i in idx  # noqa: E731
+                            for r in range(int(tasks["q0"][i]), int(tasks["q1"][i]))}
+        assert not rows(a) & rows(b), f"{batch}: a row has tasks in both nano-batches"
+        pairs = [np.bincount(tasks["server"][p], weights=(tasks["q1"][p] - tasks["q0"][p]).astype(float),
+                             minlength=plan.num_ranks) for p in (a, b)]
+        assert all(x.sum() > 0 for x in pairs), batch

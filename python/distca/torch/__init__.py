@@ -19,9 +19,9 @@ except ImportError as e:  # pragma: no cover (the package's own install brings t
 
 from .attention import CADAttention, cad_attention
 from .backends import BackendUnavailable, ServerKernel, backend_names, get_backend
-from .layout import InputError, ModelShape, PlannedStep, StepLayout, StepPlanner, split_tasks
+from .layout import InputError, ModelShape, PlannedStep, StepLayout, StepPlanner, rank_layout, split_tasks
 
 __all__ = [
     "StepPlanner", "StepLayout", "PlannedStep", "ModelShape", "cad_attention", "CADAttention", "InputError",
-    "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "split_tasks",
+    "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "split_tasks", "rank_layout",
 ]

@@ -225,29 +225,45 @@ def _global_batch(gathered: list) -> tuple:
 
 def split_tasks(tasks: np.ndarray, num_ranks: int) -> tuple:
     """The plan's tasks in two nano-batches, each server's causal pairs balanced between them.
-    The tasks of one query range (its key splits) stay together, so a row is merged, and its dQ
-    summed, within one nano-batch. Returns two index arrays into `tasks` (each in plan order), or
-    one (all tasks) when there are fewer than two query ranges."""
-    keys = tasks[["doc", "q0", "q1"]]
-    groups: dict = {}
-    for i, key in enumerate(keys.tolist()):
-        groups.setdefault(key, []).append(i)
+    Tasks whose query rows overlap (a row's key splits, which may come from tasks of different
+    query ranges) stay together, so a row is merged, and its dQ summed, within one nano-batch.
+    Returns two index arrays into `tasks` (each in plan order), or one (all tasks) when there
+    are fewer than two such groups."""
+    groups = _row_groups(tasks)
     if len(groups) < 2:
         return (np.arange(len(tasks)),)
     pairs = _task_pairs(tasks)
     loads = np.zeros((2, num_ranks))
     totals = np.zeros(2)
     part_of = np.zeros(len(tasks), dtype=np.int64)
-    ordered = sorted(groups.values(), key=lambda g: (-pairs[g].sum(), g[0]))
+    ordered = sorted(groups, key=lambda g: (-pairs[g].sum(), g[0]))
     for g in ordered:
-        server = int(tasks["server"][g[0]])
-        cost = float(pairs[g].sum())
-        side = 0 if (loads[0, server], totals[0]) <= (loads[1, server], totals[1]) else 1
-        loads[side, server] += cost
-        totals[side] += cost
+        # A group's tasks may sit on several servers: weigh the side by the busiest of them.
+        servers = tasks["server"][g]
+        cost = np.bincount(servers, weights=pairs[g], minlength=num_ranks)
+        after = [float((loads[side] + cost).max()) for side in (0, 1)]
+        side = 0 if (after[0], totals[0]) <= (after[1], totals[1]) else 1
+        loads[side] += cost
+        totals[side] += cost.sum()
         part_of[g] = side
     a, b = np.flatnonzero(part_of == 0), np.flatnonzero(part_of == 1)
     return (a, b) if len(a) and len(b) else (np.arange(len(tasks)),)
+
+
+def _row_groups(tasks: np.ndarray) -> list:
+    """Index arrays of the tasks whose query ranges overlap, transitively, within a document."""
+    order = np.lexsort((tasks["q0"], tasks["doc"]))
+    groups, current, doc, end = [], [], None, -1
+    for i in order.tolist():
+        d, q0, q1 = int(tasks["doc"][i]), int(tasks["q0"][i]), int(tasks["q1"][i])
+        if current and (d != doc or q0 >= end):
+            groups.append(np.asarray(sorted(current)))
+            current, end = [], -1
+        current.append(i)
+        doc, end = d, max(end, q1)
+    if current:
+        groups.append(np.asarray(sorted(current)))
+    return groups
 
 
 def _task_pairs(tasks: np.ndarray) -> np.ndarray:
@@ -285,6 +301,31 @@ def _part_layout(d: dict, device: torch.device, num_tasks: int) -> PartLayout:
         copy_entries=dev(d["copy_entries"]), copy_rows=dev(d["copy_rows"]),
         merge_entries=dev(d["merge_entries"]), merge_rows=dev(merge_rows),
         merged_rows=dev(merged_rows), merge_slot=dev(merge_slot), tasks=tasks, num_tasks=num_tasks)
+
+
+def rank_layout(plan: "distca.Plan", batch: Any, rows: list, rank: int, device: torch.device, *,
+                pingpong: bool) -> StepLayout:
+    """Rank `rank`'s StepLayout of a plan: what StepPlanner.plan builds after planning, without a
+    process group (group fields None; StepPlanner fills them). rows: the batch's pieces as
+    (doc, begin, end, rank). Timed into layout_ms."""
+    start = time.perf_counter()
+    tasks = plan.tasks
+    parts_index = split_tasks(tasks, batch.num_ranks) if pingpong else (np.arange(len(tasks)),)
+    matrix = np.ascontiguousarray(tasks).view(np.int64).reshape(-1, 6)
+    parts = []
+    for index in parts_index:
+        d = _distca.partial_layout(batch, matrix[index], rank)
+        parts.append(_part_layout(d, device, len(index)))
+    mine = [(b, e) for _, b, e, r in rows if r == rank]
+    positions = np.concatenate([np.arange(b, e, dtype=np.int64) for b, e in mine])
+    cu = np.concatenate([[0], np.cumsum([e - b for b, e in mine])]).astype(np.int64)
+    layout = StepLayout(
+        serial=next(_SERIALS), rank=rank, world_size=batch.num_ranks, group=None, control_group=None,
+        device=device, model=None, num_local_rows=int(len(positions)), positions=_device_tensor(positions, device),
+        local_cu_seqlens=_device_tensor(cu, device), parts=parts, plan=plan, backward="stateful", backend="auto",
+        check_inputs=True, plan_ms=0.0, layout_ms=0.0)
+    layout.layout_ms = (time.perf_counter() - start) * 1e3
+    return layout
 
 
 class InputError(ValueError):
@@ -423,27 +464,10 @@ class StepPlanner:
             raise RuntimeError("StepPlanner.plan: the ranks made different plans from the same documents "
                                "(different distca builds?)")
         plan_ms = (time.perf_counter() - start) * 1e3
-        return self._layout(plan, batch, rows, plan_ms)
-
-    def _layout(self, plan: "distca.Plan", batch: Any, rows: list, plan_ms: float) -> StepLayout:
-        start = time.perf_counter()
-        tasks = plan.tasks
-        parts_index = split_tasks(tasks, self.world_size) if self.pingpong else (np.arange(len(tasks)),)
-        matrix = np.ascontiguousarray(tasks).view(np.int64).reshape(-1, 6)
-        parts = []
-        for index in parts_index:
-            d = _distca.partial_layout(batch, matrix[index], self.rank)
-            parts.append(_part_layout(d, self.device, len(index)))
-        mine = [(b, e) for _, b, e, r in rows if r == self.rank]
-        positions = np.concatenate([np.arange(b, e, dtype=np.int64) for b, e in mine])
-        cu = np.concatenate([[0], np.cumsum([e - b for b, e in mine])]).astype(np.int64)
-        layout = StepLayout(
-            serial=next(_SERIALS), rank=self.rank, world_size=self.world_size, group=self.group,
-            control_group=self.control_group, device=self.device, model=self.model,
-            num_local_rows=int(len(positions)), positions=_device_tensor(positions, self.device),
-            local_cu_seqlens=_device_tensor(cu, self.device), parts=parts, plan=plan, backward=self.backward,
-            backend=self.backend, check_inputs=self.check_inputs, plan_ms=plan_ms, layout_ms=0.0)
-        layout.layout_ms = (time.perf_counter() - start) * 1e3
+        layout = rank_layout(plan, batch, rows, self.rank, self.device, pingpong=self.pingpong)
+        layout.group, layout.control_group, layout.model = self.group, self.control_group, self.model
+        layout.backward, layout.backend, layout.check_inputs = self.backward, self.backend, self.check_inputs
+        layout.plan_ms = plan_ms
         return layout
 
     def close(self) -> None:

@@ -1,0 +1,191 @@
+"""distca.torch on one CUDA GPU, in one process (run by scripts/gpu-check.sh; CI does not run it).
+
+1. Server kernels: for every server of a 4-rank plan with key-split tasks, each CUDA backend's
+   forward (O, LSE) and backward (dQ, dK, dV, given the merged O/LSE) against the `reference`
+   backend on the same bf16 inputs; the bound is derived from bf16 itself: the reference computed
+   from the same bf16 inputs in fp32 and rounded to bf16 differs from the fp64 truth by e_ref,
+   and a backend passes when its error is within 4 e_ref + 2^-7 (relative to the largest value).
+2. The whole path: cad_attention on a 1-rank NCCL group (every backend) against whole-document
+   attention in fp64.
+3. Speed: forward + backward of each backend on one 16K-token document and on the same tokens as
+   128-token shards with shared keys, timed with CUDA events (median of 5).
+
+Writes JSON to --json and prints a markdown table; exit 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distca  # noqa: E402
+from distca.torch import StepPlanner, cad_attention, get_backend, rank_layout  # noqa: E402
+from distca.torch.backends import BackendUnavailable  # noqa: E402
+from torch_cases import COST_MODEL, doc_data, local_rows, whole_document  # noqa: E402
+
+HQ, HKV, D = 8, 2, 128
+BACKENDS = ("reference", "sdpa", "varlen", "flash_attn")
+
+
+def rel(got, want):
+    return (got.double() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+
+
+def kernel_check(device, report):
+    batch = [[2048, 64], [128] * 8, [512, 512, 256], [1024]]
+    plan = distca.plan(batch, policy="minbytes", granularity=64, model=COST_MODEL)
+    rows = [tuple(int(x) for x in r) for r in plan.batch.to_dict()["pieces"].tolist()]
+    ref = get_backend("reference", device, torch.bfloat16)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    noncausal = 0
+    for server in range(plan.num_ranks):
+        tasks = rank_layout(plan, plan.batch, rows, server, device, pingpong=False).parts[0].tasks
+        noncausal += tasks.groups[1].num_tasks
+        x = {n: torch.randn(m, h, D, generator=gen, dtype=torch.float64)
+             for n, m, h in (("q", tasks.num_q, HQ), ("k", tasks.num_k, HKV), ("v", tasks.num_k, HKV), ("do", tasks.num_q, HQ))}
+        # Truth in fp64 on the bf16-rounded inputs; the bf16 reference's own error sets the bound.
+        xb = {n: t.to(torch.bfloat16).to(device) for n, t in x.items()}
+        x64 = {n: t.double() for n, t in xb.items()}
+        scale = D ** -0.5
+        truth_o, truth_lse = ref.forward(*(x64[n] for n in "qkv"), tasks, scale)
+        truth_g = ref.backward(x64["do"], *(x64[n] for n in "qkv"), truth_o, truth_lse, tasks, scale)
+        base_o, base_lse = ref.forward(*(xb[n] for n in "qkv"), tasks, scale)
+        base_g = ref.backward(xb["do"], *(xb[n] for n in "qkv"), base_o, base_lse, tasks, scale)
+        e_ref = [rel(base_o, truth_o)] + [rel(g.to(torch.bfloat16), t) for g, t in zip(base_g, truth_g)]
+        for name in BACKENDS[1:]:
+            try:
+                kernel = get_backend(name, device, torch.bfloat16)
+            except BackendUnavailable as e:
+                report["unavailable"][name] = str(e)
+                continue
+            o, lse = kernel.forward(*(xb[n] for n in "qkv"), tasks, scale)
+            # The backward gets the truth's O and LSE, as a merged row would.
+            g = kernel.backward(xb["do"], *(xb[n] for n in "qkv"), truth_o.to(torch.bfloat16), truth_lse.float(), tasks, scale)
+            errors = [rel(o, truth_o), rel(lse, truth_lse)] + [rel(a.to(torch.bfloat16), t) for a, t in zip(g, truth_g)]
+            bounds = [4 * e_ref[0] + 2 ** -7, 1e-3] + [4 * e + 2 ** -7 for e in e_ref[1:]]
+            ok = all(e <= b for e, b in zip(errors, bounds))
+            report["kernels"].append({"server": server, "backend": name, "errors": errors, "bounds": bounds, "ok": ok})
+    report["noncausal_tasks"] = noncausal
+    return noncausal > 0 and all(k["ok"] for k in report["kernels"])
+
+
+def path_check(device, report):
+    lengths = [700, 300, 24]
+    data = doc_data(lengths, 3)
+    data = [[t.reshape(t.shape[0], -1, t.shape[-1]) for t in d] for d in data]
+    ok = True
+    for name in BACKENDS:
+        try:
+            get_backend(name, device, torch.bfloat16)
+        except BackendUnavailable:
+            continue
+        planner = StepPlanner(model={"heads": 4, "kv_heads": 2, "head_dim": 16}, policy="minbytes", granularity=16,
+                              backend=name, device=device)
+        layout = planner.plan(np.cumsum([0] + lengths))
+        pieces = [(d, 0, n, n) for d, n in enumerate(lengths)]
+        refs = [whole_document(*x) for x in data]
+        want = [local_rows([r[i] for r in refs], pieces) for i in range(4)]
+        q, k, v, do = (local_rows([x[i] for x in data], pieces).to(device, torch.bfloat16).contiguous() for i in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o = cad_attention(q, k, v, layout)
+        o.backward(do)
+        errors = [rel(a.cpu(), w) for a, w in zip((o, q.grad, k.grad, v.grad), want)]
+        passed = all(e <= 2e-2 for e in errors)
+        ok &= passed
+        report["path"].append({"backend": name, "errors": errors, "ok": passed})
+    return ok
+
+
+def _causal_tasks(n, shard, device):
+    """One document of n tokens as causal tasks of `shard` query rows (each with its key prefix,
+    its own copy in the varlen layout), or one whole task (shard None)."""
+    from distca.torch.backends import ServerTasks, TaskGroup
+    q_ends = np.arange(0, n + 1, shard or n)
+    cu_q = q_ends.astype(np.int64)
+    cu_k = np.concatenate([[0], np.cumsum(q_ends[1:])]).astype(np.int64)
+    dev32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
+    causal = TaskGroup(True, 0, 0, cu_q, cu_k, int(np.diff(cu_q).max()), n, dev32(cu_q), dev32(cu_k))
+    empty = np.zeros(1, np.int64)
+    none = TaskGroup(False, int(cu_q[-1]), int(cu_k[-1]), empty, empty, 0, 0, dev32(empty), dev32(empty))
+    return ServerTasks((causal, none), int(cu_q[-1]), int(cu_k[-1]), device)
+
+
+def speed(device, report):
+    n = 16384
+    flops = 4 * D * HQ * (n * (n + 1) / 2)   # causal pairs x 4 D Hq; backward counted as 2.5x
+    for shard in (None, 128):
+        tasks = _causal_tasks(n, shard, device)
+        q = torch.randn(tasks.num_q, HQ, D, device=device, dtype=torch.bfloat16)
+        k = torch.randn(tasks.num_k, HKV, D, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        do = torch.randn_like(q)
+        for name in BACKENDS[1:]:
+            try:
+                kernel = get_backend(name, device, torch.bfloat16)
+            except BackendUnavailable:
+                continue
+            times = {"fwd": [], "bwd": []}
+            for _ in range(6):
+                a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                a.record()
+                o, lse = kernel.forward(q, k, v, tasks, D ** -0.5)
+                b.record()
+                kernel.backward(do, q, k, v, o, lse, tasks, D ** -0.5)
+                c.record()
+                torch.cuda.synchronize()
+                times["fwd"].append(a.elapsed_time(b) / 1e3)
+                times["bwd"].append(b.elapsed_time(c) / 1e3)
+            fwd, bwd = (float(np.median(times[p][1:])) for p in ("fwd", "bwd"))
+            report["speed"].append({"backend": name, "tokens": n, "shard": shard, "fwd_s": fwd, "bwd_s": bwd,
+                                    "fwd_tflops": flops / fwd / 1e12, "bwd_tflops": 2.5 * flops / bwd / 1e12})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a dry run of the checks with the CPU backends (no speed part)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("check_torch_cuda: no GPU: skipped")
+        return 0
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "kernels": [], "path": [], "speed": [], "unavailable": {}}
+    ok_k = kernel_check(device, report)
+    ok_p = path_check(device, report)
+    if device.type == "cuda":
+        speed(device, report)
+    report["ok"] = bool(ok_k and ok_p)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"| backend | server | max error (O, LSE, dQ, dK, dV) | ok |\n|---|---|---|---|")
+    for k in report["kernels"]:
+        print(f"| {k['backend']} | {k['server']} | {', '.join(f'{e:.2e}' for e in k['errors'])} | {k['ok']} |")
+    for p in report["path"]:
+        print(f"| path {p['backend']} | 1 rank | {', '.join(f'{e:.2e}' for e in p['errors'])} | {p['ok']} |")
+    print("\n| backend | shard | fwd TFLOP/s | bwd TFLOP/s |\n|---|---|---|---|")
+    for s in report["speed"]:
+        print(f"| {s['backend']} | {s['shard'] or 'whole'} | {s['fwd_tflops']:.1f} | {s['bwd_tflops']:.1f} |")
+    for name, why in report["unavailable"].items():
+        print(f"unavailable: {name}: {why}")
+    dist.destroy_process_group()
+    print(f"check_torch_cuda: {'ok' if report['ok'] else 'FAILED'}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

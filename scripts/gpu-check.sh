@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The one command a session with a GPU runs (the device tool: `scripts/gpu-check.sh $OUT`): installs
+# the Python package against the device's own PyTorch (nothing can be fetched there:
+# --no-build-isolation), runs distca.torch's CUDA checks in one process (every server kernel against
+# `reference` in bf16 on a plan with key-split tasks, cad_attention end to end, kernel speed timed
+# with CUDA events), and writes report.json and report.md into the folder given. Without a GPU it
+# prints "no GPU: skipped" and exits 0. CI does not run it.
+#
+# usage: scripts/gpu-check.sh OUT_DIR
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -ne 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then
+  echo "usage: scripts/gpu-check.sh OUT_DIR   (writes report.json, report.md and the logs there)" >&2
+  [ $# -eq 1 ] && exit 0 || exit 2
+fi
+out="$1"
+if [ -e "$out" ] && [ ! -d "$out" ]; then
+  echo "gpu-check: $out exists and is not a folder" >&2
+  exit 2
+fi
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu-check: no GPU: skipped"
+  exit 0
+fi
+mkdir -p "$out"
+python="${PYTHON:-python3}"
+status=0
+step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records its exit code
+  local name="$1"; shift
+  echo "== gpu-check: $name"
+  local start=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -40 "$out/$name.log"
+  echo "$name $rc $((SECONDS - start))" >>"$out/steps.txt"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+: >"$out/steps.txt"
+nvidia-smi -L | tee "$out/device.txt"
+# The package into a venv that sees the device's PyTorch, pybind11 and scikit-build-core.
+if [ ! -x build/gpu-venv/bin/python ]; then
+  "$python" -m venv --system-site-packages build/gpu-venv
+fi
+step install build/gpu-venv/bin/python -m pip install --no-build-isolation --no-deps --disable-pip-version-check . &&
+  step torch-cuda build/gpu-venv/bin/python python/tests/gpu/check_torch_cuda.py --json "$out/torch-cuda.json"
+build/gpu-venv/bin/python - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+steps = [dict(zip(("name", "rc", "seconds"), line.split())) for line in (out / "steps.txt").read_text().splitlines()]
+report = {"format": "distca-gpu-check", "version": 1, "device": (out / "device.txt").read_text().strip(), "steps": steps}
+torch_json = out / "torch-cuda.json"
+if torch_json.exists():
+    report["torch_cuda"] = json.loads(torch_json.read_text())
+(out / "report.json").write_text(json.dumps(report, indent=1))
+lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
+lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
+log = out / "torch-cuda.log"
+if log.exists():
+    lines += ["", "## distca.torch on CUDA", "", log.read_text()]
+(out / "report.md").write_text("\n".join(lines) + "\n")
+PY
+echo "gpu-check: $([ $status -eq 0 ] && echo ok || echo FAILED): report in $out/report.md"
+exit $status
