@@ -245,3 +245,52 @@ def test_split_tasks_keeps_each_rows_tasks_together_and_balances_servers():
         pairs = [np.bincount(tasks["server"][p], weights=(tasks["q1"][p] - tasks["q0"][p]).astype(float),
                              minlength=plan.num_ranks) for p in (a, b)]
         assert all(x.sum() > 0 for x in pairs), batch
+
+
+def _server_tasks_with_key_splits():
+    """One server's tasks (causal and non-causal) of a 3-rank minbytes plan that splits keys."""
+    from distca.torch import rank_layout
+    plan = distca.plan([[700, 40], [64] * 4, [300]], policy="minbytes", granularity=16, model=COST_MODEL)
+    rows = [tuple(int(x) for x in r) for r in plan.batch.to_dict()["pieces"].tolist()]
+    for server in range(plan.num_ranks):
+        tasks = rank_layout(plan, plan.batch, rows, server, torch.device("cpu"), pingpong=False).parts[0].tasks
+        if tasks.groups[0].num_tasks and tasks.groups[1].num_tasks:
+            return tasks
+    raise AssertionError("no server with causal and non-causal tasks")
+
+
+def _server_inputs(tasks, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, h, D, generator=gen) for n, h in
+            ((tasks.num_q, HQ), (tasks.num_k, HKV), (tasks.num_k, HKV), (tasks.num_q, HQ))]
+
+
+def test_flex_forward_on_cpu_equals_reference():
+    """FlexAttention's mask over a server's whole task list (its backward is refused on CPU; the
+    GPU check runs it)."""
+    from distca.torch.backends import FlexKernel, ReferenceKernel
+    tasks = _server_tasks_with_key_splits()
+    q, k, v, _ = _server_inputs(tasks)
+    want_o, want_lse = ReferenceKernel().forward(q, k, v, tasks, D ** -0.5)
+    o, lse = FlexKernel().forward(q, k, v, tasks, D ** -0.5)
+    assert (o - want_o).abs().max() <= 1e-5 * want_o.abs().max()
+    assert (lse - want_lse).abs().max() <= 1e-5 * want_lse.abs().max()
+
+
+def test_lse_autograd_backward_equals_the_merged_row_formula():
+    """The flex backward's rule (autograd through O and LSE with the merge's gradients) equals the
+    reference's explicit backward given a merged O and LSE that differ from the part's own."""
+    from distca.torch.backends import ReferenceKernel, lse_autograd_backward
+    tasks = _server_tasks_with_key_splits()
+    q, k, v, do = _server_inputs(tasks, 1)
+    ref = ReferenceKernel()
+    o_part, lse_part = ref.forward(q, k, v, tasks, D ** -0.5)
+    # Pretend each row was merged with another part of its keys: LSE grows, O moves.
+    other_lse = lse_part + torch.rand(lse_part.shape) - 0.5
+    other_o = torch.randn(o_part.shape)
+    lse = torch.logaddexp(lse_part, other_lse)
+    o = torch.exp(lse_part - lse)[..., None] * o_part + torch.exp(other_lse - lse)[..., None] * other_o
+    want = ref.backward(do, q, k, v, o, lse, tasks, D ** -0.5)
+    got = lse_autograd_backward(lambda *x: ref.forward(*x, tasks, D ** -0.5), do, q, k, v, o, lse)
+    for g, w in zip(got, want):
+        assert (g.float() - w.float()).abs().max() <= 1e-5 * w.abs().max()

@@ -11,12 +11,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "torch_cad_attention.py"
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 NUM = r"([0-9.]+(?:e[-+]?[0-9]+)?)"
-SUCCESS = re.compile(rf"torch_cad_attention: ok: (\d+) cases, max relative error O {NUM}, dQ {NUM}, "
-                     rf"dK {NUM}, dV {NUM} \(tolerance {NUM}\)")
-CASE = re.compile(rf"^(.*?)\s+(none|distca|minmax|minbytes)\s+merged entries\s+(\d+)\s+relative error "
-                  rf"O {NUM}, dQ {NUM}, dK {NUM}, dV {NUM}$", re.M)
+LINE = re.compile(rf"torch_cad_attention: rank (\d) ok: (\d+) rows, (\d+) tasks in the plan, (\d+) key-split entries "
+                  rf"merged here, plan {NUM} ms \+ layout {NUM} ms, relative error O {NUM}, dQ {NUM}, dK {NUM}, "
+                  rf"dV {NUM} \(tolerance {NUM}\)")
 
 
 def _need_torch_gloo():
@@ -37,11 +36,9 @@ def _free_port():
 
 def test_torch_cad_attention_example(tmp_path):
     _need_torch_gloo()
-    # Static rendezvous on a free port (--standalone would always take port 29400). --redirects/
-    # --tee 2: torch 1.13's launcher cannot parse their default 0 under Python 3.11.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "--redirects", "2", "--tee", "2", "--log_dir", str(tmp_path / "logs"), str(EXAMPLE)]
+    # Static rendezvous on a free port (--standalone would always take port 29400).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(EXAMPLE)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
         run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -49,19 +46,10 @@ def test_torch_cad_attention_example(tmp_path):
         pytest.fail(f"{' '.join(cmd)} ran past 120 s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
     output = f"stdout:\n{run.stdout}\nstderr:\n{run.stderr}"
     assert run.returncode == 0, output
-
-    found = SUCCESS.search(run.stdout)
-    assert found, output
-    cases, *errors, tolerance = found.groups()
-    assert int(cases) == 8, output
-    assert float(tolerance) == TOLERANCE, output
-    for name, value in zip(("O", "dQ", "dK", "dV"), errors):
-        assert float(value) <= TOLERANCE, f"{name}: relative error {value}\n{output}"
-
-    # One line per (batch, policy): both batches, every policy, each within tolerance, and the
-    # LSE merge of key-split rows exercised by at least one plan.
-    rows = CASE.findall(run.stdout)
-    assert len(rows) == 8 and {r[1] for r in rows} == {"none", "distca", "minmax", "minbytes"}, output
-    assert len({r[0] for r in rows}) == 2, output
-    assert all(float(x) <= TOLERANCE for r in rows for x in r[3:]), output
-    assert any(int(r[2]) > 0 for r in rows), output
+    lines = LINE.findall(run.stdout)
+    assert sorted(int(r[0]) for r in lines) == [0, 1], output
+    for rank, rows, tasks, merged, plan_ms, layout_ms, *errors, tolerance in lines:
+        assert int(rows) == 1024 and float(tolerance) == TOLERANCE, output
+        assert all(float(e) <= TOLERANCE for e in errors), output
+    # The document spanning both ranks has rows whose keys were split between the servers.
+    assert sum(int(r[3]) for r in lines) > 0, output

@@ -21,12 +21,14 @@ autograd would drop the LSE gradient.
 Backends: `reference` (torch ops per task in fp32: the specification, any device and dtype),
 `sdpa` (PyTorch's fused scaled-dot-product kernels with their LSE, tasks grouped by shape; CPU
 and CUDA), `varlen` (PyTorch's FlashAttention-2 varlen kernel, one call per causal/non-causal
-group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA). `auto` picks the best
+group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `flex`
+(FlexAttention over the whole task list with a task/position mask, compiled; CUDA). `auto` picks the best
 that runs on the device. A named backend that cannot run raises BackendUnavailable with the reason.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -403,14 +405,108 @@ class FlashAttnKernel(VarlenKernel):
         return dq, dk.float(), dv.float()
 
 
+class FlexKernel(ServerKernel):
+    """FlexAttention over the server's whole packed task list in one call: a mask from each row's
+    task and position (bottom-right causal or full), compiled with torch.compile on CUDA. Its
+    backward recomputes the forward under autograd and differentiates through O *and* LSE with
+    the gradients the merge implies (dL/do_m = w dO, dL/dlse_m = w (dO.o_m - dO.O), w =
+    exp(lse_m - LSE)), so key-split rows are exact. CUDA; torch refuses FlexAttention's backward
+    on CPU (the forward runs there, eagerly, for tests)."""
+    name = "flex"
+    _compiled = None
+
+    def unavailable(self, device, dtype):
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # noqa: F401
+        except Exception as e:  # noqa: BLE001 (an older torch)
+            return f"torch {torch.__version__} has no flex_attention with AuxRequest: {type(e).__name__}: {e}"
+        if device.type != "cuda":
+            return f"torch refuses FlexAttention's backward on {device.type} (flex runs on cuda)"
+        return None
+
+    @staticmethod
+    def _rows(tasks: ServerTasks):
+        """Per row: its task, and for a query row the last key position it sees in its task."""
+        if "flex_rows" not in tasks.cache:
+            q_task, q_limit, k_task, k_pos = (np.zeros(n, np.int64) for n in (tasks.num_q, tasks.num_q, tasks.num_k, tasks.num_k))
+            task = 0
+            for g in tasks.groups:
+                for i in range(g.num_tasks):
+                    q0, q1 = g.q_offset + g.cu_q[i], g.q_offset + g.cu_q[i + 1]
+                    k0, k1 = g.k_offset + g.cu_k[i], g.k_offset + g.cu_k[i + 1]
+                    lq, lk = q1 - q0, k1 - k0
+                    q_task[q0:q1], k_task[k0:k1] = task, task
+                    k_pos[k0:k1] = np.arange(lk)
+                    q_limit[q0:q1] = np.arange(lq) + (lk - lq) if g.is_causal else lk - 1
+                    task += 1
+            dev = lambda a: torch.from_numpy(a).to(tasks.device)  # noqa: E731
+            tasks.cache["flex_rows"] = tuple(dev(a) for a in (q_task, q_limit, k_task, k_pos))
+        return tasks.cache["flex_rows"]
+
+    def _block_mask(self, tasks: ServerTasks):
+        if "flex_mask" not in tasks.cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+            q_task, q_limit, k_task, k_pos = self._rows(tasks)
+
+            def mask_mod(b, h, q, kv):
+                return (q_task[q] == k_task[kv]) & (k_pos[kv] <= q_limit[q])
+            tasks.cache["flex_mask"] = create_block_mask(mask_mod, 1, None, tasks.num_q, tasks.num_k,
+                                                         device=tasks.device)
+        return tasks.cache["flex_mask"]
+
+    def _call(self, q, k, v, tasks, scale):
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+        fn = flex_attention
+        if q.device.type == "cuda":
+            if FlexKernel._compiled is None:
+                FlexKernel._compiled = torch.compile(flex_attention, dynamic=True)
+            fn = FlexKernel._compiled
+        as_bhnd = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731 ([N, H, D] -> [1, H, N, D])
+        with warnings.catch_warnings():
+            # Off CUDA flex runs eagerly (tests of its mask); its "use torch.compile" warning is known.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            o, aux = fn(as_bhnd(q), as_bhnd(k), as_bhnd(v), block_mask=self._block_mask(tasks), scale=scale,
+                        enable_gqa=True, return_aux=AuxRequest(lse=True))
+        return o[0].transpose(0, 1), aux.lse[0].transpose(0, 1)
+
+    def forward(self, q, k, v, tasks, scale):
+        if tasks.num_q == 0:
+            return q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        with torch.no_grad():
+            o, lse = self._call(q, k, v, tasks, scale)
+        return o.contiguous(), lse.float().contiguous()
+
+    def backward(self, do, q, k, v, o, lse, tasks, scale):
+        if tasks.num_q == 0:
+            return q.new_zeros(q.shape), k.new_zeros(k.shape, dtype=torch.float32), v.new_zeros(v.shape, dtype=torch.float32)
+        return lse_autograd_backward(lambda *x: self._call(*x, tasks, scale), do, q, k, v, o, lse)
+
+
+def lse_autograd_backward(call, do, q, k, v, o, lse):
+    """The backward of a differentiable kernel call(q, k, v) -> (o_part, lse_part) when the rows'
+    results were merged with other parts into (o, lse): recompute under autograd and
+    differentiate through O and LSE with the merge's gradients, dL/do_m = w dO and dL/dlse_m =
+    w (dO.o_m - dO.O), w = exp(lse_m - LSE). Returns dq, and dk, dv in fp32."""
+    with torch.enable_grad():
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        o_part, lse_part = call(q, k, v)
+        weight = torch.exp(lse_part.float().detach() - lse)                          # [N, Hq]
+        dof = do.float()
+        grad_o = (weight[..., None] * dof).to(o_part.dtype)
+        grad_lse = weight * ((dof * o_part.detach().float()).sum(-1) - (dof * o.float()).sum(-1))
+        dq, dk, dv = torch.autograd.grad((o_part, lse_part), (q, k, v), (grad_o, grad_lse.to(lse_part.dtype)))
+    return dq, dk.float(), dv.float()
+
+
 _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
     "reference": ReferenceKernel,
     "sdpa": SdpaKernel,
     "varlen": VarlenKernel,
     "flash_attn": FlashAttnKernel,
+    "flex": FlexKernel,
 }
 # `auto` tries these in order.
-_AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "sdpa", "reference"), "cpu": ("sdpa", "reference")}
+_AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "sdpa", "flex", "reference"), "cpu": ("sdpa", "reference")}
 
 
 def backend_names() -> list[str]:
@@ -419,7 +515,7 @@ def backend_names() -> list[str]:
 
 def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> ServerKernel:
     """The server kernel `name` for tensors on `device` of `dtype`; `auto` picks the first that runs
-    (cuda: varlen, flash_attn, sdpa, reference; cpu: sdpa, reference). BackendUnavailable names why
+    (cuda: varlen, flash_attn, sdpa, flex, reference; cpu: sdpa, reference). BackendUnavailable names why
     a named one cannot run."""
     if isinstance(name, ServerKernel):
         return name

@@ -32,7 +32,7 @@ from distca.torch.backends import BackendUnavailable  # noqa: E402
 from torch_cases import COST_MODEL, doc_data, local_rows, whole_document  # noqa: E402
 
 HQ, HKV, D = 8, 2, 128
-BACKENDS = ("reference", "sdpa", "varlen", "flash_attn")
+BACKENDS = ("reference", "sdpa", "varlen", "flash_attn", "flex")
 
 
 def rel(got, want):
