@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# Installs the distca Python package into .venv (Debian's Python 3, with its NumPy, pytest and
-# PyTorch visible: --system-site-packages; Debian refuses system-wide pip installs). pip builds
-# the native module with scikit-build-core and pybind11 from PyPI, in build/python/ (kept, so a
-# second install recompiles only what changed). Prints the venv's python.
+# Installs the distca Python package into .venv (Debian's Python 3, with its NumPy, pytest and mypy
+# visible: --system-site-packages; Debian refuses system-wide pip installs), and PyTorch from PyPI
+# for distca.torch (Debian's 1.13 is too old: distca.torch needs >= 2.10). pip builds the native
+# module with scikit-build-core and pybind11 from PyPI, in build/python/ (kept, so a second install
+# recompiles only what changed). PyTorch is downloaded once: a .venv that already has torch >= 2.10
+# is left as it is. Prints the versions installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p build
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+if ! .venv/bin/python - 2>/dev/null <<'PY'
+import sys, torch
+major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(0 if (major, minor) >= (2, 10) and "site-packages" in torch.__file__ and ".venv" in torch.__file__ else 1)
+PY
+then
+  echo "install-python.sh: installing PyTorch >= 2.10 from PyPI into .venv (3.0 GB to download, 5.3 GB installed with its CUDA libraries; 80 s measured on the development machine)"
+  .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off "torch>=2.10" >build/pip-torch.log 2>&1 || {
+    tail -30 build/pip-torch.log
+    echo "install-python.sh: pip install torch failed (log above, also in build/pip-torch.log)" >&2
+    exit 1
+  }
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check . >build/pip-install.log 2>&1 || {
   cat build/pip-install.log
   echo "install-python.sh: pip install . failed (log above, also in build/pip-install.log)" >&2
   exit 1
 }
-echo "install-python.sh: distca $(.venv/bin/python -c 'import distca; print(distca.__version__)') installed in .venv"
+echo "install-python.sh: distca $(.venv/bin/python -c 'import distca; print(distca.__version__)') and torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') installed in .venv"

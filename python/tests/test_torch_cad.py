@@ -196,7 +196,7 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(tmp_path, cas
     print(f"\n{case}: {message}")
     assert all(r["result"]["seconds"] < 10 for r in results), results
     expected = {"plan": "cu_seqlens must increase strictly", "shape": "q has shape (100, 5, 16)",
-                "dtype": "must share a dtype", "contiguous": "not contiguous", "stale": "layouts of different steps"}
+                "dtype": "must share a dtype", "contiguous": "not contiguous", "stale": "rank 1 passed the layout of an earlier step"}
     assert expected[case] in message
 
 

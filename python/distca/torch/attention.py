@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import default_scale, get_backend
-from .layout import PartLayout, StepLayout, agree
+from .layout import InputError, PartLayout, StepLayout, agree
 
 
 def _pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -61,6 +61,8 @@ def _check(q, k, v, layout: StepLayout) -> Optional[str]:
     if not isinstance(layout, StepLayout):
         return f"layout must be a StepLayout (StepPlanner.plan), got {type(layout).__name__}"
     m = layout.model
+    if m is None:
+        return "the layout has no model shape (rank_layout alone makes one; pass layouts from StepPlanner.plan)"
     for name, x, heads in (("q", q, m.num_q_heads), ("k", k, m.num_kv_heads), ("v", v, m.num_kv_heads)):
         if not isinstance(x, torch.Tensor):
             return f"{name} must be a tensor, got {type(x).__name__}"
@@ -90,9 +92,13 @@ def _agree_on_layout(layout: StepLayout, message: Optional[str]) -> None:
     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
     if state[0].item() == 0 and state[1].item() == -state[2].item():
         return
-    if message is None and state[0].item() == 0:
-        message = (f"the ranks passed layouts of different steps ({-state[2].item()} to {state[1].item()}); "
-                   f"this rank's is step {serial}: every rank must pass the layout of the same StepPlanner.plan call")
+    if state[0].item() == 0:  # every input fine, but the steps differ: name the ranks behind
+        serials: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(serials, serial, group=group)
+        stale = [r for r, s in enumerate(serials) if s != max(serials)]
+        raise InputError(f"cad_attention: rank{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))} passed the "
+                         f"layout of an earlier step than the others: every rank must pass the layout of the same "
+                         f"StepPlanner.plan call")
     agree(group, message, "cad_attention")
     raise AssertionError("unreachable: agree() raises when any rank has a message")
 
@@ -154,7 +160,7 @@ class CADAttention(torch.autograd.Function):
         for p, x in zip(layout.parts, returns):
             o_ret, lse_ret = _unpack(x.wait(), [((hq, d), q.dtype), ((hq,), torch.float32)])
             _merge(p, o_ret, lse_ret, out, lse)
-        ctx.layout, ctx.kernel, ctx.scale, ctx.server_state = layout, kernel, scale, saved
+        ctx.layout, ctx.kernel, ctx.scale, ctx.server_state, ctx.num_kv_heads = layout, kernel, scale, saved, k.shape[1]
         if layout.backward == "stateless":
             ctx.save_for_backward(out, lse, q, k, v)
         else:
@@ -169,7 +175,7 @@ class CADAttention(torch.autograd.Function):
         out, lse, *inputs = ctx.saved_tensors
         dout = dout.contiguous()
         hq, d = out.shape[1], out.shape[2]
-        hkv = layout.model.num_kv_heads
+        hkv = ctx.num_kv_heads
         stateless = layout.backward == "stateless"
         if stateless:
             q, k, v = inputs

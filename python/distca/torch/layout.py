@@ -82,7 +82,7 @@ class StepLayout:
     group: Any
     control_group: Any
     device: torch.device
-    model: ModelShape
+    model: Optional[ModelShape]   # None until StepPlanner sets it (rank_layout alone)
     num_local_rows: int
     positions: torch.Tensor        # (T) int64: each local row's position in its document (RoPE)
     local_cu_seqlens: torch.Tensor  # (pieces + 1) int64: this rank's pieces, end to end
@@ -253,7 +253,9 @@ def split_tasks(tasks: np.ndarray, num_ranks: int) -> tuple:
 def _row_groups(tasks: np.ndarray) -> list:
     """Index arrays of the tasks whose query ranges overlap, transitively, within a document."""
     order = np.lexsort((tasks["q0"], tasks["doc"]))
-    groups, current, doc, end = [], [], None, -1
+    groups: list = []
+    current: list = []
+    doc, end = None, -1
     for i in order.tolist():
         d, q0, q1 = int(tasks["doc"][i]), int(tasks["q0"][i]), int(tasks["q1"][i])
         if current and (d != doc or q0 >= end):
@@ -400,11 +402,11 @@ class StepPlanner:
             raise ValueError(f"the group uses NCCL, which moves CUDA tensors; device {self.device} is not one")
         if backend_name == "gloo" and self.device.type == "cuda":
             raise ValueError("the group uses gloo; use an NCCL group for CUDA tensors")
-        self.options = dict(policy=policy, tolerance=tolerance, granularity=granularity,
+        self.options: dict[str, Any] = dict(policy=policy, tolerance=tolerance, granularity=granularity,
                             max_rank_bytes=max_rank_bytes, profile=profile)
         # distca.plan's own checks, once here (a bad tolerance fails at construction, on every rank).
         distca.plan([[16]], model=self._plan_model, **self.options)
-        self.pingpong = (self.device.type == "cuda") if pingpong == "auto" else pingpong
+        self.pingpong = (self.device.type == "cuda") if pingpong == "auto" else bool(pingpong)
         self.backward = backward
         self.backend = backend
         get_backend(backend, self.device, torch.float32 if self.device.type == "cpu" else torch.bfloat16)
