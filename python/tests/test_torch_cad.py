@@ -294,3 +294,33 @@ def test_lse_autograd_backward_equals_the_merged_row_formula():
     got = lse_autograd_backward(lambda *x: ref.forward(*x, tasks, D ** -0.5), do, q, k, v, o, lse)
     for g, w in zip(got, want):
         assert (g.float() - w.float()).abs().max() <= 1e-5 * w.abs().max()
+
+
+def static_buffers_worker(rank, world):
+    from distca.torch import StepPlanner
+    common = dict(model=MODEL, cost_model=COST_MODEL, policy="minbytes", granularity=16, pingpong=True)
+    pooled = StepPlanner(static_buffers=True, buffer_capacity=1 << 20, **common)
+    plain = StepPlanner(**common)
+    rng = np.random.default_rng(3)
+    allocations, identical = [], True
+    for step in range(6):
+        lengths, ranks = random_batch(rng, world, spanning=step % 2 == 1)
+        pieces = ranks[rank]
+        for layer in range(2):
+            data = doc_data(lengths, 100 * step + layer)
+            got = _run_layer(pooled.plan(pieces=pieces), data, pieces, "sdpa")
+            want = _run_layer(plain.plan(pieces=pieces), data, pieces, "sdpa")
+            identical &= all(torch.equal(a, b) for a, b in zip(got, want))
+        allocations.append(pooled.buffers.allocations)
+    return {"allocations": allocations, "identical": identical, "nbytes": pooled.buffers.nbytes}
+
+
+def test_static_buffers_allocate_once_and_change_nothing(tmp_path):
+    results = run_ranks(tmp_path, 2, static_buffers_worker, timeout=120)
+    errors = [r["error"] for r in results if r["error"]]
+    assert not errors, errors[0]
+    for r in results:
+        allocations = r["result"]["allocations"]
+        # Every slot (phase x nano-batch x tensor) is allocated in the first step, at the capacity,
+        # and never again.
+        assert r["result"]["identical"] and allocations[0] > 0 and len(set(allocations)) == 1, r

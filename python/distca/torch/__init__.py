@@ -17,11 +17,11 @@ try:
 except ImportError as e:  # pragma: no cover (the package's own install brings torch)
     raise ImportError("distca.torch needs PyTorch >= 2.10 (scripts/install-python.sh installs it into .venv)") from e
 
-from .attention import CADAttention, cad_attention
+from .attention import CADAttention, ExchangeBuffers, cad_attention
 from .backends import BackendUnavailable, ServerKernel, backend_names, get_backend
 from .layout import InputError, ModelShape, PlannedStep, StepLayout, StepPlanner, rank_layout, split_tasks
 
 __all__ = [
-    "StepPlanner", "StepLayout", "PlannedStep", "ModelShape", "cad_attention", "CADAttention", "InputError",
+    "StepPlanner", "StepLayout", "PlannedStep", "ExchangeBuffers", "ModelShape", "cad_attention", "CADAttention", "InputError",
     "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "split_tasks", "rank_layout",
 ]

@@ -43,13 +43,46 @@ def _unpack(packed: torch.Tensor, specs: list) -> list:
     return out
 
 
-class _Exchange:
-    """all_to_all_single of dim 0, posted asynchronously; wait() returns the received tensor."""
+class ExchangeBuffers:
+    """Receive buffers for the exchanges, one per slot (phase, nano-batch, tensor kind), allocated
+    at the largest size seen (or a fixed capacity) and reused by every layer and step, so the
+    exchanges allocate nothing in steady state. Safe because each phase consumes its received rows
+    (gathers or copies them) before the next layer's exchange of the same slot is posted, and on
+    CUDA the next collective is ordered after that consumption on the stream."""
 
-    def __init__(self, x: torch.Tensor, send_splits: list, recv_splits: list, group):
-        self.out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-        self.work = dist.all_to_all_single(self.out, x.contiguous(), recv_splits, send_splits, group=group,
-                                           async_op=True)
+    def __init__(self, device: torch.device, capacity_bytes: int = 0):
+        self.device = device
+        self.capacity_bytes = int(capacity_bytes)
+        self.allocations = 0          # buffers allocated so far (growth included)
+        self._slots: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._slots.values())
+
+    def get(self, slot: tuple, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        width = math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
+        need = rows * width
+        buf = self._slots.get(slot)
+        if buf is None or buf.numel() < need:
+            size = max(need, self.capacity_bytes, int(1.25 * buf.numel()) if buf is not None else 0)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._slots[slot] = buf
+            self.allocations += 1
+        return buf[:need].view(dtype).view(rows, *row_shape)
+
+
+class _Exchange:
+    """all_to_all_single of dim 0, posted asynchronously; wait() returns the received tensor
+    (a view of `buffers`' slot when given, else a new tensor)."""
+
+    def __init__(self, x: torch.Tensor, send_splits: list, recv_splits: list, group,
+                 buffers: Optional[ExchangeBuffers] = None, slot: tuple = ()):
+        rows, row_shape = sum(recv_splits), tuple(x.shape[1:])
+        self.out = buffers.get(slot, rows, row_shape, x.dtype) if buffers is not None else x.new_empty((rows,) + row_shape)
+        work = dist.all_to_all_single(self.out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True)
+        assert work is not None
+        self.work = work
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
@@ -145,14 +178,18 @@ class CADAttention(torch.autograd.Function):
         hq, d = q.shape[1], q.shape[2]
         kv = torch.stack((k, v), dim=1)                                       # [T, 2, Hkv, D]
         # 1. Dispatch every nano-batch's Q and K/V (posted, not waited for).
-        dispatch = [(_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group),
-                     _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group))
-                    for p in layout.parts]
+        pool = layout.buffers
+        dispatch = [(_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group,
+                               pool, ("fwd", i, "q")),
+                     _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group,
+                               pool, ("fwd", i, "kv")))
+                    for i, p in enumerate(layout.parts)]
         # 2. Serve each nano-batch as its rows arrive; post its results back at once.
         returns, saved = [], []
-        for p, (xq, xkv) in zip(layout.parts, dispatch):
+        for i, (p, (xq, xkv)) in enumerate(zip(layout.parts, dispatch)):
             o_send, lse_send, state = _server_forward(p, xq.wait(), xkv.wait(), kernel, scale)
-            returns.append(_Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group))
+            returns.append(_Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group,
+                                     pool, ("fwd_return", i)))
             saved.append(state if layout.backward == "stateful" else None)
         # 3. Owner: copy and merge each nano-batch's results as they come back.
         out = q.new_zeros(q.shape)
@@ -182,13 +219,16 @@ class CADAttention(torch.autograd.Function):
             kv = torch.stack((k, v), dim=1)
         # 1. Dispatch dO with the merged O and LSE (stateless: Q and K/V again), every nano-batch.
         dispatch = []
-        for p in layout.parts:
+        pool = layout.buffers
+        for i, p in enumerate(layout.parts):
             rows = _pack(dout.index_select(0, p.q_send_index), out.index_select(0, p.q_send_index),
                          lse.index_select(0, p.q_send_index))
-            xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group)
+            xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group, pool, ("bwd", i, "dout"))
             if stateless:
-                xs = (_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group),
-                      _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group))
+                xs = (_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group,
+                                pool, ("bwd", i, "q")),
+                      _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group,
+                                pool, ("bwd", i, "kv")))
             else:
                 xs = None
             dispatch.append((xq, xs))
@@ -209,8 +249,9 @@ class CADAttention(torch.autograd.Function):
             dq_send = dq_var.new_empty((p.num_q_recv, hq, d)).index_copy_(0, p.q_gather, dq_var)
             dkv_send = torch.zeros((p.num_kv_recv, 2, hkv, d), dtype=torch.float32, device=out.device)
             dkv_send.index_add_(0, p.kv_gather, torch.stack((dk_var.float(), dv_var.float()), dim=1))
-            returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group),
-                            _Exchange(dkv_send, p.kv_recv_splits, p.kv_send_splits, group)))
+            returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group, pool, ("bwd_return", i, "dq")),
+                            _Exchange(dkv_send, p.kv_recv_splits, p.kv_send_splits, group, pool,
+                                      ("bwd_return", i, "dkv"))))
         ctx.server_state = None
         # 3. Owner: sum each row's entries (fp32).
         dq = torch.zeros(out.shape, dtype=torch.float32, device=out.device)

@@ -17,7 +17,6 @@ import concurrent.futures
 import hashlib
 import itertools
 import json
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -93,6 +92,7 @@ class StepLayout:
     check_inputs: bool
     plan_ms: float                 # gather + C++ planning + hash check, this rank
     layout_ms: float               # the layouts and device tensors, this rank
+    buffers: Any = None            # the planner's ExchangeBuffers (static_buffers), or None
 
     @property
     def hash(self) -> int:
@@ -371,6 +371,9 @@ class StepPlanner:
       on one rank raises the same error on all; False skips the agreement (local checks only).
     prefetch: plan_async() may plan the next step on a background thread (its collectives run on
       a gloo group of their own).
+    static_buffers: receive the exchanges into buffers allocated once (at `buffer_capacity` bytes
+      per slot, or grown to the largest step seen) and reused by every layer and step, so the
+      exchanges allocate nothing in steady state (planner.buffers counts the allocations).
     """
 
     def __init__(self, group: Any = None, *, model: Union[str, Mapping[str, Any]],
@@ -378,7 +381,8 @@ class StepPlanner:
                  tolerance: float = 0.05, granularity: Optional[int] = None,
                  max_rank_bytes: Union[int, str, None] = None, pingpong: Union[str, bool] = "auto",
                  backward: str = "stateful", backend: str = "auto", device: Union[str, torch.device, None] = None,
-                 check_inputs: bool = True, prefetch: bool = False, profile: Optional[str] = None):
+                 check_inputs: bool = True, prefetch: bool = False, profile: Optional[str] = None,
+                 static_buffers: bool = False, buffer_capacity: int = 0):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("StepPlanner needs torch.distributed initialised (dist.init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -418,7 +422,10 @@ class StepPlanner:
         self._config_digest = hashlib.sha256(json.dumps(
             [self.options, self._plan_model, self.model.__dict__, self.pingpong, backward, backend, check_inputs],
             sort_keys=True, default=str).encode()).hexdigest()[:16]
-        self._lock = threading.Lock()
+        from .attention import ExchangeBuffers
+        if isinstance(buffer_capacity, bool) or not isinstance(buffer_capacity, int) or buffer_capacity < 0:
+            raise ValueError(f"buffer_capacity must be a non-negative integer of bytes, got {buffer_capacity!r}")
+        self.buffers = ExchangeBuffers(self.device, buffer_capacity) if static_buffers else None
         self.current: Optional[StepLayout] = None
 
     def plan(self, cu_seqlens: Any = None, *, pieces: Optional[Sequence] = None) -> StepLayout:
@@ -469,7 +476,7 @@ class StepPlanner:
         layout = rank_layout(plan, batch, rows, self.rank, self.device, pingpong=self.pingpong)
         layout.group, layout.control_group, layout.model = self.group, self.control_group, self.model
         layout.backward, layout.backend, layout.check_inputs = self.backward, self.backend, self.check_inputs
-        layout.plan_ms = plan_ms
+        layout.plan_ms, layout.buffers = plan_ms, self.buffers
         return layout
 
     def close(self) -> None:
