@@ -44,6 +44,8 @@ if [ ! -x build/gpu-venv/bin/python ]; then
 fi
 step install build/gpu-venv/bin/python -m pip install --no-build-isolation --no-deps --disable-pip-version-check . &&
   step torch-cuda build/gpu-venv/bin/python python/tests/gpu/check_torch_cuda.py --json "$out/torch-cuda.json"
+step torch-kernels build/gpu-venv/bin/python python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
+  --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
 build/gpu-venv/bin/python - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -55,9 +57,10 @@ if torch_json.exists():
 (out / "report.json").write_text(json.dumps(report, indent=1))
 lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
-log = out / "torch-cuda.log"
-if log.exists():
-    lines += ["", "## distca.torch on CUDA", "", log.read_text()]
+for name, title in (("torch-cuda", "distca.torch on CUDA"), ("torch-kernels", "server kernels (bench_torch_kernels)")):
+    log = out / f"{name}.log"
+    if log.exists():
+        lines += ["", f"## {title}", "", "```", log.read_text().rstrip(), "```"]
 (out / "report.md").write_text("\n".join(lines) + "\n")
 PY
 echo "gpu-check: $([ $status -eq 0 ] && echo ok || echo FAILED): report in $out/report.md"

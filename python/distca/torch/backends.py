@@ -534,5 +534,18 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> ServerKe
     return kernel
 
 
+def causal_shards(n: int, shard: int, device: torch.device) -> ServerTasks:
+    """One document of n tokens as a server's causal tasks of `shard` query rows, each with its key
+    prefix (0: one whole task): the shapes CAD hands a kernel, for benchmarks and checks."""
+    q_ends = np.unique(np.concatenate([np.arange(0, n, shard or n), [n]]))
+    cu_q = q_ends.astype(np.int64)
+    cu_k = np.concatenate([[0], np.cumsum(q_ends[1:])]).astype(np.int64)
+    dev32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
+    causal = TaskGroup(True, 0, 0, cu_q, cu_k, int(np.diff(cu_q).max()), n, dev32(cu_q), dev32(cu_k))
+    zero = np.zeros(1, np.int64)
+    empty = TaskGroup(False, int(cu_q[-1]), int(cu_k[-1]), zero, zero, 0, 0, dev32(zero), dev32(zero))
+    return ServerTasks((causal, empty), int(cu_q[-1]), int(cu_k[-1]), device)
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)

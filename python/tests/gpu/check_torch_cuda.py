@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distca  # noqa: E402
 from distca.torch import StepPlanner, cad_attention, get_backend, rank_layout  # noqa: E402
-from distca.torch.backends import BackendUnavailable  # noqa: E402
+from distca.torch.backends import BackendUnavailable, causal_shards  # noqa: E402
 from torch_cases import COST_MODEL, doc_data, local_rows, whole_document  # noqa: E402
 
 HQ, HKV, D = 8, 2, 128
@@ -104,25 +104,11 @@ def path_check(device, report):
     return ok
 
 
-def _causal_tasks(n, shard, device):
-    """One document of n tokens as causal tasks of `shard` query rows (each with its key prefix,
-    its own copy in the varlen layout), or one whole task (shard None)."""
-    from distca.torch.backends import ServerTasks, TaskGroup
-    q_ends = np.arange(0, n + 1, shard or n)
-    cu_q = q_ends.astype(np.int64)
-    cu_k = np.concatenate([[0], np.cumsum(q_ends[1:])]).astype(np.int64)
-    dev32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
-    causal = TaskGroup(True, 0, 0, cu_q, cu_k, int(np.diff(cu_q).max()), n, dev32(cu_q), dev32(cu_k))
-    empty = np.zeros(1, np.int64)
-    none = TaskGroup(False, int(cu_q[-1]), int(cu_k[-1]), empty, empty, 0, 0, dev32(empty), dev32(empty))
-    return ServerTasks((causal, none), int(cu_q[-1]), int(cu_k[-1]), device)
-
-
 def speed(device, report):
     n = 16384
     flops = 4 * D * HQ * (n * (n + 1) / 2)   # causal pairs x 4 D Hq; backward counted as 2.5x
     for shard in (None, 128):
-        tasks = _causal_tasks(n, shard, device)
+        tasks = causal_shards(n, shard or 0, device)
         q = torch.randn(tasks.num_q, HQ, D, device=device, dtype=torch.bfloat16)
         k = torch.randn(tasks.num_k, HKV, D, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
