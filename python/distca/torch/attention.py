@@ -111,6 +111,9 @@ def _check(q, k, v, layout: StepLayout) -> Optional[str]:
             return f"{name} is on {x.device}, the layout on {layout.device}"
         if not x.is_contiguous():
             return f"{name} is not contiguous (call .contiguous(); a strided view would be copied on every exchange)"
+    if dist.get_world_size(layout.group) != layout.world_size:
+        return (f"the layout was planned for {layout.world_size} ranks, its group has "
+                f"{dist.get_world_size(layout.group)}")
     if dist.get_rank(layout.group) != layout.rank:
         return f"the layout was made for rank {layout.rank} of its group, this is rank {dist.get_rank(layout.group)}"
     return None
