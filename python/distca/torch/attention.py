@@ -18,12 +18,12 @@ phase is one all_to_all_single per nano-batch and tensor kind.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from .backends import default_scale, get_backend
+from .backends import ServerKernel, default_scale, get_backend
 from .layout import InputError, PartLayout, StepLayout, agree
 
 
@@ -267,13 +267,14 @@ class CADAttention(torch.autograd.Function):
 
 
 def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout, *,
-                  scale: Optional[float] = None, backend: Optional[str] = None,
+                  scale: Optional[float] = None, backend: Union[str, ServerKernel, None] = None,
                   return_lse: bool = False):
     """Causal core attention of this rank's rows, computed by the plan's attention servers.
 
     q [T, Hq, D], k/v [T, Hkv, D]: this rank's rows (after RoPE at layout.positions), in the
     order of the documents given to StepPlanner.plan; returns o [T, Hq, D] (and, with return_lse,
-    the LSE [T, Hq] fp32, not differentiable). Collective over the layout's group: every rank calls
+    the LSE [T, Hq] fp32, not differentiable). backend: a name (the planner's by default) or a
+    ServerKernel instance. Collective over the layout's group: every rank calls
     it with the same step's layout. Differentiable in q, k, v. Bad input on any rank raises
     InputError on every rank (unless the planner was made with check_inputs=False).
     """

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -513,7 +513,7 @@ def backend_names() -> list[str]:
     return ["auto"] + list(_BACKENDS)
 
 
-def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> ServerKernel:
+def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: torch.dtype) -> ServerKernel:
     """The server kernel `name` for tensors on `device` of `dtype`; `auto` picks the first that runs
     (cuda: varlen, flash_attn, sdpa, flex, reference; cpu: sdpa, reference). BackendUnavailable names why
     a named one cannot run."""

@@ -227,45 +227,54 @@ def split_tasks(tasks: np.ndarray, num_ranks: int) -> tuple:
     """The plan's tasks in two nano-batches, each server's causal pairs balanced between them.
     Tasks whose query rows overlap (a row's key splits, which may come from tasks of different
     query ranges) stay together, so a row is merged, and its dQ summed, within one nano-batch.
-    Returns two index arrays into `tasks` (each in plan order), or one (all tasks) when there
-    are fewer than two such groups."""
-    groups = _row_groups(tasks)
-    if len(groups) < 2:
+    Greedy, largest group first: a group goes to the side where the busiest of its servers ends
+    up lighter (ties: the lighter side overall). Returns two index arrays into `tasks` (each in
+    plan order), or one (all tasks) when there are fewer than two such groups."""
+    group_of = _row_groups(tasks)
+    num_groups = int(group_of.max()) + 1 if len(group_of) else 0
+    if num_groups < 2:
         return (np.arange(len(tasks)),)
     pairs = _task_pairs(tasks)
-    loads = np.zeros((2, num_ranks))
-    totals = np.zeros(2)
-    part_of = np.zeros(len(tasks), dtype=np.int64)
-    ordered = sorted(groups, key=lambda g: (-pairs[g].sum(), g[0]))
-    for g in ordered:
-        # A group's tasks may sit on several servers: weigh the side by the busiest of them.
-        servers = tasks["server"][g]
-        cost = np.bincount(servers, weights=pairs[g], minlength=num_ranks)
-        after = [float((loads[side] + cost).max()) for side in (0, 1)]
+    # Each group's cost per server it uses, as flat lists (groups in order).
+    key = group_of * num_ranks + tasks["server"].astype(np.int64)
+    cells, inverse = np.unique(key, return_inverse=True)
+    cost = np.bincount(inverse, weights=pairs).tolist()
+    servers = (cells % num_ranks).tolist()
+    bounds = np.searchsorted(cells // num_ranks, np.arange(num_groups + 1)).tolist()
+    totals_by_group = np.bincount(group_of, weights=pairs, minlength=num_groups)
+    order = np.lexsort((np.arange(num_groups), -totals_by_group)).tolist()
+    loads = ([0.0] * num_ranks, [0.0] * num_ranks)
+    totals = [0.0, 0.0]
+    side_of = np.zeros(num_groups, dtype=np.int64)
+    for g in order:
+        cells_g = range(bounds[g], bounds[g + 1])
+        after = [max(loads[side][servers[c]] + cost[c] for c in cells_g) for side in (0, 1)]
         side = 0 if (after[0], totals[0]) <= (after[1], totals[1]) else 1
-        loads[side] += cost
-        totals[side] += cost.sum()
-        part_of[g] = side
+        for c in cells_g:
+            loads[side][servers[c]] += cost[c]
+        totals[side] += totals_by_group[g]
+        side_of[g] = side
+    part_of = side_of[group_of]
     a, b = np.flatnonzero(part_of == 0), np.flatnonzero(part_of == 1)
     return (a, b) if len(a) and len(b) else (np.arange(len(tasks)),)
 
 
-def _row_groups(tasks: np.ndarray) -> list:
-    """Index arrays of the tasks whose query ranges overlap, transitively, within a document."""
+def _row_groups(tasks: np.ndarray) -> np.ndarray:
+    """(tasks) the group of each task: tasks whose query ranges overlap, transitively, within a
+    document share one; groups numbered in (doc, q0) order."""
+    if len(tasks) == 0:
+        return np.zeros(0, dtype=np.int64)
     order = np.lexsort((tasks["q0"], tasks["doc"]))
-    groups: list = []
-    current: list = []
-    doc, end = None, -1
-    for i in order.tolist():
-        d, q0, q1 = int(tasks["doc"][i]), int(tasks["q0"][i]), int(tasks["q1"][i])
-        if current and (d != doc or q0 >= end):
-            groups.append(np.asarray(sorted(current)))
-            current, end = [], -1
-        current.append(i)
-        doc, end = d, max(end, q1)
-    if current:
-        groups.append(np.asarray(sorted(current)))
-    return groups
+    doc, q0, q1 = (tasks[f][order].astype(np.int64) for f in ("doc", "q0", "q1"))
+    # Within a document (sorted by q0), a task starts a new group when it begins at or after the
+    # furthest query end so far; documents are offset apart so one running maximum serves all.
+    offset = doc * (int(q1.max()) + 1)
+    reach = np.maximum.accumulate(offset + q1)
+    starts = np.ones(len(order), dtype=bool)
+    starts[1:] = (doc[1:] != doc[:-1]) | (offset[1:] + q0[1:] >= reach[:-1])
+    group_of = np.empty(len(order), dtype=np.int64)
+    group_of[order] = np.cumsum(starts) - 1
+    return group_of
 
 
 def _task_pairs(tasks: np.ndarray) -> np.ndarray:
