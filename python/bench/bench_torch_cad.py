@@ -47,9 +47,7 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +56,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import distca  # noqa: E402
 from distca.torch import StepPlanner, cad_attention, rank_layout, split_tasks  # noqa: E402
 from distca.torch.backends import ServerKernel, get_backend  # noqa: E402
+from distca.torch.spawn import run_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = "bench_torch_cad"
@@ -325,37 +323,11 @@ def layer_worker(rank: int, world: int, cfg: dict) -> dict:
     return {"lengths": lengths, "errors": errors, "variants": record}
 
 
-def _spawned(rank: int, world: int, store: str, out_dir: str, cfg: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        result, error = layer_worker(rank, world, cfg), None
-    except BaseException as e:  # noqa: BLE001 (reported to the parent with its traceback)
-        result, error = None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"result": result, "error": error}, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def launch(world: int, cfg: dict, timeout: float) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp:
-        ctx = mp.start_processes(_spawned, args=(world, os.path.join(tmp, "store"), tmp, cfg), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.time() + timeout
-        while not ctx.join(timeout=1):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise SystemExit(f"{NAME}: the {world} ranks ran past {timeout:.0f} s")
-        out = []
-        for r in range(world):
-            path = Path(tmp) / f"rank{r}.json"
-            if not path.is_file():
-                raise SystemExit(f"{NAME}: rank {r} wrote no result")
-            out.append(json.loads(path.read_text()))
+    try:
+        out = run_ranks(layer_worker, world, cfg, timeout=timeout)
+    except TimeoutError as e:
+        raise SystemExit(f"{NAME}: {e}")
     for r, o in enumerate(out):
         if o["error"]:
             raise SystemExit(f"{NAME}: rank {r} failed: {o['error']}")

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import distca  # noqa: E402
-from torch_cases import COST_MODEL, HKV, HQ, D, MODEL, doc_data, local_rows, random_batch, run_ranks, whole_document  # noqa: E402
+from distca.torch.spawn import run_ranks  # noqa: E402
+from torch_cases import COST_MODEL, HKV, HQ, D, MODEL, doc_data, local_rows, random_batch, whole_document  # noqa: E402
 
 NUM_BATCHES = 200
 TOLERANCE = 1e-5
@@ -93,8 +94,8 @@ def matrix_worker(rank, world, num_batches, seed):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_cad_attention_equals_whole_document_attention(tmp_path, world):
-    results = run_ranks(tmp_path, world, matrix_worker, NUM_BATCHES, 17 + world, timeout=900)
+def test_cad_attention_equals_whole_document_attention(world):
+    results = run_ranks(matrix_worker, world, NUM_BATCHES, 17 + world, timeout=900)
     errors = [r["error"] for r in results if r["error"]]
     assert not errors, errors[0]
     report = results[0]["result"]
@@ -141,8 +142,8 @@ def bf16_worker(rank, world, num_batches, seed):
     return worst
 
 
-def test_bf16_within_a_derived_bound(tmp_path):
-    results = run_ranks(tmp_path, 2, bf16_worker, 20, 5)
+def test_bf16_within_a_derived_bound():
+    results = run_ranks(bf16_worker, 2, 20, 5)
     errors = [r["error"] for r in results if r["error"]]
     assert not errors, errors[0]
     worst_ratio = 0.0
@@ -186,8 +187,8 @@ def bad_input_worker(rank, world, case):
 
 
 @pytest.mark.parametrize("case", ["plan", "shape", "dtype", "contiguous", "stale"])
-def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(tmp_path, case):
-    results = run_ranks(tmp_path, 2, bad_input_worker, case, timeout=120)
+def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(case):
+    results = run_ranks(bad_input_worker, 2, case, timeout=120)
     errors = [r["error"] for r in results if r["error"]]
     assert not errors, errors[0]
     messages = {r["result"]["raised"] for r in results}
@@ -212,8 +213,8 @@ def prefetch_worker(rank, world):
     return {"hashes": [now.hash, later.hash, again.hash], "current": planner.current is again}
 
 
-def test_plan_async_makes_the_same_plan(tmp_path):
-    results = run_ranks(tmp_path, 2, prefetch_worker, timeout=120)
+def test_plan_async_makes_the_same_plan():
+    results = run_ranks(prefetch_worker, 2, timeout=120)
     errors = [r["error"] for r in results if r["error"]]
     assert not errors, errors[0]
     for r in results:
@@ -315,8 +316,8 @@ def static_buffers_worker(rank, world):
     return {"allocations": allocations, "identical": identical, "nbytes": pooled.buffers.nbytes}
 
 
-def test_static_buffers_allocate_once_and_change_nothing(tmp_path):
-    results = run_ranks(tmp_path, 2, static_buffers_worker, timeout=120)
+def test_static_buffers_allocate_once_and_change_nothing():
+    results = run_ranks(static_buffers_worker, 2, timeout=120)
     errors = [r["error"] for r in results if r["error"]]
     assert not errors, errors[0]
     for r in results:

@@ -1,15 +1,9 @@
-"""Shared by the distca.torch tests: random batches, whole-document attention in float64 (the
-ground truth), and a multi-process launcher (gloo on CPU, one process per rank, spawned)."""
+"""Shared by the distca.torch tests: random batches, and whole-document attention in float64 (the
+ground truth)."""
 from __future__ import annotations
-
-import json
-import os
-import traceback
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HQ, HKV, D = 4, 2, 16
 MODEL = {"heads": HQ, "kv_heads": HKV, "head_dim": D}
@@ -72,37 +66,3 @@ def whole_document(q, k, v, do):
 def local_rows(per_doc, pieces):
     """This rank's rows of per-document tensors, in its pieces' order."""
     return torch.cat([per_doc[doc][b:e] for doc, b, e, _ in pieces])
-
-
-def _worker(rank, world, store, fn, args, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        error = None
-    except BaseException as e:  # noqa: BLE001 (reported to the parent with its traceback)
-        result, error = None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"result": result, "error": error}, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def run_ranks(tmp_path, world, fn, *args, timeout=600):
-    """Runs fn(rank, world, *args) on `world` spawned gloo processes; returns each rank's
-    {"result", "error"} (fn's JSON-able return value, or the exception's text)."""
-    out_dir = tmp_path / f"ranks{world}"
-    out_dir.mkdir(exist_ok=True)
-    ctx = mp.start_processes(_worker, args=(world, str(tmp_path / f"store{world}"), fn, args, str(out_dir)),
-                             nprocs=world, join=False, start_method="spawn")
-    import time
-    deadline = time.time() + timeout
-    while not ctx.join(timeout=1):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world} ranks ran past {timeout} s")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]

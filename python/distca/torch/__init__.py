@@ -20,8 +20,10 @@ except ImportError as e:  # pragma: no cover (the package's own install brings t
 from .attention import CADAttention, ExchangeBuffers, cad_attention
 from .backends import BackendUnavailable, ServerKernel, backend_names, get_backend
 from .layout import InputError, ModelShape, PlannedStep, StepLayout, StepPlanner, rank_layout, split_tasks
+from .spawn import run_ranks
 
 __all__ = [
-    "StepPlanner", "StepLayout", "PlannedStep", "ExchangeBuffers", "ModelShape", "cad_attention", "CADAttention", "InputError",
-    "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "split_tasks", "rank_layout",
+    "StepPlanner", "StepLayout", "PlannedStep", "ModelShape", "InputError", "rank_layout", "split_tasks",
+    "cad_attention", "CADAttention", "ExchangeBuffers",
+    "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "run_ranks",
 ]

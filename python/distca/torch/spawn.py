@@ -1,0 +1,57 @@
+"""Runs a function on N local processes joined by a gloo group: what the tests, the benchmarks and
+the GPU check use to stand up a small "cluster" on one machine without torchrun.
+
+    results = run_ranks(fn, 2, arg1, arg2, timeout=300)   # fn(rank, world, arg1, arg2) on 2 processes
+
+Each process (spawned, so fn must be importable by module path) joins a gloo group over a
+FileStore in a temporary folder, runs fn with one torch thread, and reports fn's JSON-able return
+value or its exception with the traceback; the parent returns [{"result": ..., "error": ...}] by
+rank. Processes still running at the timeout are killed and TimeoutError raised.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result, error = fn(rank, world, *args), None
+    except BaseException as e:  # noqa: BLE001 (reported to the parent with its traceback)
+        result, error = None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"result": result, "error": error}, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 (a peer that already failed)
+        pass
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) -> list:
+    """fn(rank, world, *args) on `world` spawned gloo processes -> each rank's {"result", "error"}."""
+    with tempfile.TemporaryDirectory(prefix="distca-ranks-") as tmp:
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, fn, args), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.time() + timeout
+        while not ctx.join(timeout=1):
+            if time.time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world} ranks ran past {timeout:.0f} s")
+        out = []
+        for rank in range(world):
+            path = Path(tmp) / f"rank{rank}.json"
+            out.append(json.loads(path.read_text()) if path.is_file()
+                       else {"result": None, "error": f"rank {rank} wrote no result"})
+    return out
