@@ -206,9 +206,12 @@ class ReferenceKernel(ServerKernel):
 class SdpaKernel(ServerKernel):
     """PyTorch's fused attention kernels with their LSE: tasks of one (causal, Lq, Lk) shape run as
     one batched call. CPU: the flash kernel for CPU (`_scaled_dot_product_flash_attention_for_cpu`
-    and its backward, which take O and LSE); CUDA: the memory-efficient kernel
-    (`_scaled_dot_product_efficient_attention`, additive mask for bottom-right causal tasks)."""
+    and its backward, which take O and LSE; an additive mask for bottom-right causal tasks with
+    Lq != Lk). CUDA: the memory-efficient kernel (`_efficient_attention_forward` and its backward,
+    which take O and LSE; bottom-right causal masking built in, custom_mask_type 2, as
+    torch.nn.attention.bias.causal_lower_right uses it)."""
     name = "sdpa"
+    _LOWER_RIGHT = 2   # torch.nn.attention.bias.CausalVariant.LOWER_RIGHT
 
     def unavailable(self, device, dtype):
         if device.type == "cpu":
@@ -216,31 +219,25 @@ class SdpaKernel(ServerKernel):
                 return f"torch {torch.__version__} has no _scaled_dot_product_flash_attention_for_cpu"
             return None
         if device.type == "cuda":
-            if not torch.backends.cuda.mem_efficient_sdp_enabled():
-                return "the memory-efficient SDPA backend is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
+            if not hasattr(torch.ops.aten, "_efficient_attention_forward"):
+                return f"torch {torch.__version__} has no aten._efficient_attention_forward"
             return None
         return f"sdpa runs on cpu and cuda, not {device.type}"
 
     @staticmethod
     def _stack(x, index, batch, length, heads):
-        """Rows `index` of x [N, H, D] as [B, H, L, D] (expanded to `heads` query heads)."""
-        return _expand_kv(x.index_select(0, index), heads).view(batch, length, heads, -1).transpose(1, 2)
-
-    @staticmethod
-    def _unstack(x):
-        """[B, H, L, D] -> [B * L, H, D]."""
-        return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+        """Rows `index` of x [N, H, D] as [B, L, Hq, D] (key/value heads expanded to Hq)."""
+        return _expand_kv(x.index_select(0, index), heads).view(batch, length, heads, -1)
 
     def forward(self, q, k, v, tasks, scale):
         hq = q.shape[1]
         o = q.new_empty(q.shape)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        for b in tasks.shape_batches(q.dtype):
-            qb = self._stack(q, b.q_index, b.num_tasks, b.len_q, hq)
-            kb = self._stack(k, b.k_index, b.num_tasks, b.len_k, hq)
-            vb = self._stack(v, b.k_index, b.num_tasks, b.len_k, hq)
-            ob, lb = self._call_forward(qb, kb, vb, b, scale)
-            o.index_copy_(0, b.q_index, self._unstack(ob))
+        for i, b in enumerate(tasks.shape_batches(q.dtype)):
+            qb, kb, vb = (self._stack(x, idx, b.num_tasks, n, hq)
+                          for x, idx, n in ((q, b.q_index, b.len_q), (k, b.k_index, b.len_k), (v, b.k_index, b.len_k)))
+            ob, lb = self._call_forward(qb, kb, vb, b, scale, tasks.cache, i)    # [B, Lq, Hq, D], [B, Hq, >= Lq]
+            o.index_copy_(0, b.q_index, ob.reshape(-1, hq, ob.shape[-1]))
             lse.index_copy_(0, b.q_index, lb[..., :b.len_q].transpose(1, 2).reshape(-1, hq).float())
         return o, lse
 
@@ -249,53 +246,46 @@ class SdpaKernel(ServerKernel):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for b in tasks.shape_batches(q.dtype):
-            qb = self._stack(q, b.q_index, b.num_tasks, b.len_q, hq)
-            kb = self._stack(k, b.k_index, b.num_tasks, b.len_k, hq)
-            vb = self._stack(v, b.k_index, b.num_tasks, b.len_k, hq)
-            dob = self._stack(do, b.q_index, b.num_tasks, b.len_q, hq)
-            ob = self._stack(o, b.q_index, b.num_tasks, b.len_q, hq)
-            lb = lse.index_select(0, b.q_index).view(b.num_tasks, b.len_q, hq).transpose(1, 2).contiguous()
-            dqb, dkb, dvb = self._call_backward(dob, qb, kb, vb, ob, lb, b, scale)
-            dq.index_copy_(0, b.q_index, self._unstack(dqb))
-            dk.index_copy_(0, b.k_index, _fold_kv_grad(self._unstack(dkb).float(), hkv))
-            dv.index_copy_(0, b.k_index, _fold_kv_grad(self._unstack(dvb).float(), hkv))
+        for i, b in enumerate(tasks.shape_batches(q.dtype)):
+            qb, dob, ob = (self._stack(x, b.q_index, b.num_tasks, b.len_q, hq) for x in (q, do, o))
+            kb, vb = (self._stack(x, b.k_index, b.num_tasks, b.len_k, hq) for x in (k, v))
+            lb = lse.index_select(0, b.q_index).view(b.num_tasks, b.len_q, hq).transpose(1, 2)  # [B, Hq, Lq]
+            dqb, dkb, dvb = self._call_backward(dob, qb, kb, vb, ob, lb, b, scale, tasks.cache, i)
+            dq.index_copy_(0, b.q_index, dqb.reshape(-1, hq, dqb.shape[-1]))
+            dk.index_copy_(0, b.k_index, _fold_kv_grad(dkb.reshape(-1, hq, dkb.shape[-1]).float(), hkv))
+            dv.index_copy_(0, b.k_index, _fold_kv_grad(dvb.reshape(-1, hq, dvb.shape[-1]).float(), hkv))
         return dq, dk, dv
 
-    def _call_forward(self, qb, kb, vb, b: ShapeBatch, scale):
-        square_causal = b.is_causal and b.len_q == b.len_k
+    def _call_forward(self, qb, kb, vb, b: ShapeBatch, scale, cache, i):
+        """[B, L, H, D] inputs -> (o [B, Lq, H, D], lse [B, H, >= Lq])."""
         if qb.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qb, kb, vb, 0.0, square_causal, attn_mask=b.mask, scale=scale)
-        bias = self._cuda_bias(b, qb)
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            qb, kb, vb, bias, True, 0.0, square_causal, scale=scale)
-        return out, lse
+            t = lambda x: x.transpose(1, 2)  # noqa: E731 (the CPU kernel takes [B, H, L, D])
+            square_causal = b.is_causal and b.len_q == b.len_k
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                t(qb), t(kb), t(vb), 0.0, square_causal, attn_mask=b.mask, scale=scale)
+            return t(o), lse
+        o, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            qb, kb, vb, None, None, None, None, None, 0.0, self._LOWER_RIGHT if b.is_causal else 0, True, scale=scale)
+        cache["sdpa_rng", i] = (seed, offset, lse.shape[-1])   # what the backward of this shape takes
+        return o, lse
 
-    def _call_backward(self, dob, qb, kb, vb, ob, lb, b: ShapeBatch, scale):
-        square_causal = b.is_causal and b.len_q == b.len_k
+    def _call_backward(self, dob, qb, kb, vb, ob, lb, b: ShapeBatch, scale, cache, i):
+        """[B, L, H, D] inputs, lb [B, H, Lq] -> dq, dk, dv as [B, L, H, D]."""
         if qb.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dob, qb, kb, vb, ob, lb, 0.0, square_causal, attn_mask=b.mask, scale=scale)
-        bias = self._cuda_bias(b, qb)
-        # The kernel's LSE may be padded along Lq (to a multiple of 32 on some releases).
-        pad = (-b.len_q) % 32
-        lse = torch.nn.functional.pad(lb, (0, pad)) if pad else lb
-        zero = torch.zeros((), dtype=torch.int64, device=qb.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dob, qb, kb, vb, bias if bias is not None else torch.empty(0, device=qb.device),
-            ob, lse, zero, zero, 0.0, [True, True, True, False], square_causal, scale=scale)
+            t = lambda x: x.transpose(1, 2)  # noqa: E731
+            square_causal = b.is_causal and b.len_q == b.len_k
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                t(dob), t(qb), t(kb), t(vb), t(ob), lb.contiguous(), 0.0, square_causal, attn_mask=b.mask, scale=scale)
+            return t(dq), t(dk), t(dv)
+        if ("sdpa_rng", i) not in cache:
+            raise RuntimeError("sdpa: the backward of a shape batch whose forward did not run on this layout")
+        seed, offset, lse_len = cache["sdpa_rng", i]
+        # The CUDA kernel's LSE is padded along Lq (to a multiple of 32): give the merged one that shape.
+        lse = torch.nn.functional.pad(lb, (0, lse_len - b.len_q)).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            dob, qb, kb, vb, None, ob, None, None, b.len_q, b.len_k, lse, 0.0, seed, offset,
+            self._LOWER_RIGHT if b.is_causal else 0, False, scale=scale)
         return dq, dk, dv
-
-    @staticmethod
-    def _cuda_bias(b: ShapeBatch, qb):
-        if b.mask is None:
-            return None
-        # The efficient kernel wants the bias' last dimension 16-byte aligned: pad, then slice.
-        width = -(-b.len_k // 8) * 8
-        padded = qb.new_zeros(b.len_q, width)
-        padded[:, :b.len_k] = b.mask
-        return padded[:, :b.len_k].expand(qb.shape[0], qb.shape[1], b.len_q, b.len_k)
 
 
 class VarlenKernel(ServerKernel):
