@@ -176,6 +176,12 @@ def bad_input_worker(rank, world, case):
                     k = k.double()
                 elif case == "contiguous":
                     q = torch.randn(HQ, 100, D).transpose(0, 1)
+                elif case == "device":
+                    k = k.to("meta")
+                elif case == "foreign":  # a layout built without the planner (no group, no model shape)
+                    from distca.torch import rank_layout
+                    rows = [tuple(int(x) for x in r) for r in layout.plan.batch.to_dict()["pieces"].tolist()]
+                    layout = rank_layout(layout.plan, layout.plan.batch, rows, rank, torch.device("cpu"), pingpong=False)
             if case == "stale":  # every rank plans a second step; the last rank keeps the first one's layout
                 newer = planner.plan([0, 64, 100])
                 layout = layout if rank == world - 1 else newer
@@ -186,7 +192,7 @@ def bad_input_worker(rank, world, case):
         return {"raised": str(e), "seconds": time.time() - start}
 
 
-@pytest.mark.parametrize("case", ["plan", "shape", "dtype", "contiguous", "stale"])
+@pytest.mark.parametrize("case", ["plan", "shape", "dtype", "contiguous", "device", "foreign", "stale"])
 def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(case):
     results = run_ranks(bad_input_worker, 2, case, timeout=120)
     errors = [r["error"] for r in results if r["error"]]
@@ -197,7 +203,8 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(case):
     print(f"\n{case}: {message}")
     assert all(r["result"]["seconds"] < 10 for r in results), results
     expected = {"plan": "cu_seqlens must increase strictly", "shape": "q has shape (100, 5, 16)",
-                "dtype": "must share a dtype", "contiguous": "not contiguous", "stale": "rank 1 passed the layout of an earlier step"}
+                "dtype": "must share a dtype", "contiguous": "not contiguous", "device": "k is on meta, the layout on cpu",
+                "foreign": "the layout has no model shape", "stale": "rank 1 passed the layout of an earlier step"}
     assert expected[case] in message
 
 

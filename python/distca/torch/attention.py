@@ -95,7 +95,7 @@ def _check(q, k, v, layout: StepLayout) -> Optional[str]:
         return f"layout must be a StepLayout (StepPlanner.plan), got {type(layout).__name__}"
     m = layout.model
     if m is None:
-        return "the layout has no model shape (rank_layout alone makes one; pass layouts from StepPlanner.plan)"
+        return "the layout has no model shape (rank_layout makes such layouts; pass the one StepPlanner.plan returns)"
     for name, x, heads in (("q", q, m.num_q_heads), ("k", k, m.num_kv_heads), ("v", v, m.num_kv_heads)):
         if not isinstance(x, torch.Tensor):
             return f"{name} must be a tensor, got {type(x).__name__}"
