@@ -158,7 +158,7 @@ def main():
         speed(device, report)
     report["ok"] = bool(ok_k and ok_p)
     Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"| backend | server | max error (O, LSE, dQ, dK, dV) | ok |\n|---|---|---|---|")
+    print("| backend | server | max error (O, LSE, dQ, dK, dV) | ok |\n|---|---|---|---|")
     for k in report["kernels"]:
         print(f"| {k['backend']} | {k['server']} | {', '.join(f'{e:.2e}' for e in k['errors'])} | {k['ok']} |")
     for p in report["path"]:
