@@ -1,14 +1,16 @@
 """distca.torch on one CUDA GPU, in one process (run by scripts/gpu-check.sh; CI does not run it).
 
 1. Server kernels: for every server of a 4-rank plan with key-split tasks, each CUDA backend's
-   forward (O, LSE) and backward (dQ, dK, dV, given the merged O/LSE) against the `reference`
-   backend on the same bf16 inputs; the bound is derived from bf16 itself: the reference computed
-   from the same bf16 inputs in fp32 and rounded to bf16 differs from the fp64 truth by e_ref,
-   and a backend passes when its error is within 4 e_ref + 2^-7 (relative to the largest value).
+   forward (O, LSE) and backward (dQ, dK, dV, given the merged O/LSE) against the truth: `reference`
+   on the bf16-rounded inputs held in float64 (its math runs in fp32, far below bf16's error). The
+   bound is derived from bf16 itself: `reference` fed the bf16 tensors, its results rounded to bf16,
+   differs from the truth by e_ref, and a backend passes when its error is within 4 e_ref + 2^-7
+   (relative to the largest value).
 2. The whole path: cad_attention on a 1-rank NCCL group (every backend) against whole-document
    attention in fp64.
 3. Speed: forward + backward of each backend on one 16K-token document and on the same tokens as
-   128-token shards with shared keys, timed with CUDA events (median of 5).
+   128-token causal shards (each with its own copy of its key prefix, as the varlen layout holds
+   it), timed with CUDA events (median of 5).
 
 Writes JSON to --json and prints a markdown table; exit 1 when a check fails.
 """
@@ -51,7 +53,7 @@ def kernel_check(device, report):
         noncausal += tasks.groups[1].num_tasks
         x = {n: torch.randn(m, h, D, generator=gen, dtype=torch.float64)
              for n, m, h in (("q", tasks.num_q, HQ), ("k", tasks.num_k, HKV), ("v", tasks.num_k, HKV), ("do", tasks.num_q, HQ))}
-        # Truth in fp64 on the bf16-rounded inputs; the bf16 reference's own error sets the bound.
+        # The truth from the bf16-rounded inputs (fp32 math); the bf16 reference's own error sets the bound.
         xb = {n: t.to(torch.bfloat16).to(device) for n, t in x.items()}
         x64 = {n: t.double() for n, t in xb.items()}
         scale = D ** -0.5
