@@ -238,7 +238,27 @@ PYBIND11_MODULE(_distca, m) {
       .def_readwrite("ffn_hidden", &sim::PlanRequest::ffn_hidden)
       .def_readwrite("dtype_bytes", &sim::PlanRequest::dtype_bytes)
       .def_readwrite("tp", &sim::PlanRequest::tp)
-      .def_readwrite("gpus_per_node", &sim::PlanRequest::gpus_per_node);
+      .def_readwrite("gpus_per_node", &sim::PlanRequest::gpus_per_node)
+      .def("set_throughput",
+           [](sim::PlanRequest& r, double flops_per_second, int64_t tile_rows, double task_overhead_seconds,
+              const std::string& source) {
+             plan::ThroughputProfile t;
+             t.flops_per_second = flops_per_second;
+             t.tile_rows = tile_rows;
+             t.task_overhead_seconds = task_overhead_seconds;
+             t.source = source;
+             check(t.validate());
+             r.throughput = t;
+           });
+  m.def("cpu_throughput_profile", [] {
+    const plan::ThroughputProfile t = plan::cpu_throughput_profile();
+    py::dict d;
+    d["flops_per_second"] = t.flops_per_second;
+    d["tile_rows"] = t.tile_rows;
+    d["task_overhead_seconds"] = t.task_overhead_seconds;
+    d["source"] = t.source;
+    return d;
+  });
 
   py::class_<PyPlan>(m, "NativePlan")
       .def_property_readonly("policy", [](const PyPlan& p) { return p.plan().policy; })

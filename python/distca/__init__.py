@@ -27,7 +27,7 @@ _profiles = profile  # simulate() takes a `profile` argument
 
 __all__ = [
     "Batch", "Plan", "RankLayout", "VarlenGroup", "plan", "load_plan", "pack", "batch_from_pieces",
-    "simulate", "profile", "planner_names", "model_preset_names", "system_names", "TASK_DTYPE",
+    "simulate", "profile", "planner_names", "cpu_throughput_profile", "model_preset_names", "system_names", "TASK_DTYPE",
 ]
 
 __version__ = "0.1.0"
@@ -320,12 +320,43 @@ def load_plan(text: str) -> LoadedPlan:
     return LoadedPlan(**d)
 
 
+def cpu_throughput_profile() -> dict:
+    """The planner's CPU rates (flops_per_second, tile_rows, task_overhead_seconds, source): what
+    `distca train` prices its CPU attention servers at, and plan(throughput="cpu")."""
+    return dict(_distca.cpu_throughput_profile())
+
+
+_THROUGHPUT_KEYS = ("flops_per_second", "tile_rows", "task_overhead_seconds")
+
+
+def _throughput(throughput: Union[str, Mapping[str, Any]]) -> dict:
+    if isinstance(throughput, str):
+        if throughput != "cpu":
+            raise ValueError(f"throughput must be None, 'cpu' or a dict of {', '.join(_THROUGHPUT_KEYS)}, got {throughput!r}")
+        return cpu_throughput_profile()
+    if not isinstance(throughput, Mapping):
+        raise TypeError(f"throughput must be None, 'cpu' or a dict, got {type(throughput).__name__}")
+    unknown = sorted(set(throughput) - set(_THROUGHPUT_KEYS) - {"source"})
+    missing = [k for k in _THROUGHPUT_KEYS if k not in throughput]
+    if unknown or missing:
+        raise ValueError(f"throughput: {'unknown key ' + unknown[0] if unknown else 'missing key ' + missing[0]}; "
+                         f"expected {', '.join(_THROUGHPUT_KEYS)}")
+    out: dict[str, Any] = {"source": str(throughput.get("source", "given"))}
+    for key, kind in zip(_THROUGHPUT_KEYS, (float, int, float)):
+        value = throughput[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise TypeError(f"throughput: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        out[key] = kind(value)
+    return out
+
+
 _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "dtype_bytes", "tp")
 
 
 def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, granularity: Optional[int] = None,
          model: Union[str, Mapping[str, Any]] = "llama-8b", max_rank_bytes: Union[int, str, None] = None,
-         tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None) -> Plan:
+         tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None,
+         throughput: Union[str, Mapping[str, Any], None] = None) -> Plan:
     """Plans core attention for one step, as `distca plan --batch ... --json` does.
 
     batch: per-rank document lengths ([[len, ...], ...] or {"ranks": [...]}, each rank at least one
@@ -338,6 +369,10 @@ def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, gr
       kv_heads, head_dim, ffn_hidden, dtype_bytes, tp over the preset "preset" (default: custom,
       every shape key given).
     profile: a profile JSON file for the per-layer times in the report (default: built-in H200).
+    throughput: the attention rates the planner prices tasks at: None (a GPU's: 400 TFLOP/s,
+      128-row tiles, 2 us per task), "cpu" (cpu_throughput_profile(): what a CPU server costs,
+      so short documents are not priced at a GPU tile's 128 rows), or a dict with
+      flops_per_second, tile_rows, task_overhead_seconds.
     """
     request = _distca.PlanRequest()
     request.policy = policy
@@ -357,6 +392,9 @@ def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, gr
                 setattr(request, key, int(model[key]))
     else:
         raise ValueError(f"model must be a preset name or a dict of shape keys, got {type(model).__name__}")
+    if throughput is not None:
+        t = _throughput(throughput)
+        request.set_throughput(t["flops_per_second"], t["tile_rows"], t["task_overhead_seconds"], t["source"])
     native_batch = _batch(batch, tokens_per_rank)
     return Plan(_distca.make_plan(native_batch, request, os.fspath(profile) if profile is not None else ""))
 

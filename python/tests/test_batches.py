@@ -58,3 +58,34 @@ def test_unknown_batch_type_and_model_keys_are_refused():
 def test_simulate_option_of_the_wrong_type_is_a_value_error():
     with pytest.raises(ValueError, match="gpus must be int"):
         distca.simulate(gpus="many")
+
+
+def test_throughput_sets_what_the_planner_prices():
+    """throughput="cpu" is cpu_throughput_profile() (the same plan as its dict), and its 16-row
+    tiles price 300 short documents at what their rows cost, where a GPU's 128-row tile prices each
+    as 128 rows: the colocated imbalance of one long document against them is higher on the CPU."""
+    ranks = [[6144], [20] * 307 + [4]]
+    by_name = distca.plan(ranks, throughput="cpu")
+    by_dict = distca.plan(ranks, throughput=distca.cpu_throughput_profile())
+    assert by_name.hash == by_dict.hash and np.array_equal(by_name.tasks, by_dict.tasks)
+    cpu = distca.plan(ranks, policy="none", throughput="cpu").load["imbalance"]
+    gpu = distca.plan(ranks, policy="none").load["imbalance"]
+    assert cpu > gpu + 0.05, (cpu, gpu)
+    slow = dict(distca.cpu_throughput_profile(), flops_per_second=1e9)
+    assert distca.plan(ranks, policy="none", throughput=slow).load["max"] > distca.plan(
+        ranks, policy="none", throughput="cpu").load["max"] * 10
+
+
+@pytest.mark.parametrize("throughput, error, message", [
+    ("gpu", ValueError, "throughput must be None, 'cpu' or a dict"),
+    ({"flops_per_second": 1e9, "tile_rows": 16}, ValueError, "missing key task_overhead_seconds"),
+    ({"flops_per_second": 1e9, "tile_rows": 16, "task_overhead_seconds": 0, "rate": 1}, ValueError, "unknown key rate"),
+    ({"flops_per_second": 1e9, "tile_rows": 1.5, "task_overhead_seconds": 0}, TypeError, "tile_rows must be an integer"),
+    ({"flops_per_second": True, "tile_rows": 16, "task_overhead_seconds": 0}, TypeError, "flops_per_second must be a number"),
+    ({"flops_per_second": -1.0, "tile_rows": 16, "task_overhead_seconds": 0}, ValueError, "flops_per_second must be positive"),
+    ({"flops_per_second": 1e9, "tile_rows": 0, "task_overhead_seconds": 0}, ValueError, "tile_rows must be positive"),
+    (7, TypeError, "throughput must be None, 'cpu' or a dict"),
+])
+def test_bad_throughput_is_refused(throughput, error, message):
+    with pytest.raises(error, match=message):
+        distca.plan([[64]], throughput=throughput)

@@ -12,15 +12,6 @@ namespace {
 using Clock = SteadyClock;
 }  // namespace
 
-plan::ThroughputProfile cpu_throughput_profile() {
-  plan::ThroughputProfile p;
-  p.source = "CPU estimate: 30 GFLOP/s per rank, 16-row tiles, 20 us per task per layer";
-  p.flops_per_second = 30e9;
-  p.tile_rows = 16;
-  p.task_overhead_seconds = 20e-6;
-  return p;
-}
-
 plan::ModelShape model_shape(const ModelConfig& c) {
   plan::ModelShape m;
   m.name = "train";
@@ -56,7 +47,7 @@ DispatchAttention::DispatchAttention(comm::Communicator& comm, const ModelConfig
       config_(config),
       options_(std::move(options)),
       planner_(planner),
-      cost_(model_shape(config), cpu_throughput_profile()) {
+      cost_(model_shape(config), plan::cpu_throughput_profile()) {
   servers_.resize(static_cast<size_t>(config.num_layers));
 }
 

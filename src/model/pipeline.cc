@@ -311,7 +311,7 @@ Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(const st
   plan::PlannerOptions opt;
   opt.tolerance = options_.train.tolerance;
   opt.granularity = options_.train.granularity;
-  const plan::CostModel cost(model_shape(options_.train.model), cpu_throughput_profile());
+  const plan::CostModel cost(model_shape(options_.train.model), plan::cpu_throughput_profile());
   DISTCA_ASSIGN_OR_RETURN(plan::Plan p, fn(pool.batch, cost, opt));
   TickPlan record{is_backward, nano, {}, pool.batch, p.tasks};
   for (int r = 0; r < pp_; ++r) record.micro_batch.push_back(tick[r].micro_batch);

@@ -34,6 +34,15 @@ Status ThroughputProfile::validate() const {
   return Status::ok();
 }
 
+ThroughputProfile cpu_throughput_profile() {
+  ThroughputProfile p;
+  p.source = "CPU estimate: 30 GFLOP/s per rank, 16-row tiles, 20 us per task per layer";
+  p.flops_per_second = 30e9;
+  p.tile_rows = 16;
+  p.task_overhead_seconds = 20e-6;
+  return p;
+}
+
 double ThroughputProfile::rate(int64_t keys) const {
   if (rate_by_keys.empty()) return flops_per_second;
   if (keys <= rate_by_keys.front().keys) return rate_by_keys.front().flops_per_second;

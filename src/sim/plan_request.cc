@@ -113,6 +113,7 @@ Status PlanRequest::validate() const {
   if (gpus_per_node < 1 || gpus_per_node > 1024) {
     return invalid_argument(fmt::format("--gpus-per-node must be in [1, 1024], got {}", gpus_per_node));
   }
+  if (throughput) DISTCA_RETURN_IF_ERROR(throughput->validate());
   // The policy and what it uses.
   if (policy != "all") {
     if (auto found = find_planner(policy); !found.is_ok()) return found.status();
@@ -199,7 +200,7 @@ Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch,
   DISTCA_RETURN_IF_ERROR(request.validate());
   DISTCA_ASSIGN_OR_RETURN(const ModelShape model, request.model_shape());
   DISTCA_RETURN_IF_ERROR(batch.validate());
-  PlanRun run(CostModel(model, ThroughputProfile{}));
+  PlanRun run(CostModel(model, request.throughput.value_or(ThroughputProfile{})));
   run.link = choose_link(profile, batch, model, request.gpus_per_node);
   if (request.max_rank_bytes == "auto") {
     DISTCA_ASSIGN_OR_RETURN(run.auto_budget, auto_byte_budget(batch, model, profile, run.link.link));

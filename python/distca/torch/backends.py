@@ -70,7 +70,9 @@ class TaskGroup:
 @dataclass
 class ShapeBatch:
     """Tasks of one (Lq, Lk, causal) shape, stacked into a batch: rows q_index [B * Lq] and k_index
-    [B * Lk] of the varlen buffers (device tensors)."""
+    [B * Lk] of the varlen buffers (device tensors). `merge`: these query rows already have a part
+    from an earlier batch of the list (a causal task cut in two), so the output is merged by the
+    LSE rule and the query gradient added."""
     is_causal: bool
     num_tasks: int
     len_q: int
@@ -78,6 +80,7 @@ class ShapeBatch:
     q_index: torch.Tensor
     k_index: torch.Tensor
     mask: Optional[torch.Tensor] = None   # additive bottom-right mask [Lq, Lk] where Lq != Lk (causal)
+    merge: bool = False
 
 
 @dataclass
@@ -91,28 +94,42 @@ class ServerTasks:
     device: torch.device
     cache: dict = field(default_factory=dict)
 
-    def shape_batches(self, dtype: torch.dtype) -> list[ShapeBatch]:
-        """The tasks grouped by (causal, Lq, Lk), each group a batch (cached per dtype)."""
-        key = ("shape_batches", dtype)
+    def shape_batches(self, dtype: torch.dtype, split_causal: bool = False) -> list[ShapeBatch]:
+        """The tasks grouped by (causal, Lq, Lk), each group a batch (cached per dtype).
+
+        split_causal: a causal task with more keys than queries (Lk > Lq) becomes two parts, a
+        non-causal rectangle (its first Lk - Lq keys) and a square causal block (its last Lq keys),
+        so a kernel whose bottom-right causal path would need a mask over the whole rectangle
+        skips the masked half instead; the square parts come after every first part (merge=True)."""
+        key = ("shape_batches", dtype, split_causal)
         if key not in self.cache:
-            batches = []
+            shapes: dict[tuple[bool, int, int, bool], list] = {}
             for g in self.groups:
                 lq, lk = np.diff(g.cu_q), np.diff(g.cu_k)
-                shapes: dict[tuple[int, int], list[int]] = {}
-                for i, shape in enumerate(zip(lq.tolist(), lk.tolist())):
-                    shapes.setdefault(shape, []).append(i)
-                for (len_q, len_k), tasks in sorted(shapes.items()):
-                    t = np.asarray(tasks)
-                    q_index = (g.q_offset + g.cu_q[t][:, None] + np.arange(len_q)[None, :]).reshape(-1)
-                    k_index = (g.k_offset + g.cu_k[t][:, None] + np.arange(len_k)[None, :]).reshape(-1)
-                    mask = None
-                    if g.is_causal and len_q != len_k:
-                        allowed = np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + (len_k - len_q)
-                        mask = torch.zeros(len_q, len_k, dtype=dtype).masked_fill_(
-                            torch.from_numpy(~allowed), float("-inf")).to(self.device)
-                    batches.append(ShapeBatch(g.is_causal, len(tasks), len_q, len_k,
-                                              torch.from_numpy(q_index).to(self.device),
-                                              torch.from_numpy(k_index).to(self.device), mask))
+                q0, k0 = g.q_offset + g.cu_q[:-1], g.k_offset + g.cu_k[:-1]
+                for i, (len_q, len_k) in enumerate(zip(lq.tolist(), lk.tolist())):
+                    if len_q == 0:
+                        continue
+                    if split_causal and g.is_causal and len_k > len_q:
+                        shapes.setdefault((False, len_q, len_k - len_q, False), []).append((q0[i], k0[i]))
+                        shapes.setdefault((True, len_q, len_q, True), []).append((q0[i], k0[i] + len_k - len_q))
+                    else:
+                        shapes.setdefault((g.is_causal, len_q, len_k, False), []).append((q0[i], k0[i]))
+            batches = []
+            # First parts (merge False) before second parts; causal before non-causal, then by shape.
+            for (causal, len_q, len_k, merge), starts in sorted(shapes.items(), key=lambda kv: (kv[0][3], not kv[0][0],
+                                                                                                kv[0][1], kv[0][2])):
+                a = np.asarray(starts, dtype=np.int64)
+                q_index = (a[:, :1] + np.arange(len_q)[None, :]).reshape(-1)
+                k_index = (a[:, 1:] + np.arange(len_k)[None, :]).reshape(-1)
+                mask = None
+                if causal and len_q != len_k:
+                    allowed = np.arange(len_k)[None, :] <= np.arange(len_q)[:, None] + (len_k - len_q)
+                    mask = torch.zeros(len_q, len_k, dtype=dtype).masked_fill_(
+                        torch.from_numpy(~allowed), float("-inf")).to(self.device)
+                batches.append(ShapeBatch(causal, len(starts), len_q, len_k,
+                                          torch.from_numpy(q_index).to(self.device),
+                                          torch.from_numpy(k_index).to(self.device), mask, merge))
             self.cache[key] = batches
         return self.cache[key]
 
@@ -206,8 +223,10 @@ class ReferenceKernel(ServerKernel):
 class SdpaKernel(ServerKernel):
     """PyTorch's fused attention kernels with their LSE: tasks of one (causal, Lq, Lk) shape run as
     one batched call. CPU: the flash kernel for CPU (`_scaled_dot_product_flash_attention_for_cpu`
-    and its backward, which take O and LSE; an additive mask for bottom-right causal tasks with
-    Lq != Lk). CUDA: the memory-efficient kernel (`_efficient_attention_forward` and its backward,
+    and its backward, which take O and LSE). Its causal mode is top-left and skips the masked
+    blocks, while a bottom-right task with Lk > Lq would need an additive mask over its whole
+    rectangle, every block computed; so on CPU such a task is cut into a non-causal rectangle and a
+    square causal block, merged by the LSE rule (about 1.2x less work on CAD's shards). CUDA: the memory-efficient kernel (`_efficient_attention_forward` and its backward,
     which take O and LSE; bottom-right causal masking built in, custom_mask_type 2, as
     torch.nn.attention.bias.causal_lower_right uses it)."""
     name = "sdpa"
@@ -231,30 +250,40 @@ class SdpaKernel(ServerKernel):
 
     def forward(self, q, k, v, tasks, scale):
         hq = q.shape[1]
-        o = q.new_empty(q.shape)
+        split = q.device.type == "cpu"    # the CPU kernel masks bottom-right causal tasks in full: cut them
+        o = torch.empty(q.shape, dtype=torch.float32 if split else q.dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        for i, b in enumerate(tasks.shape_batches(q.dtype)):
+        for i, b in enumerate(tasks.shape_batches(q.dtype, split_causal=split)):
             qb, kb, vb = (self._stack(x, idx, b.num_tasks, n, hq)
                           for x, idx, n in ((q, b.q_index, b.len_q), (k, b.k_index, b.len_k), (v, b.k_index, b.len_k)))
             ob, lb = self._call_forward(qb, kb, vb, b, scale, tasks.cache, i)    # [B, Lq, Hq, D], [B, Hq, >= Lq]
-            o.index_copy_(0, b.q_index, ob.reshape(-1, hq, ob.shape[-1]))
-            lse.index_copy_(0, b.q_index, lb[..., :b.len_q].transpose(1, 2).reshape(-1, hq).float())
-        return o, lse
+            ob = ob.reshape(-1, hq, ob.shape[-1])
+            lb = lb[..., :b.len_q].transpose(1, 2).reshape(-1, hq).float()
+            if b.merge:   # the LSE rule with the part already there
+                old = lse.index_select(0, b.q_index)
+                new = torch.logaddexp(old, lb)
+                ob = o.index_select(0, b.q_index) * torch.exp(old - new)[..., None] + ob * torch.exp(lb - new)[..., None]
+                lb = new
+            o.index_copy_(0, b.q_index, ob.to(o.dtype))
+            lse.index_copy_(0, b.q_index, lb)
+        return o.to(q.dtype), lse
 
     def backward(self, do, q, k, v, o, lse, tasks, scale):
         hq, hkv = q.shape[1], k.shape[1]
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        split = q.device.type == "cpu"
+        dq = torch.empty(q.shape, dtype=torch.float32 if split else q.dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for i, b in enumerate(tasks.shape_batches(q.dtype)):
+        for i, b in enumerate(tasks.shape_batches(q.dtype, split_causal=split)):
             qb, dob, ob = (self._stack(x, b.q_index, b.num_tasks, b.len_q, hq) for x in (q, do, o))
             kb, vb = (self._stack(x, b.k_index, b.num_tasks, b.len_k, hq) for x in (k, v))
             lb = lse.index_select(0, b.q_index).view(b.num_tasks, b.len_q, hq).transpose(1, 2)  # [B, Hq, Lq]
             dqb, dkb, dvb = self._call_backward(dob, qb, kb, vb, ob, lb, b, scale, tasks.cache, i)
-            dq.index_copy_(0, b.q_index, dqb.reshape(-1, hq, dqb.shape[-1]))
+            dqb = dqb.reshape(-1, hq, dqb.shape[-1]).to(dq.dtype)
+            (dq.index_add_ if b.merge else dq.index_copy_)(0, b.q_index, dqb)
             dk.index_copy_(0, b.k_index, _fold_kv_grad(dkb.reshape(-1, hq, dkb.shape[-1]).float(), hkv))
             dv.index_copy_(0, b.k_index, _fold_kv_grad(dvb.reshape(-1, hq, dvb.shape[-1]).float(), hkv))
-        return dq, dk, dv
+        return dq.to(q.dtype), dk, dv
 
     def _call_forward(self, qb, kb, vb, b: ShapeBatch, scale, cache, i):
         """[B, L, H, D] inputs -> (o [B, Lq, H, D], lse [B, H, >= Lq])."""

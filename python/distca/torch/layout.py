@@ -369,6 +369,9 @@ class StepPlanner:
     cost_model: what the planner prices, when it differs from `model` (a preset or distca.plan's
       model dict): e.g. the whole model with a `tp` key while each rank's layer holds heads / tp.
     policy, tolerance, granularity, max_rank_bytes, profile: as distca.plan.
+    throughput: the rates the planner prices attention tasks at, as distca.plan; "auto" (default):
+      "cpu" on a CPU device (PyTorch's CPU kernels, where a short document costs what its rows
+      cost), the GPU default on CUDA.
     pingpong: "auto" (on for CUDA, where the exchanges overlap compute on NCCL's stream; off on
       CPU), True or False: split each step's tasks into two nano-batches.
     backward: "stateful" (servers keep Q/K/V from the forward) or "stateless" (the backward sends
@@ -391,7 +394,8 @@ class StepPlanner:
                  max_rank_bytes: Union[int, str, None] = None, pingpong: Union[str, bool] = "auto",
                  backward: str = "stateful", backend: str = "auto", device: Union[str, torch.device, None] = None,
                  check_inputs: bool = True, prefetch: bool = False, profile: Optional[str] = None,
-                 static_buffers: bool = False, buffer_capacity: int = 0):
+                 static_buffers: bool = False, buffer_capacity: int = 0,
+                 throughput: Union[str, Mapping[str, Any], None] = "auto"):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("StepPlanner needs torch.distributed initialised (dist.init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -415,8 +419,10 @@ class StepPlanner:
             raise ValueError(f"the group uses NCCL, which moves CUDA tensors; device {self.device} is not one")
         if backend_name == "gloo" and self.device.type == "cuda":
             raise ValueError("the group uses gloo; use an NCCL group for CUDA tensors")
+        if throughput == "auto":
+            throughput = "cpu" if self.device.type == "cpu" else None
         self.options: dict[str, Any] = dict(policy=policy, tolerance=tolerance, granularity=granularity,
-                            max_rank_bytes=max_rank_bytes, profile=profile)
+                            max_rank_bytes=max_rank_bytes, profile=profile, throughput=throughput)
         # distca.plan's own checks, once here (a bad tolerance fails at construction, on every rank).
         distca.plan([[16]], model=self._plan_model, **self.options)
         self.pingpong = (self.device.type == "cuda") if pingpong == "auto" else bool(pingpong)

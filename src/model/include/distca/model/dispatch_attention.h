@@ -23,9 +23,6 @@ struct DispatchAttentionOptions {
   int64_t granularity = 128;      // planner shard granularity in tokens
 };
 
-// The planner's view of a CPU attention server (this machine's kernels, roughly): FLOP rate,
-// tile rows and per-task overhead. `distca profile` measures real ones (issue 6).
-plan::ThroughputProfile cpu_throughput_profile();
 plan::ModelShape model_shape(const ModelConfig& config);
 
 // A backend whose passes also run in stages, for a caller that overlaps them with other work

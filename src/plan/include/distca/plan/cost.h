@@ -42,6 +42,12 @@ struct ThroughputProfile {
   double slowest_rate() const;
 };
 
+// The planner's view of a CPU attention server (distca's CpuAttention and PyTorch's CPU flash
+// kernel, roughly): a low FLOP rate, 16-row tiles and a per-task overhead, so short documents are
+// priced at what they cost on a CPU rather than at a GPU's 128-row tile. `distca profile`
+// measures real ones.
+ThroughputProfile cpu_throughput_profile();
+
 // Bytes per token of one layer, on one rank (heads already divided by tp).
 struct TokenBytes {
   int64_t q = 0;              // Q

@@ -31,6 +31,10 @@ struct PlanRequest {
   double tolerance = 0.05;
   std::optional<int64_t> granularity;         // default 128
   std::optional<std::string> max_rank_bytes;  // bytes or "auto"; default "0" (no budget)
+  // The attention rates the planner prices tasks at (default: ThroughputProfile{}, a GPU's;
+  // plan::cpu_throughput_profile() for CPU servers). The report's per-layer times still come
+  // from the simulator's profile.
+  std::optional<plan::ThroughputProfile> throughput;
   std::string model = "llama-8b";             // a preset, or "custom" with every shape flag
   std::optional<int> layers, hidden, heads, kv_heads, head_dim, ffn_hidden, dtype_bytes, tp;
   int gpus_per_node = 8;
