@@ -3,7 +3,8 @@
 # the Python package against the device's own PyTorch (nothing can be fetched there:
 # --no-build-isolation), runs distca.torch's CUDA checks in one process (every server kernel against
 # `reference` in bf16 on a plan with key-split tasks, cad_attention end to end, kernel speed timed
-# with CUDA events), and writes report.json and report.md into the folder given. Without a GPU it
+# with CUDA events), the trainer on one GPU (tokens/s), the framework adapters' GPU checks where
+# the device has the frameworks, and writes report.json and report.md into the folder given. Without a GPU it
 # prints "no GPU: skipped" and exits 0. CI does not run it.
 #
 # usage: scripts/gpu-check.sh OUT_DIR
@@ -46,6 +47,21 @@ step install build/gpu-venv/bin/python -m pip install --no-build-isolation --no-
   step torch-cuda build/gpu-venv/bin/python python/tests/gpu/check_torch_cuda.py --json "$out/torch-cuda.json"
 step torch-kernels build/gpu-venv/bin/python python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
   --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
+# The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
+# backends compared step by step: tokens/s and the loss curve.
+step train-cuda build/gpu-venv/bin/python -m distca.torch.train --device cuda --preset demo --compare --steps 12 \
+  --skip 2 --json "$out/train-cuda.json"
+# The framework adapters' GPU checks, where the device has the frameworks (it cannot fetch them).
+if build/gpu-venv/bin/python -c "import megatron.core" >/dev/null 2>&1; then
+  step megatron-cuda build/gpu-venv/bin/python python/tests/megatron_cases.py --device cuda --json "$out/megatron-cuda.json"
+else
+  echo "== gpu-check: megatron-cuda skipped: megatron-core is not installed on the device"
+fi
+if build/gpu-venv/bin/python -c "import torchtitan" >/dev/null 2>&1; then
+  step torchtitan-cuda build/gpu-venv/bin/python python/tests/torchtitan_cases.py --reference flex
+else
+  echo "== gpu-check: torchtitan-cuda skipped: torchtitan is not installed on the device"
+fi
 build/gpu-venv/bin/python - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -54,10 +70,19 @@ report = {"format": "distca-gpu-check", "version": 1, "device": (out / "device.t
 torch_json = out / "torch-cuda.json"
 if torch_json.exists():
     report["torch_cuda"] = json.loads(torch_json.read_text())
+train_json = out / "train-cuda.json"
+if train_json.exists():
+    summary = json.loads(train_json.read_text())["summary"]
+    report["train_cuda"] = {name: {"tokens_per_second": b["tokens_per_second"], "step_seconds": b["step_seconds"],
+                                   "loss_first": b["loss_first"], "loss_last": b["loss_last"]}
+                            for name, b in summary["backends"].items()}
+    report["train_cuda"]["loss_max_rel_diff"] = summary["loss_max_rel_diff"]
 (out / "report.json").write_text(json.dumps(report, indent=1))
 lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
-for name, title in (("torch-cuda", "distca.torch on CUDA"), ("torch-kernels", "server kernels (bench_torch_kernels)")):
+for name, title in (("torch-cuda", "distca.torch on CUDA"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
+                    ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
+                    ("megatron-cuda", "Megatron Core adapter"), ("torchtitan-cuda", "TorchTitan adapter")):
     log = out / f"{name}.log"
     if log.exists():
         lines += ["", f"## {title}", "", "```", log.read_text().rstrip(), "```"]

@@ -245,17 +245,18 @@ class SdpaKernel(ServerKernel):
 
     @staticmethod
     def _stack(x, index, batch, length, heads):
-        """Rows `index` of x [N, H, D] as [B, L, Hq, D] (key/value heads expanded to Hq)."""
+        """Rows `index` of x [N, H, D] as [B, L, heads, D] (key/value heads expanded to `heads`)."""
         return _expand_kv(x.index_select(0, index), heads).view(batch, length, heads, -1)
 
     def forward(self, q, k, v, tasks, scale):
         hq = q.shape[1]
         split = q.device.type == "cpu"    # the CPU kernel masks bottom-right causal tasks in full: cut them
+        hk = k.shape[1] if split else hq  # the CPU kernel reads GQA's shared heads in place; CUDA's needs them expanded
         o = torch.empty(q.shape, dtype=torch.float32 if split else q.dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for i, b in enumerate(tasks.shape_batches(q.dtype, split_causal=split)):
-            qb, kb, vb = (self._stack(x, idx, b.num_tasks, n, hq)
-                          for x, idx, n in ((q, b.q_index, b.len_q), (k, b.k_index, b.len_k), (v, b.k_index, b.len_k)))
+            qb = self._stack(q, b.q_index, b.num_tasks, b.len_q, hq)
+            kb, vb = (self._stack(x, b.k_index, b.num_tasks, b.len_k, hk) for x in (k, v))
             ob, lb = self._call_forward(qb, kb, vb, b, scale, tasks.cache, i)    # [B, Lq, Hq, D], [B, Hq, >= Lq]
             ob = ob.reshape(-1, hq, ob.shape[-1])
             lb = lb[..., :b.len_q].transpose(1, 2).reshape(-1, hq).float()
@@ -271,18 +272,19 @@ class SdpaKernel(ServerKernel):
     def backward(self, do, q, k, v, o, lse, tasks, scale):
         hq, hkv = q.shape[1], k.shape[1]
         split = q.device.type == "cpu"
+        hk = hkv if split else hq
         dq = torch.empty(q.shape, dtype=torch.float32 if split else q.dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         for i, b in enumerate(tasks.shape_batches(q.dtype, split_causal=split)):
             qb, dob, ob = (self._stack(x, b.q_index, b.num_tasks, b.len_q, hq) for x in (q, do, o))
-            kb, vb = (self._stack(x, b.k_index, b.num_tasks, b.len_k, hq) for x in (k, v))
+            kb, vb = (self._stack(x, b.k_index, b.num_tasks, b.len_k, hk) for x in (k, v))
             lb = lse.index_select(0, b.q_index).view(b.num_tasks, b.len_q, hq).transpose(1, 2)  # [B, Hq, Lq]
             dqb, dkb, dvb = self._call_backward(dob, qb, kb, vb, ob, lb, b, scale, tasks.cache, i)
             dqb = dqb.reshape(-1, hq, dqb.shape[-1]).to(dq.dtype)
             (dq.index_add_ if b.merge else dq.index_copy_)(0, b.q_index, dqb)
-            dk.index_copy_(0, b.k_index, _fold_kv_grad(dkb.reshape(-1, hq, dkb.shape[-1]).float(), hkv))
-            dv.index_copy_(0, b.k_index, _fold_kv_grad(dvb.reshape(-1, hq, dvb.shape[-1]).float(), hkv))
+            dk.index_copy_(0, b.k_index, _fold_kv_grad(dkb.reshape(-1, hk, dkb.shape[-1]).float(), hkv))
+            dv.index_copy_(0, b.k_index, _fold_kv_grad(dvb.reshape(-1, hk, dvb.shape[-1]).float(), hkv))
         return dq.to(q.dtype), dk, dv
 
     def _call_forward(self, qb, kb, vb, b: ShapeBatch, scale, cache, i):

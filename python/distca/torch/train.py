@@ -22,8 +22,10 @@ backward runs its all-to-alls, never share a communicator with them (tested with
 Data (identical on every rank: each rank builds the whole step from the seed or the file and
 takes its own slice): --workload skewed, the C++ demo's (every other rank holds one whole
 document of --context tokens, the others short documents of 2..context/8 tokens filling exactly
---context; new lengths each step), --workload packed (documents of 2..2 x context tokens packed
-in order, spanning ranks), both with text from a fixed random Markov chain over 32 symbols so the
+--context; new lengths each step), --workload spanning (the same skew with documents across ranks:
+ranks in pairs, every other pair holds one document of 2 x context tokens across both, the
+others short documents), --workload packed (documents of 2..2 x context tokens packed in order,
+spanning ranks), all with text from a fixed random Markov chain over 32 symbols so the
 loss can fall (from ln 256 = 5.5 toward about 1.1 nats); or --data FILE.jsonl (a "text" field per
 line, UTF-8 bytes as tokens, documents packed in order into R x T tokens per step; a document that
 overflows a rank continues on the next, one cut at the end of a step continues in the next as a
@@ -64,7 +66,7 @@ from .model import PRESET_CONTEXT, PRESET_WORKLOAD, PRESETS, ModelArgs, Transfor
 
 PROG = "distca.torch.train"
 BACKENDS = ("colocated", "cad")
-WORKLOADS = ("skewed", "packed")
+WORKLOADS = ("skewed", "spanning", "packed")
 MAX_CONTEXT = 1 << 20
 CHECKPOINT_META = "distca_train.json"
 CHECKPOINT_FORMAT = "distca-torch-train-checkpoint"
@@ -114,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context", type=int, metavar="T", help="tokens per rank per step (default: the preset's)")
     g.add_argument("--workload", choices=WORKLOADS,
                    help="synthetic data: skewed (every other rank one whole document of --context tokens, the others "
+                        "short ones of 2..context/8), spanning (the skew with documents across ranks: ranks in pairs, "
+                        "every other pair one document of 2 x context tokens across both ranks, the other pairs "
                         "short ones of 2..context/8) or packed (documents of 2..2*context tokens spanning ranks); "
                         "default skewed")
     g.add_argument("--seed", type=int, metavar="S", help="synthetic data seed (default 1)")
@@ -355,21 +359,31 @@ class SyntheticData:
 
     def describe(self) -> str:
         what = {"skewed": "every other rank one whole document, the others short ones of 2..context/8",
+                "spanning": "every other pair of ranks one document across both, the others short ones of 2..context/8",
                 "packed": "documents of 2..2 x context tokens packed in order across ranks"}[self.workload]
         return f"synthetic {self.workload} (seed {self.seed}: {what}; Markov text)"
 
     def lengths(self, rng: np.random.Generator) -> list:
         t, out = self.context, []
+
+        def short_documents(left: int) -> None:
+            while left > 0:
+                n = min(int(rng.integers(2, max(2, t // 8) + 1)), left)
+                out.append(n)
+                left -= n
+
         if self.workload == "skewed":
             for rank in range(self.num_ranks):
                 if rank % 2 == 0:
                     out.append(t)
-                    continue
-                left = t
-                while left > 0:
-                    n = min(int(rng.integers(2, max(2, t // 8) + 1)), left)
-                    out.append(n)
-                    left -= n
+                else:
+                    short_documents(t)
+        elif self.workload == "spanning":   # pairs of ranks; one rank left over takes short documents
+            for first in range(0, self.num_ranks, 2):
+                if first % 4 == 0 and first + 1 < self.num_ranks:
+                    out.append(2 * t)
+                else:
+                    short_documents(t * min(2, self.num_ranks - first))
         else:
             left = self.num_ranks * t
             while left > 0:
