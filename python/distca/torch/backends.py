@@ -226,7 +226,8 @@ class SdpaKernel(ServerKernel):
     and its backward, which take O and LSE). Its causal mode is top-left and skips the masked
     blocks, while a bottom-right task with Lk > Lq would need an additive mask over its whole
     rectangle, every block computed; so on CPU such a task is cut into a non-causal rectangle and a
-    square causal block, merged by the LSE rule (about 1.2x less work on CAD's shards). CUDA: the memory-efficient kernel (`_efficient_attention_forward` and its backward,
+    square causal block, merged by the LSE rule (1.17x faster forward + backward on the demo's
+    1536 x 6144 shard; the same time where Lq is small beside Lk). CUDA: the memory-efficient kernel (`_efficient_attention_forward` and its backward,
     which take O and LSE; bottom-right causal masking built in, custom_mask_type 2, as
     torch.nn.attention.bias.causal_lower_right uses it)."""
     name = "sdpa"
