@@ -1,6 +1,7 @@
 // The distca Python module's native part (_distca): thin bindings over the plan, route and sim
-// layers. Every check, plan, layout and report is the C++ one (DESIGN.md §3: python adds no
-// logic of its own); this file only converts: Python lists and NumPy arrays in, NumPy arrays and
+// layers and the CPU attention kernels (on raw addresses: no PyTorch headers here). Every check,
+// plan, layout and report is the C++ one (DESIGN.md §3: python adds no logic of its own); this
+// file only converts: Python lists and NumPy arrays in, NumPy arrays and
 // JSON text out, and a Status that is not ok into ValueError (bad input) or RuntimeError.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -10,12 +11,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "distca/core/file.h"
+#include "distca/kernels/cpu.h"
 #include "distca/plan/batch.h"
 #include "distca/plan/plan_io.h"
 #include "distca/plan/planner.h"
@@ -201,10 +207,106 @@ py::dict batch_dict(const plan::Batch& b) {
   return d;
 }
 
+// The CPU attention kernels on caller-owned memory: addresses (Python ints, e.g. a tensor's
+// data_ptr()) of packed THD arrays whose sizes the dims imply. The C++ side checks the dims, the
+// tasks and non-null addresses (kernels::validate); that each address holds the elements the dims
+// imply, of the dtype named, contiguous, is the caller's promise (distca.torch checks its tensors
+// before it calls). The GIL is released while the kernel runs; calls on one object serialize.
+struct PyCpuAttention {
+  explicit PyCpuAttention(int num_threads, bool is_portable)
+      : attn({.num_threads = num_threads, .is_portable = is_portable}) {}
+  kernels::CpuAttention attn;
+  std::mutex mu;
+};
+
+using TaskArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using Dims = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+// (n, 5) rows of q_offset, q_len, kv_offset, kv_len, is_causal (0 or 1).
+std::vector<kernels::AttnTask> attn_tasks(const TaskArray& tasks) {
+  if (tasks.ndim() != 2 || tasks.shape(1) != 5) {
+    throw py::value_error("tasks must be an (n, 5) int64 array of (q_offset, q_len, kv_offset, kv_len, is_causal) rows");
+  }
+  std::vector<kernels::AttnTask> list(static_cast<size_t>(tasks.shape(0)));
+  const int64_t* t = tasks.data();
+  for (size_t i = 0; i < list.size(); ++i, t += 5) {
+    if (t[4] != 0 && t[4] != 1) throw py::value_error(fmt::format("task {}: is_causal must be 0 or 1, got {}", i, t[4]));
+    list[i] = {t[0], t[1], t[2], t[3], t[4] == 1};
+  }
+  return list;
+}
+
+kernels::AttnDims attn_dims(const Dims& d) {
+  return {std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<3>(d), std::get<4>(d)};
+}
+
+bool is_bf16(const std::string& dtype) {
+  if (dtype == "float32") return false;
+  if (dtype == "bfloat16") return true;
+  throw py::value_error(fmt::format("dtype must be float32 or bfloat16, got {:?}", dtype));
+}
+
+template <typename T>
+const T* in(uintptr_t address) { return reinterpret_cast<const T*>(address); }
+template <typename T>
+T* out(uintptr_t address) { return reinterpret_cast<T*>(address); }
+
+template <typename T>
+Status attention_forward(PyCpuAttention& self, const kernels::AttnDims& dims, std::span<const kernels::AttnTask> tasks,
+                         std::optional<float> scale, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, uintptr_t lse) {
+  kernels::AttnFwdParams<T> p;
+  p.dims = dims;
+  p.q = in<T>(q);
+  p.k = in<T>(k);
+  p.v = in<T>(v);
+  p.tasks = tasks;
+  p.scale = scale;
+  p.o = out<T>(o);
+  p.lse = out<float>(lse);
+  std::lock_guard<std::mutex> lock(self.mu);
+  return self.attn.forward(p);
+}
+
+template <typename T>
+Status attention_backward(PyCpuAttention& self, const kernels::AttnDims& dims, std::span<const kernels::AttnTask> tasks,
+                          std::optional<float> scale, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, uintptr_t lse,
+                          uintptr_t d_o, uintptr_t dq, uintptr_t dk, uintptr_t dv) {
+  kernels::AttnBwdParams<T> p;
+  p.dims = dims;
+  p.q = in<T>(q);
+  p.k = in<T>(k);
+  p.v = in<T>(v);
+  p.o = in<T>(o);
+  p.lse = in<float>(lse);
+  p.d_o = in<T>(d_o);
+  p.tasks = tasks;
+  p.scale = scale;
+  p.dq = out<T>(dq);
+  p.dk = out<T>(dk);
+  p.dv = out<T>(dv);
+  std::lock_guard<std::mutex> lock(self.mu);
+  return self.attn.backward(p);
+}
+
+// Converts the arguments (under the GIL), runs `pass(dims, tasks, is_bf16)` with the GIL released,
+// and raises its Status.
+template <typename Pass>
+void run_attention(const TaskArray& tasks, const Dims& dims, const std::string& dtype, const Pass& pass) {
+  const std::vector<kernels::AttnTask> list = attn_tasks(tasks);
+  const kernels::AttnDims d = attn_dims(dims);
+  const bool is_b16 = is_bf16(dtype);
+  Status st;
+  {
+    py::gil_scoped_release release;
+    st = pass(d, std::span<const kernels::AttnTask>(list), is_b16);
+  }
+  check(st);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_distca, m) {
-  m.doc() = "distca's native part: planners, plan verifier, exchange layouts and the cluster simulator";
+  m.doc() = "distca's native part: planners, plan verifier, exchange layouts, the cluster simulator and the CPU attention kernels";
 
   py::class_<plan::Batch, std::shared_ptr<plan::Batch>>(m, "Batch")
       .def_property_readonly("num_ranks", [](const plan::Batch& b) { return b.num_ranks; })
@@ -366,6 +468,42 @@ PYBIND11_MODULE(_distca, m) {
     return dump(sim::to_json(take(sim::profile_from_json(parse_json(text, origin), origin))));
   });
   m.def("write_file_atomic", [](const std::string& path, const std::string& text) { check(write_file_atomic(path, text)); });
+  py::class_<PyCpuAttention>(m, "CpuAttention")
+      .def(py::init([](int num_threads, bool is_portable) {
+             if (num_threads < 0 || num_threads > 1024) {
+               throw py::value_error(fmt::format("num_threads {} is outside [0, 1024] (0: one per hardware thread)", num_threads));
+             }
+             return std::make_unique<PyCpuAttention>(num_threads, is_portable);
+           }),
+           py::arg("num_threads") = 0, py::arg("is_portable") = false)
+      .def_property_readonly("num_threads", [](const PyCpuAttention& a) { return a.attn.num_threads(); })
+      .def_property_readonly("isa", [](const PyCpuAttention& a) { return a.attn.isa(); })
+      .def("forward",
+           [](PyCpuAttention& self, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, uintptr_t lse, const Dims& dims,
+              const TaskArray& tasks, std::optional<float> scale, const std::string& dtype) {
+             run_attention(tasks, dims, dtype, [&](const kernels::AttnDims& d, std::span<const kernels::AttnTask> list,
+                                                   bool is_b16) {
+               return is_b16 ? attention_forward<distca::bf16>(self, d, list, scale, q, k, v, o, lse)
+                             : attention_forward<float>(self, d, list, scale, q, k, v, o, lse);
+             });
+           },
+           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dims"), py::arg("tasks"),
+           py::arg("scale"), py::arg("dtype"))
+      .def("backward",
+           [](PyCpuAttention& self, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, uintptr_t lse, uintptr_t d_o,
+              uintptr_t dq, uintptr_t dk, uintptr_t dv, const Dims& dims, const TaskArray& tasks,
+              std::optional<float> scale, const std::string& dtype) {
+             run_attention(tasks, dims, dtype, [&](const kernels::AttnDims& d, std::span<const kernels::AttnTask> list,
+                                                   bool is_b16) {
+               return is_b16 ? attention_backward<distca::bf16>(self, d, list, scale, q, k, v, o, lse, d_o, dq, dk, dv)
+                             : attention_backward<float>(self, d, list, scale, q, k, v, o, lse, d_o, dq, dk, dv);
+             });
+           },
+           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("do"), py::arg("dq"),
+           py::arg("dk"), py::arg("dv"), py::arg("dims"), py::arg("tasks"), py::arg("scale"), py::arg("dtype"));
+  m.def("attention_pairs", [](const TaskArray& tasks) {
+    return kernels::total_pairs(attn_tasks(tasks));
+  }, py::arg("tasks"));
   m.def("planner_names", &plan::planner_names);
   m.def("model_preset_names", &plan::model_preset_names);
   m.def("system_names", &sim::system_names);

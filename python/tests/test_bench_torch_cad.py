@@ -3,30 +3,21 @@ timing check: the numbers themselves are the benchmark's business, and this mach
 from __future__ import annotations
 
 import json
-import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
+from torch_cases import positive, run_bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "python" / "bench" / "bench_torch_cad.py"
 DATA = Path(os.environ.get("DISTCA_SHARED_DATA") or REPO.parent / "shared" / "data")
 BATCHES = [DATA / "reference" / f"batch_{f}_r{r}.json" for f in ("prolong", "wlbllm") for r in (64, 512)]
 
 
-def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
-
-
-def positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+def run(*args: str, timeout: float = 300):
+    return run_bench("bench_torch_cad.py", *args, timeout=timeout)
 
 
 def test_help():

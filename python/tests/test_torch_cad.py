@@ -14,7 +14,8 @@ import torch.distributed as dist  # noqa: E402
 
 import distca  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
-from torch_cases import COST_MODEL, HKV, HQ, D, MODEL, doc_data, local_rows, random_batch, whole_document  # noqa: E402
+from torch_cases import (  # noqa: E402
+    COST_MODEL, HKV, HQ, D, MODEL, doc_data, local_rows, random_batch, sdpa_whole_documents, whole_document)
 
 NUM_BATCHES = 200
 TOLERANCE = 1e-5
@@ -128,12 +129,7 @@ def bf16_worker(rank, world, num_batches, seed):
         pieces = ranks[rank]
         want = [local_rows([r[i] for r in refs], pieces) for i in range(4)]
         # The same-precision baseline: PyTorch's SDPA on each whole document in bf16.
-        base = []
-        for q, k, v, do in data:
-            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
-            base.append([o.detach()] + list(torch.autograd.grad(o, (q, k, v), do)))
+        base = sdpa_whole_documents(data)
         base_local = [local_rows([r[i] for r in base], pieces) for i in range(4)]
         layout = planner.plan(pieces=pieces)
         for backend in ("reference", "sdpa"):
@@ -236,7 +232,7 @@ def test_named_backend_that_cannot_run_says_why():
         get_backend("varlen", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(BackendUnavailable, match="must be one of"):
         get_backend("fast", torch.device("cpu"), torch.float32)
-    assert get_backend("auto", torch.device("cpu"), torch.float32).name == "sdpa"
+    assert get_backend("auto", torch.device("cpu"), torch.float16).name == "sdpa"   # distca takes fp32/bf16
 
 
 def test_split_tasks_keeps_each_rows_tasks_together_and_balances_servers():

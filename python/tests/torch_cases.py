@@ -1,9 +1,18 @@
-"""Shared by the distca.torch tests: random batches, and whole-document attention in float64 (the
-ground truth)."""
+"""Shared by the distca.torch tests: random batches, whole-document attention in float64 (the
+ground truth) and in the inputs' dtype through PyTorch's SDPA (a same-precision baseline), and the
+benchmark scripts' runner."""
 from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "python" / "bench"
 
 HQ, HKV, D = 4, 2, 16
 MODEL = {"heads": HQ, "kv_heads": HKV, "head_dim": D}
@@ -44,10 +53,10 @@ def random_batch(rng: np.random.Generator, world: int, spanning: bool):
     return lengths, ranks
 
 
-def doc_data(lengths, seed: int, dtype=torch.float32):
+def doc_data(lengths, seed: int, dtype=torch.float32, head_dim: int = D):
     """Per document: q [L, HQ, D], k, v [L, HKV, D], do [L, HQ, D], the same on every rank."""
     gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(n, h, D, generator=gen, dtype=torch.float64).to(dtype) for h in (HQ, HKV, HKV, HQ)]
+    return [[torch.randn(n, h, head_dim, generator=gen, dtype=torch.float64).to(dtype) for h in (HQ, HKV, HKV, HQ)]
             for n in lengths]
 
 
@@ -55,7 +64,7 @@ def whole_document(q, k, v, do):
     """Causal attention of one whole document and its gradients, float64: O, dQ, dK, dV."""
     q, k, v, do = (x.detach().double().requires_grad_() for x in (q, k, v, do))
     kr, vr = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
-    s = torch.einsum("qhd,khd->hqk", q, kr) / D ** 0.5
+    s = torch.einsum("qhd,khd->hqk", q, kr) / q.shape[-1] ** 0.5
     n = q.shape[0]
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     o = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vr)
@@ -66,3 +75,25 @@ def whole_document(q, k, v, do):
 def local_rows(per_doc, pieces):
     """This rank's rows of per-document tensors, in its pieces' order."""
     return torch.cat([per_doc[doc][b:e] for doc, b, e, _ in pieces])
+
+
+def sdpa_whole_documents(data):
+    """Per document: O, dQ, dK, dV of PyTorch's SDPA on the whole document in the inputs' dtype."""
+    out = []
+    for q, k, v, do in data:
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
+        out.append([o.detach()] + list(torch.autograd.grad(o, (q, k, v), do)))
+    return out
+
+
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """python/bench/<script> with args, one OpenMP thread, output captured."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0

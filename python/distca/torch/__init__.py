@@ -9,7 +9,8 @@
         q, k, v = layer.qkv(x)               # [T, Hq, D], [T, Hkv, D], RoPE at layout.positions
         o = cad_attention(q, k, v, layout)   # [T, Hq, D]; differentiable
 
-gloo on CPU, NCCL on CUDA; server kernels `reference`, `sdpa`, `varlen`, `flash_attn` (`auto` picks).
+gloo on CPU, NCCL on CUDA; server kernels `reference`, `sdpa`, `varlen`, `flash_attn`, `flex`, `distca`
+(distca's own CPU kernels) (`auto` picks).
 See README.md, "distca.torch".
 """
 try:

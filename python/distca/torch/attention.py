@@ -282,7 +282,7 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Ste
     kernel = None
     if message is None:
         try:
-            kernel = get_backend(backend or layout.backend, layout.device, q.dtype)
+            kernel = get_backend(backend or layout.backend, layout.device, q.dtype, head_dim=int(q.shape[-1]))
         except ValueError as e:
             message = str(e)
     if isinstance(layout, StepLayout) and layout.check_inputs:

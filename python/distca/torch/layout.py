@@ -428,7 +428,8 @@ class StepPlanner:
         self.pingpong = (self.device.type == "cuda") if pingpong == "auto" else bool(pingpong)
         self.backward = backward
         self.backend = backend
-        get_backend(backend, self.device, torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        get_backend(backend, self.device, torch.float32 if self.device.type == "cpu" else torch.bfloat16,
+                    head_dim=self.model.head_dim)
         self.check_inputs = check_inputs
         ranks = dist.get_process_group_ranks(self.group)
         self.control_group = self.group if backend_name == "gloo" else dist.new_group(ranks, backend="gloo")

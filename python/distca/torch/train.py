@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pingpong", choices=("auto", "on", "off"),
                    help="split each step's tasks into two overlapping nano-batches (auto: on CUDA only)")
     g.add_argument("--kernel", choices=backend_names(), default="auto",
-                   help="the server kernel, for both backends (default auto: sdpa on CPU)")
+                   help="the server kernel, for both backends (default auto: distca on CPU where it is built for the head dim, else sdpa)")
     g = p.add_argument_group("optimizer")
     g.add_argument("--steps", type=int, default=20, metavar="N", help="steps to train (default 20)")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -233,7 +233,7 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is visible to PyTorch here; use --device cpu")
     try:  # the server kernel runs on this device with fp32 (no collective)
-        get_backend(a.kernel, torch.device(a.device), torch.float32)
+        get_backend(a.kernel, torch.device(a.device), torch.float32, head_dim=PRESETS[a.preset].head_dim)
     except ValueError as e:
         raise UsageError(f"--kernel {a.kernel}: {e}") from None
     if a.data and not os.path.isfile(a.data):
@@ -548,7 +548,7 @@ class Backend:
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.args.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=cfg.args.lr, betas=(0.9, 0.95), eps=1e-8)
-        self.kernel = TimedKernel(get_backend(cfg.args.kernel, device, torch.float32), device)
+        self.kernel = TimedKernel(get_backend(cfg.args.kernel, device, torch.float32, head_dim=m.head_dim), device)
         self.watch = AttentionWatch()
         self.layout: Optional[StepLayout] = None
 
