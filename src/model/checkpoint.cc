@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "distca/core/file.h"
+#include "distca/core/json.h"
 
 namespace distca::model {
 
@@ -35,7 +36,7 @@ struct Header {
 Result<Header> read_header(const std::string& path, const nlohmann::json& h, const char* payload, size_t payload_bytes) {
   auto bad = [&](const char* field, const std::string& expected) {
     return invalid_argument(fmt::format("{}: checkpoint header field \"{}\" must be {}, got {}", path, field, expected,
-                                        h.contains(field) ? h[field].dump() : "nothing"));
+                                        h.contains(field) ? json_excerpt(h[field]) : std::string("nothing")));
   };
   if (!h.is_object()) return invalid_argument(fmt::format("{}: the checkpoint header is not a JSON object", path));
   for (const auto& [key, value] : h.items()) {
@@ -141,12 +142,9 @@ Result<nlohmann::json> load_checkpoint(const std::string& path, const std::vecto
     return invalid_argument(fmt::format("{}: checkpoint version {} (this build reads version {})", path, version,
                                         kCheckpointVersion));
   }
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text.substr(line1 + 1, line2 - line1 - 1));
-  } catch (const nlohmann::json::exception& e) {
-    return invalid_argument(fmt::format("{}: bad checkpoint header ({})", path, e.what()));
-  }
+  DISTCA_ASSIGN_OR_RETURN(const nlohmann::json header,
+                          parse_json(std::string_view(text).substr(line1 + 1, line2 - line1 - 1),
+                                     fmt::format("{}: checkpoint header", path)));
   const char* payload = text.data() + line2 + 1;
   const size_t payload_bytes = text.size() - line2 - 1;
   DISTCA_ASSIGN_OR_RETURN(Header h, read_header(path, header, payload, payload_bytes));

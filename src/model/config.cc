@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/json.h"
+
 namespace distca::model {
 
 namespace {
@@ -18,7 +20,7 @@ class FieldReader {
  public:
   FieldReader(const nlohmann::json& j, std::string what) : j_(j), what_(std::move(what)) {}
   Status object() const {
-    if (!j_.is_object()) return invalid_argument(fmt::format("{}: expected a JSON object, got {}", what_, j_.dump()));
+    if (!j_.is_object()) return invalid_argument(fmt::format("{}: expected a JSON object, got {}", what_, json_excerpt(j_)));
     return Status::ok();
   }
   // Integers must be JSON integers (1.5 is refused, not rounded). A missing optional field
@@ -27,7 +29,7 @@ class FieldReader {
     if (!present(key)) return missing(key, required);
     const nlohmann::json& v = j_[key];
     if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX)) {
-      return invalid_argument(fmt::format("{}: field \"{}\" must be an integer, got {}", what_, key, v.dump()));
+      return invalid_argument(fmt::format("{}: field \"{}\" must be an integer, got {}", what_, key, json_excerpt(v)));
     }
     out = v.get<int64_t>();
     return Status::ok();
@@ -36,7 +38,7 @@ class FieldReader {
     if (!present(key)) return missing(key, true);
     const nlohmann::json& v = j_[key];
     if (!v.is_number_unsigned()) {
-      return invalid_argument(fmt::format("{}: field \"{}\" must be an integer >= 0, got {}", what_, key, v.dump()));
+      return invalid_argument(fmt::format("{}: field \"{}\" must be an integer >= 0, got {}", what_, key, json_excerpt(v)));
     }
     out = v.get<uint64_t>();
     return Status::ok();
@@ -44,14 +46,14 @@ class FieldReader {
   Status number(const char* key, double& out, bool required = true) {
     if (!present(key)) return missing(key, required);
     const nlohmann::json& v = j_[key];
-    if (!v.is_number()) return invalid_argument(fmt::format("{}: field \"{}\" must be a number, got {}", what_, key, v.dump()));
+    if (!v.is_number()) return invalid_argument(fmt::format("{}: field \"{}\" must be a number, got {}", what_, key, json_excerpt(v)));
     out = v.get<double>();
     return Status::ok();
   }
   Status string(const char* key, std::string& out, bool required = true) {
     if (!present(key)) return missing(key, required);
     const nlohmann::json& v = j_[key];
-    if (!v.is_string()) return invalid_argument(fmt::format("{}: field \"{}\" must be a string, got {}", what_, key, v.dump()));
+    if (!v.is_string()) return invalid_argument(fmt::format("{}: field \"{}\" must be a string, got {}", what_, key, json_excerpt(v)));
     out = v.get<std::string>();
     return Status::ok();
   }

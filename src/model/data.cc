@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "distca/core/file.h"
+#include "distca/core/json.h"
 #include "distca/plan/workload.h"
 
 namespace distca::model {
@@ -129,17 +130,12 @@ std::vector<int32_t> bytes_to_tokens(const std::string& s) {
 // Parses one JSONL line: the text, "" for a blank line, or an error naming path:line.
 Result<std::string> jsonl_text(const std::string& line, const std::string& path, int64_t number) {
   if (line.find_first_not_of(" \t\r") == std::string::npos) return std::string();
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::exception& e) {
-    return invalid_argument(fmt::format("{}:{}: not JSON ({})", path, number, e.what()));
-  }
+  DISTCA_ASSIGN_OR_RETURN(const nlohmann::json j, parse_json(line, fmt::format("{}:{}", path, number)));
   if (!j.is_object() || !j.contains("text")) {
     return invalid_argument(fmt::format("{}:{}: expected an object with a \"text\" field", path, number));
   }
-  if (!j["text"].is_string()) return invalid_argument(fmt::format("{}:{}: \"text\" must be a string", path, number));
-  return j["text"].get<std::string>();
+  if (!j.at("text").is_string()) return invalid_argument(fmt::format("{}:{}: \"text\" must be a string", path, number));
+  return j.at("text").get<std::string>();
 }
 
 constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ULL, kFnvPrime = 0x100000001b3ULL;
@@ -286,6 +282,9 @@ Result<std::unique_ptr<DocumentSource>> make_synthetic_source(const std::string&
 }
 
 Result<std::unique_ptr<DocumentSource>> open_jsonl_source(const std::string& path) {
+  // The file is read again at every epoch, so it must be a regular file (not a pipe), within the
+  // input size limit.
+  DISTCA_RETURN_IF_ERROR(check_input_file("--data", path, /*allow_pipe=*/false));
   std::ifstream in(path);
   if (!in) return not_found(fmt::format("{}: cannot open the data file", path));
   std::string line;

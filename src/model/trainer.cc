@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/json.h"
 #include "distca/core/stopwatch.h"
 #include "distca/model/checkpoint.h"
 #include "distca/model/nano_chain.h"
@@ -225,8 +226,8 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
       if (!got.contains(key) || got[key] != value) {
         return invalid_argument(fmt::format("{}: saved with {} = {}, this run has {}; resume with the same data, "
                                             "ranks and context to continue the same curve",
-                                            o.resume_path, key, got.contains(key) ? got[key].dump() : "nothing",
-                                            value.dump()));
+                                            o.resume_path, key, got.contains(key) ? json_excerpt(got[key]) : std::string("nothing"),
+                                            json_excerpt(value)));
       }
     }
     t->step_ = header["step"].get<int64_t>();

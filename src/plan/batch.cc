@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "distca/core/json.h"
+
 #include <algorithm>
 
 namespace distca::plan {
@@ -138,19 +140,14 @@ Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
 Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
                                const std::string& origin) {
   constexpr const char* kShape = "{\"ranks\": [[len, ...], ...]}";
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    return invalid_argument(fmt::format("{}: malformed JSON: {}", origin, e.what()));
-  }
+  DISTCA_ASSIGN_OR_RETURN(const nlohmann::json json, parse_json(text, origin));
   if (!json.is_object() || !json.contains("ranks") || !json["ranks"].is_array()) {
     return invalid_argument(fmt::format("{}: expected an object {}", origin, kShape));
   }
   for (const auto& [key, value] : json.items()) {
     if (key != "ranks") {
       return invalid_argument(fmt::format("{}: unknown key \"{}\" (a batch file is {} and nothing else)", origin,
-                                          key, kShape));
+                                          text_excerpt(key), kShape));
     }
   }
   std::vector<std::vector<int64_t>> ranks;
@@ -158,7 +155,7 @@ Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
     const size_t r = ranks.size();
     if (!rank.is_array()) {
       return invalid_argument(fmt::format("{}: rank {} is {}, expected an array of document lengths", origin, r,
-                                          rank.dump()));
+                                          json_excerpt(rank)));
     }
     // A rank of a training step always holds tokens: an empty one is a mistake in the file.
     if (rank.empty()) {
@@ -172,11 +169,11 @@ Result<Batch> parse_batch_json(const std::string& text, int64_t tokens_per_rank,
                                                                    : length.is_number_integer() && length.get<int64_t>() > 0;
       if (!is_positive_integer) {
         return invalid_argument(fmt::format("{}: rank {} document {} has length {}, expected a positive integer",
-                                            origin, r, lengths.size(), length.dump()));
+                                            origin, r, lengths.size(), json_excerpt(length)));
       }
       if (length.get<uint64_t>() > static_cast<uint64_t>(kMaxTokens)) {
         return invalid_argument(fmt::format("{}: rank {} document {} has length {}, more than {} tokens", origin, r,
-                                            lengths.size(), length.dump(), kMaxTokens));
+                                            lengths.size(), json_excerpt(length), kMaxTokens));
       }
       lengths.push_back(length.get<int64_t>());
     }

@@ -9,6 +9,7 @@
 
 #include "distca/core/check.h"
 #include "distca/core/file.h"
+#include "distca/core/json.h"
 
 namespace distca::plan {
 namespace {
@@ -86,12 +87,7 @@ std::vector<std::string> builtin_distribution_names() { return {"pretrain", "pro
 
 Result<LengthDistribution> load_doc_lengths(const std::string& path) {
   DISTCA_ASSIGN_OR_RETURN(const std::string text, read_text_file(path));
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    return invalid_argument(fmt::format("{}: malformed JSON: {}", path, e.what()));
-  }
+  DISTCA_ASSIGN_OR_RETURN(const nlohmann::json json, parse_json(text, path));
   if (!json.is_array() || json.empty()) {
     return invalid_argument(fmt::format("{}: expected a non-empty JSON array of lengths", path));
   }
@@ -103,7 +99,7 @@ Result<LengthDistribution> load_doc_lengths(const std::string& path) {
                                                             : v.is_number_integer() && v.get<int64_t>() > 0;
     if (!is_positive_integer || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(kMaxTokens))) {
       return invalid_argument(fmt::format("{}: entry {} is {}, expected a positive integer length of at most {}",
-                                          path, lengths.size(), v.dump(), kMaxTokens));
+                                          path, lengths.size(), json_excerpt(v), kMaxTokens));
     }
     lengths.push_back(v.get<int64_t>());
   }

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "distca/core/file.h"
+#include "distca/core/json.h"
 
 namespace distca::sim {
 
@@ -164,9 +165,10 @@ Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& or
   Profile p;
   try {
     if (j.at("format").get<std::string>() != "distca-profile") {
-      return invalid_argument(fmt::format("{}: not a distca profile (format '{}')", origin, j.at("format").get<std::string>()));
+      return invalid_argument(fmt::format("{}: not a distca profile (format '{}')", origin,
+                                          text_excerpt(j.at("format").get<std::string>())));
     }
-    const int version = j.at("version").get<int>();
+    const int64_t version = json_int(j.at("version"), "version", 0, 1 << 30);
     if (version != kProfileVersion) {
       return invalid_argument(fmt::format("{}: profile version {} (this build reads version {})", origin, version, kProfileVersion));
     }
@@ -174,13 +176,14 @@ Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& or
     p.source = j.value("source", "");
     for (const auto& a : j.at("attention")) {
       AttentionProfile ap;
-      ap.num_q_heads = a.at("num_q_heads").get<int64_t>();
-      ap.num_kv_heads = a.at("num_kv_heads").get<int64_t>();
-      ap.head_dim = a.at("head_dim").get<int64_t>();
+      ap.num_q_heads = json_int(a.at("num_q_heads"), "num_q_heads", 1, 1 << 20);
+      ap.num_kv_heads = json_int(a.at("num_kv_heads"), "num_kv_heads", 1, 1 << 20);
+      ap.head_dim = json_int(a.at("head_dim"), "head_dim", 1, 1 << 20);
       ap.task_overhead_seconds = a.value("task_overhead_seconds", 0.0);
-      ap.tile_rows = a.value("tile_rows", int64_t{1});
+      ap.tile_rows = a.contains("tile_rows") ? json_int(a.at("tile_rows"), "tile_rows", 1, 1 << 20) : 1;
       for (const auto& x : a.at("points")) {
-        ap.points.push_back({x.at("q_tokens").get<int64_t>(), x.at("kv_tokens").get<int64_t>(),
+        ap.points.push_back({json_int(x.at("q_tokens"), "q_tokens", 0, int64_t{1} << 40),
+                             json_int(x.at("kv_tokens"), "kv_tokens", 0, int64_t{1} << 40),
                              x.at("fwd_seconds").get<double>(), x.at("bwd_seconds").get<double>()});
       }
       p.attention.push_back(std::move(ap));
@@ -213,12 +216,7 @@ Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& or
 
 Result<Profile> load_profile(const std::string& path) {
   DISTCA_ASSIGN_OR_RETURN(std::string text, read_text_file(path));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    return invalid_argument(fmt::format("{}: not JSON ({})", path, e.what()));
-  }
+  DISTCA_ASSIGN_OR_RETURN(const nlohmann::json j, parse_json(text, path));
   return profile_from_json(j, path);
 }
 

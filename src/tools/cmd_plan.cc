@@ -93,7 +93,10 @@ Status check_args(const PlanArgs& a) {
                               "stdout; add --json for it as JSON)");
     }
     if (a.request.policy == "all") return invalid_argument("--out writes one plan: pick one --policy, not all");
-    DISTCA_RETURN_IF_ERROR(check_output_path("--out", a.out_path));
+    DISTCA_RETURN_IF_ERROR(check_output_path("--out", a.out_path));  // refuses an empty name
+    DISTCA_RETURN_IF_ERROR(check_output_paths({{"--out", a.out_path}}, {{"--batch", a.batch_path},
+                                                                     {"--doc-lengths", a.doc_lengths_path},
+                                                                     {"--profile", a.profile_path}}));
   }
   return Status::ok();
 }

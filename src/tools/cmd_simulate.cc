@@ -521,7 +521,7 @@ Status check_args(const SimArgs& a, int iterations) {
   sim::SimRequest request = a.request;
   request.iterations = iterations;
   DISTCA_RETURN_IF_ERROR(request.validate());
-  return check_output_paths({{"--plot", a.plot}});
+  return check_output_paths({{"--plot", a.plot}}, {{"--profile", a.profile}});
 }
 
 int run_simulate(const SimArgs& a) {

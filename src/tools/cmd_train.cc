@@ -68,13 +68,6 @@ struct TrainArgs {
   bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
 
-bool same_file(const std::string& a, const std::string& b) {
-  namespace fs = std::filesystem;
-  std::error_code ec1, ec2;
-  const fs::path pa = fs::weakly_canonical(fs::absolute(a), ec1), pb = fs::weakly_canonical(fs::absolute(b), ec2);
-  return !ec1 && !ec2 && pa == pb;
-}
-
 int64_t available_memory_bytes() {
   // MemAvailable: what the kernel can give without swapping; the whole machine if unreadable.
   std::ifstream in("/proc/meminfo");
@@ -225,12 +218,11 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
                                         a.skip, o.steps));
   }
   DISTCA_RETURN_IF_ERROR(timeout_from_seconds(a.timeout_seconds).status());
-  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}, {"--checkpoint", a.checkpoint}}));
-  if (!a.json_path.empty() && !a.resume.empty() && same_file(a.json_path, a.resume)) {
-    // (--resume and --checkpoint on one file is the usual way to continue.)
-    return invalid_argument(fmt::format("--json and --resume name the same file ({}): the report would replace the "
-                                        "checkpoint; give the report its own path", a.json_path));
-  }
+  // --resume and --checkpoint on one file is the usual way to continue (the checkpoint is read
+  // whole before training starts and replaced atomically at the next save): only --json is kept
+  // off the checkpoint being resumed.
+  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}, {"--checkpoint", a.checkpoint}}, {{"--data", o.data_path}}));
+  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}}, {{"--resume", a.resume}}));
   // Memory: refuse before allocating what this machine cannot hold.
   const int world = world_size(a.ranks);
   model::MemoryEstimate m = model::estimate_memory(o, world);

@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
   distca::set_log_level(is_verbose ? distca::LogLevel::kDebug
                                    : (is_quiet ? distca::LogLevel::kError : distca::LogLevel::kInfo));
   for (const CLI::App* sub : app.get_subcommands()) {
+    distca::tools::set_run_settings(sub->config_to_str(/*default_also=*/true, /*write_description=*/false));
     // plan and simulate are one-process commands: under mpirun rank 0 runs them (one report, one
     // error line, its exit code) and the other ranks end at once.
     const bool is_single_process = sub->get_name() == "plan" || sub->get_name() == "simulate";

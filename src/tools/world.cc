@@ -4,8 +4,12 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
+
+#include "distca/core/json.h"
 
 #include "distca/comm/local_comm.h"
 #if DISTCA_HAVE_MPI
@@ -51,12 +55,93 @@ namespace {
 // are stuck waiting for it, and aborts.
 constexpr std::chrono::seconds kFailedRankGrace{5};
 
+std::string& run_settings() {
+  static std::string settings;
+  return settings;
+}
+
+// "name=value" lines in order, under their [section]s, as (section.name, value).
+std::vector<std::pair<std::string, std::string>> settings_lines(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::string section;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(begin, end - begin);
+    begin = end + 1;
+    if (line.empty()) continue;
+    if (line.front() == '[' && line.back() == ']') {
+      section = line.substr(1, line.size() - 2);
+      continue;
+    }
+    const size_t eq = line.find('=');
+    const std::string key = eq == std::string::npos ? line : line.substr(0, eq);
+    out.emplace_back(section.empty() ? key : section + "." + key, eq == std::string::npos ? "" : line.substr(eq + 1));
+  }
+  return out;
+}
+
 std::string error_line(const std::string& command, int rank, int size, const std::string& message) {
   if (size == 1) return fmt::format("distca {}: error: {}", command, message);
   return fmt::format("distca {}: rank {}: error: {}", command, rank, message);
 }
 
 }  // namespace
+
+void set_run_settings(std::string settings) { run_settings() = std::move(settings); }
+
+std::string first_difference(const std::string& a, int rank_a, const std::string& b, int rank_b) {
+  const auto la = settings_lines(a), lb = settings_lines(b);
+  auto flag = [](const std::string& key) {
+    // "bench.step.steps" -> "--steps": the option's own name is what the user typed.
+    const size_t dot = key.rfind('.');
+    return "--" + (dot == std::string::npos ? key : key.substr(dot + 1));
+  };
+  auto shown = [](const std::string& v) { return v.empty() ? std::string("unset") : text_excerpt(v); };
+  for (size_t i = 0; i < std::max(la.size(), lb.size()); ++i) {
+    if (i < la.size() && i < lb.size() && la[i] == lb[i]) continue;
+    if (i < la.size() && i < lb.size() && la[i].first == lb[i].first) {
+      return fmt::format("{} is {} on rank {} and {} on rank {}", flag(la[i].first), shown(la[i].second), rank_a,
+                         shown(lb[i].second), rank_b);
+    }
+    const auto& [key, value] = i < la.size() ? la[i] : lb[i];
+    return fmt::format("{} is set on rank {} only", flag(key), i < la.size() ? rank_a : rank_b);
+  }
+  return a == b ? "" : fmt::format("rank {} and rank {} were started differently", rank_a, rank_b);
+}
+
+Status check_same_settings(comm::Communicator& c, const std::string& settings) {
+  const int size = c.size();
+  const auto n = static_cast<size_t>(size);
+  // Every rank's length, then every rank's text, to every rank.
+  std::vector<int64_t> eight(n, sizeof(int64_t)), offsets(n), lengths(n);
+  for (size_t r = 0; r < n; ++r) offsets[r] = static_cast<int64_t>(r * sizeof(int64_t));
+  const std::vector<int64_t> mine(n, static_cast<int64_t>(settings.size()));
+  DISTCA_RETURN_IF_ERROR(c.all_to_all_v({reinterpret_cast<const std::byte*>(mine.data()), eight, offsets,
+                                         reinterpret_cast<std::byte*>(lengths.data()), eight, offsets}));
+  std::vector<int64_t> send_counts(n, static_cast<int64_t>(settings.size())), send_offsets(n), recv_offsets(n);
+  std::string send, recv;
+  for (size_t r = 0; r < n; ++r) {
+    send_offsets[r] = static_cast<int64_t>(send.size());
+    send += settings;
+    recv_offsets[r] = static_cast<int64_t>(recv.size());
+    if (lengths[r] < 0 || lengths[r] > (int64_t{1} << 24)) return internal_error("settings exchange: a bad length");
+    recv.resize(recv.size() + static_cast<size_t>(lengths[r]));
+  }
+  DISTCA_RETURN_IF_ERROR(c.all_to_all_v({reinterpret_cast<const std::byte*>(send.data()), send_counts, send_offsets,
+                                         reinterpret_cast<std::byte*>(recv.data()), lengths, recv_offsets}));
+  const std::string first = recv.substr(0, static_cast<size_t>(lengths[0]));
+  for (size_t r = 1; r < n; ++r) {
+    const std::string other = recv.substr(static_cast<size_t>(recv_offsets[r]), static_cast<size_t>(lengths[r]));
+    if (other != first) {
+      return invalid_argument(fmt::format("the ranks were started with different settings: {}; start every rank with "
+                                          "the same command line",
+                                          first_difference(first, 0, other, static_cast<int>(r))));
+    }
+  }
+  return Status::ok();
+}
 
 int run_world(const std::string& command, int local_ranks, const std::function<Status(comm::Communicator&)>& body,
               const WorldOptions& options) {
@@ -76,7 +161,8 @@ int run_world(const std::string& command, int local_ranks, const std::function<S
     c.set_timeout(options.timeout);
     Status s;
     try {
-      s = body(c);
+      s = check_same_settings(c, run_settings());
+      if (s.is_ok()) s = body(c);
     } catch (const std::bad_alloc&) {
       s = internal_error("out of memory (the machine could not give this rank the memory it asked for)");
     } catch (const std::exception& e) {

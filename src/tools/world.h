@@ -39,6 +39,18 @@ inline constexpr const char* kTimeoutHelp =
 // `seconds` as a collective timeout, or kInvalidArgument naming --timeout.
 Result<std::chrono::milliseconds> timeout_from_seconds(double seconds);
 
+// The settings this process was started with (the command's options with their values, one
+// "name=value" line each, as CLI11's config_to_str writes them), set once by main after parsing.
+// Under mpirun, run_world compares them across ranks before any work: ranks started with
+// different settings all end with exit 2 naming the first setting that differs.
+void set_run_settings(std::string settings);
+// The first setting that differs between two settings texts, as "--steps is 5 on rank 0 and 3 on
+// rank 1"; empty when they are the same.
+std::string first_difference(const std::string& a, int rank_a, const std::string& b, int rank_b);
+// Exchanges the settings over `c` and compares every rank's with rank 0's: kInvalidArgument
+// naming the first setting that differs (the same message on every rank).
+Status check_same_settings(comm::Communicator& c, const std::string& settings);
+
 // Runs `body` on every rank and returns the exit code. The error reaches the user once:
 // - when every rank ends (done or failed) within a few seconds of each other, as with bad data
 //   that every rank reads, the lowest failing rank prints its error and every process exits

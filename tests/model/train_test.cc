@@ -312,7 +312,7 @@ TEST(Data, JsonlAndDirectorySources) {
   };
   const std::vector<Bad> bad = {
       {"{\"text\": \"ok\"}\n{\"text\": 5}\n", "bad.jsonl:2: \"text\" must be a string"},
-      {"{\"text\": \"ok\"}\n\n{oops\n", "bad.jsonl:3: not JSON"},
+      {"{\"text\": \"ok\"}\n\n{oops\n", "bad.jsonl:3: malformed JSON"},
       {"[1, 2]\n", "bad.jsonl:1: expected an object with a \"text\" field"},
       {"\n\n", "no document"},
   };
