@@ -117,7 +117,16 @@ class MinbytesPlanner {
       const auto& fwd = plan.traffic.forward;
       plan.is_within_budget = is_budget_feasible_ && fwd.max_send_bytes <= budget_ && fwd.max_recv_bytes <= budget_;
     }
-    plan.note = plan.is_balanced ? "bound met" : (failure_.empty() ? "bound not met" : failure_);
+    plan.note = plan.is_balanced ? "bound met" : "bound not met";
+    if (!plan.is_balanced && !stuck_.empty()) {
+      // Name the busiest server of the finished plan (a server that got stuck early may have been
+      // passed by another one), and why its work could not move.
+      const auto busiest = static_cast<int32_t>(std::max_element(load_.begin(), load_.end()) - load_.begin());
+      const bool was_stuck = std::find(stuck_.begin(), stuck_.end(), busiest) != stuck_.end();
+      plan.note = fmt::format("the busiest server, {}, stays at {:.4f} x cap: {}{}", busiest, load_[busiest] / cap_,
+                              was_stuck ? "no receiver has room for a block of its work" : "the planner ran out of moves",
+                              was_stuck && budget_ > 0 ? " within --max-rank-bytes" : "");
+    }
     return plan;
   }
 
@@ -415,10 +424,7 @@ class MinbytesPlanner {
         }
       }
       if (best.band < 0) {
-        if (failure_.empty()) {
-          failure_ = fmt::format("server {} stays at {:.4f} x cap: no receiver has room for a block of its work{}", s,
-                                 load_[s] / cap_, budget_ > 0 ? " within --max-rank-bytes" : "");
-        }
+        stuck_.push_back(s);
         return;
       }
       --moves_left;
@@ -548,7 +554,7 @@ class MinbytesPlanner {
   std::vector<double> received_;                   // (R) bytes of the moves each took so far
   std::vector<int64_t> send_, recv_;               // (R) forward dispatch + return bytes so far
   bool is_budget_feasible_ = true;
-  std::string failure_;
+  std::vector<int32_t> stuck_;  // servers left above the cap with no receiver for their work
 };
 
 bool keeps_budget(const Plan& plan, int64_t budget) {

@@ -91,7 +91,15 @@ class MinmaxPlanner {
                               fwd.max_recv_bytes <= options_.max_rank_bytes;
     }
     if (!plan.is_balanced) {
-      plan.note = failure_.empty() ? "bound not met" : failure_;
+      plan.note = "bound not met";
+      if (!stuck_.empty()) {
+        // The busiest server of the finished plan, which need not be the first that got stuck.
+        const auto busiest = static_cast<int32_t>(std::max_element(load_.begin(), load_.end()) - load_.begin());
+        const bool was_stuck = std::find(stuck_.begin(), stuck_.end(), busiest) != stuck_.end();
+        plan.note = fmt::format("the busiest server, {}, stays at {:.4f} x cap: {}{}", busiest, load_[busiest] / cap_,
+                                was_stuck ? "no server has room for a shard of its work" : "the planner ran out of moves",
+                                was_stuck && options_.max_rank_bytes > 0 ? " within --max-rank-bytes" : "");
+      }
       plan.note += fmt::format("; largest indivisible shard = {:.4f} x mean", largest_shard / plan.load.mean);
     } else {
       plan.note = plan.is_guaranteed ? "bound guaranteed: the largest shard fits in the slack"
@@ -174,14 +182,17 @@ class MinmaxPlanner {
     std::vector<Task> tasks;
     for (const Run& run : runs_) tasks.push_back(causal_task(run.doc, run.lo, run.hi, run.server));
     forward_rank_bytes(batch_, cost_.token_bytes(), tasks, send_, recv_);
+    // The note names the rank furthest over the budget, not merely the first.
+    int32_t worst = -1;
     for (int32_t k = 0; k < num_ranks_; ++k) {
-      if (is_budget_feasible_ && (send_[k] > options_.max_rank_bytes || recv_[k] > options_.max_rank_bytes)) {
-        is_budget_feasible_ = false;
-        budget_failure_ = fmt::format(
-            "infeasible budget: rank {} already sends {} and receives {} bytes before balancing, "
-            "more than --max-rank-bytes {}",
-            k, send_[k], recv_[k], options_.max_rank_bytes);
-      }
+      if (worst < 0 || std::max(send_[k], recv_[k]) > std::max(send_[worst], recv_[worst])) worst = k;
+    }
+    if (worst >= 0 && std::max(send_[worst], recv_[worst]) > options_.max_rank_bytes) {
+      is_budget_feasible_ = false;
+      budget_failure_ = fmt::format(
+          "infeasible budget: rank {} already sends {} and receives {} bytes before balancing (the most of any rank), "
+          "more than --max-rank-bytes {}",
+          worst, send_[worst], recv_[worst], options_.max_rank_bytes);
     }
   }
 
@@ -283,11 +294,7 @@ class MinmaxPlanner {
         consider(top[i], roomiest, excess, best);
       }
       if (best.run < 0) {
-        if (failure_.empty()) {
-          failure_ = fmt::format("server {} stays at {:.4f} x cap: no server has room for a shard of its work{}",
-                                 s, load_[s] / cap_,
-                                 options_.max_rank_bytes > 0 ? " within --max-rank-bytes" : "");
-        }
+        stuck_.push_back(s);
         return;
       }
       apply(best);
@@ -339,7 +346,7 @@ class MinmaxPlanner {
   std::vector<std::vector<std::pair<int32_t, int64_t>>> kv_need_;  // (docs) (server, key end)
   std::vector<int64_t> send_, recv_;                // (R) forward bytes, upper bounds
   bool is_budget_feasible_ = true;
-  std::string failure_;
+  std::vector<int32_t> stuck_;  // servers left above the cap with no receiver for their work
   std::string budget_failure_ = "per-rank byte budget exceeded";
 };
 

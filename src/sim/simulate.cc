@@ -454,7 +454,14 @@ Result<SystemResult> run_system(const Ctx& c, const std::string& system) {
 Status Cluster::validate() const {
   const std::pair<const char*, int> counts[] = {{"--gpus", gpus}, {"--gpus-per-node", gpus_per_node}, {"--tp", tp}, {"--pp", pp}, {"--cp", cp}};
   for (const auto& [flag, value] : counts) {
-    if (value < 1) return invalid_argument(fmt::format("{} must be >= 1, got {}", flag, value));
+    // The same ceiling as `distca plan --ranks`: a cluster larger than that is refused at once,
+    // before anything is allocated for it.
+    if (value < 1 || value > plan::kMaxRanks) {
+      return invalid_argument(fmt::format("{} must be in [1, {}], got {}", flag, plan::kMaxRanks, value));
+    }
+  }
+  if (int64_t{tp} * pp * cp > gpus) {
+    return invalid_argument(fmt::format("--tp x --pp x --cp ({} x {} x {}) is more than --gpus ({})", tp, pp, cp, gpus));
   }
   if (gpus % (tp * pp * cp) != 0) {
     return invalid_argument(fmt::format("--gpus ({}) must be a multiple of --tp x --pp x --cp ({} x {} x {})", gpus, tp, pp, cp));
@@ -472,6 +479,12 @@ Status SimOptions::validate() const {
   }
   if (context < 1024 || context > plan::kMaxTokens) return invalid_argument(fmt::format("--context must be 1K..2G tokens, got {}", context));
   if (context % cluster.cp != 0) return invalid_argument(fmt::format("--context {} does not split into --cp {} units", context, cluster.cp));
+  // Each step samples one sequence of `context` tokens per data-parallel replica, all at once.
+  if (int64_t{cluster.dp()} * context > plan::kMaxTokens) {
+    return invalid_argument(fmt::format("{} data-parallel replicas (--gpus {} / (--tp x --pp x --cp)) x --context {} is "
+                                        "more than {} tokens per step; use fewer --gpus or a shorter --context",
+                                        cluster.dp(), cluster.gpus, context, plan::kMaxTokens));
+  }
   if (batch < 1 || batch > 4096) return invalid_argument(fmt::format("--batch must be 1..4096, got {}", batch));
   if (iterations < 1 || iterations > 1000) return invalid_argument(fmt::format("--iterations must be 1..1000, got {}", iterations));
   if (wlb_cp < 0 || (wlb_cp > 0 && (cluster.units() / cluster.pp) % wlb_cp != 0)) {

@@ -235,8 +235,10 @@ Result<Series> measure(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, int
     if (rep == 0) {
       for (const Sample& r : ranks) out.wire_bytes_per_rank.push_back(r.wire_bytes);
     }
-    say(fmt::format("  repeat {}/{}: sequential {:.3f} s (compute {:.3f}, comm {:.3f}), ping-pong {:.3f} s: {:.0f}% hidden",
-                    rep + 1, repeats, s.seq, s.compute, s.comm, s.pp, 100.0 * hidden_fraction(s)));
+    say(fmt::format("  repeat {}/{}: sequential {:.3f} s (compute {:.3f}, comm {:.3f}), ping-pong {:.3f} s: {}", rep + 1,
+                    repeats, s.seq, s.compute, s.comm, s.pp,
+                    s.comm > 0 ? fmt::format("{:.0f}% hidden", 100.0 * hidden_fraction(s))
+                               : std::string("no communication measured, no share hidden")));
   }
   DISTCA_RETURN_IF_ERROR(check_traffic(link.rank(), nanos, heads, mode));
   return out;

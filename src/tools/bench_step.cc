@@ -152,11 +152,13 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
     std::string line = fmt::format("step {}/{}: sequential {:.3f} s, ping-pong {:.3f} s", s + 1, o.steps,
                                    r[kSequential].step_seconds, r[kPingPong].step_seconds);
     if (emulated) {
-      const double exposed = r[kSequential].step_seconds - r[kZeroCost].step_seconds;
-      const double h = exposed > 0 ? (r[kSequential].step_seconds - r[kPingPong].step_seconds) / exposed : 0.0;
-      hidden.push_back(h);
-      j["hidden_fraction"] = h;
-      line += fmt::format(", zero-cost {:.3f} s: {:.0f}% hidden", r[kZeroCost].step_seconds, 100 * h);
+      const std::optional<double> h =
+          hidden_fraction(r[kSequential].step_seconds, r[kPingPong].step_seconds, r[kZeroCost].step_seconds);
+      if (h) hidden.push_back(*h);
+      j["hidden_fraction"] = h ? nlohmann::json(*h) : nlohmann::json(nullptr);
+      line += h ? fmt::format(", zero-cost {:.3f} s: {:.0f}% hidden", r[kZeroCost].step_seconds, 100 * *h)
+                : fmt::format(", zero-cost {:.3f} s: hidden share not measurable (no faster than sequential)",
+                              r[kZeroCost].step_seconds);
     }
     line += fmt::format("; whole {:.3f} s", r[kWhole].step_seconds);
     say(line);
@@ -185,17 +187,26 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
   report["pingpong_over_sequential"] = seq > 0 ? pp / seq : 0.0;
   if (emulated) {
     const double zero = spread_of(seconds[kZeroCost]).median;
-    const double h = seq > zero ? (seq - pp) / (seq - zero) : 0.0;  // of the medians
-    report["hidden_fraction"] = h;
-    // Above 1 (ping-pong faster than free communication) or below 0 is noise, never clamped.
-    report["hidden_fraction_is_measurement_error"] = h < 0 || h > 1;
-    report["hidden_fraction_per_step"] = to_json(spread_of(hidden));
+    const std::optional<double> h = hidden_fraction(seq, pp, zero);  // of the medians
+    report["hidden_fraction"] = h ? nlohmann::json(*h) : nlohmann::json(nullptr);
+    // Above 1 (ping-pong faster than free communication) or below 0 is noise, never clamped; with
+    // no exposed communication at all (zero-cost no faster than sequential) there is no share.
+    report["hidden_fraction_is_measurement_error"] = !h || *h < 0 || *h > 1;
+    report["hidden_fraction_per_step"] = hidden.empty() ? nlohmann::json(nullptr) : to_json(spread_of(hidden));
+    report["hidden_fraction_measured_steps"] = hidden.size();
+    report["zero_cost_over_sequential"] = seq > 0 ? zero / seq : 0.0;
   } else {
     report["hidden_fraction"] = nullptr;
     report["hidden_fraction_is_measurement_error"] = nullptr;
     report["hidden_fraction_per_step"] = nullptr;
   }
   return report;
+}
+
+std::optional<double> hidden_fraction(double sequential, double pingpong, double zero_cost) {
+  const double exposed = sequential - zero_cost;
+  if (!(exposed > 0)) return std::nullopt;
+  return (sequential - pingpong) / exposed;
 }
 
 void print_step_report(const nlohmann::json& j) {
@@ -226,11 +237,22 @@ void print_step_report(const nlohmann::json& j) {
   fmt::print("  {:<32} {}\n", "sequential: communication", cell("sequential_comm_seconds"));
   fmt::print("  {:<32} {}\n", "sequential: linear compute", cell("sequential_linear_seconds"));
   fmt::print("\n");
-  if (!j["hidden_fraction"].is_null()) {
+  if (j["calibration"].is_null()) {
+    // No emulated link: no zero-cost variant, no hidden share.
+  } else if (j["hidden_fraction"].is_null()) {
+    fmt::print("communication hidden by ping-pong: not measurable: the zero-cost link's step ({:.3f} x sequential) was "
+               "no faster than the sequential one, so there was no exposed communication to hide; run more --steps\n",
+               j["zero_cost_over_sequential"].get<double>());
+  } else {
     const auto& h = j["hidden_fraction_per_step"];
+    const std::string per_step =
+        h.is_null() ? std::string("no single step measurable")
+                    : fmt::format("per step {:.0f}%..{:.0f}% ({} of {} steps measurable)", 100 * h["min"].get<double>(),
+                                  100 * h["max"].get<double>(), j["hidden_fraction_measured_steps"].get<int64_t>(),
+                                  j["steps"].size());
     fmt::print("communication hidden by ping-pong: {:.0f}% of the medians ((sequential - ping-pong) / (sequential - "
-               "zero-cost)); per step {:.0f}%..{:.0f}%\n",
-               100 * j["hidden_fraction"].get<double>(), 100 * h["min"].get<double>(), 100 * h["max"].get<double>());
+               "zero-cost)); {}\n",
+               100 * j["hidden_fraction"].get<double>(), per_step);
     if (j["hidden_fraction_is_measurement_error"].get<bool>()) {
       fmt::print("  (outside 0..100%: the steps' own noise is larger than the difference; run more --steps)\n");
     }

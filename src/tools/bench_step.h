@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "distca/comm/communicator.h"
@@ -42,6 +43,11 @@ struct StepBenchOptions {
 };
 
 Status validate(const StepBenchOptions& o);
+// The share of the exposed communication that ping-pong hid: (sequential - ping-pong) /
+// (sequential - zero-cost), or nothing when the zero-cost step was no faster than the sequential
+// one (no exposed communication was measured: the share is undefined, not 0 %). It is not
+// clamped: outside 0..1 is noise and reported as such.
+std::optional<double> hidden_fraction(double sequential, double pingpong, double zero_cost);
 // Collective; the report is complete on rank 0.
 Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchOptions& o,
                                       const std::function<void(const std::string&)>& progress);

@@ -70,8 +70,8 @@ Status check_args(const PlanArgs& a) {
   }
 
   // 2. Sizes.
-  if (a.ranks && (*a.ranks < 1 || *a.ranks > 1'000'000)) {
-    return invalid_argument(fmt::format("--ranks must be in [1, 1000000], got {}", *a.ranks));
+  if (a.ranks && (*a.ranks < 1 || *a.ranks > kMaxRanks)) {
+    return invalid_argument(fmt::format("--ranks must be in [1, {}], got {}", kMaxRanks, *a.ranks));
   }
   if (a.tokens_per_rank && (*a.tokens_per_rank < 1 || *a.tokens_per_rank > kMaxTokens)) {
     return invalid_argument(

@@ -176,9 +176,26 @@ TEST(Cli, BenchStepMeasuresPingPongInTheRealStep) {
   EXPECT_NEAR(c["operations"].get<double>() * c["latency_us"].get<double>() * 1e-6 +
                   c["wire_bytes"].get<double>() / c["bytes_per_second"].get<double>(),
               c["ratio"].get<double>() * c["linear_seconds"].get<double>(), 1e-9);
-  EXPECT_TRUE(std::isfinite(j["hidden_fraction"].get<double>()));
-  const double h = j["hidden_fraction"].get<double>();
-  EXPECT_EQ(j["hidden_fraction_is_measurement_error"].get<bool>(), h < 0 || h > 1);
+  // The share hidden is undefined (null, flagged, never a made-up 0 %) when the zero-cost step was
+  // no faster than the sequential one; otherwise it is the formula, flagged outside [0, 1].
+  const double seq = j["sequential_seconds"]["median"], pp = j["pingpong_seconds"]["median"],
+               zero = j["zero_cost_seconds"]["median"];
+  EXPECT_DOUBLE_EQ(j["zero_cost_over_sequential"].get<double>(), zero / seq);
+  if (zero >= seq) {
+    EXPECT_TRUE(j["hidden_fraction"].is_null());
+    EXPECT_TRUE(j["hidden_fraction_is_measurement_error"].get<bool>());
+  } else {
+    const double h = j["hidden_fraction"].get<double>();
+    EXPECT_DOUBLE_EQ(h, (seq - pp) / (seq - zero));
+    EXPECT_EQ(j["hidden_fraction_is_measurement_error"].get<bool>(), h < 0 || h > 1);
+  }
+  size_t measurable = 0;
+  for (const auto& s : j["steps"]) {
+    const double ss = s["sequential_seconds"], sz = s["zero_cost_seconds"];
+    EXPECT_EQ(s["hidden_fraction"].is_null(), sz >= ss);
+    measurable += sz < ss;
+  }
+  EXPECT_EQ(j["hidden_fraction_measured_steps"].get<size_t>(), measurable);
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
            {"--ranks 1", "bench step needs 2 or more ranks"},
            {"--link off --ratio 2", "--link off runs none"},

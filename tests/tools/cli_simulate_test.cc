@@ -248,7 +248,7 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
       {"bad profile", "--profile " + bad_profile, "version 9"},
       {"wlb cp does not divide", "--wlb-cp 3", "--wlb-cp 3"},
       {"share above one", "--full-context-share 2", "full-context share"},
-      {"gpus per node zero", "--gpus-per-node 0", "--gpus-per-node must be >= 1, got 0"},
+      {"gpus per node zero", "--gpus-per-node 0", "--gpus-per-node must be in [1, 1000000], got 0"},
       {"batch zero", "--batch 0", "--batch must be 1..4096, got 0"},
       {"negative seed", "--seed -1", "--seed must be >= 0"},
       // Options whose 0 means "choose for me" refuse only negative values, and say so.

@@ -21,6 +21,8 @@ struct Piece {
 
 // Longest document and largest step: causal pair counts (L^2 / 2) stay exact in 64 bits.
 inline constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 1;
+// The most ranks (GPUs) a plan or a simulated cluster may have.
+inline constexpr int32_t kMaxRanks = 1'000'000;
 
 struct Batch {
   int32_t num_ranks = 0;          // R
