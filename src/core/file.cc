@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <new>
 #include <cerrno>
 #include <charconv>
 #include <cstdlib>
@@ -166,6 +168,16 @@ Result<std::string> read_text_file(const std::string& path, int64_t max_bytes) {
     if (static_cast<int64_t>(text.size()) + n > max_bytes) {
       ::close(fd);
       return invalid_argument(too_large(path, fmt::format("more than {} MiB", max_bytes >> 20), max_bytes));
+    }
+    // Grow by doubling, but never past the limit: a stream at the limit holds at most max_bytes.
+    if (text.size() + static_cast<size_t>(n) > text.capacity()) {
+      try {
+        text.reserve(static_cast<size_t>(std::min<int64_t>(max_bytes, 2 * static_cast<int64_t>(text.capacity()) + n)));
+      } catch (const std::bad_alloc&) {
+        ::close(fd);
+        return invalid_argument(fmt::format("{}: out of memory after reading {} (lower {} or free memory)", path,
+                                            mib(static_cast<int64_t>(text.size())), kMaxInputEnv));
+      }
     }
     text.append(buf, static_cast<size_t>(n));
   }

@@ -98,7 +98,10 @@ std::string first_difference(const std::string& a, int rank_a, const std::string
     const size_t dot = key.rfind('.');
     return "--" + (dot == std::string::npos ? key : key.substr(dot + 1));
   };
-  auto shown = [](const std::string& v) { return v.empty() ? std::string("unset") : text_excerpt(v); };
+  auto shown = [](std::string v) {
+    if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);  // CLI11 quotes strings
+    return v.empty() ? std::string("unset") : text_excerpt(v);
+  };
   for (size_t i = 0; i < std::max(la.size(), lb.size()); ++i) {
     if (i < la.size() && i < lb.size() && la[i] == lb[i]) continue;
     if (i < la.size() && i < lb.size() && la[i].first == lb[i].first) {
