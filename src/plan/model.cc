@@ -2,9 +2,12 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/json.h"
+
 namespace distca::plan {
 
 Status ModelShape::validate() const {
+  const std::string name = text_excerpt(this->name);  // a name read from a file may be huge
   if (num_layers <= 0 || hidden <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 || head_dim <= 0 ||
       ffn_hidden <= 0 || dtype_bytes <= 0 || tp <= 0) {
     return invalid_argument(fmt::format(

@@ -94,8 +94,8 @@ int main(int argc, char** argv) {
 
   const std::string bad_word = check_command_word(argc, argv, {"plan", "simulate", "train", "bench", "profile"});
   if (!bad_word.empty()) {
-    if (distca::tools::is_primary_process()) fmt::print(stderr, "distca: error: {}{}\n", bad_word,
-                                                          bad_word.find("--help") == std::string::npos ? " (see distca --help)" : "");
+    distca::tools::print_error_line(fmt::format("distca: error: {}{}", bad_word,
+                                                bad_word.find("--help") == std::string::npos ? " (see distca --help)" : ""));
     return distca::tools::kExitBadInput;
   }
   try {
@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     if (distca::tools::is_primary_process()) fmt::print("{}", version_text());
     return 0;
   } catch (const CLI::ParseError& e) {
-    if (distca::tools::is_primary_process()) {
+    {
       const CLI::App* sub = app.get_subcommands().empty() ? nullptr : app.get_subcommands().front();
       std::string what = e.what();
       if (sub != nullptr && !sub->get_subcommands({}).empty() && sub->get_subcommands().empty()) {
@@ -125,8 +125,8 @@ int main(int argc, char** argv) {
                                                sub->get_name(), fmt::join(names, ", "));
         }
       }
-      fmt::print(stderr, "distca{}: error: {} (see distca {}--help)\n", sub ? " " + sub->get_name() : "", what,
-                 sub ? sub->get_name() + " " : "");
+      distca::tools::print_error_line(fmt::format("distca{}: error: {} (see distca {}--help)",
+                                                  sub ? " " + sub->get_name() : "", what, sub ? sub->get_name() + " " : ""));
     }
     return distca::tools::kExitBadInput;
   }

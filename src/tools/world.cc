@@ -4,6 +4,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -39,9 +40,26 @@ bool is_primary_process() {
   return true;
 }
 
+void print_error_line(const std::string& line) {
+  if (!is_primary_process()) {
+    // Rank 0 found the same error and said so, unless this rank was started differently (another
+    // command line): then rank 0 waits in MPI_Init and only this rank knows. Wait long enough for
+    // mpirun to end this process if rank 0 failed too, then speak.
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    std::string rank = "?";
+    for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
+      if (const char* v = std::getenv(var)) rank = v;
+    }
+    const size_t colon = line.find(": error: ");
+    fmt::print(stderr, "{}\n", colon == std::string::npos ? line : line.substr(0, colon) + ": rank " + rank + line.substr(colon));
+    std::fflush(stderr);
+    return;
+  }
+  fmt::print(stderr, "{}\n", line);
+}
+
 void print_usage_error(const std::string& command, const std::string& message) {
-  if (!is_primary_process()) return;
-  fmt::print(stderr, "distca {}: error: {}\n", command, message);
+  print_error_line(fmt::format("distca {}: error: {}", command, message));
 }
 
 int exit_code(const Status& s) {

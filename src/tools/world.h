@@ -22,7 +22,12 @@ bool is_under_mpi();
 // This process prints usage errors: it is rank 0 of an MPI launch, or there is no launch. Under
 // mpirun every process parses the same flags and finds the same error; only one says so.
 bool is_primary_process();
-// Prints "distca <command>: error: <message>" on the primary process only.
+// Prints a usage error line ("distca <command>: error: ...") once for the job: on the primary
+// process at once; on another rank of an MPI launch only after a few seconds, with its rank, if
+// mpirun has not ended it by then (the primary failed the same way and said so) — so a rank
+// started with another command line is not silent.
+void print_error_line(const std::string& line);
+// print_error_line("distca <command>: error: <message>").
 void print_usage_error(const std::string& command, const std::string& message);
 // The exit code of a Status: 2 for bad input (kInvalidArgument, kNotFound), 1 otherwise.
 int exit_code(const Status& s);

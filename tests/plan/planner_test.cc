@@ -243,5 +243,32 @@ TEST(PlanMinbytes, HonoursAByteBudgetOrNamesTheSmallestItKeeps) {
   EXPECT_FALSE(less.is_balanced && less.is_within_budget) << less.note;
 }
 
+// A plan left unbalanced names its busiest server: the one with the most estimated seconds in the
+// finished plan (it once named the first server that got stuck, which later ones could pass).
+TEST(Planners, AnUnbalancedPlanNamesItsBusiestServer) {
+  const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  int named = 0;
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    SamplingOptions so;
+    so.seed = seed;
+    const Batch b = sample_batch(builtin_distribution("prolong").value(), so, 16, 32768).value();
+    for (const PlanFn fn : {plan_minmax, plan_minbytes}) {
+      const Plan colocated = make(plan_none, b, cost, PlannerOptions{0.05, 128, 0});
+      const int64_t floor = std::max(colocated.traffic.forward.max_send_bytes, colocated.traffic.forward.max_recv_bytes);
+      for (const int64_t budget : {std::max<int64_t>(floor, 1), floor + floor / 8}) {
+        const Plan p = make(fn, b, cost, PlannerOptions{0.01, 128, budget});
+        const std::string key = "the busiest server, ";
+        const size_t at = p.note.find(key);
+        if (at == std::string::npos) continue;
+        ++named;
+        const int server = std::stoi(p.note.substr(at + key.size()));
+        const auto busiest = std::max_element(p.server_seconds.begin(), p.server_seconds.end()) - p.server_seconds.begin();
+        EXPECT_EQ(server, busiest) << p.policy << " seed " << seed << ": " << p.note;
+      }
+    }
+  }
+  EXPECT_GT(named, 0) << "no plan was left unbalanced: the test checks nothing";
+}
+
 }  // namespace
 }  // namespace distca::plan

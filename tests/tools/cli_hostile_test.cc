@@ -390,6 +390,17 @@ TEST(Hostile, RanksStartedWithDifferentSettingsEndAtOnceNamingTheSetting) {
     EXPECT_LT(seconds, 30.0) << c.name << ": the job did not end at once";
     EXPECT_FALSE(fs::exists(json)) << c.name << ": a report was written";
   }
+  // A setting that is bad on one rank only: that rank fails before MPI starts, so it says so itself
+  // (rank 0 has no error to print); the same bad setting on every rank is reported once.
+  for (const auto& [args, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"--steps 0", "rank 1: error: --steps must be >= 1, got 0"},
+           {"--stepz 2", "rank 1: error: The following arguments were not expected"}}) {
+    CmdResult r = run_shell(mpirun + " -np 1 " + bin + " train --preset tiny --steps 2 : -np 1 " + bin +
+                            " train --preset tiny " + args);
+    expect_refused(r, {args.c_str(), "", expected.c_str()});
+  }
+  CmdResult both = run_shell(mpirun + " -np 2 " + bin + " train --preset tiny --steps 0");
+  expect_refused(both, {"bad on every rank", "", "distca train: error: --steps must be >= 1"});
   // The same settings still run (the check costs one small exchange).
   CmdResult ok = run_shell(mpirun + " -np 2 " + bin + " train --preset tiny --steps 1 --json " + json);
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
