@@ -2,7 +2,9 @@
 // layers and the CPU attention kernels (on raw addresses: no PyTorch headers here). Every check,
 // plan, layout and report is the C++ one (DESIGN.md §3: python adds no logic of its own); this
 // file only converts: Python lists and NumPy arrays in, NumPy arrays and
-// JSON text out, and a Status that is not ok into ValueError (bad input) or RuntimeError.
+// JSON text out, and a Status that is not ok into ValueError (bad input) or RuntimeError (a broken
+// invariant). Long calls run without the GIL, and the planner and the simulator can be interrupted
+// (run_interruptible).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -12,15 +14,20 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <future>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "distca/core/file.h"
+#include "distca/core/json.h"
 #include "distca/kernels/cpu.h"
 #include "distca/plan/batch.h"
 #include "distca/plan/plan_io.h"
@@ -37,12 +44,12 @@ using namespace distca;
 
 namespace {
 
-// Bad input (what the command line answers with exit 2) is ValueError; the rest RuntimeError.
+// Bad input (what the command line answers with exit 2: malformed, out of range, not found, a
+// request no plan or configuration can satisfy) is ValueError; kInternal, a broken invariant or a
+// failed dependency, RuntimeError.
 [[noreturn]] void raise(const Status& s) {
-  if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound) {
-    throw py::value_error(s.message());
-  }
-  throw std::runtime_error(s.message());
+  if (s.code() == StatusCode::kInternal) throw std::runtime_error(s.message());
+  throw py::value_error(s.message());
 }
 void check(const Status& s) {
   if (!s.is_ok()) raise(s);
@@ -81,13 +88,34 @@ py::array_t<int64_t> task_matrix(const std::vector<plan::Task>& tasks) {
   return matrix(v, 6);
 }
 
-// JSON text, or ValueError naming what it was meant to be.
-nlohmann::json parse_json(const std::string& text, const std::string& what) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw py::value_error(fmt::format("{}: not JSON: {}", what, e.what()));
+// Runs `work` on a thread of its own while this one waits without the GIL, waking every 20 ms to
+// run Python's signal handlers: Ctrl-C raises KeyboardInterrupt at once (or whatever a handler
+// raises). The C++ planners and simulator have no cancellation point, so interrupted work runs on
+// to its end on its detached thread and its result is dropped: `work` must own everything it
+// touches (captures by value and shared_ptr, no Python object). Its exceptions (py::value_error
+// from take()) are raised here.
+template <typename Work>
+std::invoke_result_t<Work> run_interruptible(Work work) {
+  using R = std::invoke_result_t<Work>;
+  auto task = std::make_shared<std::packaged_task<R()>>(std::move(work));
+  std::future<R> done = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  while (true) {
+    {
+      py::gil_scoped_release release;
+      if (done.wait_for(std::chrono::milliseconds(20)) == std::future_status::ready) break;
+    }
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
+  return done.get();
+}
+
+// A rank argument: ValueError outside [0, num_ranks) (a Python int of any size arrives here).
+int32_t rank_in(int64_t rank, int32_t num_ranks) {
+  if (rank < 0 || rank >= num_ranks) {
+    throw py::value_error(fmt::format("rank {} outside the plan's {} ranks", rank, num_ranks));
+  }
+  return static_cast<int32_t>(rank);
 }
 
 // The plan of one policy on one batch, as distca plan makes it. The report's extras (the
@@ -108,6 +136,13 @@ struct PyPlan {
     }
     return run;
   }
+};
+
+// A plan file read back (load_plan): its batch and its plan, re-verified and hash-checked.
+struct PyLoadedPlan {
+  std::shared_ptr<plan::Batch> batch;
+  plan::Plan plan;
+  std::string model;
 };
 
 PyPlan make_plan(std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& request, const std::string& profile_path) {
@@ -170,10 +205,33 @@ py::dict layout_dict(const runtime::ExchangeLayout& x) {
   return d;
 }
 
+// Rank `rank`'s exchange layout of a plan's tasks (the route is built without the GIL).
+py::dict rank_layout(const plan::Batch& batch, const std::vector<plan::Task>& tasks, int64_t rank) {
+  const int32_t r = rank_in(rank, batch.num_ranks);
+  std::optional<runtime::ExchangeLayout> layout;
+  Status status;
+  {
+    py::gil_scoped_release release;
+    Result<runtime::Route> route = runtime::build_route(batch, tasks, r);
+    if (route.is_ok()) {
+      layout = runtime::exchange_layout(route.value());
+    } else {
+      status = route.status();
+    }
+  }
+  if (!layout) raise(status);
+  return layout_dict(*layout);
+}
+
 plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array_t<int64_t, py::array::c_style | py::array::forcecast> pieces,
                               int64_t tokens_per_rank) {
   if (pieces.ndim() != 2 || pieces.shape(1) != 4) {
     throw py::value_error("pieces must be an (n, 4) array of (doc, begin, end, rank) rows");
+  }
+  if (pieces.shape(0) == 0) throw py::value_error("pieces: a batch needs at least one piece");
+  if (tokens_per_rank < 0 || tokens_per_rank > plan::kMaxTokens) {
+    throw py::value_error(fmt::format("tokens_per_rank must be in [0, {}] (0: the fullest rank's tokens), got {}",
+                                      plan::kMaxTokens, tokens_per_rank));
   }
   plan::Batch b;
   b.doc_lengths = doc_lengths;
@@ -183,6 +241,11 @@ plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array
     if (p[0] < 0 || p[0] >= static_cast<int64_t>(doc_lengths.size()) || p[3] < 0 || p[3] > 1'000'000) {
       throw py::value_error(fmt::format("piece {}: doc {} must be in [0, {}) and rank {} in [0, 1000000]", i, p[0],
                                         doc_lengths.size(), p[3]));
+    }
+    // Positions within a document's possible length, so that summing them cannot overflow.
+    if (p[1] < 0 || p[2] <= p[1] || p[2] > plan::kMaxTokens) {
+      throw py::value_error(fmt::format("piece {}: [begin, end) = [{}, {}) must be a non-empty range within [0, {}]", i,
+                                        p[1], p[2], plan::kMaxTokens));
     }
     b.pieces.push_back({static_cast<int32_t>(p[0]), p[1], p[2], static_cast<int32_t>(p[3])});
     max_rank = std::max(max_rank, p[3]);
@@ -315,14 +378,35 @@ PYBIND11_MODULE(_distca, m) {
       .def("to_dict", &batch_dict);
   m.def("batch_from_json", [](const std::string& text, int64_t tokens_per_rank, const std::string& origin) {
     return take(plan::parse_batch_json(text, tokens_per_rank, origin));
-  });
+  }, py::call_guard<py::gil_scoped_release>());
+  // A file may be a FIFO that no one writes: the read can be interrupted.
   m.def("batch_from_file", [](const std::string& path, int64_t tokens_per_rank) {
-    const std::string text = take(read_text_file(path));
-    return take(plan::parse_batch_json(text, tokens_per_rank, path));
+    return run_interruptible([path, tokens_per_rank] {
+      const std::string text = take(read_text_file(path));
+      return std::make_shared<plan::Batch>(take(plan::parse_batch_json(text, tokens_per_rank, path)));
+    });
   });
-  m.def("pack_documents", [](const std::vector<int64_t>& lengths, int32_t ranks, int64_t tokens_per_rank) {
-    return take(plan::pack_documents(lengths, ranks, tokens_per_rank));
-  });
+  m.def("pack_documents", [](const std::vector<int64_t>& lengths, int32_t num_ranks, int64_t tokens_per_rank,
+                             bool is_cut_allowed) {
+    plan::Batch b = take(plan::pack_documents(lengths, num_ranks, tokens_per_rank));
+    // plan::pack_documents stops when the ranks are full: it cuts the document that fills the last
+    // rank and drops the rest, which is what a data loader drawing documents wants (and asks for
+    // with is_cut_allowed). A caller that names its documents wants every one of them, whole.
+    if (is_cut_allowed) return b;
+    int64_t total = 0;
+    for (size_t d = 0; d < lengths.size(); ++d) {
+      if (lengths[d] <= 0) throw py::value_error(fmt::format("pack: lengths[{}] must be positive, got {}", d, lengths[d]));
+      total = lengths[d] > std::numeric_limits<int64_t>::max() - total ? std::numeric_limits<int64_t>::max()
+                                                                       : total + lengths[d];
+    }
+    if (total > b.total_tokens()) {
+      throw py::value_error(fmt::format(
+          "pack: {} tokens do not fit {} rank{} x {} tokens ({} tokens); give more ranks, a larger tokens_per_rank or "
+          "fewer documents (pack cuts and drops no document)",
+          total, num_ranks, num_ranks == 1 ? "" : "s", tokens_per_rank, int64_t{num_ranks} * tokens_per_rank));
+    }
+    return b;
+  }, py::arg("lengths"), py::arg("num_ranks"), py::arg("tokens_per_rank"), py::arg("is_cut_allowed") = false);
   m.def("batch_from_pieces", &batch_from_pieces);
 
   py::class_<sim::PlanRequest>(m, "PlanRequest")
@@ -385,20 +469,22 @@ PYBIND11_MODULE(_distca, m) {
       .def("report_json", [](PyPlan& p) { return dump(sim::plan_run_json(p.complete(), *p.batch)); })
       .def("plan_json", [](const PyPlan& p) { return dump(plan::plan_to_json(p.plan(), *p.batch, p.run.cost)); })
       .def("verify", [](const PyPlan& p) { check(plan::verify_tasks(*p.batch, p.plan().tasks)); })
-      .def("layout", [](const PyPlan& p, int32_t rank) {
-        const runtime::Route route = take(runtime::build_route(*p.batch, p.plan().tasks, rank));
-        return layout_dict(runtime::exchange_layout(route));
-      });
+      .def("layout", [](const PyPlan& p, int64_t rank) { return rank_layout(*p.batch, p.plan().tasks, rank); });
 
-  // Planning runs without the GIL: a data loader or a planner prefetching the next step on
-  // another Python thread keeps running while C++ plans.
-  m.def("make_plan", &make_plan, py::arg("batch"), py::arg("request"), py::arg("profile_path") = "",
-        py::call_guard<py::gil_scoped_release>());
+  // Planning runs without the GIL (a data loader or a planner prefetching the next step on
+  // another Python thread keeps running while C++ plans) and can be interrupted with Ctrl-C.
+  m.def("make_plan",
+        [](std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& request, const std::string& profile_path) {
+          if (batch == nullptr) throw py::type_error("batch must be a Batch, got None");
+          return run_interruptible([batch, request, profile_path] { return make_plan(batch, request, profile_path); });
+        },
+        py::arg("batch"), py::arg("request"), py::arg("profile_path") = "");
 
   // The layout of a part of a plan's tasks (a ping-pong nano-batch), checked for well-formed
   // tasks only: rows whose tasks are all in the other part get no entry.
   m.def("partial_layout", [](std::shared_ptr<plan::Batch> batch,
                              py::array_t<int64_t, py::array::c_style | py::array::forcecast> tasks, int32_t rank) {
+    if (batch == nullptr) throw py::type_error("batch must be a Batch, got None");
     if (tasks.ndim() != 2 || tasks.shape(1) != 6) {
       throw py::value_error("tasks must be an (n, 6) array of (doc, q0, q1, k0, k1, server) rows");
     }
@@ -411,21 +497,38 @@ PYBIND11_MODULE(_distca, m) {
       task = {static_cast<int32_t>(t[0]), t[1], t[2], t[3], t[4], static_cast<int32_t>(t[5])};
       t += 6;
     }
-    const runtime::Route route = take(runtime::build_partial_route(*batch, list, rank));
-    return layout_dict(runtime::exchange_layout(route));
+    std::optional<runtime::ExchangeLayout> layout;
+    Status status;
+    {
+      py::gil_scoped_release release;
+      Result<runtime::Route> route = runtime::build_partial_route(*batch, list, rank);
+      if (route.is_ok()) {
+        layout = runtime::exchange_layout(route.value());
+      } else {
+        status = route.status();
+      }
+    }
+    if (!layout) raise(status);
+    return layout_dict(*layout);
   });
 
-  // A plan file (distca plan --out): its batch, model and tasks, re-verified and hash-checked.
-  m.def("load_plan_json", [](const std::string& text) {
-    plan::LoadedPlan loaded = take(plan::plan_from_json(parse_json(text, "plan")));
-    py::dict d;
-    d["batch"] = loaded.batch;
-    d["policy"] = loaded.plan.policy;
-    d["tolerance"] = loaded.plan.tolerance;
-    d["hash"] = loaded.plan.hash;
-    d["tasks"] = task_matrix(loaded.plan.tasks);
-    d["model"] = loaded.model.name;
-    return d;
+  // A plan file (distca plan --out): its batch, model and tasks, every field checked, the tasks
+  // re-verified and the hash re-checked; layout() gives each rank what the plan it was written
+  // from gives (a plan made on one rank, broadcast as text, drives the exchange on every rank).
+  py::class_<PyLoadedPlan>(m, "NativeLoadedPlan")
+      .def_property_readonly("policy", [](const PyLoadedPlan& p) { return p.plan.policy; })
+      .def_property_readonly("tolerance", [](const PyLoadedPlan& p) { return p.plan.tolerance; })
+      .def_property_readonly("hash", [](const PyLoadedPlan& p) { return p.plan.hash; })
+      .def_property_readonly("model", [](const PyLoadedPlan& p) { return p.model; })
+      .def_property_readonly("batch", [](const PyLoadedPlan& p) { return p.batch; })
+      .def("tasks", [](const PyLoadedPlan& p) { return task_matrix(p.plan.tasks); })
+      .def("layout", [](const PyLoadedPlan& p, int64_t rank) { return rank_layout(*p.batch, p.plan.tasks, rank); });
+  m.def("load_plan_json", [](std::string text) {
+    return run_interruptible([text = std::move(text)] {
+      plan::LoadedPlan loaded = take(plan::plan_from_text(text, "plan file"));
+      return PyLoadedPlan{std::make_shared<plan::Batch>(std::move(loaded.batch)), std::move(loaded.plan),
+                          loaded.model.name};
+    });
   });
 
   py::class_<sim::SimRequest>(m, "SimRequest")
@@ -456,18 +559,29 @@ PYBIND11_MODULE(_distca, m) {
 
   m.def("simulate_json", [](const sim::SimRequest& request, const std::string& profile_json) {
     sim::Profile profile = sim::default_h200_profile();
-    if (!profile_json.empty()) profile = take(sim::profile_from_json(parse_json(profile_json, "profile"), "profile"));
-    py::gil_scoped_release release;
-    return dump(take(sim::run_simulation(request, profile)));
+    if (!profile_json.empty()) profile = take(sim::profile_from_json(take(parse_json(profile_json, "profile")), "profile"));
+    return run_interruptible([request, profile = std::move(profile)] { return dump(take(sim::run_simulation(request, profile))); });
   });
 
   // Profiles as JSON text: the built-in one, one read from a file (checked), one checked.
   m.def("default_profile_json", [] { return dump(sim::to_json(sim::default_h200_profile())); });
-  m.def("load_profile_json", [](const std::string& path) { return dump(sim::to_json(take(sim::load_profile(path)))); });
-  m.def("check_profile_json", [](const std::string& text, const std::string& origin) {
-    return dump(sim::to_json(take(sim::profile_from_json(parse_json(text, origin), origin))));
+  m.def("load_profile_json", [](const std::string& path) {
+    return run_interruptible([path] { return dump(sim::to_json(take(sim::load_profile(path)))); });
   });
-  m.def("write_file_atomic", [](const std::string& path, const std::string& text) { check(write_file_atomic(path, text)); });
+  m.def("check_profile_json", [](const std::string& text, const std::string& origin) {
+    return dump(sim::to_json(take(sim::profile_from_json(take(parse_json(text, origin)), origin))));
+  });
+  // An output that cannot be written (a directory, a device or FIFO, a missing or read-only
+  // folder, a full disk) is ValueError naming the path, whatever the Status code: nothing was
+  // written, and the path is what the caller must change.
+  m.def("write_file_atomic", [](const std::string& path, const std::string& text) {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = write_file_atomic(path, text);
+    }
+    if (!s.is_ok()) throw py::value_error(s.message());
+  });
   py::class_<PyCpuAttention>(m, "CpuAttention")
       .def(py::init([](int num_threads, bool is_portable) {
              if (num_threads < 0 || num_threads > 1024) {

@@ -9,13 +9,15 @@ same code as the ``distca`` command line, so the same plans, figures and error m
     meta = plan.for_rank(rank)                        # what rank `rank` gathers, sends, computes
     report = distca.simulate(gpus=64, tp=8, context="128K")
 
-Bad input raises ValueError with the command line's message; see README.md, "Python package".
+Bad input raises ValueError with the command line's message, and an argument of the wrong type
+TypeError naming it (an integer argument takes a Python or NumPy integer: never a bool, a float,
+even 128.0, or a string); see README.md, "Python package".
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -40,6 +42,49 @@ Batch = _distca.Batch
 TASK_DTYPE = np.dtype([(name, np.int64) for name in ("doc", "q0", "q1", "k0", "k1", "server")])
 
 
+def _excerpt(value: Any) -> str:
+    """repr(value) for a message, at most 80 characters (an int of 5000 digits has no repr)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits"
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
+
+
+def _integer(value: Any, name: str, bits: int = 64) -> int:
+    """An integer argument: a Python or NumPy integer that fits the C++ field (`bits`-bit signed).
+    TypeError for anything else: a bool, a float (128.0 too) or a string is not cast."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {_excerpt(value)}")
+    result = int(value)
+    if not -(1 << (bits - 1)) <= result < 1 << (bits - 1):
+        raise ValueError(f"{name} must be a {bits}-bit integer, got {_excerpt(result)}")
+    return result
+
+
+def _number(value: Any, name: str) -> float:
+    """A real argument: a Python or NumPy int or float, not a bool or a string (the C++ side checks
+    its range, inf and NaN included)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {_excerpt(value)}")
+    return float(value)
+
+
+def _string(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {_excerpt(value)}")
+    return value
+
+
+def _path(value: Any, name: str) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {_excerpt(value)}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise TypeError(f"{name} must be a str path, got {_excerpt(path)}")
+    return path
+
+
 def planner_names() -> list[str]:
     """The policies: none, distca, minmax, minbytes."""
     return list(_distca.planner_names())
@@ -62,22 +107,31 @@ BatchLike = Union[Batch, Sequence[Sequence[int]], Mapping[str, Any], str, os.Pat
 
 def _batch(batch: BatchLike, tokens_per_rank: int) -> Batch:
     """A Batch from the forms distca.plan takes (see its docstring)."""
+    tokens_per_rank = _integer(tokens_per_rank, "tokens_per_rank")
     if isinstance(batch, Batch):
         if tokens_per_rank:
             raise ValueError("tokens_per_rank applies to a batch given as lengths; this Batch already has its size")
         return batch
     if isinstance(batch, (str, os.PathLike)):
-        return _distca.batch_from_file(os.fspath(batch), int(tokens_per_rank))
+        return _distca.batch_from_file(_path(batch, "batch"), tokens_per_rank)
     if isinstance(batch, Mapping):
-        text = json.dumps(dict(batch), default=_json_default)
+        value: Any = dict(batch)
     else:
         try:
-            ranks = [list(rank) for rank in batch]
+            value = {"ranks": [list(rank) for rank in batch]}
         except TypeError as e:
             raise ValueError(f"batch must be a Batch, a list of ranks' document lengths, {{'ranks': ...}} or a "
                              f"batch file's path, got {type(batch).__name__}") from e
-        text = json.dumps({"ranks": ranks}, default=_json_default)
-    return _distca.batch_from_json(text, int(tokens_per_rank), "batch")
+    # The C++ reader checks every length (the command line's messages, word for word): 2.5, True
+    # (JSON true) and "2" are refused there; inf and NaN, which JSON cannot hold, here.
+    try:
+        text = json.dumps(value, default=_json_default, allow_nan=False)
+    except ValueError as e:  # allow_nan=False, or a list that holds itself
+        nan = "Out of range float" in str(e)
+        raise ValueError(f"batch: {'a document length is inf or NaN, expected a positive integer' if nan else e}") from e
+    except RecursionError as e:
+        raise ValueError("batch: nested too deeply, expected {'ranks': [[len, ...], ...]}") from e
+    return _distca.batch_from_json(text, tokens_per_rank, "batch")
 
 
 def _json_default(value: Any) -> Any:
@@ -90,18 +144,37 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not a document length")
 
 
-def pack(lengths: Sequence[int], num_ranks: int, tokens_per_rank: int) -> Batch:
-    """Packs documents in order into num_ranks ranks of tokens_per_rank tokens; a document that
-    overflows a rank continues on the next (it becomes pieces on several ranks)."""
-    return _distca.pack_documents([int(x) for x in lengths], int(num_ranks), int(tokens_per_rank))
+def _lengths(lengths: Any, name: str) -> list[int]:
+    if isinstance(lengths, (str, bytes, Mapping)) or not hasattr(lengths, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of integers, got {_excerpt(lengths)}")
+    return [_integer(x, f"{name}[{i}]") for i, x in enumerate(lengths)]
+
+
+def pack(lengths: Sequence[int], num_ranks: int, tokens_per_rank: int, *, overflow: str = "error") -> Batch:
+    """Packs documents, in order, into num_ranks ranks of tokens_per_rank tokens: each rank is
+    filled to tokens_per_rank before the next starts, and a document that overflows a rank
+    continues on the next (it becomes pieces on several ranks). With room to spare nothing is
+    padded: the last rank used holds fewer tokens, and ranks after it hold none.
+
+    overflow: what happens when the documents hold more than num_ranks x tokens_per_rank tokens:
+      "error" (the default) raises ValueError, so every document is kept whole; "cut" fills the
+      ranks and stops, cutting the document that overflows the last rank there and dropping the
+      rest (what a data loader drawing documents until the step is full wants)."""
+    if overflow not in ("error", "cut"):
+        raise ValueError(f"overflow must be 'error' or 'cut', got {_excerpt(overflow)}")
+    return _distca.pack_documents(_lengths(lengths, "lengths"), _integer(num_ranks, "num_ranks", 32),
+                                  _integer(tokens_per_rank, "tokens_per_rank"), overflow == "cut")
 
 
 def batch_from_pieces(doc_lengths: Sequence[int], pieces: Any, tokens_per_rank: int = 0) -> Batch:
     """A batch whose documents may span ranks: pieces is an (n, 4) integer array of rows
     (doc, begin, end, rank), ordered by rank and, within a rank, by position in its linear layout;
     the pieces of each document tile it. tokens_per_rank = 0 takes the fullest rank's tokens."""
-    return _distca.batch_from_pieces([int(x) for x in doc_lengths], np.asarray(pieces, dtype=np.int64),
-                                     int(tokens_per_rank))
+    rows = np.asarray(pieces)
+    if rows.size and (rows.dtype.kind not in "iu" or (rows.dtype.kind == "u" and rows.max() > np.iinfo(np.int64).max)):
+        raise TypeError(f"pieces must be an integer array (int64 values), got dtype {rows.dtype}")
+    return _distca.batch_from_pieces(_lengths(doc_lengths, "doc_lengths"), rows.astype(np.int64),
+                                     _integer(tokens_per_rank, "tokens_per_rank"))
 
 
 @dataclass(frozen=True)
@@ -189,6 +262,13 @@ class RankLayout:
 def _layout(d: dict) -> RankLayout:
     causal, noncausal = VarlenGroup(**d.pop("causal")), VarlenGroup(**d.pop("noncausal"))
     return RankLayout(causal=causal, noncausal=noncausal, **d)
+
+
+def _rank_layout(native: Any, num_ranks: int, rank: Any) -> RankLayout:
+    r = _integer(rank, "rank")
+    if not 0 <= r < num_ranks:
+        raise ValueError(f"rank {r} outside the plan's {num_ranks} ranks")
+    return _layout(native.layout(r))
 
 
 class Plan:
@@ -290,9 +370,7 @@ class Plan:
 
     def for_rank(self, rank: int) -> RankLayout:
         """Rank `rank`'s exchange layout (see RankLayout)."""
-        if not 0 <= int(rank) < self.num_ranks:
-            raise ValueError(f"rank {rank} outside the plan's {self.num_ranks} ranks")
-        return _layout(self._native.layout(int(rank)))
+        return _rank_layout(self._native, self.num_ranks, rank)
 
     def __repr__(self) -> str:
         load = self.load
@@ -302,22 +380,35 @@ class Plan:
 
 @dataclass(frozen=True)
 class LoadedPlan:
-    """A plan file read back: its batch, policy, tolerance, model name, tasks; re-verified and
-    hash-checked."""
+    """A plan file read back: its batch, policy, tolerance, model name, tasks; every field checked,
+    the tasks re-verified and the hash re-checked. for_rank(rank) is what the Plan it was written
+    from gives, so a plan made on one rank and broadcast as text drives the exchange on every rank."""
     batch: Batch
     policy: str
     tolerance: float
     hash: int
     tasks: np.ndarray
     model: str
+    _native: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.batch.num_ranks
+
+    def for_rank(self, rank: int) -> RankLayout:
+        """Rank `rank`'s exchange layout (see RankLayout), the same as Plan.for_rank's."""
+        return _rank_layout(self._native, self.num_ranks, rank)
 
 
 def load_plan(text: str) -> LoadedPlan:
-    """Reads a plan file's text (Plan.to_json, distca plan --out): re-verifies its tasks and
-    re-checks its hash; ValueError when either fails."""
-    d = _distca.load_plan_json(text)
-    d["tasks"] = _tasks(d["tasks"])
-    return LoadedPlan(**d)
+    """Reads a plan file's text (Plan.to_json, distca plan --out). ValueError, one line naming the
+    field, when anything is off: another format or version, a missing or unknown key, a value of
+    the wrong type or out of range (policy not a planner's, tolerance outside [0, 1], a task on no
+    rank of the batch), tasks that do not compute every pair once, a hash or derived figures that
+    are not the tasks'."""
+    native = _distca.load_plan_json(_string(text, "text"))
+    return LoadedPlan(batch=native.batch, policy=native.policy, tolerance=native.tolerance, hash=native.hash,
+                      tasks=_tasks(native.tasks()), model=native.model, _native=native)
 
 
 def cpu_throughput_profile() -> dict:
@@ -342,11 +433,9 @@ def _throughput(throughput: Union[str, Mapping[str, Any]]) -> dict:
         raise ValueError(f"throughput: {'unknown key ' + unknown[0] if unknown else 'missing key ' + missing[0]}; "
                          f"expected {', '.join(_THROUGHPUT_KEYS)}")
     out: dict[str, Any] = {"source": str(throughput.get("source", "given"))}
-    for key, kind in zip(_THROUGHPUT_KEYS, (float, int, float)):
-        value = throughput[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise TypeError(f"throughput: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-        out[key] = kind(value)
+    for key in _THROUGHPUT_KEYS:
+        name = f"throughput: {key}"
+        out[key] = _integer(throughput[key], name) if key == "tile_rows" else _number(throughput[key], name)
     return out
 
 
@@ -375,28 +464,37 @@ def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, gr
       flops_per_second, tile_rows, task_overhead_seconds.
     """
     request = _distca.PlanRequest()
-    request.policy = policy
-    request.tolerance = float(tolerance)
-    request.granularity = None if granularity is None else int(granularity)
-    request.max_rank_bytes = None if max_rank_bytes is None else str(max_rank_bytes)
-    request.gpus_per_node = int(gpus_per_node)
+    request.policy = _string(policy, "policy")
+    request.tolerance = _number(tolerance, "tolerance")
+    request.granularity = None if granularity is None else _integer(granularity, "granularity")
+    if max_rank_bytes is None or isinstance(max_rank_bytes, str):
+        request.max_rank_bytes = max_rank_bytes
+    else:
+        try:
+            request.max_rank_bytes = str(_integer(max_rank_bytes, "max_rank_bytes"))
+        except TypeError:
+            raise TypeError(f"max_rank_bytes must be an integer (bytes), a string or None, "
+                            f"got {_excerpt(max_rank_bytes)}") from None
+    request.gpus_per_node = _integer(gpus_per_node, "gpus_per_node", 32)
     if isinstance(model, str):
         request.model = model
     elif isinstance(model, Mapping):
-        unknown = sorted(set(model) - set(_MODEL_KEYS) - {"preset"})
+        unknown = sorted(set(model) - set(_MODEL_KEYS) - {"preset"}, key=str)
         if unknown:
-            raise ValueError(f"model: unknown key(s) {', '.join(unknown)}; expected preset or {', '.join(_MODEL_KEYS)}")
-        request.model = model.get("preset", "custom")
+            raise ValueError(f"model: unknown key(s) {', '.join(map(_excerpt, unknown))}; "
+                             f"expected preset or {', '.join(_MODEL_KEYS)}")
+        request.model = _string(model.get("preset", "custom"), "model['preset']")
         for key in _MODEL_KEYS:
             if key in model:
-                setattr(request, key, int(model[key]))
+                setattr(request, key, _integer(model[key], f"model['{key}']", 32))
     else:
         raise ValueError(f"model must be a preset name or a dict of shape keys, got {type(model).__name__}")
     if throughput is not None:
         t = _throughput(throughput)
         request.set_throughput(t["flops_per_second"], t["tile_rows"], t["task_overhead_seconds"], t["source"])
+    profile_path = "" if profile is None else _path(profile, "profile")
     native_batch = _batch(batch, tokens_per_rank)
-    return Plan(_distca.make_plan(native_batch, request, os.fspath(profile) if profile is not None else ""))
+    return Plan(_distca.make_plan(native_batch, request, profile_path))
 
 
 def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, **options: Any) -> dict:
@@ -410,22 +508,32 @@ def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, *
     request = _distca.SimRequest()
     for key, value in options.items():
         if not hasattr(request, key) or key.startswith("_"):
-            raise ValueError(f"simulate: unknown option {key!r}")
-        if key == "context":
-            value = str(int(value)) if isinstance(value, (int, np.integer)) else str(value)
-        elif key == "tolerance_sweep" and isinstance(value, str):
-            if value not in ("on", "off"):
-                raise ValueError(f"--tolerance-sweep must be on or off, got {value!r}")
-            value = value == "on"
-        try:
-            setattr(request, key, value)
-        except TypeError as e:
-            expected = type(getattr(request, key)).__name__
-            raise ValueError(f"simulate: {key} must be {expected}, got {value!r}") from e
+            raise ValueError(f"simulate: unknown option {_excerpt(key)}")
+        name = f"simulate: {key}"
+        kind = type(getattr(request, key))  # the C++ field's type
+        if key == "context":  # tokens, or text such as "128K"
+            value = value if isinstance(value, str) else str(_integer(value, name))
+        elif kind is bool:
+            if isinstance(value, str):
+                if value not in ("on", "off"):
+                    raise ValueError(f"--{key.replace('_', '-')} must be on or off, got {_excerpt(value)}")
+                value = value == "on"
+            elif not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool or 'on'/'off', got {_excerpt(value)}")
+            value = bool(value)
+        elif kind is int:
+            value = _integer(value, name, 64 if key == "seed" else 32)
+        elif kind is float:
+            value = _number(value, name)
+        else:
+            value = _string(value, name)
+        setattr(request, key, value)
     if profile is None:
         text = ""
     elif isinstance(profile, Mapping):
-        text = json.dumps(dict(profile))
-    else:
+        text = _profiles.dumps(profile)
+    elif isinstance(profile, (str, os.PathLike)):
         text = json.dumps(_profiles.load(profile))
+    else:
+        raise TypeError(f"simulate: profile must be a profile file's path or a dict, got {_excerpt(profile)}")
     return json.loads(_distca.simulate_json(request, text))

@@ -55,8 +55,8 @@ def test_unknown_batch_type_and_model_keys_are_refused():
         distca.plan([[64]], policy="all")
 
 
-def test_simulate_option_of_the_wrong_type_is_a_value_error():
-    with pytest.raises(ValueError, match="gpus must be int"):
+def test_simulate_option_of_the_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="simulate: gpus must be an integer"):
         distca.simulate(gpus="many")
 
 

@@ -188,7 +188,9 @@ def random_batch(rng):
         return ranks
     tokens = int(rng.integers(32, 200))
     lengths = [int(x) for x in rng.integers(1, 2 * tokens, size=3 * num_ranks)]
-    return distca.pack(lengths, num_ranks, tokens)
+    # More tokens than fit: pack fills the ranks and cuts the rest (overflow="cut"), as a data
+    # loader does, so documents span ranks.
+    return distca.pack(lengths, num_ranks, tokens, overflow="cut")
 
 
 def local_rows(batch):

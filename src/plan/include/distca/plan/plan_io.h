@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <string>
+#include <string_view>
 
 #include "distca/core/status.h"
 #include "distca/plan/batch.h"
@@ -30,7 +31,18 @@ struct LoadedPlan {
   ModelShape model;
   Plan plan;
 };
-// Reads a plan file back, re-verifies its tasks and re-checks its hash.
+// Reads a plan file back. Refused (kInvalidArgument, one line naming the field, e.g.
+// "plan file: batch.pieces[3][1] must be an integer in [0, 2147483647], got -1", quoting at most
+// kMaxQuoted characters of the value): another format or version; a missing or unknown key at any
+// level; a value of the wrong type or out of range (policy: a planner's name; tolerance in [0, 1],
+// as `distca plan` takes it; model shapes within `distca plan`'s bounds; 1 to 2^20 ranks; token
+// counts and positions within kMaxTokens; documents and servers of tasks and pieces within the
+// batch); a batch whose pieces do not tile its documents or overfill a rank; tasks that fail
+// verify_tasks; a hash that is not the tasks'; server_seconds or flows_per_layer other than what
+// the tasks give on the file's model and profile.
 Result<LoadedPlan> plan_from_json(const nlohmann::json& json);
+// The same from the file's text, parsed with parse_json (depth, number overflow and syntax
+// errors start with `origin`).
+Result<LoadedPlan> plan_from_text(std::string_view text, std::string_view origin);
 
 }  // namespace distca::plan
