@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import time
 import socket
 import subprocess
 import sys
@@ -228,6 +229,41 @@ def test_bad_data_line_exit_2_every_rank(tmp_path):
     data.write_text('{"text": "fine"}\nnot json\n')
     results = _train(2, ["--preset", "tiny", "--data", str(data), "--steps", "2"], timeout=60)
     assert [r["code"] for r in results] == [2, 2] and f"{data}:2: not JSON" in results[0]["stdout"]
+
+
+def per_rank_worker(rank, world, argvs):
+    """train_worker with each rank's own command line."""
+    return train_worker(rank, world, argvs[rank])
+
+
+def test_ranks_started_with_different_settings_end_at_once_naming_the_flag(tmp_path):
+    """Every rank exits 2 before any work, rank 0 names the first flag that differs, nothing is written."""
+    _need_gloo()
+    report = tmp_path / "report.json"
+    for rank1, expected in ((["--steps", "3"], "--steps is 2 on rank 0 and 3 on rank 1"),
+                            (["--steps", "2", "--policy", "minmax"], "--policy is unset on rank 0 and minmax on rank 1")):
+        base = ["--preset", "tiny", "--json", str(report)]
+        start = time.perf_counter()
+        results = run_ranks(per_rank_worker, 2, [base + ["--steps", "2"], base + rank1], timeout=60)
+        assert all(r["error"] is None for r in results), results
+        out = [r["result"] for r in results]
+        assert [r["code"] for r in out] == [2, 2], out
+        assert "the ranks were started with different settings" in out[0]["stdout"], out
+        assert expected in out[0]["stdout"], out
+        assert time.perf_counter() - start < 60
+        assert not report.exists()
+
+
+def test_json_never_replaces_a_device_or_fifo(tmp_path):
+    """--json replaces only a regular file: a FIFO (and a device) is refused before any work."""
+    from distca.torch.train import main
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (str(fifo), "/dev/null"):
+        before = os.stat(target)
+        assert main(["--preset", "tiny", "--steps", "1", "--json", target]) == 2
+        after = os.stat(target)
+        assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode), target
 
 
 def test_help_lists_every_flag(capsys):

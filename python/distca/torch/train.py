@@ -46,6 +46,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import statistics
 import sys
 import time
@@ -249,6 +250,10 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
             raise UsageError(f"--checkpoint {path}: a file is there; a checkpoint is a folder")
         if os.path.isdir(path) and flag == "--json":
             raise UsageError(f"--json {path} is a folder")
+        if flag == "--json" and os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+            # The report is a new file renamed into place: it replaces only a regular file, never
+            # a device or a FIFO (as `distca` does; README "Inputs and outputs").
+            raise UsageError(f"--json {path}: not a regular file; the report replaces only a regular file")
         resolved = str(Path(path).resolve())
         if resolved in outputs:
             raise UsageError(f"{outputs[resolved]} and {flag} name the same path {path}")
@@ -802,14 +807,35 @@ def print_summary(s: dict, cfg: Config) -> None:
 
 
 def write_json(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    """A new file renamed into place (distca's own writer: a device, FIFO or folder is refused)."""
+    from distca import _distca
+    _distca.write_file_atomic(path, json.dumps(doc, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
 # The run
+
+
+def _settings(a: argparse.Namespace) -> dict:
+    """The flags this rank was started with, defaults included, as plain values."""
+    return {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v) for k, v in sorted(vars(a).items())}
+
+
+def _same_settings(a: argparse.Namespace, ctl_group) -> None:
+    """UsageError on every rank, naming the first flag that differs, when the ranks were started
+    with different settings (before any work: nothing is read or written)."""
+    every: list = [None] * dist.get_world_size(ctl_group)
+    dist.all_gather_object(every, _settings(a), group=ctl_group)
+    first = every[0]
+    for r, other in enumerate(every[1:], start=1):
+        for key in sorted(set(first) | set(other)):
+            if first.get(key) != other.get(key):
+                flag = "--" + key.replace("_", "-")
+                def shown(v: Any) -> str:
+                    return "unset" if v is None else str(v)
+                raise UsageError(f"the ranks were started with different settings: {flag} is {shown(first.get(key))} on "
+                                 f"rank 0 and {shown(other.get(key))} on rank {r}; start every rank with the same "
+                                 f"command line")
 
 
 def _agree(local_error: Optional[str], ctl_group) -> None:
@@ -834,6 +860,7 @@ def run(cfg: Config) -> int:
     backend = dist.get_backend()
     ddp_group = dist.new_group(backend=backend)
     ctl_group = dist.new_group(backend="gloo")
+    _same_settings(a, ctl_group)
 
     # Data and resume checks: every rank reads the same inputs; any rank's error stops all.
     error, steps_done = None, 0
