@@ -40,6 +40,14 @@ Status Batch::validate() const {
     }
     rank_tokens[p.rank] += p.length();
   }
+  int64_t total = 0;
+  for (const int64_t length : doc_lengths) {
+    if (length > 0 && (length > kMaxTokens || (total += length) > kMaxTokens)) {
+      return invalid_argument(fmt::format("more than {} tokens in the batch (a step holds at most that many; the "
+                                          "sums of causal pairs stay within 64 bits below it)",
+                                          kMaxTokens));
+    }
+  }
   for (int32_t r = 0; r < num_ranks; ++r) {
     if (rank_tokens[r] > tokens_per_rank) {
       return invalid_argument(fmt::format("rank {} holds {} tokens, more than tokens per rank {}", r,
@@ -111,7 +119,7 @@ Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
   }
   Batch batch;
   batch.num_ranks = static_cast<int32_t>(ranks.size());
-  int64_t largest = 0;
+  int64_t largest = 0, total = 0;
   for (int32_t r = 0; r < batch.num_ranks; ++r) {
     int64_t used = 0;
     for (int64_t length : ranks[r]) {
@@ -131,6 +139,11 @@ Result<Batch> batch_from_ranks(const std::vector<std::vector<int64_t>>& ranks,
                                           r, used, tokens_per_rank));
     }
     largest = std::max(largest, used);
+    total += used;
+    if (total > kMaxTokens) {
+      // Sums of causal pairs over a step stay within 64 bits only below 2^31 tokens.
+      return invalid_argument(fmt::format("more than {} tokens in the batch (a step holds at most that many)", kMaxTokens));
+    }
   }
   batch.tokens_per_rank = tokens_per_rank > 0 ? tokens_per_rank : std::max<int64_t>(largest, 1);
   batch.index();

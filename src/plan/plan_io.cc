@@ -144,7 +144,8 @@ const json& object(const json& obj, std::string_view path, std::initializer_list
   for (std::string_view key : required) {
     if (!obj.contains(key)) fail(fmt::format("{} is missing; {}", at(path, key), kRegenerate));
   }
-  for (const auto& [key, value] : obj.items()) {
+  for (const auto& item : obj.items()) {
+    const std::string& key = item.key();  // not a structured binding: clang < 16 cannot capture one
     auto is = [&](std::string_view k) { return k == key; };
     if (std::none_of(required.begin(), required.end(), is) && std::none_of(optional.begin(), optional.end(), is)) {
       fail(fmt::format("unknown key \"{}\" in {} (a {} version {} file has {})", text_excerpt(key),
@@ -329,6 +330,17 @@ Result<LoadedPlan> read_plan(const json& j) {
   std::vector<Task> tasks = read_tasks(j["tasks"], out.batch);
   check(verify_tasks(out.batch, tasks), "");
   const CostModel cost(out.model, profile);
+  // The bytes the tasks move must fit the plan's 64-bit counters: a row sent once per task that
+  // covers it, in every phase, at the largest row size (a hand-made file can have many one-key
+  // tasks over a huge model; fuzzing found the overflow).
+  const TokenBytes& b = cost.token_bytes();
+  const auto row = static_cast<long double>(std::max({b.q, b.kv, b.out, b.bwd_q, b.bwd_do, b.bwd_dq, b.bwd_dkv}));
+  long double moved = 0;
+  for (const Task& t : tasks) moved += static_cast<long double>((t.q1 - t.q0) + (t.k1 - t.k0)) * row * kNumPhases;
+  if (moved > static_cast<long double>(int64_t{1} << 62)) {
+    fail(fmt::format("tasks: they would move about {:.3g} bytes per layer, more than distca counts (2^62)",
+                     static_cast<double>(moved)));
+  }
   out.plan = finalize_plan(policy, tolerance, out.batch, cost, std::move(tasks));
   if (hex(out.plan.hash) != hash) {
     fail(fmt::format("hash {} does not match its contents ({}); the file was edited or truncated", hash,

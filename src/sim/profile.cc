@@ -7,6 +7,7 @@
 
 #include "distca/core/file.h"
 #include "distca/core/json.h"
+#include "distca/plan/batch.h"
 
 namespace distca::sim {
 
@@ -182,8 +183,8 @@ Result<Profile> profile_from_json(const nlohmann::json& j, const std::string& or
       ap.task_overhead_seconds = a.value("task_overhead_seconds", 0.0);
       ap.tile_rows = a.contains("tile_rows") ? json_int(a.at("tile_rows"), "tile_rows", 1, 1 << 20) : 1;
       for (const auto& x : a.at("points")) {
-        ap.points.push_back({json_int(x.at("q_tokens"), "q_tokens", 0, int64_t{1} << 40),
-                             json_int(x.at("kv_tokens"), "kv_tokens", 0, int64_t{1} << 40),
+        ap.points.push_back({json_int(x.at("q_tokens"), "q_tokens", 0, plan::kMaxTokens),
+                             json_int(x.at("kv_tokens"), "kv_tokens", 0, plan::kMaxTokens),
                              x.at("fwd_seconds").get<double>(), x.at("bwd_seconds").get<double>()});
       }
       p.attention.push_back(std::move(ap));

@@ -85,6 +85,8 @@ TEST(ParseBatchJson, RefusesEmptyRanksAndBadLengthsNamingTheRank) {
       {R"({"ranks": [[2147483648]]})", "more than 2147483647 tokens"},
       {R"({"ranks": [{"docs": [4]}]})", "b.json: rank 0 is {\"docs\":[4]}, expected an array"},
       {R"({"ranks": [[4]], "seed": 3})", "b.json: unknown key \"seed\""},
+      // A step holds at most 2^31 - 1 tokens in all (sums of causal pairs stay within 64 bits).
+      {R"({"ranks": [[2147483647], [1]]})", "b.json: more than 2147483647 tokens in the batch"},
   };
   for (const Case& c : cases) {
     auto r = parse_batch_json(c.text, 0, "b.json");
@@ -92,8 +94,10 @@ TEST(ParseBatchJson, RefusesEmptyRanksAndBadLengthsNamingTheRank) {
     EXPECT_NE(r.status().message().find(c.expected), std::string::npos) << c.text << ": " << r.status().message();
   }
   // The largest accepted length and unequal ranks are fine.
-  Batch b = parse_batch_json(R"({"ranks": [[2147483647], [1]]})", 0, "b.json").value();
+  Batch b = parse_batch_json(R"({"ranks": [[2147483647]]})", 0, "b.json").value();
   EXPECT_EQ(b.tokens_per_rank, kMaxTokens);
+  Batch c = parse_batch_json(R"({"ranks": [[2147483646], [1]]})", 0, "b.json").value();
+  EXPECT_EQ(c.tokens_per_rank, kMaxTokens - 1);
 }
 
 TEST(BatchValidate, CatchesGapsAndOverfullRanks) {

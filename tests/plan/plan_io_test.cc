@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
+#include "distca/core/file.h"
+#include "distca/core/json.h"
+
 #include "distca/plan/planner.h"
 #include "test_util.h"
 
@@ -61,6 +66,24 @@ TEST(PlanIo, ReportHasTheDocumentedFields) {
   EXPECT_EQ(r["comm"]["total_bytes"].get<int64_t>(),
             r["comm"]["q_bytes"].get<int64_t>() + r["comm"]["kv_bytes"].get<int64_t>() +
                 r["comm"]["out_bytes"].get<int64_t>());
+}
+
+// The inputs fuzzing found (tests/fuzz/crashes/plan: sums of causal pairs and of bytes that
+// overflowed 64 bits under UBSan) are refused with a message, in this build too.
+TEST(PlanIo, InputsThatOnceOverflowedAreRefused) {
+  const std::filesystem::path dir = std::filesystem::path(__FILE__).parent_path() / "../fuzz/crashes/plan";
+  int seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".json") continue;
+    ++seen;
+    const std::string text = read_text_file(entry.path().string()).value();
+    Result<nlohmann::json> j = parse_json(text, entry.path().string());
+    ASSERT_TRUE(j.is_ok()) << j.status().message();
+    Result<LoadedPlan> loaded = plan_from_json(j.value());
+    ASSERT_FALSE(loaded.is_ok()) << entry.path();
+    EXPECT_LT(loaded.status().message().size(), 400u) << loaded.status().message();
+  }
+  EXPECT_GE(seen, 2);
 }
 
 }  // namespace

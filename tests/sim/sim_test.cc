@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 
 #include "distca/core/file.h"
 #include "distca/sim/profile.h"
@@ -421,6 +422,22 @@ TEST(Simulate, BadOptionsAreRefused) {
     ASSERT_FALSE(t.is_ok()) << bad;
     EXPECT_NE(t.status().message().find("--tolerance must be in [0, 1]"), std::string::npos) << t.status().message();
   }
+}
+
+// What fuzzing found (tests/fuzz/crashes/profile: token counts whose product overflowed when a
+// shard was priced) is refused when the profile is read.
+TEST(Profile, InputsThatOnceOverflowedAreRefused) {
+  const std::filesystem::path dir = std::filesystem::path(__FILE__).parent_path() / "../fuzz/crashes/profile";
+  int seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".json") continue;
+    ++seen;
+    Result<Profile> p = load_profile(entry.path().string());
+    ASSERT_FALSE(p.is_ok()) << entry.path();
+    EXPECT_NE(p.status().message().find("tokens must be an integer in [0, 2147483647]"), std::string::npos)
+        << p.status().message();
+  }
+  EXPECT_GE(seen, 1);
 }
 
 }  // namespace
