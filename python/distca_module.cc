@@ -205,14 +205,15 @@ py::dict layout_dict(const runtime::ExchangeLayout& x) {
   return d;
 }
 
-// Rank `rank`'s exchange layout of a plan's tasks (the route is built without the GIL).
-py::dict rank_layout(const plan::Batch& batch, const std::vector<plan::Task>& tasks, int64_t rank) {
-  const int32_t r = rank_in(rank, batch.num_ranks);
+// The exchange layout of the route `build()` makes, as a dict; the route and the layout are built
+// without the GIL.
+template <typename Build>
+py::dict layout_of(Build build) {
   std::optional<runtime::ExchangeLayout> layout;
   Status status;
   {
     py::gil_scoped_release release;
-    Result<runtime::Route> route = runtime::build_route(batch, tasks, r);
+    Result<runtime::Route> route = build();
     if (route.is_ok()) {
       layout = runtime::exchange_layout(route.value());
     } else {
@@ -221,6 +222,12 @@ py::dict rank_layout(const plan::Batch& batch, const std::vector<plan::Task>& ta
   }
   if (!layout) raise(status);
   return layout_dict(*layout);
+}
+
+// Rank `rank`'s exchange layout of a plan's tasks.
+py::dict rank_layout(const plan::Batch& batch, const std::vector<plan::Task>& tasks, int64_t rank) {
+  const int32_t r = rank_in(rank, batch.num_ranks);
+  return layout_of([&] { return runtime::build_route(batch, tasks, r); });
 }
 
 plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array_t<int64_t, py::array::c_style | py::array::forcecast> pieces,
@@ -497,19 +504,7 @@ PYBIND11_MODULE(_distca, m) {
       task = {static_cast<int32_t>(t[0]), t[1], t[2], t[3], t[4], static_cast<int32_t>(t[5])};
       t += 6;
     }
-    std::optional<runtime::ExchangeLayout> layout;
-    Status status;
-    {
-      py::gil_scoped_release release;
-      Result<runtime::Route> route = runtime::build_partial_route(*batch, list, rank);
-      if (route.is_ok()) {
-        layout = runtime::exchange_layout(route.value());
-      } else {
-        status = route.status();
-      }
-    }
-    if (!layout) raise(status);
-    return layout_dict(*layout);
+    return layout_of([&] { return runtime::build_partial_route(*batch, list, rank); });
   });
 
   // A plan file (distca plan --out): its batch, model and tasks, every field checked, the tasks

@@ -174,19 +174,7 @@ TEST(Hostile, OutputsNeverReplaceTheRunsInputs) {
   const std::string hardlink = (dir / "batch-hard.json").string();
   fs::create_hard_link(batch, hardlink);
   const std::string lengths = write("class2/lengths.json", "[100, 2000, 4096, 300]\n");
-  const nlohmann::json profile_json = {
-      {"format", "distca-profile"},
-      {"version", 1},
-      {"name", "hand-made"},
-      {"attention",
-       {{{"num_q_heads", 32},
-         {"num_kv_heads", 8},
-         {"head_dim", 128},
-         {"points", {{{"q_tokens", 1024}, {"kv_tokens", 1024}, {"fwd_seconds", 1e-3}, {"bwd_seconds", 2e-3}}}}}}},
-      {"linear_flops_per_second", 1e15},
-      {"intra_node", {{"latency_seconds", 0.0}, {"bytes_per_second", 1e12}}},
-      {"inter_node", {{"latency_seconds", 0.0}, {"bytes_per_second", 1e11}}}};
-  const std::string profile = write("class2/profile.json", profile_json.dump());
+  const std::string profile = cli::simple_profile(1e11);
   const std::string data = write("class2/data.jsonl", "{\"text\": \"one document of training text\"}\n");
   const fs::path docs = dir / "docs";
   fs::create_directories(docs);

@@ -22,6 +22,7 @@ using cli::BadInput;
 using cli::CmdResult;
 using cli::count_lines;
 using cli::distca;
+using cli::simple_profile;
 using cli::scratch;
 using cli::write;
 namespace fs = std::filesystem;
@@ -210,22 +211,6 @@ TEST(Cli, PlanBatchFileErrorsNameTheRank) {
   EXPECT_NE(r.out.find("2 ranks x up to 4096 tokens (1024..4096 held)"), std::string::npos) << r.out;
 }
 
-// A profile whose numbers make every per-layer time easy to compute by hand.
-std::string simple_profile(double inter_node_bytes_per_second) {
-  nlohmann::json p = {
-      {"format", "distca-profile"},
-      {"version", 1},
-      {"name", "hand-made"},
-      {"attention",
-       {{{"num_q_heads", 32},
-         {"num_kv_heads", 8},
-         {"head_dim", 128},
-         {"points", {{{"q_tokens", 1024}, {"kv_tokens", 1024}, {"fwd_seconds", 1e-3}, {"bwd_seconds", 2e-3}}}}}}},
-      {"linear_flops_per_second", 1e15},
-      {"intra_node", {{"latency_seconds", 0.0}, {"bytes_per_second", 1e12}}},
-      {"inter_node", {{"latency_seconds", 0.0}, {"bytes_per_second", inter_node_bytes_per_second}}}};
-  return write("profile_" + std::to_string(static_cast<int64_t>(inter_node_bytes_per_second)) + ".json", p.dump());
-}
 
 TEST(Cli, PlanPricesOneLayerOnTheProfileAndSaysWhetherCommIsHidden) {
   const std::string args = "plan --ranks 16 --tokens-per-rank 32768 --workload prolong --policy minmax --json";

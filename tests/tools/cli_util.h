@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "distca/core/file.h"
 
 namespace cli {
@@ -64,6 +66,23 @@ inline void expect_refused(const CmdResult& r, const BadInput& c) {
   EXPECT_EQ(count_lines(r.err), 1) << c.name << ": " << r.err;
   EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
   EXPECT_TRUE(r.out.empty()) << c.name << ": " << r.out;
+}
+
+// A profile whose numbers make every per-layer time easy to compute by hand.
+inline std::string simple_profile(double inter_node_bytes_per_second) {
+  nlohmann::json p = {
+      {"format", "distca-profile"},
+      {"version", 1},
+      {"name", "hand-made"},
+      {"attention",
+       {{{"num_q_heads", 32},
+         {"num_kv_heads", 8},
+         {"head_dim", 128},
+         {"points", {{{"q_tokens", 1024}, {"kv_tokens", 1024}, {"fwd_seconds", 1e-3}, {"bwd_seconds", 2e-3}}}}}}},
+      {"linear_flops_per_second", 1e15},
+      {"intra_node", {{"latency_seconds", 0.0}, {"bytes_per_second", 1e12}}},
+      {"inter_node", {{"latency_seconds", 0.0}, {"bytes_per_second", inter_node_bytes_per_second}}}};
+  return write("profile_" + std::to_string(static_cast<int64_t>(inter_node_bytes_per_second)) + ".json", p.dump());
 }
 
 }  // namespace cli
