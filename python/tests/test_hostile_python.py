@@ -33,8 +33,9 @@ BATCH_NAMES = ["batch_prolong_r64", "batch_prolong_r512", "batch_wlbllm_r64", "b
 MAX_MESSAGE = 400
 
 # A step whose plan takes seconds (about 3 s with policy distca on the 2-core development machine):
-# 2048 ranks, every eighth holding one 1M-token document, the others 512 documents of 2048 tokens.
-LONG_BATCH_CODE = "[[1 << 20] if r % 8 == 0 else [2048] * 512 for r in range(2048)]"
+# 2048 ranks, every eighth holding one document of 1M - 2048 tokens, the others 511 documents of 2048
+# tokens (under the 2^31 tokens a batch may hold in all).
+LONG_BATCH_CODE = "[[(1 << 20) - 2048] if r % 8 == 0 else [2048] * 511 for r in range(2048)]"
 LONG_POLICY = "distca"
 
 
