@@ -15,6 +15,7 @@
 #include "cmd_simulate.h"
 #include "cmd_train.h"
 #include "distca/core/log.h"
+#include "distca/kernels/cuda.h"
 #include "distca_git_hash.h"
 #include "world.h"
 
@@ -24,9 +25,12 @@ std::string version_text() {
   return fmt::format(
       "distca {} (git {}, {} build)\n"
       "  MpiComm (mpirun): {}\n"
-      "  CUDA attention kernels: not built (no CUDA sources yet)\n"
+      "  CUDA attention kernels: {}\n"
       "  NcclComm: not built (no NCCL communicator yet)\n",
-      DISTCA_VERSION, DISTCA_GIT_HASH, DISTCA_BUILD_TYPE, DISTCA_BUILT_MPI ? "built" : "not built (no MPI at configure time)");
+      DISTCA_VERSION, DISTCA_GIT_HASH, DISTCA_BUILD_TYPE, DISTCA_BUILT_MPI ? "built" : "not built (no MPI at configure time)",
+      distca::kernels::cuda_kernels_built()
+          ? fmt::format("built for {}, not yet validated on a GPU", distca::kernels::cuda_kernels_archs())
+          : std::string("not built (no nvcc at configure time)"));
 }
 
 // Levenshtein distance, for "did you mean".

@@ -1,0 +1,304 @@
+// CudaAttention (distca/kernels/cuda.h), host side: checks, the tile schedule uploaded per call,
+// per-call device memory from the stream-ordered allocator (so calls on different streams never
+// share a buffer), and the launches (launch.h) in order on the caller's stream.
+#include <cuda_runtime.h>
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "distca/kernels/cuda.h"
+#include "launch.h"
+#include "schedule.h"
+
+namespace distca::kernels {
+namespace {
+
+using cuda::BwdItem;
+using cuda::BwdKernelParams;
+using cuda::FwdItem;
+using cuda::FwdKernelParams;
+
+static_assert(cuda::FwdShape<128>::kBlockM == kCudaFwdBlockM && cuda::FwdShape<128>::kBlockN == kCudaFwdBlockN);
+static_assert(cuda::BwdShape<128>::kBlockN == kCudaBwdBlockN && cuda::BwdShape<128>::kBlockM == kCudaBwdBlockM);
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok();
+  return internal_error(fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
+}
+
+#define DISTCA_CUDA_TRY(call)                                                   \
+  do {                                                                          \
+    if (Status distca_cuda_status = cuda_status((call), #call); !distca_cuda_status.is_ok()) { \
+      return distca_cuda_status;                                                \
+    }                                                                           \
+  } while (0)
+
+Status check_aligned(const char* name, const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    return invalid_argument(fmt::format("{} must be 16-byte aligned for the CUDA kernels, got address {}", name, p));
+  }
+  return Status::ok();
+}
+
+Status check_common(const AttnDims& dims, std::span<const AttnTask> tasks) {
+  if (dims.head_dim != 64 && dims.head_dim != 128) {
+    return invalid_argument(fmt::format("the CUDA kernels are built for head dims 64 and 128, got {}", dims.head_dim));
+  }
+  if (Status st = validate(dims, tasks); !st.is_ok()) return st;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (tasks[i].q_len > INT32_MAX || tasks[i].kv_len > INT32_MAX) {
+      return invalid_argument(fmt::format("task {}: the CUDA kernels take at most 2^31-1 rows per task", i));
+    }
+  }
+  return Status::ok();
+}
+
+Status check_grid(int64_t items, int64_t heads) {
+  if (items > 0 && items * heads > INT32_MAX) {
+    return invalid_argument(fmt::format("{} tiles x {} heads exceed the 2^31-1 blocks of a grid", items, heads));
+  }
+  return Status::ok();
+}
+
+// Stream-ordered device memory, released (on the stream) when the call ends.
+class Scratch {
+ public:
+  explicit Scratch(cudaStream_t stream) : stream_(stream) {}
+  ~Scratch() {
+    for (void* p : blocks_) (void)cudaFreeAsync(p, stream_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  template <typename T>
+  Result<T*> alloc(int64_t count) {
+    void* p = nullptr;
+    DISTCA_CUDA_TRY(cudaMallocAsync(&p, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T), stream_));
+    blocks_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  // A copy of `items` in device memory. The source is pageable: cudaMemcpyAsync has staged it
+  // when it returns, so `items` may go.
+  template <typename Item>
+  Result<const Item*> upload(const std::vector<Item>& items) {
+    Result<Item*> device = alloc<Item>(static_cast<int64_t>(items.size()));
+    if (!device.is_ok()) return device.status();
+    DISTCA_CUDA_TRY(cudaMemcpyAsync(device.value(), items.data(), items.size() * sizeof(Item), cudaMemcpyHostToDevice,
+                                    stream_));
+    return static_cast<const Item*>(device.value());
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<void*> blocks_;
+};
+
+// Makes `device` current for the scope of a call and restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      status_ = cuda_status(cudaSetDevice(device), "cudaSetDevice");
+    } else {
+      previous_ = -1;
+    }
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+  }
+  const Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  Status status_;
+};
+
+}  // namespace
+
+const char* cuda_dtype_name(CudaDType dtype) { return dtype == CudaDType::kBf16 ? "bfloat16" : "float16"; }
+
+bool cuda_kernels_built() { return true; }
+std::string cuda_kernels_archs() { return DISTCA_CUDA_ARCHS_STRING; }
+
+Status validate(const CudaFwdArgs& a) {
+  if (Status st = check_common(a.dims, a.tasks); !st.is_ok()) return st;
+  if (a.dims.num_q_rows > 0 && (!a.q || !a.o || !a.lse)) return invalid_argument("q, o and lse must be non-null");
+  if (a.dims.num_kv_rows > 0 && (!a.k || !a.v)) return invalid_argument("k and v must be non-null");
+  for (auto [name, p] : {std::pair<const char*, const void*>{"q", a.q}, {"k", a.k}, {"v", a.v}, {"o", a.o}}) {
+    if (Status st = check_aligned(name, p); !st.is_ok()) return st;
+  }
+  return Status::ok();
+}
+
+Status validate(const CudaBwdArgs& a) {
+  if (Status st = check_common(a.dims, a.tasks); !st.is_ok()) return st;
+  if (a.dims.num_q_rows > 0 && (!a.q || !a.o || !a.lse || !a.d_o || !a.dq)) {
+    return invalid_argument("q, o, lse, do and dq must be non-null");
+  }
+  if (a.dims.num_kv_rows > 0 && (!a.k || !a.v || !a.dk || !a.dv)) return invalid_argument("k, v, dk and dv must be non-null");
+  for (auto [name, p] : {std::pair<const char*, const void*>{"q", a.q}, {"k", a.k}, {"v", a.v}, {"o", a.o},
+                         {"do", a.d_o}, {"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}}) {
+    if (Status st = check_aligned(name, p); !st.is_ok()) return st;
+  }
+  return Status::ok();
+}
+
+struct CudaAttention::State {
+  int device = 0;
+  std::string name;
+};
+
+CudaAttention::CudaAttention(std::unique_ptr<State> state) : state_(std::move(state)) {}
+CudaAttention::~CudaAttention() = default;
+
+Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device) {
+  int count = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
+    return not_found(fmt::format("no CUDA device: {}", e != cudaSuccess ? cudaGetErrorString(e) : "the driver sees none"));
+  }
+  if (device < 0) DISTCA_CUDA_TRY(cudaGetDevice(&device));
+  if (device >= count) return invalid_argument(fmt::format("CUDA device {} does not exist ({} found)", device, count));
+  cudaDeviceProp prop{};
+  DISTCA_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+  if (prop.major < 8) {
+    return invalid_argument(fmt::format("{} has compute capability {}.{}; distca's CUDA kernels need 8.0 or newer",
+                                        prop.name, prop.major, prop.minor));
+  }
+  DeviceScope scope(device);
+  if (!scope.status().is_ok()) return scope.status();
+  DISTCA_CUDA_TRY(cuda::allow_tile_smem());
+  auto state = std::make_unique<State>();
+  state->device = device;
+  state->name = fmt::format("{} (sm_{}{})", prop.name, prop.major, prop.minor);
+  return std::unique_ptr<CudaAttention>(new CudaAttention(std::move(state)));
+}
+
+int CudaAttention::device() const { return state_->device; }
+std::string CudaAttention::device_name() const { return state_->name; }
+
+Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
+  if (Status st = validate(a); !st.is_ok()) return st;
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const AttnDims& d = a.dims;
+  const std::vector<FwdItem> items = cuda::fwd_schedule(a.tasks, kCudaFwdBlockM);
+  if (Status st = check_grid(static_cast<int64_t>(items.size()), d.num_q_heads); !st.is_ok()) return st;
+  DeviceScope scope(state_->device);
+  if (!scope.status().is_ok()) return scope.status();
+  auto* o = static_cast<uint16_t*>(a.o);
+  for (const auto& [begin, end] : cuda::uncovered_rows(d.num_q_rows, a.tasks)) {
+    DISTCA_CUDA_TRY(cuda::launch_fill_rows(o, a.lse, begin, end, d.num_q_heads * d.head_dim,
+                                           static_cast<int>(d.num_q_heads), stream));
+  }
+  if (items.empty()) return Status::ok();
+  Scratch scratch(stream);
+  Result<const FwdItem*> device_items = scratch.upload(items);
+  if (!device_items.is_ok()) return device_items.status();
+  FwdKernelParams p;
+  p.q = static_cast<const uint16_t*>(a.q);
+  p.k = static_cast<const uint16_t*>(a.k);
+  p.v = static_cast<const uint16_t*>(a.v);
+  p.o = o;
+  p.lse = a.lse;
+  p.items = device_items.value();
+  p.num_items = static_cast<int64_t>(items.size());
+  p.num_q_heads = static_cast<int>(d.num_q_heads);
+  p.num_kv_heads = static_cast<int>(d.num_kv_heads);
+  p.scale_log2 = softmax_scale(d, a.scale) * kLog2e;
+  DISTCA_CUDA_TRY(cuda::launch_fwd(p, static_cast<int>(d.head_dim), a.dtype == CudaDType::kBf16,
+                                   p.num_items * d.num_q_heads, stream));
+  return Status::ok();
+}
+
+Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
+  if (Status st = validate(a); !st.is_ok()) return st;
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const AttnDims& d = a.dims;
+  const bool is_bf16 = a.dtype == CudaDType::kBf16;
+  const float scale = softmax_scale(d, a.scale);
+  const int64_t q_elems = d.num_q_rows * d.num_q_heads * d.head_dim;
+  const int64_t kv_elems = d.num_kv_rows * d.num_kv_heads * d.head_dim;
+  const int64_t rows_heads = d.num_q_rows * d.num_q_heads;
+  const std::vector<BwdItem> items = cuda::bwd_schedule(a.tasks, kCudaBwdBlockN);
+  if (Status st = check_grid(static_cast<int64_t>(items.size()), d.num_q_heads); !st.is_ok()) return st;
+  DeviceScope scope(state_->device);
+  if (!scope.status().is_ok()) return scope.status();
+
+  // fp32 sums: dQ and delta in scratch; dK/dV in the outputs themselves when those are fp32.
+  Scratch scratch(stream);
+  Result<float*> dq_acc = scratch.alloc<float>(q_elems), delta = scratch.alloc<float>(rows_heads);
+  if (!dq_acc.is_ok()) return dq_acc.status();
+  if (!delta.is_ok()) return delta.status();
+  float* dk_acc = a.dkv_fp32 ? static_cast<float*>(a.dk) : nullptr;
+  float* dv_acc = a.dkv_fp32 ? static_cast<float*>(a.dv) : nullptr;
+  if (!a.dkv_fp32) {
+    Result<float*> k_acc = scratch.alloc<float>(kv_elems), v_acc = scratch.alloc<float>(kv_elems);
+    if (!k_acc.is_ok()) return k_acc.status();
+    if (!v_acc.is_ok()) return v_acc.status();
+    dk_acc = k_acc.value();
+    dv_acc = v_acc.value();
+  }
+  if (q_elems > 0) DISTCA_CUDA_TRY(cudaMemsetAsync(dq_acc.value(), 0, static_cast<size_t>(q_elems) * 4, stream));
+  if (kv_elems > 0) {
+    DISTCA_CUDA_TRY(cudaMemsetAsync(dk_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+    DISTCA_CUDA_TRY(cudaMemsetAsync(dv_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+  }
+  if (rows_heads > 0) {
+    DISTCA_CUDA_TRY(cuda::launch_delta(static_cast<const uint16_t*>(a.d_o), static_cast<const uint16_t*>(a.o), a.d_lse,
+                                       delta.value(), rows_heads, static_cast<int>(d.head_dim), is_bf16, stream));
+  }
+  if (!items.empty()) {
+    Result<const BwdItem*> device_items = scratch.upload(items);
+    if (!device_items.is_ok()) return device_items.status();
+    BwdKernelParams p;
+    p.q = static_cast<const uint16_t*>(a.q);
+    p.k = static_cast<const uint16_t*>(a.k);
+    p.v = static_cast<const uint16_t*>(a.v);
+    p.d_o = static_cast<const uint16_t*>(a.d_o);
+    p.lse = a.lse;
+    p.delta = delta.value();
+    p.dq_acc = dq_acc.value();
+    p.dk_acc = dk_acc;
+    p.dv_acc = dv_acc;
+    p.items = device_items.value();
+    p.num_items = static_cast<int64_t>(items.size());
+    p.num_q_heads = static_cast<int>(d.num_q_heads);
+    p.num_kv_heads = static_cast<int>(d.num_kv_heads);
+    p.scale_log2 = scale * kLog2e;
+    DISTCA_CUDA_TRY(cuda::launch_bwd(p, static_cast<int>(d.head_dim), is_bf16, p.num_items * d.num_q_heads, stream));
+  }
+  // Round the sums once: dQ and dK carry the softmax scale, dV none.
+  if (q_elems > 0) {
+    DISTCA_CUDA_TRY(cuda::launch_finalize(dq_acc.value(), static_cast<uint16_t*>(a.dq), scale, q_elems, is_bf16, stream));
+  }
+  if (kv_elems > 0) {
+    DISTCA_CUDA_TRY(cuda::launch_finalize(dk_acc, a.dkv_fp32 ? nullptr : static_cast<uint16_t*>(a.dk), scale, kv_elems,
+                                          is_bf16, stream));
+    if (!a.dkv_fp32) {
+      DISTCA_CUDA_TRY(cuda::launch_finalize(dv_acc, static_cast<uint16_t*>(a.dv), 1.f, kv_elems, is_bf16, stream));
+    }
+  }
+  return Status::ok();
+}
+
+Status cuda_convert_from_f32(const float* src, void* dst, CudaDType dtype, int64_t n, void* stream) {
+  if (n <= 0) return Status::ok();
+  return cuda_status(cuda::launch_from_f32(src, static_cast<uint16_t*>(dst), n, dtype == CudaDType::kBf16,
+                                           static_cast<cudaStream_t>(stream)),
+                     "the fp32 to 16-bit conversion kernel");
+}
+
+Status cuda_convert_to_f32(const void* src, CudaDType dtype, float* dst, int64_t n, void* stream) {
+  if (n <= 0) return Status::ok();
+  return cuda_status(cuda::launch_to_f32(static_cast<const uint16_t*>(src), dst, n, dtype == CudaDType::kBf16,
+                                         static_cast<cudaStream_t>(stream)),
+                     "the 16-bit to fp32 conversion kernel");
+}
+
+}  // namespace distca::kernels

@@ -1,0 +1,168 @@
+// The CUDA kernels and their launchers (launch.h): the tile kernels instantiate flash_fwd.cuh and
+// flash_bwd.cuh for D 64 and 128 in bf16 and fp16; the small kernels fill uncovered rows, compute
+// delta, round the fp32 sums and convert between fp32 and the storage types. Host logic (checks,
+// schedule, memory) is in attention_cuda.cc.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "launch.h"
+
+namespace distca::kernels::cuda {
+namespace {
+
+template <int D, typename Elt>
+__global__ void __launch_bounds__(128) fwd_kernel(FwdKernelParams p) {
+  extern __shared__ __align__(16) char smem[];
+  fwd_block<D, Elt>(p, smem);
+}
+
+template <int D, typename Elt>
+__global__ void __launch_bounds__(128) bwd_kernel(BwdKernelParams p) {
+  extern __shared__ __align__(16) char smem[];
+  bwd_block<D, Elt>(p, smem);
+}
+
+// Rows [begin, end) of O get 0 and of LSE -inf (rows no task covers).
+__global__ void fill_rows_kernel(uint16_t* o, float* lse, int64_t begin, int64_t end, int64_t row_elems, int heads) {
+  const int64_t n = (end - begin) * row_elems;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    o[begin * row_elems + i] = 0;
+    if (i < (end - begin) * heads) lse[begin * heads + i] = -INFINITY;
+  }
+}
+
+// delta[r, h] = sum_d dO[r, h, d] O[r, h, d] - dLSE[r, h]: one warp per (row, head).
+template <typename Elt>
+__global__ void delta_kernel(const uint16_t* d_o, const uint16_t* o, const float* d_lse, float* delta, int64_t rows_heads,
+                             int head_dim) {
+  const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= rows_heads) return;
+  const uint16_t* a = d_o + warp * head_dim;
+  const uint16_t* b = o + warp * head_dim;
+  float sum = 0.f;
+  for (int d = lane; d < head_dim; d += 32) sum += to_float(a[d], Elt{}) * to_float(b[d], Elt{});
+  for (int mask = 16; mask > 0; mask /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  if (lane == 0) delta[warp] = sum - (d_lse ? d_lse[warp] : 0.f);
+}
+
+// out[i] = round(acc[i] * scale) in the storage type, or acc[i] *= scale in place when out is null.
+template <typename Elt>
+__global__ void finalize_kernel(float* acc, uint16_t* out, float scale, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float x = acc[i] * scale;
+    if (out) {
+      out[i] = static_cast<uint16_t>(pack2(x, 0.f, Elt{}) & 0xffffu);
+    } else {
+      acc[i] = x;
+    }
+  }
+}
+
+template <typename Elt>
+__global__ void from_f32_kernel(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    dst[i] = static_cast<uint16_t>(pack2(src[i], 0.f, Elt{}) & 0xffffu);
+  }
+}
+
+template <typename Elt>
+__global__ void to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    dst[i] = to_float(src[i], Elt{});
+  }
+}
+
+// Blocks for a grid-stride loop over n elements.
+unsigned grid_for(int64_t n, int threads = 256) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
+}
+
+
+template <int D, typename Elt>
+cudaError_t fwd_launch(const FwdKernelParams& p, int64_t blocks, cudaStream_t stream) {
+  fwd_kernel<D, Elt><<<static_cast<unsigned>(blocks), 128, FwdShape<D>::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int D, typename Elt>
+cudaError_t bwd_launch(const BwdKernelParams& p, int64_t blocks, cudaStream_t stream) {
+  bwd_kernel<D, Elt><<<static_cast<unsigned>(blocks), 128, BwdShape<D>::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t allow_tile_smem() {
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  for (cudaError_t e : {cudaFuncSetAttribute(fwd_kernel<64, Bf16>, attr, FwdShape<64>::kSmemBytes),
+                        cudaFuncSetAttribute(fwd_kernel<128, Bf16>, attr, FwdShape<128>::kSmemBytes),
+                        cudaFuncSetAttribute(fwd_kernel<64, Fp16>, attr, FwdShape<64>::kSmemBytes),
+                        cudaFuncSetAttribute(fwd_kernel<128, Fp16>, attr, FwdShape<128>::kSmemBytes),
+                        cudaFuncSetAttribute(bwd_kernel<64, Bf16>, attr, BwdShape<64>::kSmemBytes),
+                        cudaFuncSetAttribute(bwd_kernel<128, Bf16>, attr, BwdShape<128>::kSmemBytes),
+                        cudaFuncSetAttribute(bwd_kernel<64, Fp16>, attr, BwdShape<64>::kSmemBytes),
+                        cudaFuncSetAttribute(bwd_kernel<128, Fp16>, attr, BwdShape<128>::kSmemBytes)}) {
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_fwd(const FwdKernelParams& p, int head_dim, bool is_bf16, int64_t blocks, cudaStream_t stream) {
+  if (head_dim == 64) return is_bf16 ? fwd_launch<64, Bf16>(p, blocks, stream) : fwd_launch<64, Fp16>(p, blocks, stream);
+  return is_bf16 ? fwd_launch<128, Bf16>(p, blocks, stream) : fwd_launch<128, Fp16>(p, blocks, stream);
+}
+
+cudaError_t launch_bwd(const BwdKernelParams& p, int head_dim, bool is_bf16, int64_t blocks, cudaStream_t stream) {
+  if (head_dim == 64) return is_bf16 ? bwd_launch<64, Bf16>(p, blocks, stream) : bwd_launch<64, Fp16>(p, blocks, stream);
+  return is_bf16 ? bwd_launch<128, Bf16>(p, blocks, stream) : bwd_launch<128, Fp16>(p, blocks, stream);
+}
+
+cudaError_t launch_fill_rows(uint16_t* o, float* lse, int64_t begin, int64_t end, int64_t row_elems, int heads,
+                             cudaStream_t stream) {
+  fill_rows_kernel<<<grid_for((end - begin) * row_elems), 256, 0, stream>>>(o, lse, begin, end, row_elems, heads);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_delta(const uint16_t* d_o, const uint16_t* o, const float* d_lse, float* delta, int64_t rows_heads,
+                         int head_dim, bool is_bf16, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>((rows_heads * 32 + 255) / 256);
+  if (is_bf16) {
+    delta_kernel<Bf16><<<blocks, 256, 0, stream>>>(d_o, o, d_lse, delta, rows_heads, head_dim);
+  } else {
+    delta_kernel<Fp16><<<blocks, 256, 0, stream>>>(d_o, o, d_lse, delta, rows_heads, head_dim);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_finalize(float* acc, uint16_t* out, float scale, int64_t n, bool is_bf16, cudaStream_t stream) {
+  if (is_bf16) {
+    finalize_kernel<Bf16><<<grid_for(n), 256, 0, stream>>>(acc, out, scale, n);
+  } else {
+    finalize_kernel<Fp16><<<grid_for(n), 256, 0, stream>>>(acc, out, scale, n);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_from_f32(const float* src, uint16_t* dst, int64_t n, bool is_bf16, cudaStream_t stream) {
+  if (is_bf16) {
+    from_f32_kernel<Bf16><<<grid_for(n), 256, 0, stream>>>(src, dst, n);
+  } else {
+    from_f32_kernel<Fp16><<<grid_for(n), 256, 0, stream>>>(src, dst, n);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream) {
+  if (is_bf16) {
+    to_f32_kernel<Bf16><<<grid_for(n), 256, 0, stream>>>(src, dst, n);
+  } else {
+    to_f32_kernel<Fp16><<<grid_for(n), 256, 0, stream>>>(src, dst, n);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace distca::kernels::cuda

@@ -1,0 +1,31 @@
+// The kernels' launchers (attention_cuda.cu, compiled by nvcc), called by the host side
+// (attention_cuda.cc, compiled by the C++ compiler: fmt and Status stay out of nvcc's way). Each
+// returns the launch's cudaError_t; every launch is asynchronous on `stream`.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flash_bwd.cuh"
+#include "flash_fwd.cuh"
+
+namespace distca::kernels::cuda {
+
+// Raises the dynamic shared memory limit of every tile kernel (once per device).
+cudaError_t allow_tile_smem();
+// `blocks` = items x query heads; head_dim 64 or 128.
+cudaError_t launch_fwd(const FwdKernelParams& p, int head_dim, bool is_bf16, int64_t blocks, cudaStream_t stream);
+cudaError_t launch_bwd(const BwdKernelParams& p, int head_dim, bool is_bf16, int64_t blocks, cudaStream_t stream);
+// O rows [begin, end) = 0 and their LSE = -inf.
+cudaError_t launch_fill_rows(uint16_t* o, float* lse, int64_t begin, int64_t end, int64_t row_elems, int heads,
+                             cudaStream_t stream);
+// delta[i] = sum_d dO[i, d] O[i, d] - (d_lse ? d_lse[i] : 0) for rows_heads rows of head_dim.
+cudaError_t launch_delta(const uint16_t* d_o, const uint16_t* o, const float* d_lse, float* delta, int64_t rows_heads,
+                         int head_dim, bool is_bf16, cudaStream_t stream);
+// out[i] = round(acc[i] * scale), or acc[i] *= scale in place when out is null.
+cudaError_t launch_finalize(float* acc, uint16_t* out, float scale, int64_t n, bool is_bf16, cudaStream_t stream);
+cudaError_t launch_from_f32(const float* src, uint16_t* dst, int64_t n, bool is_bf16, cudaStream_t stream);
+cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream);
+
+}  // namespace distca::kernels::cuda

@@ -1,0 +1,447 @@
+// The CUDA kernels, tested without a GPU: the tile schedule, the host-side checks, and the tile
+// algorithms themselves (flash_fwd.cuh, flash_bwd.cuh compiled as host C++) run block by block
+// on the host warp emulator (cuda_emu.h), whose mma/ldmatrix/shuffle move data by the PTX
+// fragment layouts, against the plain-loop reference. Tolerances follow from the storage type's
+// rounding (eps = 2^-8 for bf16, 2^-11 for fp16), as each test says.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "../../src/kernels/cuda/flash_bwd.cuh"
+#include "../../src/kernels/cuda/flash_fwd.cuh"
+#include "../../src/kernels/cuda/schedule.h"
+#include "cuda_emu.h"
+#include "distca/kernels/cuda.h"
+#include "distca/kernels/ref.h"
+#include "test_util.h"
+
+namespace distca::kernels {
+namespace {
+
+using cuda::Bf16;
+using cuda::Fp16;
+
+// ---- the schedule -------------------------------------------------------------------------
+
+std::vector<AttnTask> mixed_tasks() {
+  // Shards of two documents sharing K/V (one of 1 token), a non-causal key-split piece, a
+  // non-causal task with no keys, and an uncovered gap of Q rows (rows 200..209).
+  return {{0, 1, 0, 1, true},       {1, 70, 1, 70, true},    {71, 60, 1, 130, true},
+          {131, 64, 131, 64, false}, {195, 5, 131, 0, false}, {210, 129, 200, 300, true}};
+}
+
+TEST(CudaSchedule, ForwardItemsCoverEveryQueryRowOnceHeaviestFirst) {
+  const std::vector<AttnTask> tasks = mixed_tasks();
+  const std::vector<cuda::FwdItem> items = cuda::fwd_schedule(tasks, 64);
+  std::vector<int> seen(400, 0);
+  for (const cuda::FwdItem& it : items) {
+    ASSERT_GE(it.rows, 1);
+    ASSERT_LE(it.rows, 64);
+    for (int r = 0; r < it.rows; ++r) ++seen[static_cast<size_t>(it.q_row + r)];
+  }
+  for (const AttnTask& t : tasks) {
+    for (int64_t r = t.q_offset; r < t.q_offset + t.q_len; ++r) EXPECT_EQ(seen[static_cast<size_t>(r)], 1) << r;
+  }
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 1 + 70 + 60 + 64 + 5 + 129);
+  for (size_t i = 1; i < items.size(); ++i) {
+    EXPECT_GE(cuda::fwd_item_keys(items[i - 1]), cuda::fwd_item_keys(items[i])) << "item " << i;
+  }
+  // The last tile of the 129-row shard over 300 keys: its row 0 is query 128 (shift 171 + 128).
+  const auto last = std::find_if(items.begin(), items.end(), [](const cuda::FwdItem& it) { return it.q_row == 338; });
+  ASSERT_NE(last, items.end());
+  EXPECT_EQ(last->rows, 1);
+  EXPECT_EQ(last->shift, 300 - 129 + 128);
+  EXPECT_EQ(cuda::fwd_item_keys(*last), 300);
+}
+
+TEST(CudaSchedule, BackwardItemsCoverEveryKeyOfEveryTaskOnceWithTheFirstQueryThatSeesThem) {
+  const std::vector<AttnTask> tasks = mixed_tasks();
+  const std::vector<cuda::BwdItem> items = cuda::bwd_schedule(tasks, 64);
+  int64_t keys = 0;
+  for (const cuda::BwdItem& it : items) {
+    ASSERT_GE(it.cols, 1);
+    ASSERT_LE(it.cols, 64);
+    keys += it.cols;
+    // q_begin is the first query that sees the tile's first key, and the one before it does not.
+    const int shift = it.kv_len - it.q_len;
+    if (it.is_causal) {
+      EXPECT_LE(it.key0, it.q_begin + shift);
+      if (it.q_begin > 0) {
+        EXPECT_GT(it.key0, it.q_begin - 1 + shift);
+      }
+    } else {
+      EXPECT_EQ(it.q_begin, 0);
+    }
+  }
+  EXPECT_EQ(keys, 1 + 70 + 130 + 64 + 0 + 300);
+  for (size_t i = 1; i < items.size(); ++i) {
+    EXPECT_GE(items[i - 1].q_len - items[i - 1].q_begin, items[i].q_len - items[i].q_begin) << "item " << i;
+  }
+}
+
+TEST(CudaSchedule, UncoveredRowsAreTheGapsBetweenTasks) {
+  const std::vector<AttnTask> tasks = mixed_tasks();
+  const auto gaps = cuda::uncovered_rows(345, tasks);
+  ASSERT_EQ(gaps.size(), 2u);
+  EXPECT_EQ(gaps[0], (std::pair<int64_t, int64_t>{200, 210}));
+  EXPECT_EQ(gaps[1], (std::pair<int64_t, int64_t>{339, 345}));
+  EXPECT_TRUE(cuda::uncovered_rows(0, {}).empty());
+}
+
+// ---- host-side checks ---------------------------------------------------------------------
+
+TEST(CudaChecks, RefuseWhatTheKernelsCannotRunBeforeAnyLaunch) {
+  alignas(16) static uint16_t buffer[64 * 4 * 128];
+  const AttnTask task{0, 8, 0, 8, true};
+  CudaFwdArgs a;
+  a.dims = {8, 8, 2, 1, 128};
+  a.q = a.k = a.v = buffer;
+  a.o = buffer;
+  static float lse[64];
+  a.lse = lse;
+  a.tasks = std::span<const AttnTask>(&task, 1);
+  EXPECT_TRUE(validate(a).is_ok()) << validate(a).to_string();
+
+  CudaFwdArgs bad_dim = a;
+  bad_dim.dims.head_dim = 96;
+  EXPECT_NE(validate(bad_dim).message().find("head dims 64 and 128"), std::string::npos);
+  CudaFwdArgs misaligned = a;
+  misaligned.k = buffer + 1;
+  EXPECT_NE(validate(misaligned).message().find("k must be 16-byte aligned"), std::string::npos);
+  CudaFwdArgs null_out = a;
+  null_out.o = nullptr;
+  EXPECT_FALSE(validate(null_out).is_ok());
+  const AttnTask wide{0, 8, 0, 4, true};  // causal with more queries than keys
+  CudaFwdArgs bad_task = a;
+  bad_task.tasks = std::span<const AttnTask>(&wide, 1);
+  EXPECT_NE(validate(bad_task).message().find("q_len <= kv_len"), std::string::npos);
+
+  CudaBwdArgs b;
+  b.dims = a.dims;
+  b.q = b.k = b.v = b.o = b.d_o = buffer;
+  b.lse = lse;
+  b.tasks = a.tasks;
+  b.dq = b.dk = b.dv = buffer;
+  EXPECT_TRUE(validate(b).is_ok()) << validate(b).to_string();
+  b.dv = nullptr;
+  EXPECT_FALSE(validate(b).is_ok());
+}
+
+TEST(CudaChecks, CreateSaysWhyWithoutAGpuInsteadOfCrashing) {
+  Result<std::unique_ptr<CudaAttention>> attn = CudaAttention::create();
+  if (attn.is_ok()) GTEST_SKIP() << "this machine has a GPU: " << attn.value()->device_name();
+  EXPECT_FALSE(attn.status().message().empty());
+  if (cuda_kernels_built()) {
+    EXPECT_NE(attn.status().message().find("no CUDA device"), std::string::npos) << attn.status().to_string();
+  }
+}
+
+// ---- the tile algorithms on the emulator --------------------------------------------------
+
+template <typename Elt>
+constexpr double kEps = std::is_same_v<Elt, Bf16> ? 1.0 / 256 : 1.0 / 2048;  // unit roundoff x 2
+
+template <typename Elt>
+uint16_t to_bits(float x) {
+  return static_cast<uint16_t>(cuda::pack2(x, 0.f, Elt{}) & 0xffffu);
+}
+
+// Random values stored in the 16-bit type, with their exact float values beside them.
+template <typename Elt>
+struct Stored {
+  std::vector<uint16_t> bits;
+  std::vector<float> values;
+};
+template <typename Elt>
+Stored<Elt> random_stored(std::mt19937_64& rng, int64_t n) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  Stored<Elt> s;
+  s.bits.resize(static_cast<size_t>(n));
+  s.values.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    s.bits[static_cast<size_t>(i)] = to_bits<Elt>(dist(rng));
+    s.values[static_cast<size_t>(i)] = cuda::to_float(s.bits[static_cast<size_t>(i)], Elt{});
+  }
+  return s;
+}
+
+// Shared memory of one block, filled with 0xff (a NaN in both types) before each block, so a read
+// of something the block did not load shows up in its results.
+struct Smem {
+  explicit Smem(int bytes) : words(static_cast<size_t>(bytes + 15) / 8) {}
+  char* fresh() {
+    std::memset(words.data(), 0xff, words.size() * 8);
+    return reinterpret_cast<char*>(words.data());
+  }
+  std::vector<uint64_t> words;
+};
+
+struct Problem {
+  AttnDims dims;
+  std::vector<AttnTask> tasks;
+};
+
+// Documents cut into shards sharing K/V (lengths 1, primes, a full tile, several tiles), a
+// non-causal key-split piece of a document against an earlier key range, a non-causal task with
+// no keys, uncovered Q rows, and GQA 2:1.
+Problem mixed_problem(int64_t head_dim) {
+  std::mt19937_64 rng(7);
+  testing::TaskSet set = testing::shard_documents(rng, {1, 37, 64, 131}, 70, 2, 1, head_dim, 3);
+  Problem p{set.dims, set.tasks};
+  // A key-split piece: 20 new query rows against the first 64 keys of the 131-token document,
+  // and a task with no keys.
+  const int64_t doc_start = 1 + 37 + 64;
+  p.tasks.push_back({p.dims.num_q_rows, 20, doc_start, 64, false});
+  p.tasks.push_back({p.dims.num_q_rows + 20, 3, 0, 0, false});
+  p.dims.num_q_rows += 23 + 5;  // and 5 uncovered rows at the end
+  return p;
+}
+
+template <int D, typename Elt>
+void emulate_forward(const Problem& pr, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o, float* lse,
+                     float scale) {
+  const std::vector<cuda::FwdItem> items = cuda::fwd_schedule(pr.tasks, kCudaFwdBlockM);
+  const int64_t row_elems = pr.dims.num_q_heads * D;
+  for (const auto& [begin, end] : cuda::uncovered_rows(pr.dims.num_q_rows, pr.tasks)) {  // launch_fill_rows
+    std::fill(o + begin * row_elems, o + end * row_elems, uint16_t{0});
+    std::fill(lse + begin * pr.dims.num_q_heads, lse + end * pr.dims.num_q_heads, -std::numeric_limits<float>::infinity());
+  }
+  cuda::FwdKernelParams p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.lse = lse;
+  p.items = items.data();
+  p.num_items = static_cast<int64_t>(items.size());
+  p.num_q_heads = static_cast<int>(pr.dims.num_q_heads);
+  p.num_kv_heads = static_cast<int>(pr.dims.num_kv_heads);
+  p.scale_log2 = scale * 1.4426950408889634f;
+  Smem smem(cuda::FwdShape<D>::kSmemBytes);
+  for (int64_t b = 0; b < p.num_items * p.num_q_heads; ++b) {
+    char* s = smem.fresh();
+    const std::string error = cuda::emu::run_block(b, kCudaThreads, [&] { cuda::fwd_block<D, Elt>(p, s); });
+    ASSERT_EQ(error, "") << "block " << b;
+  }
+}
+
+template <int D, typename Elt>
+void check_forward() {
+  const Problem pr = mixed_problem(D);
+  const AttnDims& d = pr.dims;
+  std::mt19937_64 rng(11);
+  const auto q = random_stored<Elt>(rng, d.num_q_rows * d.num_q_heads * D);
+  const auto k = random_stored<Elt>(rng, d.num_kv_rows * d.num_kv_heads * D);
+  const auto v = random_stored<Elt>(rng, d.num_kv_rows * d.num_kv_heads * D);
+  const float scale = softmax_scale(d, std::nullopt);
+
+  std::vector<uint16_t> o(q.bits.size(), 0x7fff);  // NaN: every element must be written
+  std::vector<float> lse(static_cast<size_t>(d.num_q_rows * d.num_q_heads), std::nanf(""));
+  emulate_forward<D, Elt>(pr, q.bits.data(), k.bits.data(), v.bits.data(), o.data(), lse.data(), scale);
+
+  std::vector<float> o_ref(q.bits.size()), lse_ref(lse.size());
+  AttnFwdParams<float> rp;
+  rp.dims = d;
+  rp.q = q.values.data();
+  rp.k = k.values.data();
+  rp.v = v.values.data();
+  rp.tasks = pr.tasks;
+  rp.o = o_ref.data();
+  rp.lse = lse_ref.data();
+  ASSERT_TRUE(ref::attention_forward(rp).is_ok());
+
+  // O = sum_j p_j v_j / l: P rounded to the storage type (eps/2 relative each) and O rounded once
+  // (eps/2 relative) bound the error by eps max|v|.
+  const double max_v = testing::max_abs(v.values);
+  const double tol_o = kEps<Elt> * max_v;
+  double worst_o = 0, worst_lse = 0;
+  for (size_t i = 0; i < o.size(); ++i) {
+    const double x = cuda::to_float(o[i], Elt{});
+    ASSERT_TRUE(std::isfinite(x)) << "O element " << i << " not written or not finite";
+    worst_o = std::max(worst_o, std::abs(x - o_ref[i]));
+  }
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(lse_ref[i])) {
+      ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "LSE " << i << " should be -inf, is " << lse[i];
+      continue;
+    }
+    ASSERT_TRUE(std::isfinite(lse[i])) << "LSE " << i;
+    // Scores are sums of exact products in fp32: relative error ~ D 2^-24, far below 1e-5.
+    worst_lse = std::max(worst_lse, std::abs(static_cast<double>(lse[i]) - lse_ref[i]) / (1 + std::abs(lse_ref[i])));
+  }
+  EXPECT_LE(worst_o, tol_o) << "max |O - ref| with tolerance eps max|v|";
+  EXPECT_LE(worst_lse, 1e-5);
+  EXPECT_GT(worst_o, 0) << "the comparison compared something";
+}
+
+TEST(CudaTileEmulated, ForwardMatchesTheReferenceBf16D64) { check_forward<64, Bf16>(); }
+TEST(CudaTileEmulated, ForwardMatchesTheReferenceBf16D128) { check_forward<128, Bf16>(); }
+TEST(CudaTileEmulated, ForwardMatchesTheReferenceFp16D64) { check_forward<64, Fp16>(); }
+
+// Per-element error bounds of the backward: the sums of |terms| whose factors the kernel rounds
+// to the storage type (P for dV, dS for dK and dQ), in double.
+struct GradBounds {
+  std::vector<double> dq, dk, dv;
+};
+GradBounds grad_bounds(const Problem& pr, const std::vector<float>& q, const std::vector<float>& k,
+                       const std::vector<float>& v, const std::vector<float>& d_o, const std::vector<float>& o,
+                       const std::vector<float>& lse, float scale) {
+  const AttnDims& d = pr.dims;
+  const int64_t D = d.head_dim, hq = d.num_q_heads, hkv = d.num_kv_heads, group = hq / hkv;
+  GradBounds b{std::vector<double>(q.size()), std::vector<double>(k.size()), std::vector<double>(v.size())};
+  for (const AttnTask& t : pr.tasks) {
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t hk = h / group;
+      for (int64_t i = 0; i < t.q_len; ++i) {
+        const int64_t qi = ((t.q_offset + i) * hq + h) * D;
+        double delta = 0;
+        for (int64_t x = 0; x < D; ++x) delta += static_cast<double>(d_o[qi + x]) * o[qi + x];
+        const int64_t last = t.is_causal ? i + t.kv_len - t.q_len : t.kv_len - 1;
+        for (int64_t j = 0; j <= last; ++j) {
+          const int64_t kj = ((t.kv_offset + j) * hkv + hk) * D;
+          double s = 0, dp = 0;
+          for (int64_t x = 0; x < D; ++x) {
+            s += static_cast<double>(q[qi + x]) * k[kj + x];
+            dp += static_cast<double>(d_o[qi + x]) * v[kj + x];
+          }
+          const double p = std::exp(s * scale - lse[static_cast<size_t>((t.q_offset + i) * hq + h)]);
+          const double ds = std::abs(p * (dp - delta));
+          for (int64_t x = 0; x < D; ++x) {
+            b.dv[kj + x] += p * std::abs(d_o[qi + x]);
+            b.dk[kj + x] += scale * ds * std::abs(q[qi + x]);
+            b.dq[qi + x] += scale * ds * std::abs(k[kj + x]);
+          }
+        }
+      }
+    }
+  }
+  return b;
+}
+
+template <int D, typename Elt>
+void check_backward() {
+  const Problem pr = mixed_problem(D);
+  const AttnDims& d = pr.dims;
+  std::mt19937_64 rng(13);
+  const auto q = random_stored<Elt>(rng, d.num_q_rows * d.num_q_heads * D);
+  const auto k = random_stored<Elt>(rng, d.num_kv_rows * d.num_kv_heads * D);
+  const auto v = random_stored<Elt>(rng, d.num_kv_rows * d.num_kv_heads * D);
+  const auto d_o = random_stored<Elt>(rng, d.num_q_rows * d.num_q_heads * D);
+  const float scale = softmax_scale(d, std::nullopt);
+
+  // The forward's O and LSE from the reference, O rounded to the storage type as a kernel has it.
+  std::vector<float> o_ref(q.values.size()), lse(static_cast<size_t>(d.num_q_rows * d.num_q_heads));
+  AttnFwdParams<float> fp;
+  fp.dims = d;
+  fp.q = q.values.data();
+  fp.k = k.values.data();
+  fp.v = v.values.data();
+  fp.tasks = pr.tasks;
+  fp.o = o_ref.data();
+  fp.lse = lse.data();
+  ASSERT_TRUE(ref::attention_forward(fp).is_ok());
+  std::vector<uint16_t> o_bits(o_ref.size());
+  std::vector<float> o(o_ref.size());
+  for (size_t i = 0; i < o.size(); ++i) {
+    o_bits[i] = to_bits<Elt>(o_ref[i]);
+    o[i] = cuda::to_float(o_bits[i], Elt{});
+  }
+
+  // The launcher's steps on the host: delta (launch_delta), zeroed sums, the tile blocks, and
+  // the rounding with the scale (launch_finalize).
+  std::vector<float> delta(lse.size());
+  for (size_t r = 0; r < delta.size(); ++r) {
+    float sum = 0;
+    for (int64_t x = 0; x < D; ++x) sum += d_o.values[r * D + static_cast<size_t>(x)] * o[r * D + static_cast<size_t>(x)];
+    delta[r] = sum;
+  }
+  std::vector<float> dq_acc(q.values.size(), 0.f), dk_acc(k.values.size(), 0.f), dv_acc(v.values.size(), 0.f);
+  const std::vector<cuda::BwdItem> items = cuda::bwd_schedule(pr.tasks, kCudaBwdBlockN);
+  cuda::BwdKernelParams p;
+  p.q = q.bits.data();
+  p.k = k.bits.data();
+  p.v = v.bits.data();
+  p.d_o = d_o.bits.data();
+  p.lse = lse.data();
+  p.delta = delta.data();
+  p.dq_acc = dq_acc.data();
+  p.dk_acc = dk_acc.data();
+  p.dv_acc = dv_acc.data();
+  p.items = items.data();
+  p.num_items = static_cast<int64_t>(items.size());
+  p.num_q_heads = static_cast<int>(d.num_q_heads);
+  p.num_kv_heads = static_cast<int>(d.num_kv_heads);
+  p.scale_log2 = scale * 1.4426950408889634f;
+  Smem smem(cuda::BwdShape<D>::kSmemBytes);
+  for (int64_t b = 0; b < p.num_items * p.num_q_heads; ++b) {
+    char* s = smem.fresh();
+    const std::string error = cuda::emu::run_block(b, kCudaThreads, [&] { cuda::bwd_block<D, Elt>(p, s); });
+    ASSERT_EQ(error, "") << "block " << b;
+  }
+  auto rounded = [](const std::vector<float>& acc, float factor) {
+    std::vector<float> out(acc.size());
+    for (size_t i = 0; i < acc.size(); ++i) out[i] = cuda::to_float(to_bits<Elt>(acc[i] * factor), Elt{});
+    return out;
+  };
+  const std::vector<float> dq = rounded(dq_acc, scale), dk = rounded(dk_acc, scale), dv = rounded(dv_acc, 1.f);
+
+  std::vector<float> dq_ref(dq.size()), dk_ref(dk.size()), dv_ref(dv.size());
+  AttnBwdParams<float> bp;
+  bp.dims = d;
+  bp.q = q.values.data();
+  bp.k = k.values.data();
+  bp.v = v.values.data();
+  bp.o = o.data();
+  bp.lse = lse.data();
+  bp.d_o = d_o.values.data();
+  bp.tasks = pr.tasks;
+  bp.dq = dq_ref.data();
+  bp.dk = dk_ref.data();
+  bp.dv = dv_ref.data();
+  ASSERT_TRUE(ref::attention_backward(bp, /*is_using_given_output=*/true).is_ok());
+
+  // Each gradient element is a sum of products one of whose factors the kernel rounds (eps/2
+  // relative), plus the final rounding (eps/2 of the value): |err| <= eps (bound + |ref|) / 2,
+  // doubled for the fp32 sums and the rounded dP and delta inside dS.
+  const GradBounds bounds = grad_bounds(pr, q.values, k.values, v.values, d_o.values, o, lse, scale);
+  auto check = [](const char* name, const std::vector<float>& got, const std::vector<float>& want,
+                  const std::vector<double>& bound) {
+    double worst = 0;  // the largest error as a fraction of its tolerance
+    size_t at = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << name << " element " << i;
+      const double tol = kEps<Elt> * (bound[i] + std::abs(want[i])) + 1e-6;
+      const double ratio = std::abs(got[i] - want[i]) / tol;
+      if (ratio > worst) {
+        worst = ratio;
+        at = i;
+      }
+    }
+    EXPECT_LE(worst, 1.0) << name << " element " << at << ": " << got[at] << " vs " << want[at] << " (bound "
+                          << bound[at] << ")";
+  };
+  check("dq", dq, dq_ref, bounds.dq);
+  check("dk", dk, dk_ref, bounds.dk);
+  check("dv", dv, dv_ref, bounds.dv);
+  EXPECT_GT(testing::max_abs(dk_ref), 0.0);
+}
+
+TEST(CudaTileEmulated, BackwardMatchesTheReferenceBf16D64) { check_backward<64, Bf16>(); }
+TEST(CudaTileEmulated, BackwardMatchesTheReferenceBf16D128) { check_backward<128, Bf16>(); }
+TEST(CudaTileEmulated, BackwardMatchesTheReferenceFp16D64) { check_backward<64, Fp16>(); }
+
+// The emulator itself: a barrier that not every thread reaches is an error, not a hang.
+TEST(CudaTileEmulated, TheEmulatorReportsADivergentBarrier) {
+  const std::string error = cuda::emu::run_block(0, 64, [] {
+    if (cuda::thread_index() < 32) cuda::sync_block();
+  });
+  EXPECT_NE(error.find("deadlock"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace distca::kernels
