@@ -40,26 +40,6 @@ Status cuda_status(cudaError_t e, const char* what) {
     }                                                                           \
   } while (0)
 
-Status check_aligned(const char* name, const void* p) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-    return invalid_argument(fmt::format("{} must be 16-byte aligned for the CUDA kernels, got address {}", name, p));
-  }
-  return Status::ok();
-}
-
-Status check_common(const AttnDims& dims, std::span<const AttnTask> tasks) {
-  if (dims.head_dim != 64 && dims.head_dim != 128) {
-    return invalid_argument(fmt::format("the CUDA kernels are built for head dims 64 and 128, got {}", dims.head_dim));
-  }
-  if (Status st = validate(dims, tasks); !st.is_ok()) return st;
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    if (tasks[i].q_len > INT32_MAX || tasks[i].kv_len > INT32_MAX) {
-      return invalid_argument(fmt::format("task {}: the CUDA kernels take at most 2^31-1 rows per task", i));
-    }
-  }
-  return Status::ok();
-}
-
 Status check_grid(int64_t items, int64_t heads) {
   if (items > 0 && items * heads > INT32_MAX) {
     return invalid_argument(fmt::format("{} tiles x {} heads exceed the 2^31-1 blocks of a grid", items, heads));
@@ -122,33 +102,8 @@ class DeviceScope {
 
 }  // namespace
 
-const char* cuda_dtype_name(CudaDType dtype) { return dtype == CudaDType::kBf16 ? "bfloat16" : "float16"; }
-
 bool cuda_kernels_built() { return true; }
 std::string cuda_kernels_archs() { return DISTCA_CUDA_ARCHS_STRING; }
-
-Status validate(const CudaFwdArgs& a) {
-  if (Status st = check_common(a.dims, a.tasks); !st.is_ok()) return st;
-  if (a.dims.num_q_rows > 0 && (!a.q || !a.o || !a.lse)) return invalid_argument("q, o and lse must be non-null");
-  if (a.dims.num_kv_rows > 0 && (!a.k || !a.v)) return invalid_argument("k and v must be non-null");
-  for (auto [name, p] : {std::pair<const char*, const void*>{"q", a.q}, {"k", a.k}, {"v", a.v}, {"o", a.o}}) {
-    if (Status st = check_aligned(name, p); !st.is_ok()) return st;
-  }
-  return Status::ok();
-}
-
-Status validate(const CudaBwdArgs& a) {
-  if (Status st = check_common(a.dims, a.tasks); !st.is_ok()) return st;
-  if (a.dims.num_q_rows > 0 && (!a.q || !a.o || !a.lse || !a.d_o || !a.dq)) {
-    return invalid_argument("q, o, lse, do and dq must be non-null");
-  }
-  if (a.dims.num_kv_rows > 0 && (!a.k || !a.v || !a.dk || !a.dv)) return invalid_argument("k, v, dk and dv must be non-null");
-  for (auto [name, p] : {std::pair<const char*, const void*>{"q", a.q}, {"k", a.k}, {"v", a.v}, {"o", a.o},
-                         {"do", a.d_o}, {"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}}) {
-    if (Status st = check_aligned(name, p); !st.is_ok()) return st;
-  }
-  return Status::ok();
-}
 
 struct CudaAttention::State {
   int device = 0;
