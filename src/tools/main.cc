@@ -26,11 +26,17 @@ std::string version_text() {
       "distca {} (git {}, {} build)\n"
       "  MpiComm (mpirun): {}\n"
       "  CUDA attention kernels: {}\n"
-      "  NcclComm: not built (no NCCL communicator yet)\n",
+      "  NcclComm: {}\n",
       DISTCA_VERSION, DISTCA_GIT_HASH, DISTCA_BUILD_TYPE, DISTCA_BUILT_MPI ? "built" : "not built (no MPI at configure time)",
       distca::kernels::cuda_kernels_built()
           ? fmt::format("built for {}, not yet validated on a GPU", distca::kernels::cuda_kernels_archs())
-          : std::string("not built (no nvcc at configure time)"));
+          : std::string("not built (no nvcc at configure time)"),
+#if defined(DISTCA_HAVE_NCCL)
+      "built, not yet validated on a GPU"
+#else
+      "not built (no nvcc or libnccl at configure time)"
+#endif
+  );
 }
 
 // Levenshtein distance, for "did you mean".
