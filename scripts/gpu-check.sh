@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# The one command a session with a GPU runs (the device tool: `scripts/gpu-check.sh $OUT`): installs
-# the Python package against the device's own PyTorch (nothing can be fetched there:
+# The one command a session with a GPU runs (the device tool: `scripts/gpu-check.sh $OUT`): builds
+# distca with CUDA for the device (build-gpu/, sm_90a unless DISTCA_CUDA_ARCHS says otherwise) and
+# runs the CUDA targets' tests (ctest -L gpu and the host-side kernel tests), compute-sanitizer
+# memcheck on a small attention case, `distca bench attention --device cuda --json` (which checks
+# the kernels against the CPU reference first and writes the measured profile
+# $OUT/profiles/<device>.json), `distca simulate --paper` with that profile; installs the Python
+# package against the device's own PyTorch (nothing can be fetched there:
 # --no-build-isolation), runs distca.torch's CUDA checks in one process (every server kernel against
 # `reference` in bf16 on a plan with key-split tasks, cad_attention end to end, kernel speed timed
 # with CUDA events), the trainer on one GPU (tokens/s), the framework adapters' GPU checks where
@@ -39,12 +44,36 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records its ex
 }
 : >"$out/steps.txt"
 nvidia-smi -L | tee "$out/device.txt"
+# distca's own CUDA kernels and NcclComm: configure, build what the checks run, test, sanitize, measure.
+archs="${DISTCA_CUDA_ARCHS:-90a-real}"
+step configure-cuda cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_WITH_CUDA=ON \
+    -DDISTCA_CUDA_ARCHS="$archs" -DDISTCA_BUILD_BENCH=OFF &&
+  step build-cuda cmake --build build-gpu -j "$(nproc)" &&
+  {
+    step ctest-cuda ctest --test-dir build-gpu --output-on-failure -L gpu -R . --timeout 300
+    step ctest-cuda-host ctest --test-dir build-gpu --output-on-failure -R "Cuda|kernels_cuda" --timeout 300
+    if command -v compute-sanitizer >/dev/null 2>&1; then
+      step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
+        --device cuda --docs 300,1000 --shard-doc 1000 --shards 64,128 --heads 8 --kv-heads 2 --repeats 1 --json
+    else
+      echo "== gpu-check: memcheck skipped: compute-sanitizer is not on the device's PATH"
+    fi
+    mkdir -p "$out/profiles"
+    device_slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+    step bench-cuda build-gpu/src/tools/distca bench attention --device cuda --json \
+      --profile-out "$out/profiles/$device_slug.json"
+    cp "$out/bench-cuda.log" "$out/bench-cuda.txt"
+    step simulate-paper build-gpu/src/tools/distca simulate --paper --profile "$out/profiles/$device_slug.json"
+  }
 # The package into a venv that sees the device's PyTorch, pybind11 and scikit-build-core.
 if [ ! -x build/gpu-venv/bin/python ]; then
   "$python" -m venv --system-site-packages build/gpu-venv
 fi
-step install build/gpu-venv/bin/python -m pip install --no-build-isolation --no-deps --disable-pip-version-check . &&
-  step torch-cuda build/gpu-venv/bin/python python/tests/gpu/check_torch_cuda.py --json "$out/torch-cuda.json"
+step install build/gpu-venv/bin/python -m pip install --no-build-isolation --no-deps --disable-pip-version-check \
+    --config-settings=cmake.define.DISTCA_WITH_CUDA=ON --config-settings=cmake.define.DISTCA_CUDA_ARCHS="$archs" . &&
+  step torch-cuda build/gpu-venv/bin/python python/tests/gpu/check_torch_cuda.py --require-distca --json "$out/torch-cuda.json"
+# distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
+step cuda-attention build/gpu-venv/bin/python python/bench/bench_cuda_attention.py --json "$out/cuda-attention.json"
 step torch-kernels build/gpu-venv/bin/python python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
   --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
 # The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
@@ -67,6 +96,18 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 steps = [dict(zip(("name", "rc", "seconds"), line.split())) for line in (out / "steps.txt").read_text().splitlines()]
 report = {"format": "distca-gpu-check", "version": 1, "device": (out / "device.txt").read_text().strip(), "steps": steps}
+bench_log = out / "bench-cuda.log"
+if bench_log.exists():
+    text = bench_log.read_text()
+    start = text.find("{")   # progress lines go to stderr first; the JSON report follows
+    try:
+        report["bench_attention_cuda"] = json.loads(text[start:]) if start >= 0 else None
+    except json.JSONDecodeError as e:
+        report["bench_attention_cuda"] = {"unreadable": str(e)}
+profiles = sorted((out / "profiles").glob("*.json")) if (out / "profiles").exists() else []
+report["profiles"] = [str(p.relative_to(out)) for p in profiles]
+ca = out / "cuda-attention.json"
+report["cuda_attention"] = json.loads(ca.read_text()) if ca.exists() else None
 torch_json = out / "torch-cuda.json"
 if torch_json.exists():
     report["torch_cuda"] = json.loads(torch_json.read_text())
@@ -80,7 +121,11 @@ if train_json.exists():
 (out / "report.json").write_text(json.dumps(report, indent=1))
 lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
-for name, title in (("torch-cuda", "distca.torch on CUDA"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
+for name, title in (("build-cuda", "the CUDA build"), ("ctest-cuda", "GPU tests (ctest -L gpu)"),
+                    ("ctest-cuda-host", "CUDA kernels' host-side tests"), ("memcheck", "compute-sanitizer memcheck"),
+                    ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
+                    ("torch-cuda", "distca.torch on CUDA"),
+                    ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
                     ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
                     ("megatron-cuda", "Megatron Core adapter"), ("torchtitan-cuda", "TorchTitan adapter")):
     log = out / f"{name}.log"

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "bench_attention.h"
+#include "bench_attention_cuda.h"
 #include "bench_dispatch.h"
 #include "bench_planner.h"
 #include "bench_step.h"
@@ -19,6 +20,8 @@ struct AttentionArgs {
   AttentionBenchOptions options;
   bool is_json = false;
   bool is_quick = false;
+  std::string device = "cpu";
+  CudaAttentionBenchOptions cuda;  // --device cuda: its own defaults (a GPU's shapes), the flags given override them
 };
 
 // --quick sets the sizes that were not given on the command line.
@@ -75,7 +78,41 @@ int run_world_report(const char* name, int ranks, const CLI::App& cmd, std::chro
   return kExitOk;
 }
 
+// --device cuda: the sizes given on the command line replace the GPU defaults; CPU-only flags are refused.
+int run_attention_cuda(AttentionArgs a, const CLI::App& cmd) {
+  CudaAttentionBenchOptions& o = a.cuda;
+  if (cmd.count("--threads") > 0) {
+    print_usage_error("bench attention", "--threads is for --device cpu (the CUDA kernels use the whole GPU)");
+    return kExitBadInput;
+  }
+  auto given = [&cmd](const char* flag, auto& field, const auto& value) {
+    if (cmd.count(flag) > 0) field = value;
+  };
+  if (a.is_quick) {
+    o.docs = {4096};
+    o.shard_doc = 4096;
+    o.repeats = 2;
+  }
+  given("--docs", o.docs, a.options.docs);
+  given("--shard-doc", o.shard_doc, a.options.shard_doc);
+  given("--shards", o.shards, a.options.shards);
+  given("--head-dim", o.head_dim, a.options.head_dim);
+  given("--heads", o.q_heads, a.options.q_heads);
+  given("--kv-heads", o.kv_heads, a.options.kv_heads);
+  given("--repeats", o.repeats, a.options.repeats);
+  given("--seed", o.seed, a.options.seed);
+  auto progress = [](const std::string& line) { fmt::print(stderr, "[bench attention cuda] {}\n", line); };
+  return run_report(
+      "bench attention", o, a.is_json, [&] { return run_cuda_attention_bench(o, progress); },
+      print_cuda_attention_report);
+}
+
 int run_attention(AttentionArgs a, const CLI::App& cmd) {
+  if (a.device == "cuda") return run_attention_cuda(std::move(a), cmd);
+  if (cmd.count("--dtype") > 0 || cmd.count("--profile-out") > 0 || cmd.count("--gpu") > 0) {
+    print_usage_error("bench attention", "--dtype, --profile-out and --gpu are for --device cuda (the CPU kernels run fp32)");
+    return kExitBadInput;
+  }
   if (a.is_quick) {
     auto quick = quick_default(cmd);
     quick("--docs", a.options.docs, std::vector<int64_t>{1024, 2048});
@@ -172,7 +209,20 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto attention = std::make_shared<AttentionArgs>();
   AttentionBenchOptions& o = attention->options;
   CLI::App* cmd = bench->add_subcommand(
-      "attention", "fused CPU attention vs GEMM attention vs sgemm: GFLOP/s, causal-aware counts");
+      "attention",
+      "attention kernels, causal-aware FLOP counts: on cpu, fused CPU attention vs GEMM attention vs sgemm (GFLOP/s); "
+      "on cuda, distca's CUDA kernels (TFLOP/s; PyTorch's beside them: python/bench/bench_cuda_attention.py)");
+  cmd->add_option("--device", attention->device, "cpu, or cuda (GPU defaults: --docs 4096,16384,32768,65536 "
+                                                 "--shard-doc 16384 --heads 32 --kv-heads 8 --repeats 5)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--dtype", attention->cuda.dtype, "--device cuda: bfloat16 or float16")
+      ->check(CLI::IsMember({"bfloat16", "float16"}))
+      ->capture_default_str();
+  cmd->add_option("--gpu", attention->cuda.device, "--device cuda: the GPU index (-1: the current one)")
+      ->capture_default_str();
+  cmd->add_option("--profile-out", attention->cuda.profile_out,
+                  "--device cuda: also write a simulator profile of this GPU with the measured attention points");
   cmd->add_option("--docs", o.docs, "whole-document lengths in tokens")->delimiter(',')->capture_default_str();
   cmd->add_option("--shard-doc", o.shard_doc, "the document cut into shards; also the headline case")
       ->capture_default_str();
