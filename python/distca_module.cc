@@ -1,10 +1,10 @@
 // The distca Python module's native part (_distca): thin bindings over the plan, route and sim
-// layers and the CPU attention kernels (on raw addresses: no PyTorch headers here). Every check,
-// plan, layout and report is the C++ one (DESIGN.md §3: python adds no logic of its own); this
-// file only converts: Python lists and NumPy arrays in, NumPy arrays and
-// JSON text out, and a Status that is not ok into ValueError (bad input) or RuntimeError (a broken
-// invariant). Long calls run without the GIL, and the planner and the simulator can be interrupted
-// (run_interruptible).
+// layers and the CPU and CUDA attention kernels (on raw addresses, and for CUDA a stream handle: no
+// PyTorch or CUDA headers here). Every check, plan, layout and report is the C++ one (DESIGN.md §3:
+// python adds no logic of its own); this file only converts: Python lists and NumPy arrays in,
+// NumPy arrays and JSON text out, and a Status that is not ok into ValueError (bad input) or
+// RuntimeError (a broken invariant). Long calls run without the GIL, and the planner and the
+// simulator can be interrupted (run_interruptible).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -29,6 +29,7 @@
 #include "distca/core/file.h"
 #include "distca/core/json.h"
 #include "distca/kernels/cpu.h"
+#include "distca/kernels/cuda.h"
 #include "distca/plan/batch.h"
 #include "distca/plan/plan_io.h"
 #include "distca/plan/planner.h"
@@ -373,10 +374,45 @@ void run_attention(const TaskArray& tasks, const Dims& dims, const std::string& 
   check(st);
 }
 
+// The CUDA attention kernels (kernels::CudaAttention) on caller-owned device memory: addresses of
+// packed THD arrays on the object's device and a cudaStream_t as an int (a torch stream's
+// cuda_stream; 0 is the legacy default stream). The call only enqueues work: outputs are ready when
+// the stream reaches them. The C++ side checks dims, tasks, head dim, null and misaligned
+// addresses before it launches anything; that each address holds what the dims imply on the
+// current device is the caller's promise. The GIL is released while it launches; calls on one
+// object serialize (its schedule buffers are per object).
+struct PyCudaAttention {
+  std::unique_ptr<kernels::CudaAttention> attn;
+  std::mutex mu;
+};
+
+kernels::CudaDType cuda_dtype(const std::string& dtype) {
+  if (dtype == "bfloat16") return kernels::CudaDType::kBf16;
+  if (dtype == "float16") return kernels::CudaDType::kFp16;
+  throw py::value_error(fmt::format("dtype must be bfloat16 or float16 (the CUDA kernels' storage types), got {:?}", dtype));
+}
+
+// Converts the arguments (under the GIL), runs `pass(dims, tasks, dtype)` with the GIL released
+// and the object's lock held, and raises its Status.
+template <typename Pass>
+void run_cuda_attention(PyCudaAttention& self, const TaskArray& tasks, const Dims& dims, const std::string& dtype,
+                        const Pass& pass) {
+  const std::vector<kernels::AttnTask> list = attn_tasks(tasks);
+  const kernels::AttnDims d = attn_dims(dims);
+  const kernels::CudaDType t = cuda_dtype(dtype);
+  Status st;
+  {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(self.mu);
+    st = pass(d, std::span<const kernels::AttnTask>(list), t);
+  }
+  check(st);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_distca, m) {
-  m.doc() = "distca's native part: planners, plan verifier, exchange layouts, the cluster simulator and the CPU attention kernels";
+  m.doc() = "distca's native part: planners, plan verifier, exchange layouts, the cluster simulator and the CPU and CUDA attention kernels";
 
   py::class_<plan::Batch, std::shared_ptr<plan::Batch>>(m, "Batch")
       .def_property_readonly("num_ranks", [](const plan::Batch& b) { return b.num_ranks; })
@@ -610,6 +646,72 @@ PYBIND11_MODULE(_distca, m) {
            },
            py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("do"), py::arg("dq"),
            py::arg("dk"), py::arg("dv"), py::arg("dims"), py::arg("tasks"), py::arg("scale"), py::arg("dtype"));
+  m.def("cuda_kernels_built", &kernels::cuda_kernels_built);
+  m.def("cuda_kernels_archs", &kernels::cuda_kernels_archs);
+  py::class_<PyCudaAttention>(m, "CudaAttention")
+      .def(py::init([](int device) {
+             if (device < -1) throw py::value_error(fmt::format("device {} is not a CUDA device index (-1: the current one)", device));
+             Result<std::unique_ptr<kernels::CudaAttention>> made = [&] {
+               py::gil_scoped_release release;
+               return kernels::CudaAttention::create(device);
+             }();
+             auto self = std::make_unique<PyCudaAttention>();
+             self->attn = take(std::move(made));
+             return self;
+           }),
+           py::arg("device") = -1)
+      .def_property_readonly("device", [](const PyCudaAttention& a) { return a.attn->device(); })
+      .def_property_readonly("device_name", [](const PyCudaAttention& a) { return a.attn->device_name(); })
+      .def("forward",
+           [](PyCudaAttention& self, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, uintptr_t lse, const Dims& dims,
+              const TaskArray& tasks, std::optional<float> scale, const std::string& dtype, uintptr_t stream) {
+             run_cuda_attention(self, tasks, dims, dtype, [&](const kernels::AttnDims& d,
+                                                              std::span<const kernels::AttnTask> list,
+                                                              kernels::CudaDType t) {
+               kernels::CudaFwdArgs a;
+               a.dims = d;
+               a.dtype = t;
+               a.q = reinterpret_cast<const void*>(q);
+               a.k = reinterpret_cast<const void*>(k);
+               a.v = reinterpret_cast<const void*>(v);
+               a.tasks = list;
+               a.scale = scale;
+               a.o = reinterpret_cast<void*>(o);
+               a.lse = reinterpret_cast<float*>(lse);
+               return self.attn->forward(a, reinterpret_cast<void*>(stream));
+             });
+           },
+           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dims"), py::arg("tasks"),
+           py::arg("scale"), py::arg("dtype"), py::arg("stream"))
+      .def("backward",
+           [](PyCudaAttention& self, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, uintptr_t lse, uintptr_t d_o,
+              uintptr_t dq, uintptr_t dk, uintptr_t dv, const Dims& dims, const TaskArray& tasks,
+              std::optional<float> scale, const std::string& dtype, uintptr_t stream, uintptr_t d_lse, bool dkv_fp32) {
+             run_cuda_attention(self, tasks, dims, dtype, [&](const kernels::AttnDims& d,
+                                                              std::span<const kernels::AttnTask> list,
+                                                              kernels::CudaDType t) {
+               kernels::CudaBwdArgs a;
+               a.dims = d;
+               a.dtype = t;
+               a.q = reinterpret_cast<const void*>(q);
+               a.k = reinterpret_cast<const void*>(k);
+               a.v = reinterpret_cast<const void*>(v);
+               a.o = reinterpret_cast<const void*>(o);
+               a.lse = reinterpret_cast<const float*>(lse);
+               a.d_o = reinterpret_cast<const void*>(d_o);
+               a.d_lse = reinterpret_cast<const float*>(d_lse);
+               a.tasks = list;
+               a.scale = scale;
+               a.dq = reinterpret_cast<void*>(dq);
+               a.dk = reinterpret_cast<void*>(dk);
+               a.dv = reinterpret_cast<void*>(dv);
+               a.dkv_fp32 = dkv_fp32;
+               return self.attn->backward(a, reinterpret_cast<void*>(stream));
+             });
+           },
+           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("do"), py::arg("dq"),
+           py::arg("dk"), py::arg("dv"), py::arg("dims"), py::arg("tasks"), py::arg("scale"), py::arg("dtype"),
+           py::arg("stream"), py::arg("d_lse") = 0, py::arg("dkv_fp32") = true);
   m.def("attention_pairs", [](const TaskArray& tasks) {
     return kernels::total_pairs(attn_tasks(tasks));
   }, py::arg("tasks"));

@@ -242,14 +242,15 @@ def test_empty_server():
 def test_unavailable_says_why():
     from distca.torch import BackendUnavailable, backend_names, get_backend
     assert "distca" in backend_names()
-    with pytest.raises(BackendUnavailable, match="run on cpu, not cuda"):
+    with pytest.raises(BackendUnavailable, match="take bfloat16 or float16 on cuda, not torch.float32"):
         get_backend("distca", torch.device("cuda"), torch.float32)
-    with pytest.raises(BackendUnavailable, match="run on cpu, not meta"):
+    with pytest.raises(BackendUnavailable, match="run on cpu and cuda, not meta"):
         get_backend("distca", torch.device("meta"), torch.float32)
-    with pytest.raises(BackendUnavailable, match="float32 or bfloat16, not torch.float64"):
+    with pytest.raises(BackendUnavailable, match="take float32 or bfloat16 on cpu, not torch.float64"):
         get_backend("distca", torch.device("cpu"), torch.float64)
-    with pytest.raises(BackendUnavailable, match="built for head dims 32, 64, 128, 256, not 16"):
+    with pytest.raises(BackendUnavailable, match="built for head dims 32, 64, 128, 256 on cpu, not 16"):
         get_backend("distca", torch.device("cpu"), torch.float32, head_dim=16)
+    # The CUDA path's reasons are tested in test_torch_distca_ops.py.
 
 
 def test_auto_picks_distca_on_cpu_where_it_is_built_for_the_head_dim():

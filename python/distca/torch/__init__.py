@@ -10,7 +10,8 @@
         o = cad_attention(q, k, v, layout)   # [T, Hq, D]; differentiable
 
 gloo on CPU, NCCL on CUDA; server kernels `reference`, `sdpa`, `varlen`, `flash_attn`, `flex`, `distca`
-(distca's own CPU kernels) (`auto` picks).
+(distca's own CPU and CUDA kernels, also as the custom operators torch.ops.distca.attention_fwd/_bwd
+of distca.torch.ops) (`auto` picks).
 See README.md, "distca.torch".
 """
 try:

@@ -23,21 +23,24 @@ Backends: `reference` (torch ops per task in fp32: the specification, any device
 and CUDA), `varlen` (PyTorch's FlashAttention-2 varlen kernel, one call per causal/non-causal
 group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `flex`
 (FlexAttention over the whole task list with a task/position mask, compiled; CUDA), `distca`
-(distca's own CPU kernels, src/kernels/include/distca/kernels/cpu.h, through the native module on
-the tensors' addresses: the whole task list in one call, forward and backward; CPU, float32 and
-bfloat16, head dims 32, 64, 128, 256). `auto` picks the best that runs on the device. A named
-backend that cannot run raises BackendUnavailable with the reason.
+(distca's own kernels, src/kernels, through the custom operators distca::attention_fwd/_bwd of
+distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
+CPU: float32 and bfloat16, head dims 32, 64, 128, 256; CUDA: bfloat16 and float16, head dims 64
+and 128, on the current stream). `auto` picks the best that runs on the device (on CUDA it does
+not pick distca until a GPU run has validated its kernels). A named backend that cannot run
+raises BackendUnavailable with the reason.
 """
 from __future__ import annotations
 
 import math
-import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
+
+from . import ops
 
 
 class BackendUnavailable(ValueError):
@@ -509,22 +512,31 @@ class FlexKernel(ServerKernel):
 
 
 class DistcaKernel(ServerKernel):
-    """distca's CPU attention kernels (`_distca.CpuAttention`, the C++ `kernels::CpuAttention`):
-    the server's whole task list, causal and non-causal, in one native call per pass, on the
-    tensors' memory (no copies; the GIL released). Flash-style, GQA read in place, bottom-right
-    causal tasks computed on their unmasked blocks only; results bit-identical for any thread
-    count. The backward takes the merged O and LSE (the module docstring), so key-split rows are
+    """distca's own attention kernels through the custom operators of distca.torch.ops
+    (`distca::attention_fwd` / `distca::attention_bwd`): the server's whole task list, causal and
+    non-causal, in one native call per pass, on the tensors' memory (no copies; the GIL released).
+    Flash-style, GQA read in place, bottom-right causal tasks computed on their unmasked blocks
+    only. The backward takes the merged O and LSE (the module docstring), so key-split rows are
     exact without an LSE gradient.
 
-    Threads: `num_threads`, or torch.get_num_threads() at each call; one native object (its thread
-    pool and workspace) per thread count, shared by every instance (get_backend makes one per
-    call). CPU, float32 and bfloat16 (torch.bfloat16 is the top half of an IEEE float, the bit
-    pattern of distca::bf16); the bf16 backward writes dK/dV in bf16 (summed in fp32 inside,
-    rounded once), widened to the interface's fp32 here, as sdpa's CPU kernel does."""
+    CPU (`_distca.CpuAttention`): float32 and bfloat16 (torch.bfloat16 is the top half of an IEEE
+    float, the bit pattern of distca::bf16), head dims 32, 64, 128, 256; results bit-identical for
+    any thread count. Threads: `num_threads`, or torch.get_num_threads() at each call; one native
+    object (its thread pool and workspace) per thread count, shared by every instance. The bf16
+    backward writes dK/dV in bf16 (summed in fp32 inside, rounded once), widened to the interface's
+    fp32, as sdpa's CPU kernel does.
+
+    CUDA (`_distca.CudaAttention`, src/kernels/include/distca/kernels/cuda.h): bfloat16 and
+    float16, head dims 64 and 128, compute capability 8.0 or newer; on the current stream, one
+    native object per device; dK/dV returned as their fp32 sums (never rounded to bf16). `auto`
+    on CUDA does not pick it yet: it stays varlen first until a GPU run of
+    python/tests/gpu/check_torch_cuda.py has validated these kernels (name it: backend="distca").
+
+    Head dims the kernels are not built for go to `fallback` where one is set (auto sets it on
+    CPU), else raise ValueError."""
     name = "distca"
-    HEAD_DIMS = (32, 64, 128, 256)
-    _natives: dict = {}
-    _natives_lock = threading.Lock()
+    HEAD_DIMS = ops.HEAD_DIMS["cpu"]
+    CUDA_HEAD_DIMS = ops.HEAD_DIMS["cuda"]
 
     def __init__(self, num_threads: Optional[int] = None, fallback: Optional[ServerKernel] = None):
         if num_threads is not None and not 1 <= int(num_threads) <= 1024:
@@ -532,25 +544,20 @@ class DistcaKernel(ServerKernel):
         self.num_threads = None if num_threads is None else int(num_threads)
         self.fallback = fallback   # runs head dims the kernels are not built for (auto sets it)
 
-    def unavailable(self, device, dtype):
-        if device.type != "cpu":
-            return f"distca's attention kernels run on cpu, not {device.type}"
-        if dtype not in (torch.float32, torch.bfloat16):
-            return f"distca's attention kernels take float32 or bfloat16, not {dtype}"
-        from distca import _distca
-        if not hasattr(_distca, "CpuAttention"):
-            return "this build of distca's native module has no CpuAttention (reinstall: pip install .)"
-        return None
+    @staticmethod
+    def head_dims(device: torch.device) -> tuple:
+        """The head dims the kernels are built for on `device`'s type."""
+        return ops.HEAD_DIMS.get(device.type, ())
 
-    def native(self):
-        """The native kernel object for this call's thread count (made once per count)."""
-        threads = self.num_threads or torch.get_num_threads()
-        native = DistcaKernel._natives.get(threads)
-        if native is None:
-            from distca import _distca
-            with DistcaKernel._natives_lock:
-                native = DistcaKernel._natives.setdefault(threads, _distca.CpuAttention(threads))
-        return native
+    def unavailable(self, device, dtype):
+        return ops.unavailable(device, dtype)
+
+    def native(self, device: Optional[torch.device] = None):
+        """The native kernel object: on CPU (device None or cpu) the one for this call's thread
+        count, on CUDA the one for the device (each made once)."""
+        if device is None or device.type == "cpu":
+            return ops.cpu_native(self.num_threads or 0)
+        return ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device())
 
     @staticmethod
     def task_array(tasks: ServerTasks) -> np.ndarray:
@@ -571,68 +578,25 @@ class DistcaKernel(ServerKernel):
             tasks.cache["distca_tasks"] = np.ascontiguousarray(np.concatenate(rows))
         return tasks.cache["distca_tasks"]
 
-    @classmethod
-    def _dims(cls, q, k, dtype) -> tuple[int, int, int, int, int]:
-        """Checks q [Tq, Hq, D] and k [Tkv, Hkv, D] -> the native dims (Tq, Tkv, Hq, Hkv, D)."""
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"distca backend: q is {dtype}; the kernels take float32 or bfloat16")
-        if q.dim() != 3 or k.dim() != 3:
-            raise ValueError(f"distca backend: q and k must be [rows, heads, D], got shapes {tuple(q.shape)} and "
-                             f"{tuple(k.shape)}")
-        (tq, hq, d), (tkv, hkv, dk) = q.shape, k.shape
-        if dk != d:
-            raise ValueError(f"distca backend: q has head dim {d}, k {dk}")
-        if d not in cls.HEAD_DIMS:
-            raise ValueError(f"distca backend: head dim {d} is not one the kernels are built for "
-                             f"({', '.join(map(str, cls.HEAD_DIMS))}); use backend='sdpa'")
-        if hkv < 1 or hq % hkv:
-            raise ValueError(f"distca backend: {hq} query heads are not a multiple of {hkv} key/value heads")
-        return int(tq), int(tkv), int(hq), int(hkv), int(d)
-
     @staticmethod
-    def _address(name: str, x, shape: tuple, dtype) -> int:
-        """x's data address once it is a contiguous, strided CPU tensor of `shape` and `dtype`: the
-        native call reads and writes exactly the elements the shape implies there."""
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"distca backend: {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type != "cpu":
-            raise ValueError(f"distca backend: {name} is on {x.device}; the kernels run on cpu")
-        if x.layout != torch.strided:
-            raise ValueError(f"distca backend: {name} has layout {x.layout}; the kernels take dense (strided) tensors")
-        if x.dtype != dtype:
-            raise ValueError(f"distca backend: {name} is {x.dtype}, expected {dtype}")
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"distca backend: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
-        if not x.is_contiguous():
-            raise ValueError(f"distca backend: {name} is not contiguous (call .contiguous())")
-        if x.numel() != math.prod(shape):
-            raise ValueError(f"distca backend: {name} holds {x.numel()} elements, expected {math.prod(shape)}")
-        return x.data_ptr()
+    def _task_tensor(tasks: ServerTasks) -> torch.Tensor:
+        """task_array as the operators' CPU tensor (shares its memory; cached)."""
+        if "distca_tasks_tensor" not in tasks.cache:
+            tasks.cache["distca_tasks_tensor"] = ops.task_tensor(DistcaKernel.task_array(tasks))
+        return tasks.cache["distca_tasks_tensor"]
 
-    def forward_tasks(self, q, k, v, task_array: np.ndarray, scale: Optional[float]):
-        """forward on a native task array (rows may share key rows; the C++ kernel checks them)."""
-        tq, tkv, hq, hkv, d = dims = self._dims(q, k, q.dtype)
-        o = torch.empty((tq, hq, d), dtype=q.dtype)
-        lse = torch.empty((tq, hq), dtype=torch.float32)
-        addresses = [self._address(n, x, s, t) for n, x, s, t in (
-            ("q", q, (tq, hq, d), q.dtype), ("k", k, (tkv, hkv, d), q.dtype), ("v", v, (tkv, hkv, d), q.dtype),
-            ("o", o, (tq, hq, d), q.dtype), ("lse", lse, (tq, hq), torch.float32))]
-        if tq:
-            self.native().forward(*addresses, dims, task_array, scale, str(q.dtype).removeprefix("torch."))
-        return o, lse
+    def forward_tasks(self, q, k, v, task_array, scale: Optional[float]):
+        """forward on a native task array (numpy or CPU tensor; rows may share key rows, the C++
+        side checks them)."""
+        tasks = ops.task_tensor(task_array)
+        ops.check_inputs(q, k, v, tasks)   # here too: the operator's dispatch refuses some inputs less clearly
+        return torch.ops.distca.attention_fwd(q, k, v, tasks, scale, self.num_threads or 0)
 
-    def backward_tasks(self, do, q, k, v, o, lse, task_array: np.ndarray, scale: Optional[float]):
+    def backward_tasks(self, do, q, k, v, o, lse, task_array, scale: Optional[float]):
         """backward on a native task array: dq (q's dtype), dk, dv (fp32)."""
-        tq, tkv, hq, hkv, d = dims = self._dims(q, k, q.dtype)
-        dq = torch.empty((tq, hq, d), dtype=q.dtype)
-        dk, dv = (torch.empty((tkv, hkv, d), dtype=q.dtype) for _ in range(2))
-        addresses = [self._address(n, x, s, t) for n, x, s, t in (
-            ("q", q, (tq, hq, d), q.dtype), ("k", k, (tkv, hkv, d), q.dtype), ("v", v, (tkv, hkv, d), q.dtype),
-            ("o", o, (tq, hq, d), q.dtype), ("lse", lse, (tq, hq), torch.float32), ("do", do, (tq, hq, d), q.dtype),
-            ("dq", dq, (tq, hq, d), q.dtype), ("dk", dk, (tkv, hkv, d), q.dtype), ("dv", dv, (tkv, hkv, d), q.dtype))]
-        if tq or tkv:
-            self.native().backward(*addresses, dims, task_array, scale, str(q.dtype).removeprefix("torch."))
-        return dq, dk.float(), dv.float()
+        tasks = ops.task_tensor(task_array)
+        ops.check_inputs(q, k, v, tasks, (("o", o, "q"), ("lse", lse, "lse"), ("do", do, "q")))
+        return torch.ops.distca.attention_bwd(do, q, k, v, o, lse, tasks, scale, self.num_threads or 0)
 
     @staticmethod
     def _check_rows(q, k, tasks: ServerTasks):
@@ -641,19 +605,20 @@ class DistcaKernel(ServerKernel):
                              f"q has {q.shape[0]} and k {k.shape[0]}")
 
     def _hands_over(self, q) -> bool:
-        return self.fallback is not None and q.dim() == 3 and q.shape[-1] not in self.HEAD_DIMS
+        return (self.fallback is not None and isinstance(q, torch.Tensor) and q.dim() == 3
+                and q.shape[-1] not in self.head_dims(q.device))
 
     def forward(self, q, k, v, tasks, scale):
         if self._hands_over(q):
             return self.fallback.forward(q, k, v, tasks, scale)
         self._check_rows(q, k, tasks)
-        return self.forward_tasks(q, k, v, self.task_array(tasks), scale)
+        return self.forward_tasks(q, k, v, self._task_tensor(tasks), scale)
 
     def backward(self, do, q, k, v, o, lse, tasks, scale):
         if self._hands_over(q):
             return self.fallback.backward(do, q, k, v, o, lse, tasks, scale)
         self._check_rows(q, k, tasks)
-        return self.backward_tasks(do, q, k, v, o, lse, self.task_array(tasks), scale)
+        return self.backward_tasks(do, q, k, v, o, lse, self._task_tensor(tasks), scale)
 
 
 def lse_autograd_backward(call, do, q, k, v, o, lse):
@@ -680,7 +645,8 @@ _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
     "flex": FlexKernel,
     "distca": DistcaKernel,
 }
-# `auto` tries these in order.
+# `auto` tries these in order. distca's CUDA kernels are not in the CUDA order until a GPU run of
+# python/tests/gpu/check_torch_cuda.py has validated them against `reference`.
 _AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "sdpa", "flex", "reference"), "cpu": ("distca", "sdpa", "reference")}
 
 
@@ -694,7 +660,7 @@ def _first_that_runs(order, device, dtype, head_dim: Optional[int]) -> Optional[
         if kernel.unavailable(device, dtype) is not None:
             continue
         if isinstance(kernel, DistcaKernel):
-            if head_dim is not None and head_dim not in DistcaKernel.HEAD_DIMS:
+            if head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
                 continue
             # Head dims it is not built for (known only at the call) go to the next that runs.
             kernel.fallback = _first_that_runs(order[i + 1:], device, dtype, head_dim)
@@ -707,7 +673,8 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
     """The server kernel `name` for tensors on `device` of `dtype` (and `head_dim`, where known);
     `auto` picks the first that runs (cuda: varlen, flash_attn, sdpa, flex, reference; cpu: distca,
     sdpa, reference; distca only for the head dims it is built for: without `head_dim`, its kernel
-    hands other head dims to sdpa at the call). BackendUnavailable names why a named one cannot run."""
+    hands other head dims to sdpa at the call; on cuda distca runs only when named, until a GPU run
+    has validated its CUDA kernels). BackendUnavailable names why a named one cannot run."""
     if isinstance(name, ServerKernel):
         return name
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
@@ -721,9 +688,9 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
         raise BackendUnavailable(f"backend must be one of {', '.join(backend_names())}, got {name!r}")
     kernel = _BACKENDS[name]()
     reason = kernel.unavailable(device, dtype)
-    if reason is None and name == "distca" and head_dim is not None and head_dim not in DistcaKernel.HEAD_DIMS:
-        reason = (f"the kernels are built for head dims {', '.join(map(str, DistcaKernel.HEAD_DIMS))}, "
-                  f"not {head_dim}")
+    if reason is None and name == "distca" and head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
+        reason = (f"the kernels are built for head dims {', '.join(map(str, DistcaKernel.head_dims(device)))} on "
+                  f"{device.type}, not {head_dim}")
     if reason is not None:
         raise BackendUnavailable(f"backend {name!r} cannot run on {device} with {dtype}: {reason}")
     return kernel

@@ -8,11 +8,19 @@
    (relative to the largest value).
 2. The whole path: cad_attention on a 1-rank NCCL group (every backend) against whole-document
    attention in fp64.
-3. Speed: forward + backward of each backend on one 16K-token document and on the same tokens as
+3. distca's own CUDA kernels (`_distca.CudaAttention`, the `distca` backend) on random server task
+   lists (tests/attention_cases.py: lengths 1, primes and tile sizes +-1, shards sharing their
+   document's K/V rows, key-split shards merged by the LSE rule, rows that see no key, tasks with
+   no queries, uncovered rows, unread key rows) in bf16 and fp16, D 64 and 128, GQA 4:1, against
+   float64 truth within error bounds derived per element from the dtypes' unit roundoff and the
+   reduction lengths; outputs filled with NaN before each call, so an element not written fails.
+4. Speed: forward + backward of each backend on one 16K-token document and on the same tokens as
    128-token causal shards (each with its own copy of its key prefix, as the varlen layout holds
    it), timed with CUDA events (median of 5).
 
-Writes JSON to --json and prints a markdown table; exit 1 when a check fails.
+Writes JSON to --json and prints a markdown table; exit 1 when a check fails. A build without
+distca's CUDA kernels (no nvcc where it was installed) is reported as unavailable, and fails only
+with --require-distca.
 """
 from __future__ import annotations
 
@@ -31,10 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distca  # noqa: E402
 from distca.torch import StepPlanner, cad_attention, get_backend, rank_layout  # noqa: E402
 from distca.torch.backends import BackendUnavailable, causal_shards  # noqa: E402
+from attention_cases import check_distca_kernels  # noqa: E402
 from torch_cases import COST_MODEL, doc_data, local_rows, whole_document  # noqa: E402
 
 HQ, HKV, D = 8, 2, 128
-BACKENDS = ("reference", "sdpa", "varlen", "flash_attn", "flex")
+BACKENDS = ("reference", "sdpa", "varlen", "flash_attn", "flex", "distca")
 
 
 def rel(got, want):
@@ -81,15 +90,15 @@ def kernel_check(device, report):
 
 def path_check(device, report):
     lengths = [700, 300, 24]
-    data = doc_data(lengths, 3)
-    data = [[t.reshape(t.shape[0], -1, t.shape[-1]) for t in d] for d in data]
     ok = True
     for name in BACKENDS:
         try:
             get_backend(name, device, torch.bfloat16)
         except BackendUnavailable:
             continue
-        planner = StepPlanner(model={"heads": 4, "kv_heads": 2, "head_dim": 16}, policy="minbytes", granularity=16,
+        head_dim = 64 if name == "distca" else 16   # the smallest head dim distca's CUDA kernels are built for
+        data = doc_data(lengths, 3, head_dim=head_dim)
+        planner = StepPlanner(model={"heads": 4, "kv_heads": 2, "head_dim": head_dim}, policy="minbytes", granularity=16,
                               backend=name, device=device)
         layout = planner.plan(np.cumsum([0] + lengths))
         pieces = [(d, 0, n, n) for d, n in enumerate(lengths)]
@@ -103,6 +112,32 @@ def path_check(device, report):
         passed = all(e <= 2e-2 for e in errors)
         ok &= passed
         report["path"].append({"backend": name, "errors": errors, "ok": passed})
+    return ok
+
+
+def distca_check(device, report, require: bool):
+    """Section 3: distca's kernels on random task lists, every dtype and head dim they take here."""
+    dtypes = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.bfloat16,)
+    reasons = {}
+    for dtype in dtypes:
+        try:
+            get_backend("distca", device, dtype)
+        except BackendUnavailable as e:
+            reasons[str(dtype)] = str(e)
+    if reasons:
+        report["unavailable"]["distca (section 3)"] = reasons
+        print(f"check_torch_cuda: distca's kernels NOT CHECKED: {reasons}")
+        return not require
+    # CPU (the dry run): fewer rows, shorter documents: its float64 truth runs on the CPU.
+    rows, lengths = (3000, None) if device.type == "cuda" else (500, (1, 2, 3, 5, 7, 13, 31, 63, 64, 65, 131))
+    ok = True
+    for dtype in dtypes:
+        for head_dim in (64, 128):
+            for seed in (0, 1):
+                case = check_distca_kernels(device, dtype, head_dim, seed, rows, hq=HQ, hkv=HKV,
+                                            **({"lengths": lengths} if lengths else {}))
+                report["distca"].append(case)
+                ok &= case["ok"]
     return ok
 
 
@@ -141,6 +176,8 @@ def main():
     parser.add_argument("--json", required=True)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a dry run of the checks with the CPU backends (no speed part)")
+    parser.add_argument("--require-distca", action="store_true",
+                        help="fail when distca's kernels cannot run here (default: report them as unavailable)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("check_torch_cuda: no GPU: skipped")
@@ -153,18 +190,25 @@ def main():
     else:
         dist.init_process_group("gloo", rank=0, world_size=1)
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "kernels": [], "path": [], "speed": [], "unavailable": {}}
+              "kernels": [], "path": [], "distca": [], "speed": [], "unavailable": {}}
     ok_k = kernel_check(device, report)
     ok_p = path_check(device, report)
+    ok_d = distca_check(device, report, args.require_distca)
     if device.type == "cuda":
         speed(device, report)
-    report["ok"] = bool(ok_k and ok_p)
+    report["ok"] = bool(ok_k and ok_p and ok_d)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print("| backend | server | max error (O, LSE, dQ, dK, dV) | ok |\n|---|---|---|---|")
     for k in report["kernels"]:
         print(f"| {k['backend']} | {k['server']} | {', '.join(f'{e:.2e}' for e in k['errors'])} | {k['ok']} |")
     for p in report["path"]:
         print(f"| path {p['backend']} | 1 rank | {', '.join(f'{e:.2e}' for e in p['errors'])} | {p['ok']} |")
+    print("\n| distca | D | seed | tasks | worst error / bound (O, LSE, dQ, dK, dV) | ok |\n|---|---|---|---|---|---|")
+    for c in report["distca"]:
+        worst = ", ".join(f"{c['results'][n]['worst_ratio']:.2f}" for n in ("O", "LSE", "dQ", "dK", "dV"))
+        off = {n: r for n, r in c["results"].items() if not r["ok"]}
+        print(f"| {c['dtype']} | {c['head_dim']} | {c['seed']} | {c['tasks']} | {worst} | {c['ok']}"
+              f"{'' if c['ok'] else ' ' + json.dumps(off)} |")
     print("\n| backend | shard | fwd TFLOP/s | bwd TFLOP/s |\n|---|---|---|---|")
     for s in report["speed"]:
         print(f"| {s['backend']} | {s['shard'] or 'whole'} | {s['fwd_tflops']:.1f} | {s['bwd_tflops']:.1f} |")

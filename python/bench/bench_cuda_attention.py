@@ -1,0 +1,420 @@
+"""distca's CUDA attention kernels beside PyTorch's on one GPU, in one process and one run:
+TFLOP/s of the forward and of the backward, for whole causal documents (--tokens) and for one
+document (--shard-doc tokens) as fused causal shards (--shards): every shard of the document in
+one call, each shard a causal task over its key prefix.
+
+Backends: `distca` (torch.ops.distca.attention_fwd/_bwd: the task list in one call, the shards
+reading the document's one K/V), `varlen` (torch.nn.attention.varlen.varlen_attn, GQA native;
+shards as one varlen batch, each with its own copy of its key prefix, as a varlen layout holds
+it: the copy and the sum of the copies' dK/dV are not timed), `sdpa-flash` and `sdpa-cudnn`
+(scaled_dot_product_attention under sdpa_kernel with that one backend; shards as one call per
+shard, bottom-right causal: flash through torch.nn.attention.bias.causal_lower_right, cuDNN with
+a boolean mask; K/V heads expanded where the backend refuses enable_gqa, noted in the row). A
+backend that refuses a shape is listed with torch's reason, not timed.
+
+FLOPs count causal (query, key) pairs (`_distca.attention_pairs` of the task list): forward
+4 D Hq per pair, backward 2.5x the forward, the same for every backend of a shape. Times: CUDA
+events around each call, --repeats after --warmup; the median is reported with the spread (min,
+max). The backward of the PyTorch backends is torch.autograd.grad over a retained graph (the
+forward it needs is not timed). Correctness is checked once before timing: on a --check-tokens
+document (whole and as 128-token shards) every backend against float32 attention per task
+(distca beyond 3e-2 of the largest value, about 8 bf16 ulps, stops the run: exit 1), and on every
+timed shape each backend against distca (recorded; exit 1 when every PyTorch backend differs from
+distca beyond 3e-2, i.e. distca is the one off).
+
+    python/bench/bench_cuda_attention.py [--tokens 4096,16384,32768,65536] [--shard-doc 16384]
+        [--shards 64,128,256,1024] [--heads 32] [--kv-heads 8] [--head-dim 128] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+TOLERANCE = 3e-2
+BACKENDS = ("distca", "varlen", "sdpa-flash", "sdpa-cudnn")
+
+
+def shard_tasks(tokens: int, shard: Optional[int]) -> np.ndarray:
+    """One document of `tokens` as distca's (n, 5) task rows: one causal task (shard None), or causal
+    shards of `shard` queries (the last one the remainder), each over its key prefix [0, end)."""
+    if not shard or shard >= tokens:
+        return np.array([[0, tokens, 0, tokens, 1]], dtype=np.int64)
+    starts = np.arange(0, tokens, shard, dtype=np.int64)
+    ends = np.minimum(starts + shard, tokens)
+    return np.stack([starts, ends - starts, np.zeros_like(starts), ends, np.ones_like(starts)], axis=1)
+
+
+def causal_pairs(tasks: np.ndarray) -> int:
+    from distca import _distca
+    return int(_distca.attention_pairs(np.ascontiguousarray(tasks, dtype=np.int64)))
+
+
+def summarize(seconds: list, flops: float) -> dict:
+    """Median and spread of the timings, as seconds and TFLOP/s."""
+    s = sorted(seconds)
+    median = float(np.median(s))
+    return {"seconds": median, "tflops": flops / median / 1e12, "seconds_spread": [s[0], s[-1]],
+            "tflops_spread": [flops / s[-1] / 1e12, flops / s[0] / 1e12], "repeats": len(s)}
+
+
+def ratios(rows: list) -> list:
+    """Per shape: distca's TFLOP/s over the fastest PyTorch backend's, forward and backward."""
+    out = []
+    for key in dict.fromkeys((r["layout"], r["tokens"], r["shard"]) for r in rows):
+        shape = [r for r in rows if (r["layout"], r["tokens"], r["shard"]) == key]
+        ours = next((r for r in shape if r["backend"] == "distca"), None)
+        entry = {"layout": key[0], "tokens": key[1], "shard": key[2]}
+        for p in ("fwd", "bwd"):
+            theirs = [r for r in shape if r["backend"] != "distca" and r.get(p)]
+            best = max(theirs, key=lambda r: r[p]["tflops"], default=None)
+            entry[f"{p}_fastest_pytorch"] = best["backend"] if best else None
+            entry[f"{p}_ratio"] = (ours[p]["tflops"] / best[p]["tflops"]) if ours and best and ours.get(p) else None
+        out.append(entry)
+    return out
+
+
+def parse_list(text: str, what: str) -> list:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}: a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{what}: positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    first, _, rest = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(description=first, epilog=rest,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=lambda t: parse_list(t, "--tokens"), default=[4096, 16384, 32768, 65536],
+                        help="whole-document lengths (default 4096,16384,32768,65536)")
+    parser.add_argument("--shard-doc", type=int, default=16384, help="the document cut into shards (default 16384)")
+    parser.add_argument("--shards", type=lambda t: parse_list(t, "--shards"), default=[64, 128, 256, 1024],
+                        help="shard sizes in query rows (default 64,128,256,1024)")
+    parser.add_argument("--heads", type=int, default=32, help="query heads Hq (default 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads Hkv (default 8)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="D (default 128)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per pass (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    parser.add_argument("--check-tokens", type=int, default=2048, help="the correctness check's document (default 2048)")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help=f"comma-separated, from {', '.join(BACKENDS)} (default all)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    return parser
+
+
+def check_args(parser, args) -> None:
+    for name in ("shard_doc", "heads", "kv_heads", "repeats", "check_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in args.backends if b not in BACKENDS]
+    if unknown or "distca" not in args.backends:
+        parser.error(f"--backends: from {', '.join(BACKENDS)}, distca included; got {unknown or args.backends}")
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        parser.error(f"--json {args.json}: not a file in an existing folder")
+
+
+class Unavailable(Exception):
+    """A backend refuses a shape; the message says why."""
+
+
+def make_runner(name: str, torch, q, k, v, do, tasks: np.ndarray, scale: float):
+    """(forward(), backward(), outputs()) for backend `name` on one shape: forward and backward run
+    one pass each (backward after one untimed forward with autograd); outputs() gives O, dQ, dK, dV
+    on the document's rows (dK/dV summed over a varlen layout's copies) for the checks."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    if name == "distca":
+        from distca.torch import ops
+        t = torch.from_numpy(tasks)
+        state: dict = {}
+
+        def forward():
+            state["o"], state["lse"] = ops.attention_fwd(q, k, v, t, scale)
+
+        def backward():
+            state["grads"] = ops.attention_bwd(do, q, k, v, state["o"], state["lse"], t, scale)
+
+        def outputs():
+            forward()
+            backward()
+            return [state["o"]] + list(state["grads"])
+        return forward, backward, outputs
+
+    is_whole = len(tasks) == 1
+    if name == "varlen":
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError as e:
+            raise Unavailable(f"torch {torch.__version__} has no torch.nn.attention.varlen: {e}") from None
+        ends = tasks[:, 0] + tasks[:, 1]
+        cu_q = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(q.device)
+        if is_whole:
+            cu_k, k_index = cu_q, None   # the same tensor: cuDNN's varlen takes causal only so
+        else:   # every shard with its own copy of its key prefix (not timed)
+            cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(ends)]).astype(np.int32)).to(q.device)
+            k_index = torch.from_numpy(np.concatenate([np.arange(e) for e in ends])).to(q.device)
+        max_q, max_k = int(tasks[:, 1].max()), int(ends.max())
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        kx = leaves[1] if k_index is None else leaves[1].index_select(0, k_index)
+        vx = leaves[2] if k_index is None else leaves[2].index_select(0, k_index)
+        kv_leaves = [kx.detach().requires_grad_(), vx.detach().requires_grad_()]
+
+        def call(qq, kk, vv):
+            return varlen_attn(qq, kk, vv, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+
+        graph: dict = {}
+
+        def forward():
+            with torch.no_grad():
+                graph["o"] = call(q, kx, vx)
+
+        def backward():
+            if "out" not in graph:
+                graph["out"] = call(leaves[0], *kv_leaves)
+            graph["grads"] = torch.autograd.grad(graph["out"], [leaves[0]] + kv_leaves, do, retain_graph=True)
+
+        def outputs():
+            forward()
+            backward()
+            dq, dkx, dvx = graph["grads"]
+            if k_index is not None:
+                dkx = torch.zeros(k.shape, dtype=torch.float32, device=q.device).index_add_(0, k_index, dkx.float())
+                dvx = torch.zeros(k.shape, dtype=torch.float32, device=q.device).index_add_(0, k_index, dvx.float())
+            return [graph["o"], dq, dkx, dvx]
+        return forward, backward, outputs
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    bhld = lambda x: x.detach().transpose(0, 1).unsqueeze(0).contiguous()  # noqa: E731 ([L, H, D] -> [1, H, L, D])
+    leaves = [bhld(x).requires_grad_() for x in (q, k, v)]
+    do_b = bhld(do)
+    spans = [(int(a), int(a + lq), int(k1)) for a, lq, _, k1, _ in tasks]   # (q0, q1, key end) per task
+
+    def attend(qb, kb, vb, gqa: str):
+        if gqa == "expanded":
+            kb, vb = (x.repeat_interleave(group, dim=1) for x in (kb, vb))
+        outs = []
+        with sdpa_kernel([backend]):
+            for q0, q1, k1 in spans:
+                qs, ks, vs = qb[:, :, q0:q1], kb[:, :, :k1], vb[:, :, :k1]
+                if q1 - q0 == k1:
+                    mask, causal = None, True
+                elif backend == SDPBackend.FLASH_ATTENTION:
+                    mask, causal = causal_lower_right(q1 - q0, k1), False
+                else:
+                    rows = torch.arange(q1 - q0, device=q.device)[:, None] + (k1 - (q1 - q0))
+                    mask, causal = torch.arange(k1, device=q.device)[None, :] <= rows, False
+                outs.append(torch.nn.functional.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa == "native"))
+        return outs
+
+    gqa = "native" if group > 1 else "none"
+    try:
+        with torch.no_grad():
+            attend(*leaves, gqa)   # one untimed forward: refused or not
+    except RuntimeError as e:
+        if gqa != "native":
+            raise Unavailable(f"{name}: {str(e).splitlines()[0]}") from None
+        try:
+            with torch.no_grad():
+                attend(leaves[0], *leaves[1:], "expanded")
+            gqa = "expanded"
+        except RuntimeError as e2:
+            raise Unavailable(f"{name}: {str(e2).splitlines()[0]}") from None
+    graph = {"gqa": gqa}
+
+    def forward():
+        with torch.no_grad():
+            graph["o"] = attend(*leaves, gqa)
+
+    def backward():
+        if "outs" not in graph:
+            graph["outs"] = attend(*leaves, gqa)
+            graph["dos"] = [do_b[:, :, q0:q1] for q0, q1, _ in spans]
+        graph["grads"] = torch.autograd.grad(graph["outs"], leaves, graph["dos"], retain_graph=True)
+
+    def outputs():
+        forward()
+        backward()
+        back = lambda x: x[0].transpose(0, 1)  # noqa: E731 ([1, H, L, D] -> [L, H, D])
+        return [back(torch.cat(graph["o"], dim=2))] + [back(g) for g in graph["grads"]]
+    outputs.gqa = gqa
+    return forward, backward, outputs
+
+
+def max_rel(got, want) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def reference(torch, q, k, v, do, tasks: np.ndarray, scale: float) -> list:
+    """float32 attention per task (autograd): O, dQ, dK, dV."""
+    hq, hkv = q.shape[1], k.shape[1]
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    outs = []
+    for q0, lq, k0, lk, _ in tasks.tolist():
+        qt = leaves[0][q0:q0 + lq]
+        kt, vt = (x[k0:k0 + lk].repeat_interleave(hq // hkv, dim=1) for x in leaves[1:])
+        s = torch.einsum("qhd,khd->hqk", qt, kt) * scale
+        allowed = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", p, vt))
+    o = torch.cat(outs)
+    return [o.detach()] + list(torch.autograd.grad(o, leaves, do.float()))
+
+
+def time_pass(torch, fn: Callable, repeats: int, warmup: int) -> list:
+    for _ in range(warmup):
+        fn()
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return seconds
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_cuda_attention: no CUDA device (torch.cuda.is_available() is False): this benchmark times "
+              "CUDA kernels; run it on a machine with an NVIDIA GPU", file=sys.stderr)
+        return 1
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = getattr(torch, args.dtype)
+    from distca import _distca
+    from distca.torch import ops
+    why = ops.unavailable(device, dtype)
+    if why is not None:
+        print(f"bench_cuda_attention: distca's CUDA kernels cannot run here: {why}", file=sys.stderr)
+        return 1
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    scale = d ** -0.5
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(n):
+        q, do = (torch.randn(n, hq, d, generator=gen, device=device, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(n, hkv, d, generator=gen, device=device, dtype=dtype) for _ in range(2))
+        return q, k, v, do
+
+    # 1. Correctness once before timing: every backend against float32 attention, whole and sharded.
+    checks, unavailable = [], {}
+    for shard in (None, 128):
+        tasks = shard_tasks(args.check_tokens, shard)
+        x = inputs(args.check_tokens)
+        want = reference(torch, *x, tasks, scale)
+        for name in args.backends:
+            try:
+                got = make_runner(name, torch, *x, tasks, scale)[2]()
+            except (Unavailable, RuntimeError, NotImplementedError) as e:
+                if name == "distca":
+                    raise
+                unavailable[f"{name} (check, shard {shard})"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                continue
+            errors = [max_rel(g, w) for g, w in zip(got, want)]
+            checks.append({"backend": name, "tokens": args.check_tokens, "shard": shard,
+                           "max_rel_error_o_dq_dk_dv": errors, "ok": max(errors) <= TOLERANCE})
+            if name == "distca" and max(errors) > TOLERANCE:
+                print(f"bench_cuda_attention: distca differs from float32 attention by {errors} (O, dQ, dK, dV) "
+                      f"on {args.check_tokens} tokens, shard {shard}", file=sys.stderr)
+                return 1
+    # 2. The timed shapes.
+    shapes = [("whole", n, None) for n in args.tokens] + [("shards", args.shard_doc, s) for s in args.shards]
+    rows = []
+    for layout, n, shard in shapes:
+        tasks = shard_tasks(n, shard)
+        pairs = causal_pairs(tasks)
+        fwd_flops = 4.0 * d * hq * pairs
+        x = inputs(n)
+        base = None
+        for name in args.backends:
+            try:
+                forward, backward, outputs = make_runner(name, torch, *x, tasks, scale)
+                got = outputs()
+            except Unavailable as e:
+                unavailable[f"{name} ({layout} {n}, shard {shard})"] = str(e)
+                continue
+            except (RuntimeError, NotImplementedError) as e:   # torch refuses the shape at the call, or memory runs out
+                unavailable[f"{name} ({layout} {n}, shard {shard})"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                torch.cuda.empty_cache()
+                continue
+            row = {"backend": name, "layout": layout, "tokens": n, "shard": shard, "tasks": int(len(tasks)),
+                   "pairs": pairs, "fwd_flops": fwd_flops, "bwd_flops": 2.5 * fwd_flops}
+            if getattr(outputs, "gqa", None):
+                row["gqa"] = outputs.gqa
+            if name == "distca":
+                base = got
+            elif base is not None:
+                diff = [max_rel(g, b) for g, b in zip(got, base)]
+                row["max_rel_diff_vs_distca_o_dq_dk_dv"] = diff
+                row["agrees_with_distca"] = max(diff) <= TOLERANCE
+                if not row["agrees_with_distca"]:
+                    print(f"bench_cuda_attention: {name} and distca differ by {diff} (O, dQ, dK, dV) on {layout} {n} "
+                          f"shard {shard}", file=sys.stderr)
+            del got
+            backward()   # the graph the timed backward reuses
+            row["fwd"] = summarize(time_pass(torch, forward, args.repeats, args.warmup), fwd_flops)
+            row["bwd"] = summarize(time_pass(torch, backward, args.repeats, args.warmup), 2.5 * fwd_flops)
+            rows.append(row)
+            del forward, backward, outputs
+            torch.cuda.empty_cache()
+        del x, base
+        others = [r for r in rows if (r["layout"], r["tokens"], r["shard"]) == (layout, n, shard) and r["backend"] != "distca"]
+        if others and not any(r["agrees_with_distca"] for r in others):
+            print(f"bench_cuda_attention: every PyTorch backend differs from distca on {layout} {n} shard {shard}: "
+                  f"distca is off", file=sys.stderr)
+            return 1
+    report = {"format": "distca-bench-cuda-attention", "version": 1, "date": time.strftime("%Y-%m-%d"),
+              "device": torch.cuda.get_device_name(device), "capability": list(torch.cuda.get_device_capability(device)),
+              "torch": torch.__version__, "distca_archs": _distca.cuda_kernels_archs(),
+              "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": args.dtype, "repeats": args.repeats,
+              "warmup": args.warmup,
+              "flop_convention": "causal (query, key) pairs x 4 D Hq forward; backward 2.5x the forward",
+              "timing": "CUDA events per call; median of repeats, spread = [min, max]",
+              "varlen_shards": "each shard with its own copy of its key prefix (the copy and the dK/dV sum not timed)",
+              "checks": checks, "rows": rows, "ratios": ratios(rows), "unavailable": unavailable}
+    print(f"{report['device']}, Hq {hq}, Hkv {hkv}, D {d}, {args.dtype}; TFLOP/s, medians of {args.repeats} "
+          f"(spread min-max)")
+    print(f"{'layout':7s} {'tokens':>6s} {'shard':>5s} {'backend':11s} {'fwd':>18s} {'bwd':>18s}")
+    for r in rows:
+        cell = lambda p: f"{r[p]['tflops']:6.1f} ({r[p]['tflops_spread'][0]:.1f}-{r[p]['tflops_spread'][1]:.1f})"  # noqa: E731
+        print(f"{r['layout']:7s} {r['tokens']:6d} {str(r['shard'] or '-'):>5s} {r['backend']:11s} {cell('fwd'):>18s} "
+              f"{cell('bwd'):>18s}")
+    for e in report["ratios"]:
+        fmt = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
+        print(f"distca / fastest PyTorch, {e['layout']} {e['tokens']} shard {e['shard'] or '-'}: forward "
+              f"{fmt(e['fwd_ratio'])} ({e['fwd_fastest_pytorch']}), backward {fmt(e['bwd_ratio'])} "
+              f"({e['bwd_fastest_pytorch']})")
+    for what, why in unavailable.items():
+        print(f"bench_cuda_attention: not timed: {what}: {why}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
