@@ -44,6 +44,29 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records its ex
 }
 : >"$out/steps.txt"
 nvidia-smi -L | tee "$out/device.txt"
+# What the device offers, for the report (and for whoever fixes a step that cannot build there).
+probe() {
+  ldd --version | head -1; cmake --version | head -1; nvcc --version | tail -1
+  command -v compute-sanitizer || echo "compute-sanitizer: not on PATH"
+  "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  for pkg in fmt nlohmann_json CLI11 GTest MPI; do
+    if cmake --find-package -DNAME=$pkg -DCOMPILER_ID=GNU -DLANGUAGE=CXX -DMODE=EXIST >/dev/null 2>&1; then
+      echo "$pkg: found"; else echo "$pkg: not found"; fi
+  done
+  ls /usr/lib/x86_64-linux-gnu/libopenblas* /usr/lib/x86_64-linux-gnu/openblas*/libopenblas.so 2>/dev/null | head -2 ||
+    echo "OpenBLAS: not found"
+}
+step probe probe
+# Libraries the device lacks come from build/gpu-deps when a session carried it there
+# (scripts/gpu-deps.sh prepares it from Debian's packages).
+if [ -d build/gpu-deps/usr ]; then
+  deps="$PWD/build/gpu-deps/usr"
+  blas_dir="$deps/lib/x86_64-linux-gnu/openblas-pthread"
+  export CMAKE_PREFIX_PATH="$deps${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  export LD_LIBRARY_PATH="$blas_dir:$deps/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # FindBLAS searches it too
+  export CXXFLAGS="-isystem $deps/include/x86_64-linux-gnu/openblas-pthread ${CXXFLAGS:-}"
+  echo "== gpu-check: using the libraries in build/gpu-deps"
+fi
 # distca's own CUDA kernels and NcclComm: configure, build what the checks run, test, sanitize, measure.
 archs="${DISTCA_CUDA_ARCHS:-90a-real}"
 step configure-cuda cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_WITH_CUDA=ON \
