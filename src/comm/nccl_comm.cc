@@ -1,4 +1,5 @@
 #include "distca/comm/nccl_comm.h"
+#include "distca/core/cuda_status.h"
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -19,10 +20,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::ok();
-  return internal_error(fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
-}
 // ncclInProgress is not an error: a nonblocking communicator answers it while NCCL finishes the
 // call in the background (the caller polls ncclCommGetAsyncError).
 Status nccl_status(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
@@ -33,28 +30,6 @@ Status nccl_status(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) 
 }
 #define DISTCA_CUDA_CHECK(call) DISTCA_RETURN_IF_ERROR(cuda_status((call), #call))
 #define DISTCA_NCCL_CHECK(call) DISTCA_RETURN_IF_ERROR(nccl_status((call), #call))
-
-// Makes `device` current for the scope of a call and restores the caller's.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      status_ = cuda_status(cudaSetDevice(device), "cudaSetDevice");
-    } else {
-      previous_ = -1;
-    }
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-  const Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  Status status_;
-};
 
 // Device memory freed when it goes out of scope.
 struct DeviceBuffer {
@@ -122,7 +97,7 @@ ncclResult_t nccl_group(const Calls& calls) {
 
 struct NcclComm::State {
   ~State() {
-    DeviceScope scope(device);
+    CudaDeviceScope scope(device);
     if (comm != nullptr) (void)ncclCommAbort(comm);  // a create that failed after ncclCommInitRank
     if (barrier_scratch != nullptr) (void)cudaFree(barrier_scratch);
     if (owns_stream && stream != nullptr) (void)cudaStreamDestroy(stream);
@@ -212,7 +187,7 @@ struct NcclComm::State {
   // REQUIRES: mu held.
   void abort_locked(const std::string& reason) {
     if (comm == nullptr) return;
-    DeviceScope scope(device);
+    CudaDeviceScope scope(device);
     (void)ncclCommAbort(comm);
     comm = nullptr;
     closed = fmt::format("aborted ({})", reason);
@@ -261,7 +236,7 @@ class NcclWork final : public Work {
   Result<bool> test() override {
     if (is_done_) return true;
     std::lock_guard lock(state_->mu);
-    DeviceScope scope(state_->device);
+    CudaDeviceScope scope(state_->device);
     DISTCA_RETURN_IF_ERROR(scope.status());
     // 1. The communicator's state (finished enqueues, asynchronous errors); the pending sends and
     //    receives are issued once nothing is being enqueued.
@@ -312,7 +287,7 @@ Result<std::unique_ptr<Work>> post(const std::shared_ptr<State>& state, std::chr
   std::lock_guard lock(state->mu);
   State& s = *state;
   const std::string what = fmt::format("{} #{}", kind, s.next_seq++);
-  DeviceScope scope(s.device);
+  CudaDeviceScope scope(s.device);
   DISTCA_RETURN_IF_ERROR(scope.status());
   const auto deadline = Clock::now() + timeout;
   DISTCA_RETURN_IF_ERROR(s.settle(deadline, what, timeout));
@@ -340,7 +315,7 @@ Result<std::unique_ptr<Work>> post_p2p(const std::shared_ptr<State>& state, std:
   const char* kind = is_send ? "send" : "recv";
   auto op = std::make_shared<Op>(fmt::format("{} #{}", kind, s.next_seq++), s.who(peer));
   if (s.comm == nullptr) return internal_error(fmt::format("{} on {}: the NCCL communicator was {}", op->what, s.who(s.rank), s.closed));
-  DeviceScope scope(s.device);
+  CudaDeviceScope scope(s.device);
   DISTCA_RETURN_IF_ERROR(scope.status());
   DISTCA_CUDA_CHECK(cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming));
   if (bytes == 0) {
@@ -409,7 +384,7 @@ Status make_stream_and_scratch(State& s, void* given_stream) {
 
 // ncclCommInitRankConfig (nonblocking) until the communicator is ready, or the deadline.
 Status init_state(State& s, const ncclUniqueId& id, void* given_stream, std::chrono::milliseconds timeout) {
-  DeviceScope scope(s.device);
+  CudaDeviceScope scope(s.device);
   DISTCA_RETURN_IF_ERROR(scope.status());
   DISTCA_RETURN_IF_ERROR(make_stream_and_scratch(s, given_stream));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -432,7 +407,7 @@ NcclComm::~NcclComm() {
   std::lock_guard lock(state_->mu);
   State& s = *state_;
   if (s.comm == nullptr) return;
-  DeviceScope scope(s.device);
+  CudaDeviceScope scope(s.device);
   const auto deadline = Clock::now() + timeout();
   s.p2p_pending.clear();  // never issued: their Works end with an error
   if (!s.settle(deadline, "destroy", timeout()).is_ok()) return;  // aborted
@@ -592,7 +567,7 @@ Result<std::unique_ptr<Communicator>> NcclComm::split(int color, int key, const 
     std::lock_guard lock(state_->mu);
     State& s = *state_;
     const std::string what = fmt::format("split #{} ({})", s.next_seq++, label);
-    DeviceScope scope(s.device);
+    CudaDeviceScope scope(s.device);
     DISTCA_RETURN_IF_ERROR(scope.status());
     const auto deadline = Clock::now() + timeout();
     DISTCA_RETURN_IF_ERROR(s.settle(deadline, what, timeout()));
@@ -627,7 +602,7 @@ Result<std::unique_ptr<Communicator>> NcclComm::split(int color, int key, const 
   c->set_timeout(timeout());
 
   // 2. The group's world ranks (for its error messages): an all-gather over the group itself.
-  DeviceScope scope(group->device);
+  CudaDeviceScope scope(group->device);
   DISTCA_RETURN_IF_ERROR(scope.status());
   DeviceBuffer ranks;  // (size + 1) int32: the gathered ranks, then this rank's
   DISTCA_CUDA_CHECK(cudaMalloc(&ranks.ptr, static_cast<size_t>(group->size + 1) * sizeof(int32_t)));

@@ -1,4 +1,5 @@
 #include "distca/runtime/cuda_server_kernel.h"
+#include "distca/core/cuda_status.h"
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -8,33 +9,8 @@
 namespace distca::runtime {
 namespace {
 
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::ok();
-  return internal_error(fmt::format("CudaServerKernel: {} failed: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
-}
+Status cuda_status(cudaError_t e, const char* what) { return distca::cuda_status(e, what, "CudaServerKernel: "); }
 #define DISTCA_CUDA_CHECK(call) DISTCA_RETURN_IF_ERROR(cuda_status((call), #call))
-
-// Makes `device` current for the scope of a call and restores the caller's.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      status_ = cuda_status(cudaSetDevice(device), "cudaSetDevice");
-    } else {
-      previous_ = -1;
-    }
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-  const Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  Status status_;
-};
 
 // Device memory that grows to the largest size asked for and is kept.
 struct DeviceBuffer {
@@ -66,7 +42,7 @@ constexpr int64_t kStorageBytes = 2;  // bf16 and fp16
 
 struct CudaServerKernel::State {
   ~State() {
-    DeviceScope scope(device);
+    CudaDeviceScope scope(device);
     if (stream != nullptr) (void)cudaStreamSynchronize(stream);
     for (DeviceBuffer* b : {&staging, &q, &k, &v, &o, &d_o, &dq, &lse, &dk, &dv}) {
       if (b->ptr != nullptr) (void)cudaFree(b->ptr);
@@ -128,7 +104,7 @@ Result<std::unique_ptr<CudaServerKernel>> CudaServerKernel::create(int device, k
   state->attention = std::move(attention).value();
   state->dtype = dtype;
   state->device = state->attention->device();
-  DeviceScope scope(state->device);
+  CudaDeviceScope scope(state->device);
   DISTCA_RETURN_IF_ERROR(scope.status());
   DISTCA_CUDA_CHECK(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
   return std::unique_ptr<CudaServerKernel>(new CudaServerKernel(std::move(state)));
@@ -153,7 +129,7 @@ Status CudaServerKernel::forward(const kernels::AttnFwdParams<float>& p) {
   const int64_t q_elems = d.num_q_rows * d.num_q_heads * d.head_dim;
   const int64_t kv_elems = d.num_kv_rows * d.num_kv_heads * d.head_dim;
   const int64_t rows_heads = d.num_q_rows * d.num_q_heads;
-  DeviceScope scope(s.device);
+  CudaDeviceScope scope(s.device);
   DISTCA_RETURN_IF_ERROR(scope.status());
 
   // 1. Inputs to the device, in the storage dtype; room for the outputs.
@@ -192,7 +168,7 @@ Status CudaServerKernel::backward(const kernels::AttnBwdParams<float>& p) {
   const int64_t q_elems = d.num_q_rows * d.num_q_heads * d.head_dim;
   const int64_t kv_elems = d.num_kv_rows * d.num_kv_heads * d.head_dim;
   const int64_t rows_heads = d.num_q_rows * d.num_q_heads;
-  DeviceScope scope(s.device);
+  CudaDeviceScope scope(s.device);
   DISTCA_RETURN_IF_ERROR(scope.status());
 
   // 1. Inputs: Q, K, V, O, dO in the storage dtype, LSE in fp32; room for dQ and the fp32 dK/dV.

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "distca/core/cuda_status.h"
 #include "distca/kernels/cuda.h"
 #include "launch.h"
 #include "schedule.h"
@@ -28,17 +29,7 @@ static_assert(cuda::BwdShape<128>::kBlockN == kCudaBwdBlockN && cuda::BwdShape<1
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::ok();
-  return internal_error(fmt::format("{} failed: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
-}
-
-#define DISTCA_CUDA_TRY(call)                                                   \
-  do {                                                                          \
-    if (Status distca_cuda_status = cuda_status((call), #call); !distca_cuda_status.is_ok()) { \
-      return distca_cuda_status;                                                \
-    }                                                                           \
-  } while (0)
+#define DISTCA_CUDA_TRY(call) DISTCA_RETURN_IF_ERROR(cuda_status((call), #call))
 
 Status check_grid(int64_t items, int64_t heads) {
   if (items > 0 && items * heads > INT32_MAX) {
@@ -80,26 +71,6 @@ class Scratch {
   std::vector<void*> blocks_;
 };
 
-// Makes `device` current for the scope of a call and restores the caller's.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      status_ = cuda_status(cudaSetDevice(device), "cudaSetDevice");
-    } else {
-      previous_ = -1;
-    }
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-  }
-  const Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  Status status_;
-};
-
 }  // namespace
 
 bool cuda_kernels_built() { return true; }
@@ -126,7 +97,7 @@ Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device) {
     return invalid_argument(fmt::format("{} has compute capability {}.{}; distca's CUDA kernels need 8.0 or newer",
                                         prop.name, prop.major, prop.minor));
   }
-  DeviceScope scope(device);
+  CudaDeviceScope scope(device);
   if (!scope.status().is_ok()) return scope.status();
   DISTCA_CUDA_TRY(cuda::allow_tile_smem());
   auto state = std::make_unique<State>();
@@ -144,7 +115,7 @@ Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
   const AttnDims& d = a.dims;
   const std::vector<FwdItem> items = cuda::fwd_schedule(a.tasks, kCudaFwdBlockM);
   if (Status st = check_grid(static_cast<int64_t>(items.size()), d.num_q_heads); !st.is_ok()) return st;
-  DeviceScope scope(state_->device);
+  CudaDeviceScope scope(state_->device);
   if (!scope.status().is_ok()) return scope.status();
   auto* o = static_cast<uint16_t*>(a.o);
   for (const auto& [begin, end] : cuda::uncovered_rows(d.num_q_rows, a.tasks)) {
@@ -182,7 +153,7 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
   const int64_t rows_heads = d.num_q_rows * d.num_q_heads;
   const std::vector<BwdItem> items = cuda::bwd_schedule(a.tasks, kCudaBwdBlockN);
   if (Status st = check_grid(static_cast<int64_t>(items.size()), d.num_q_heads); !st.is_ok()) return st;
-  DeviceScope scope(state_->device);
+  CudaDeviceScope scope(state_->device);
   if (!scope.status().is_ok()) return scope.status();
 
   // fp32 sums: dQ and delta in scratch; dK/dV in the outputs themselves when those are fp32.

@@ -203,6 +203,31 @@ DISTCA_DEV void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t 
 // of row l % 8 of matrix l / 8 (16 contiguous bytes). Lane l receives, in r[i], row l / 4 of
 // matrix i, elements 2 (l % 4) and 2 (l % 4) + 1; with `trans`, the transpose: elements
 // [2 (l % 4)][l / 4] and [2 (l % 4) + 1][l / 4] of matrix i (rows as addressed).
+#if !defined(__CUDACC__)
+namespace emu {
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row, bool trans) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(smem_row);
+  const uint32_t in[2] = {static_cast<uint32_t>(p), static_cast<uint32_t>(p >> 32)};
+  const int lane = lane_index();
+  warp_collective(in, 2, [&](const Exchange& x) {
+    auto row_of = [&](int matrix, int row) {  // the address lane matrix * 8 + row gave
+      const uint32_t* w = x.lanes[matrix * 8 + row];
+      return reinterpret_cast<const char*>(static_cast<uintptr_t>(w[0]) | (static_cast<uintptr_t>(w[1]) << 32));
+    };
+    for (int i = 0; i < 4; ++i) {
+      if (!trans) {
+        std::memcpy(&r[i], row_of(i, lane / 4) + 4 * (lane % 4), 4);
+        continue;
+      }
+      uint16_t e[2];
+      for (int j = 0; j < 2; ++j) std::memcpy(&e[j], row_of(i, 2 * (lane % 4) + j) + 2 * (lane / 4), 2);
+      r[i] = static_cast<uint32_t>(e[0]) | (static_cast<uint32_t>(e[1]) << 16);
+    }
+  });
+}
+}  // namespace emu
+#endif
+
 DISTCA_DEV void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
 #if defined(__CUDACC__)
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
@@ -210,18 +235,7 @@ DISTCA_DEV void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
 #else
-  uint32_t in[2];
-  const uintptr_t p = reinterpret_cast<uintptr_t>(smem_row);
-  in[0] = static_cast<uint32_t>(p);
-  in[1] = static_cast<uint32_t>(p >> 32);
-  const int lane = lane_index();
-  emu::warp_collective(in, 2, [&](const emu::Exchange& x) {
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t* w = x.lanes[i * 8 + lane / 4];
-      const char* row = reinterpret_cast<const char*>(static_cast<uintptr_t>(w[0]) | (static_cast<uintptr_t>(w[1]) << 32));
-      std::memcpy(&r[i], row + 4 * (lane % 4), 4);
-    }
-  });
+  emu::ldmatrix_x4(r, smem_row, false);
 #endif
 }
 DISTCA_DEV void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
@@ -231,22 +245,7 @@ DISTCA_DEV void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
 #else
-  uint32_t in[2];
-  const uintptr_t p = reinterpret_cast<uintptr_t>(smem_row);
-  in[0] = static_cast<uint32_t>(p);
-  in[1] = static_cast<uint32_t>(p >> 32);
-  const int lane = lane_index();
-  emu::warp_collective(in, 2, [&](const emu::Exchange& x) {
-    for (int i = 0; i < 4; ++i) {
-      uint16_t e[2];
-      for (int j = 0; j < 2; ++j) {
-        const uint32_t* w = x.lanes[i * 8 + 2 * (lane % 4) + j];
-        const char* row = reinterpret_cast<const char*>(static_cast<uintptr_t>(w[0]) | (static_cast<uintptr_t>(w[1]) << 32));
-        std::memcpy(&e[j], row + 2 * (lane / 4), 2);
-      }
-      r[i] = static_cast<uint32_t>(e[0]) | (static_cast<uint32_t>(e[1]) << 16);
-    }
-  });
+  emu::ldmatrix_x4(r, smem_row, true);
 #endif
 }
 
