@@ -16,7 +16,7 @@ SCALE = 1.0 / np.sqrt(D)
 # per-task overhead, so that the planners move work and minbytes splits key ranges as they do on
 # long documents at real widths. The layout addresses rows only; the data below has HQ x D.
 MODEL = {"layers": 1, "hidden": 4096, "heads": 512, "kv_heads": 64, "head_dim": 512, "ffn_hidden": 4096}
-NUM_BATCHES = 500
+NUM_BATCHES = 200
 TOLERANCE = 1e-10
 
 

@@ -17,7 +17,9 @@ from distca.torch.spawn import run_ranks  # noqa: E402
 from torch_cases import (  # noqa: E402
     COST_MODEL, HKV, HQ, D, MODEL, doc_data, local_rows, random_batch, sdpa_whole_documents, whole_document)
 
-NUM_BATCHES = 200
+# Random batches per world size: four ranks share this machine's two cores, so they get fewer
+# (every policy, ping-pong on and off, spanning and whole documents in each).
+NUM_BATCHES = {2: 120, 4: 40}
 TOLERANCE = 1e-5
 POLICIES = ("none", "distca", "minmax", "minbytes")
 
@@ -96,24 +98,25 @@ def matrix_worker(rank, world, num_batches, seed):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cad_attention_equals_whole_document_attention(world):
-    results = run_ranks(matrix_worker, world, NUM_BATCHES, 17 + world, timeout=900)
+    num_batches = NUM_BATCHES[world]
+    results = run_ranks(matrix_worker, world, num_batches, 17 + world, timeout=900)
     errors = [r["error"] for r in results if r["error"]]
     assert not errors, errors[0]
     report = results[0]["result"]
     counts, worst = report["counts"], report["worst"]
     print(f"\n{world} ranks: {counts}\nworst relative error (O, dQ, dK, dV): {worst}")
-    assert counts["cases"] == NUM_BATCHES * len(POLICIES) * 3
+    assert counts["cases"] == num_batches * len(POLICIES) * 3
     for key, errs in worst.items():
         assert max(errs) <= TOLERANCE, f"{key}: {errs}"
     assert counts["merged_entries"] > 0, "no plan split a row's keys: the LSE merge went untested"
-    assert counts["spanning_batches"] >= NUM_BATCHES // 4, counts
-    assert counts["pingpong_split"] >= NUM_BATCHES * len(POLICIES) // 2, counts
+    assert counts["spanning_batches"] >= num_batches // 4, counts
+    assert counts["pingpong_split"] >= num_batches * len(POLICIES) // 2, counts
     # Ping-pong runs exactly the plan's tasks: O, dQ, dK and dV up to fp32 rounding (a K/V row's
     # contributions from the two nano-batches are summed in another order; the CPU sdpa kernel's
     # LSE merge of a cut causal task is batched with other tasks of its shape).
-    assert counts["pingpong_identical"] >= NUM_BATCHES * len(POLICIES) * 9 // 10, counts
+    assert counts["pingpong_identical"] >= num_batches * len(POLICIES) * 9 // 10, counts
     assert counts["pingpong_max_diff"] <= 1e-6, counts
-    assert counts["multi_layer"] == NUM_BATCHES // 10
+    assert counts["multi_layer"] == num_batches // 10
 
 
 def bf16_worker(rank, world, num_batches, seed):
