@@ -19,6 +19,10 @@ namespace distca::kernels {
 
 using cpu_detail::kBlockK;
 using cpu_detail::kBlockQ;
+// The most floats the backward keeps for per-query-head partial dK/dV sums (256 MiB; a 16K-token
+// document with 4 query heads of D 128 per KV head needs 64 MiB).
+constexpr int64_t kPartialBudget = int64_t{1} << 26;
+constexpr int64_t kSplitShare = 8;
 
 namespace {
 
@@ -66,8 +70,23 @@ struct CpuAttention::State {
   // Working copies (bf16 inputs as fp32, fp32 outputs before rounding to bf16) and packs.
   Buffer q32, k32, v32, o32, do32, lse_out, dq32, dk32, dv32, packed;
   std::vector<cpu_detail::QueryBlock> query_blocks;
-  std::vector<cpu_detail::KvBlock> kv_blocks;
   std::vector<int64_t> block_base;
+  // The backward's segments and units (build_units).
+  struct Segment {
+    int64_t r0, r1;            // key rows
+    int64_t begin, end;        // its tasks: segment_tasks[begin, end), in task order
+    int64_t work;              // causal (query, key) pairs of its tasks, per query head
+    int64_t partial = -1;      // split by query head: offset of its partial sums in `partial`
+  };
+  std::vector<Segment> segments;
+  std::vector<int64_t> segment_tasks, segment_of;
+  std::vector<cpu_detail::BwdUnit> units;
+  std::vector<int64_t> unit_work, unit_order;
+  struct ReduceBlock {
+    int64_t segment, kv_head, r0, r1;
+  };
+  std::vector<ReduceBlock> reduce_blocks;  // key rows of the split segments, 64 at a time
+  Buffer partial;
   RangeScratch ranges;
 
   // src as fp32: the pointer itself for float, a converted copy in buf for bf16.
@@ -134,6 +153,143 @@ struct CpuAttention::State {
       return a.packed < b.packed;
     });
     return packed_index;
+  }
+
+  // The backward's work: the segments (unions of tasks whose key ranges overlap: their dK/dV
+  // rows are sums over all of them) and one unit per (KV head, segment), or per (query head,
+  // segment) where GQA would leave too few units to share out. A split segment's heads write
+  // partial dK/dV sums, which reduce_partials adds in head order. Every choice depends on the
+  // problem alone, never on the thread count, so results are bit-identical for any thread count.
+  int64_t build_units(const AttnDims& dims, std::span<const AttnTask> tasks, float scale,
+                      float* dk, float* dv) {
+    const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+    const int64_t D = dims.head_dim;
+    const int64_t group = dims.num_q_heads / dims.num_kv_heads;
+    // Tasks that read keys, by (first key row, index); merged into segments.
+    segment_tasks.clear();
+    for (int64_t i = 0; i < n_tasks; ++i)
+      if (tasks[i].q_len > 0 && tasks[i].kv_len > 0) segment_tasks.push_back(i);
+    std::sort(segment_tasks.begin(), segment_tasks.end(), [&](int64_t a, int64_t b) {
+      if (tasks[a].kv_offset != tasks[b].kv_offset) return tasks[a].kv_offset < tasks[b].kv_offset;
+      return a < b;
+    });
+    segments.clear();
+    segment_of.assign(tasks.size(), -1);
+    for (int64_t i : segment_tasks) {
+      const AttnTask& t = tasks[i];
+      if (segments.empty() || t.kv_offset >= segments.back().r1) {
+        segments.push_back({t.kv_offset, t.kv_offset + t.kv_len, 0, 0, 0});
+      }
+      Segment& g = segments.back();
+      g.r1 = std::max(g.r1, t.kv_offset + t.kv_len);
+      g.work += t.is_causal ? t.q_len * (t.kv_len - t.q_len) + t.q_len * (t.q_len + 1) / 2
+                            : t.q_len * t.kv_len;
+      segment_of[i] = static_cast<int64_t>(segments.size()) - 1;
+    }
+    // Each segment's tasks in task order.
+    std::sort(segment_tasks.begin(), segment_tasks.end(), [&](int64_t a, int64_t b) {
+      if (segment_of[a] != segment_of[b]) return segment_of[a] < segment_of[b];
+      return a < b;
+    });
+    for (std::size_t i = 0; i < segment_tasks.size(); ++i) {
+      Segment& g = segments[segment_of[segment_tasks[i]]];
+      if (i == 0 || segment_of[segment_tasks[i - 1]] != segment_of[segment_tasks[i]]) {
+        g.begin = static_cast<int64_t>(i);
+      }
+      g.end = static_cast<int64_t>(i) + 1;
+    }
+    // Split by query head: a GQA segment with more than 1/kSplitShare of the work (as one unit
+    // per KV head it would cap the speed-up of kSplitShare threads), in key order, while the
+    // partial sums (dK and dV of every query head over its rows) fit in kPartialBudget floats.
+    // Smaller segments are enough units by themselves and skip the partial sums' traffic.
+    int64_t partial_floats = 0;
+    if (group > 1) {
+      int64_t total_work = 0;
+      for (const Segment& g : segments) total_work += g.work;
+      for (Segment& g : segments) {
+        if (g.work * kSplitShare <= total_work) continue;
+        const int64_t need = 2 * dims.num_q_heads * (g.r1 - g.r0) * D;
+        if (partial_floats + need > kPartialBudget) break;
+        g.partial = partial_floats;
+        partial_floats += need;
+      }
+    }
+    float* part = partial_floats > 0 ? partial.get(partial_floats) : nullptr;
+    const int64_t kv_stride = dims.num_kv_heads * D;
+    units.clear();
+    unit_work.clear();
+    reduce_blocks.clear();
+    for (std::size_t si = 0; si < segments.size(); ++si) {
+      const Segment& g = segments[si];
+      const int64_t rows = g.r1 - g.r0;
+      for (int64_t hk = 0; hk < dims.num_kv_heads; ++hk) {
+        cpu_detail::BwdUnit u;
+        u.kv_head = hk;
+        u.r0 = g.r0;
+        u.r1 = g.r1;
+        u.tasks = segment_tasks.data() + g.begin;
+        u.num_tasks = g.end - g.begin;
+        if (g.partial < 0) {
+          u.h0 = hk * group;
+          u.h1 = (hk + 1) * group;
+          u.dk = dk + g.r0 * kv_stride + hk * D;
+          u.dv = dv + g.r0 * kv_stride + hk * D;
+          u.stride = kv_stride;
+          u.dk_scale = scale;
+          units.push_back(u);
+          unit_work.push_back(g.work * group);
+          continue;
+        }
+        for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+          u.h0 = h;
+          u.h1 = h + 1;
+          u.dk = part + g.partial + h * rows * D;
+          u.dv = part + g.partial + (dims.num_q_heads + h) * rows * D;
+          u.stride = D;
+          u.dk_scale = 1.0f;
+          units.push_back(u);
+          unit_work.push_back(g.work);
+        }
+        for (int64_t r0 = g.r0; r0 < g.r1; r0 += cpu_detail::kBlockK) {
+          reduce_blocks.push_back({static_cast<int64_t>(si), hk, r0, std::min(g.r1, r0 + kBlockK)});
+        }
+      }
+    }
+    // The heaviest units first, so that dynamic scheduling finishes evenly.
+    unit_order.resize(units.size());
+    for (std::size_t i = 0; i < units.size(); ++i) unit_order[i] = static_cast<int64_t>(i);
+    std::sort(unit_order.begin(), unit_order.end(), [&](int64_t a, int64_t b) {
+      if (unit_work[a] != unit_work[b]) return unit_work[a] > unit_work[b];
+      return a < b;
+    });
+    return partial_floats;
+  }
+
+  // dK/dV rows of the split segments: the sum of the query heads' partial sums, in head order.
+  void reduce_partials(const AttnDims& dims, float scale, float* dk, float* dv) {
+    const int64_t D = dims.head_dim;
+    const int64_t group = dims.num_q_heads / dims.num_kv_heads;
+    const int64_t kv_stride = dims.num_kv_heads * D;
+    const float* part = partial.get(0);
+    pool.parallel_for(static_cast<int64_t>(reduce_blocks.size()), [&](int64_t i, int) {
+      const ReduceBlock& b = reduce_blocks[i];
+      const Segment& g = segments[b.segment];
+      const int64_t hk = b.kv_head;
+      const int64_t rows = g.r1 - g.r0;
+      for (int64_t r = b.r0; r < b.r1; ++r) {
+        float* dk_out = dk + r * kv_stride + hk * D;
+        float* dv_out = dv + r * kv_stride + hk * D;
+        for (int64_t d = 0; d < D; ++d) {
+          float sk = 0.0f, sv = 0.0f;
+          for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+            sk += part[g.partial + (h * rows + r - g.r0) * D + d];
+            sv += part[g.partial + ((dims.num_q_heads + h) * rows + r - g.r0) * D + d];
+          }
+          dk_out[d] = sk * scale;
+          dv_out[d] = sv;
+        }
+      }
+    });
   }
 
   cpu_detail::Problem problem(const AttnDims& dims, std::optional<float> scale,
@@ -212,32 +368,33 @@ Status CpuAttention::backward(const AttnBwdParams<T>& p) {
   float* dk = s.out_f32(p.dk, nkv, s.dk32);
   float* dv = s.out_f32(p.dv, nkv, s.dv32);
   std::fill(dq, dq + nq, 0.0f);
+  // Key rows no task reads get zeros; the others are overwritten.
+  std::fill(dk, dk + nkv, 0.0f);
+  std::fill(dv, dv + nkv, 0.0f);
 
-  // 1. Pack Q^T, dO^T, LSE and rowsum(dO * O) once per query block.
+  // 1. Pack Q^T, dO^T, LSE and rowsum(dO * O) once per query block; zero its dQ^T.
   const int64_t num_packed = s.build_query_blocks(n, p.tasks);
-  float* base = s.packed.get(num_packed * (2 * D * kBlockQ + 2 * kBlockQ));
+  float* base = s.packed.get(num_packed * (3 * D * kBlockQ + 2 * kBlockQ));
   cpu_detail::Packed pk;
   pk.qt = base;
   pk.dot = pk.qt + num_packed * D * kBlockQ;
-  pk.lse2 = pk.dot + num_packed * D * kBlockQ;
+  pk.dqt = pk.dot + num_packed * D * kBlockQ;
+  pk.lse2 = pk.dqt + num_packed * D * kBlockQ;
   pk.delta = pk.lse2 + num_packed * kBlockQ;
   pk.block_base = s.block_base.data();
   const auto* r = s.routines;
   s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()),
                       [&](int64_t i, int) { r->backward_pack(prob, s.query_blocks[i], pk); });
-  // 2. dQ, one query block per item.
-  s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()), [&](int64_t i, int thread) {
-    r->backward_dq(prob, s.query_blocks[i], pk, dq, s.scratch[thread]);
+  // 2. dK, dV and dQ^T together, one unit (a segment's key rows, a KV or query head) per item:
+  //    P and dS are computed once for the three gradients.
+  const int64_t partial_floats = s.build_units(n, p.tasks, prob.scale, dk, dv);
+  s.pool.parallel_for(static_cast<int64_t>(s.units.size()), [&](int64_t i, int thread) {
+    r->backward_unit(prob, s.units[s.unit_order[i]], pk, s.scratch[thread]);
   });
-  // 3. dK, dV, one block of K/V rows per item; every row is written (zeros where unread).
-  s.kv_blocks.clear();
-  for (int64_t hk = 0; hk < n.num_kv_heads; ++hk) {
-    for (int64_t r0 = 0; r0 < n.num_kv_rows; r0 += kBlockK) {
-      s.kv_blocks.push_back({hk, r0, std::min(n.num_kv_rows, r0 + kBlockK)});
-    }
-  }
-  s.pool.parallel_for(static_cast<int64_t>(s.kv_blocks.size()), [&](int64_t i, int thread) {
-    r->backward_dkdv(prob, s.kv_blocks[i], pk, dk, dv, s.scratch[thread]);
+  if (partial_floats > 0) s.reduce_partials(n, prob.scale, dk, dv);
+  // 3. dQ rows from dQ^T.
+  s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()), [&](int64_t i, int) {
+    r->backward_store_dq(prob, s.query_blocks[i], pk, dq);
   });
   s.store_out(dq, nq, p.dq);
   s.store_out(dk, nkv, p.dk);

@@ -270,6 +270,7 @@ void backward_pack(const Problem& p, const QueryBlock& b, const Packed& pk) {
     std::fill(qt + d * kBlockQ + b.rows, qt + (d + 1) * kBlockQ, 0.0f);
     std::fill(dot + d * kBlockQ + b.rows, dot + (d + 1) * kBlockQ, 0.0f);
   }
+  std::fill(pk.dqt + b.packed * D * kBlockQ, pk.dqt + (b.packed + 1) * D * kBlockQ, 0.0f);
   float* lse2 = pk.lse2 + b.packed * kBlockQ;
   float* delta = pk.delta + b.packed * kBlockQ;
   for (int64_t i = 0; i < kBlockQ; ++i) {
@@ -310,80 +311,65 @@ void probabilities_and_ds(const float* k, const float* v, int64_t kv_stride, int
 }
 
 template <int D>
-void backward_dq(const Problem& p, const QueryBlock& b, const Packed& pk, float* dq,
-                 const Scratch& s) {
-  const AttnTask& t = p.tasks[b.task];
-  const int64_t hk = b.head / (p.num_q_heads / p.num_kv_heads);
+void backward_unit(const Problem& p, const BwdUnit& u, const Packed& pk, const Scratch& s) {
   const int64_t q_stride = p.num_q_heads * D;
   const int64_t kv_stride = p.num_kv_heads * D;
-  const float* qt = pk.qt + b.packed * D * kBlockQ;
-  const float* dot = pk.dot + b.packed * D * kBlockQ;
-  const float* lse2 = pk.lse2 + b.packed * kBlockQ;
-  const float* delta = pk.delta + b.packed * kBlockQ;
-  std::fill(s.acc, s.acc + D * kBlockQ, 0.0f);
-  const int64_t end = key_end(t, b.q0, b.rows);
-  const int64_t off = t.kv_len - t.q_len;
-  const float* k = p.k + t.kv_offset * kv_stride + hk * D;
-  const float* v = p.v + t.kv_offset * kv_stride + hk * D;
-  for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
-    const int64_t nk = std::min(kBlockK, end - k0);
-    const bool needs_mask = t.is_causal && k0 + nk - 1 > off + b.q0;
-    probabilities_and_ds<D>(k + k0 * kv_stride, v + k0 * kv_stride, kv_stride, nk, qt, dot, lse2,
-                            delta, needs_mask, k0, off, b.q0, s);
-    acc_t_block<D>(s.acc, nullptr, k + k0 * kv_stride, kv_stride, s.dp, nk);
-  }
-  float* out = dq + (t.q_offset + b.q0) * q_stride + b.head * D;
-  for (int64_t i = 0; i < b.rows; ++i)
-    for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = s.acc[d * kBlockQ + i] * p.scale;
-}
-
-template <int D>
-void backward_dkdv(const Problem& p, const KvBlock& kb, const Packed& pk, float* dk, float* dv,
-                   const Scratch& s) {
-  const int64_t group = p.num_q_heads / p.num_kv_heads;
-  const int64_t q_stride = p.num_q_heads * D;
-  const int64_t kv_stride = p.num_kv_heads * D;
-  const int64_t num_rows = kb.r1 - kb.r0;
-  std::fill(s.dk, s.dk + num_rows * D, 0.0f);
-  std::fill(s.dv, s.dv + num_rows * D, 0.0f);
-  // Heads outer, then tasks, then query blocks: a row's sum runs over each head's queries in
-  // task order, so cutting a document into in-order shards does not change a single bit.
-  for (int64_t h = kb.kv_head * group; h < (kb.kv_head + 1) * group; ++h) {
-    for (int64_t ti = 0; ti < p.num_tasks; ++ti) {
-      const AttnTask& t = p.tasks[ti];
-      const int64_t a = std::max(kb.r0, t.kv_offset);
-      const int64_t e = std::min(kb.r1, t.kv_offset + t.kv_len);
-      if (a >= e || t.q_len == 0) continue;
-      const int64_t k0 = a - t.kv_offset;  // task-relative key range [k0, k0 + nk)
-      const int64_t nk = e - a;
-      const int64_t off = t.kv_len - t.q_len;
-      const int64_t first_query = t.is_causal ? std::max<int64_t>(0, k0 - off) : 0;
-      if (first_query >= t.q_len) continue;
-      const int64_t num_blocks = (t.q_len + kBlockQ - 1) / kBlockQ;
-      const float* k = p.k + a * kv_stride + kb.kv_head * D;
-      const float* v = p.v + a * kv_stride + kb.kv_head * D;
-      for (int64_t qb = first_query / kBlockQ; qb < num_blocks; ++qb) {
-        const int64_t q0 = qb * kBlockQ;
-        const int64_t rows = std::min(kBlockQ, t.q_len - q0);
-        const int64_t packed = pk.block_base[ti] + h * num_blocks + qb;
-        const bool needs_mask = t.is_causal && k0 + nk - 1 > off + q0;
-        probabilities_and_ds<D>(k, v, kv_stride, nk, pk.qt + packed * D * kBlockQ,
-                                pk.dot + packed * D * kBlockQ, pk.lse2 + packed * kBlockQ,
-                                pk.delta + packed * kBlockQ, needs_mask, k0, off, q0, s);
-        const int64_t row0 = (t.q_offset + q0) * q_stride + h * D;
-        rows_acc_block<D>(s.dv + (a - kb.r0) * D, s.s, nk, p.d_o + row0, q_stride, rows);
-        rows_acc_block<D>(s.dk + (a - kb.r0) * D, s.dp, nk, p.q + row0, q_stride, rows);
+  for (int64_t r0 = u.r0; r0 < u.r1; r0 += kBlockK) {
+    const int64_t r1 = std::min(u.r1, r0 + kBlockK);
+    std::fill(s.dk, s.dk + (r1 - r0) * D, 0.0f);
+    std::fill(s.dv, s.dv + (r1 - r0) * D, 0.0f);
+    // Heads, then tasks, then query blocks: a key row's sum runs over each head's queries in
+    // task order, so cutting a document into in-order shards does not change a single bit; a
+    // query row's dQ^T sum runs over its keys in order, whatever the blocks.
+    for (int64_t h = u.h0; h < u.h1; ++h) {
+      for (int64_t n = 0; n < u.num_tasks; ++n) {
+        const int64_t ti = u.tasks[n];
+        const AttnTask& t = p.tasks[ti];
+        const int64_t a = std::max(r0, t.kv_offset);
+        const int64_t e = std::min(r1, t.kv_offset + t.kv_len);
+        if (a >= e || t.q_len == 0) continue;
+        const int64_t k0 = a - t.kv_offset;  // task-relative key range [k0, k0 + nk)
+        const int64_t nk = e - a;
+        const int64_t off = t.kv_len - t.q_len;
+        const int64_t first_query = t.is_causal ? std::max<int64_t>(0, k0 - off) : 0;
+        if (first_query >= t.q_len) continue;
+        const int64_t num_blocks = (t.q_len + kBlockQ - 1) / kBlockQ;
+        const float* k = p.k + a * kv_stride + u.kv_head * D;
+        const float* v = p.v + a * kv_stride + u.kv_head * D;
+        for (int64_t qb = first_query / kBlockQ; qb < num_blocks; ++qb) {
+          const int64_t q0 = qb * kBlockQ;
+          const int64_t rows = std::min(kBlockQ, t.q_len - q0);
+          const int64_t packed = pk.block_base[ti] + h * num_blocks + qb;
+          const bool needs_mask = t.is_causal && k0 + nk - 1 > off + q0;
+          probabilities_and_ds<D>(k, v, kv_stride, nk, pk.qt + packed * D * kBlockQ,
+                                  pk.dot + packed * D * kBlockQ, pk.lse2 + packed * kBlockQ,
+                                  pk.delta + packed * kBlockQ, needs_mask, k0, off, q0, s);
+          const int64_t row0 = (t.q_offset + q0) * q_stride + h * D;
+          rows_acc_block<D>(s.dv + (a - r0) * D, s.s, nk, p.d_o + row0, q_stride, rows);
+          rows_acc_block<D>(s.dk + (a - r0) * D, s.dp, nk, p.q + row0, q_stride, rows);
+          acc_t_block<D>(pk.dqt + packed * D * kBlockQ, nullptr, k, kv_stride, s.dp, nk);
+        }
+      }
+    }
+    for (int64_t r = 0; r < r1 - r0; ++r) {
+      float* dk_out = u.dk + (r0 - u.r0 + r) * u.stride;
+      float* dv_out = u.dv + (r0 - u.r0 + r) * u.stride;
+      for (int64_t d = 0; d < D; ++d) {
+        dk_out[d] = s.dk[r * D + d] * u.dk_scale;
+        dv_out[d] = s.dv[r * D + d];
       }
     }
   }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    float* dk_out = dk + (kb.r0 + r) * kv_stride + kb.kv_head * D;
-    float* dv_out = dv + (kb.r0 + r) * kv_stride + kb.kv_head * D;
-    for (int64_t d = 0; d < D; ++d) {
-      dk_out[d] = s.dk[r * D + d] * p.scale;
-      dv_out[d] = s.dv[r * D + d];
-    }
-  }
+}
+
+template <int D>
+void backward_store_dq(const Problem& p, const QueryBlock& b, const Packed& pk, float* dq) {
+  const AttnTask& t = p.tasks[b.task];
+  const int64_t q_stride = p.num_q_heads * D;
+  const float* acc = pk.dqt + b.packed * D * kBlockQ;
+  float* out = dq + (t.q_offset + b.q0) * q_stride + b.head * D;
+  for (int64_t i = 0; i < b.rows; ++i)
+    for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = acc[d * kBlockQ + i] * p.scale;
 }
 
 inline void softmax_row(float* row, int64_t n, float* row_max, float* row_sum) {
@@ -428,12 +414,11 @@ inline void forward_any(const Problem& p, const QueryBlock& b, float* o, float* 
 inline void pack_any(const Problem& p, const QueryBlock& b, const Packed& pk) {
   DISTCA_HEAD_DIM_DISPATCH(backward_pack, p, b, pk)
 }
-inline void dq_any(const Problem& p, const QueryBlock& b, const Packed& pk, float* dq, const Scratch& s) {
-  DISTCA_HEAD_DIM_DISPATCH(backward_dq, p, b, pk, dq, s)
+inline void unit_any(const Problem& p, const BwdUnit& u, const Packed& pk, const Scratch& s) {
+  DISTCA_HEAD_DIM_DISPATCH(backward_unit, p, u, pk, s)
 }
-inline void dkdv_any(const Problem& p, const KvBlock& kb, const Packed& pk, float* dk, float* dv,
-                     const Scratch& s) {
-  DISTCA_HEAD_DIM_DISPATCH(backward_dkdv, p, kb, pk, dk, dv, s)
+inline void store_dq_any(const Problem& p, const QueryBlock& b, const Packed& pk, float* dq) {
+  DISTCA_HEAD_DIM_DISPATCH(backward_store_dq, p, b, pk, dq)
 }
 #undef DISTCA_HEAD_DIM_DISPATCH
 

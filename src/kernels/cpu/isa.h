@@ -37,11 +37,23 @@ struct QueryBlock {
   int64_t packed = 0;  // index of this block in the backward's packed arrays
 };
 
-// Rows [r0, r1) of the K/V buffer for one KV head: the unit of the dK/dV pass.
-struct KvBlock {
+// One work item of the backward: the key rows [r0, r1) of a segment (the union of the key
+// ranges of tasks that share K/V rows) for one KV head, against query heads [h0, h1) of that
+// head's group. For every 64-row key block it computes P and dS once per (query block, key block)
+// pair and uses them for all three gradients: dV and dK of the key block (summed in scratch over
+// heads, then tasks, then query blocks, in that order) and dQ^T of the query block (added into
+// Packed::dqt, over keys in order). The key block's sums go to dk/dv rows r0.. with the given row
+// stride, dK times dk_scale.
+struct BwdUnit {
   int64_t kv_head = 0;
-  int64_t r0 = 0;
-  int64_t r1 = 0;
+  int64_t h0 = 0, h1 = 0;
+  int64_t r0 = 0, r1 = 0;
+  const int64_t* tasks = nullptr;  // the segment's tasks, in task order
+  int64_t num_tasks = 0;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  int64_t stride = 0;
+  float dk_scale = 1.0f;
 };
 
 // The backward's per-block inputs, packed once per call. Index b is QueryBlock::packed; the
@@ -51,6 +63,7 @@ struct Packed {
   float* dot = nullptr;    // [blocks, D, kBlockQ] dO^T, zero-padded
   float* lse2 = nullptr;   // [blocks, kBlockQ] LSE * log2(e); +inf in padding
   float* delta = nullptr;  // [blocks, kBlockQ] rowsum(dO * O)
+  float* dqt = nullptr;    // [blocks, D, kBlockQ] dQ^T / scale, zeroed by backward_pack
   const int64_t* block_base = nullptr;  // [tasks]
 };
 
@@ -69,14 +82,14 @@ struct BlockRoutines {
   const char* name;
   // Writes O rows and LSE of one query block (o: [Tq, Hq, D], lse: [Tq, Hq]).
   void (*forward)(const Problem&, const QueryBlock&, float* o, float* lse, const Scratch&);
-  // Fills the packed arrays of one query block.
+  // Fills the packed arrays of one query block (and zeroes its dQ^T).
   void (*backward_pack)(const Problem&, const QueryBlock&, const Packed&);
-  // Writes dQ rows of one query block.
-  void (*backward_dq)(const Problem&, const QueryBlock&, const Packed&, float* dq, const Scratch&);
-  // Writes dK/dV rows [r0, r1) of one KV head: the fp32 sum over every task, head and query
-  // block that reads them, in task, head, block order (so the result never depends on threads).
-  void (*backward_dkdv)(const Problem&, const KvBlock&, const Packed&, float* dk, float* dv,
-                        const Scratch&);
+  // Runs one backward unit (see BwdUnit). A unit covers its segment's whole key range, so the
+  // query blocks of its heads and tasks get all their dQ^T additions from it alone, and units
+  // run in parallel touch disjoint dQ^T blocks and disjoint dk/dv rows.
+  void (*backward_unit)(const Problem&, const BwdUnit&, const Packed&, const Scratch&);
+  // Writes dQ rows of one query block from its dQ^T.
+  void (*backward_store_dq)(const Problem&, const QueryBlock&, const Packed&, float* dq);
   // In place: row[j] = exp(row[j] - max) for j < n; returns max and the sum (for the GEMM
   // baseline's materialized softmax, so it uses the same exp as the fused kernel).
   void (*softmax_row)(float* row, int64_t n, float* row_max, float* row_sum);

@@ -5,8 +5,8 @@
 
 namespace distca::kernels::cpu_detail {
 const BlockRoutines& avx512_routines() {
-  static const BlockRoutines r{"avx512", avx512::forward_any, avx512::pack_any, avx512::dq_any,
-                               avx512::dkdv_any, avx512::softmax_row};
+  static const BlockRoutines r{"avx512", avx512::forward_any, avx512::pack_any, avx512::unit_any,
+                               avx512::store_dq_any, avx512::softmax_row};
   return r;
 }
 }  // namespace distca::kernels::cpu_detail

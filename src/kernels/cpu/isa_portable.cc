@@ -6,7 +6,7 @@
 namespace distca::kernels::cpu_detail {
 const BlockRoutines& portable_routines() {
   static const BlockRoutines r{"portable", portable::forward_any, portable::pack_any,
-                               portable::dq_any, portable::dkdv_any, portable::softmax_row};
+                               portable::unit_any, portable::store_dq_any, portable::softmax_row};
   return r;
 }
 const BlockRoutines& best_routines(bool is_portable) {
