@@ -368,9 +368,6 @@ Status CpuAttention::backward(const AttnBwdParams<T>& p) {
   float* dk = s.out_f32(p.dk, nkv, s.dk32);
   float* dv = s.out_f32(p.dv, nkv, s.dv32);
   std::fill(dq, dq + nq, 0.0f);
-  // Key rows no task reads get zeros; the others are overwritten.
-  std::fill(dk, dk + nkv, 0.0f);
-  std::fill(dv, dv + nkv, 0.0f);
 
   // 1. Pack Q^T, dO^T, LSE and rowsum(dO * O) once per query block; zero its dQ^T.
   const int64_t num_packed = s.build_query_blocks(n, p.tasks);
@@ -388,6 +385,17 @@ Status CpuAttention::backward(const AttnBwdParams<T>& p) {
   // 2. dK, dV and dQ^T together, one unit (a segment's key rows, a KV or query head) per item:
   //    P and dS are computed once for the three gradients.
   const int64_t partial_floats = s.build_units(n, p.tasks, prob.scale, dk, dv);
+  // Key rows outside every segment (no task reads them) get zeros; the units write the others,
+  // so a call whose tasks read every key row (distca.torch's server layout) writes them once.
+  const int64_t row_floats = n.num_kv_heads * D;
+  int64_t next_row = 0;
+  for (const auto& g : s.segments) {
+    std::fill(dk + next_row * row_floats, dk + g.r0 * row_floats, 0.0f);
+    std::fill(dv + next_row * row_floats, dv + g.r0 * row_floats, 0.0f);
+    next_row = g.r1;
+  }
+  std::fill(dk + next_row * row_floats, dk + nkv, 0.0f);
+  std::fill(dv + next_row * row_floats, dv + nkv, 0.0f);
   s.pool.parallel_for(static_cast<int64_t>(s.units.size()), [&](int64_t i, int thread) {
     r->backward_unit(prob, s.units[s.unit_order[i]], pk, s.scratch[thread]);
   });
