@@ -57,9 +57,10 @@ struct CpuAttention::State {
     scratch_buffers.resize(pool.num_threads());
     scratch.resize(pool.num_threads());
     for (int t = 0; t < pool.num_threads(); ++t) {
-      float* base = scratch_buffers[t].get(6 * cpu_detail::kScratchFloats);
-      const int64_t n = cpu_detail::kScratchFloats;
-      scratch[t] = {base, base + n, base + 2 * n, base + 3 * n, base + 4 * n, base + 5 * n};
+      const int64_t n = cpu_detail::kScratchFloats, f = cpu_detail::kFwdScratchFloats;
+      float* base = scratch_buffers[t].get(4 * n + 2 * f);
+      // s, dp, acc, qt, dk, dv
+      scratch[t] = {base, base + n, base + 2 * n, base + 2 * n + f, base + 2 * n + 2 * f, base + 3 * n + 2 * f};
     }
   }
 
@@ -124,7 +125,10 @@ struct CpuAttention::State {
 
   // Query blocks of every (task, head), the most expensive first (dynamic scheduling then
   // finishes evenly). Also numbers them for the backward's packed arrays.
-  int64_t build_query_blocks(const AttnDims& dims, std::span<const AttnTask> tasks) {
+  // heads_at_once: the forward's blocks hold up to this many query heads of one KV head; the
+  // backward's hold one (its packed arrays are per head).
+  int64_t build_query_blocks(const AttnDims& dims, std::span<const AttnTask> tasks, int64_t heads_at_once = 1) {
+    const int64_t group = dims.num_q_heads / dims.num_kv_heads;
     query_blocks.clear();
     block_base.assign(tasks.size(), 0);
     int64_t packed_index = 0;
@@ -132,18 +136,20 @@ struct CpuAttention::State {
       const AttnTask& t = tasks[ti];
       block_base[ti] = packed_index;
       const int64_t nb = num_query_blocks(t);
-      for (int64_t h = 0; h < dims.num_q_heads; ++h) {
+      for (int64_t h = 0; h < dims.num_q_heads;) {
+        const int64_t heads = std::min(heads_at_once, group - h % group);
         for (int64_t qb = 0; qb < nb; ++qb) {
           const int64_t q0 = qb * kBlockQ;
           query_blocks.push_back({static_cast<int64_t>(ti), h, q0, std::min(kBlockQ, t.q_len - q0),
-                                  packed_index + h * nb + qb});
+                                  packed_index + h * nb + qb, heads});
         }
+        h += heads;
       }
       packed_index += nb * dims.num_q_heads;
     }
     auto cost = [&](const cpu_detail::QueryBlock& b) {
       const AttnTask& t = tasks[b.task];
-      return t.is_causal ? t.kv_len - t.q_len + b.q0 + b.rows : t.kv_len;
+      return (t.is_causal ? t.kv_len - t.q_len + b.q0 + b.rows : t.kv_len) * b.heads;
     };
     // A total order (cost, then position), so the list never depends on the sort's stability
     // and std::sort needs no temporary buffer.
@@ -339,7 +345,7 @@ Status CpuAttention::forward(const AttnFwdParams<T>& p) {
   // Rows no task covers: O = 0, LSE = -inf. Covered rows are overwritten below.
   std::fill(o, o + nq, 0.0f);
   std::fill(p.lse, p.lse + n.num_q_rows * n.num_q_heads, -std::numeric_limits<float>::infinity());
-  s.build_query_blocks(n, p.tasks);
+  s.build_query_blocks(n, p.tasks, cpu_detail::fwd_heads_at_once(n.head_dim));
   const auto* r = s.routines;
   s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()), [&](int64_t i, int thread) {
     r->forward(prob, s.query_blocks[i], o, p.lse, s.scratch[thread]);

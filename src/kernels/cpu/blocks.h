@@ -192,65 +192,78 @@ void forward_block(const Problem& p, const QueryBlock& b, float* o, float* lse, 
   const int64_t q_stride = p.num_q_heads * D;
   const int64_t kv_stride = p.num_kv_heads * D;
   const float c = p.scale * static_cast<float>(M_LOG2E);
-  // 1. Q^T of the block, scaled, zero-padded.
-  const float* q = p.q + (t.q_offset + b.q0) * q_stride + b.head * D;
-  for (int64_t d = 0; d < D; ++d) {
-    float* dst = s.qt + d * kBlockQ;
-    for (int64_t i = 0; i < b.rows; ++i) dst[i] = q[i * q_stride + d] * c;
-    std::fill(dst + b.rows, dst + kBlockQ, 0.0f);
+  constexpr int64_t kHeadFloats = D * kBlockQ;
+  constexpr int64_t kMaxHeads = kFwdScratchFloats / kHeadFloats;
+  // b.heads query heads of one KV head: each K/V block is loaded once for all of them.
+  DISTCA_CHECK(b.heads >= 1 && b.heads <= kMaxHeads) << b.heads << " heads, at most " << kMaxHeads;
+  // 1. Q^T of the block, scaled, zero-padded, per head.
+  for (int64_t j = 0; j < b.heads; ++j) {
+    const float* q = p.q + (t.q_offset + b.q0) * q_stride + (b.head + j) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      float* dst = s.qt + j * kHeadFloats + d * kBlockQ;
+      for (int64_t i = 0; i < b.rows; ++i) dst[i] = q[i * q_stride + d] * c;
+      std::fill(dst + b.rows, dst + kBlockQ, 0.0f);
+    }
   }
-  std::fill(s.acc, s.acc + D * kBlockQ, 0.0f);
-  vf m[kQVecs], l[kQVecs];
-  for (int v = 0; v < kQVecs; ++v) {
-    m[v] = splat(-std::numeric_limits<float>::max());
-    l[v] = splat(0.0f);
+  std::fill(s.acc, s.acc + b.heads * kHeadFloats, 0.0f);
+  vf m[kMaxHeads][kQVecs], l[kMaxHeads][kQVecs];
+  for (int64_t j = 0; j < b.heads; ++j) {
+    for (int v = 0; v < kQVecs; ++v) {
+      m[j][v] = splat(-std::numeric_limits<float>::max());
+      l[j][v] = splat(0.0f);
+    }
   }
-  // 2. Key blocks, online softmax.
+  // 2. Key blocks, online softmax, head by head.
   const int64_t end = key_end(t, b.q0, b.rows);
   const int64_t off = t.kv_len - t.q_len;
   const float* k = p.k + t.kv_offset * kv_stride + hk * D;
   const float* v = p.v + t.kv_offset * kv_stride + hk * D;
   for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, end - k0);
-    st_block<D>(k + k0 * kv_stride, kv_stride, s.qt, nk, s.s);
-    if (t.is_causal && k0 + nk - 1 > off + b.q0) mask_causal(s.s, nk, k0, off, b.q0);
-    vf m_new[kQVecs], alpha[kQVecs], sum[kQVecs];
-    for (int w = 0; w < kQVecs; ++w) m_new[w] = m[w];
-    for (int64_t j = 0; j < nk; ++j)
-      for (int w = 0; w < kQVecs; ++w) m_new[w] = vmax(m_new[w], load(s.s + j * kBlockQ + w * kLanes));
-    for (int w = 0; w < kQVecs; ++w) {
-      alpha[w] = exp2v(m[w] - m_new[w]);
-      sum[w] = splat(0.0f);
-    }
-    for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t j = 0; j < b.heads; ++j) {
+      st_block<D>(k + k0 * kv_stride, kv_stride, s.qt + j * kHeadFloats, nk, s.s);
+      if (t.is_causal && k0 + nk - 1 > off + b.q0) mask_causal(s.s, nk, k0, off, b.q0);
+      vf m_new[kQVecs], alpha[kQVecs], sum[kQVecs];
+      for (int w = 0; w < kQVecs; ++w) m_new[w] = m[j][w];
+      for (int64_t r = 0; r < nk; ++r)
+        for (int w = 0; w < kQVecs; ++w) m_new[w] = vmax(m_new[w], load(s.s + r * kBlockQ + w * kLanes));
       for (int w = 0; w < kQVecs; ++w) {
-        float* row = s.s + j * kBlockQ + w * kLanes;
-        const vf e = exp2v(load(row) - m_new[w]);
-        sum[w] += e;
-        store(row, e);
+        alpha[w] = exp2v(m[j][w] - m_new[w]);
+        sum[w] = splat(0.0f);
       }
+      for (int64_t r = 0; r < nk; ++r) {
+        for (int w = 0; w < kQVecs; ++w) {
+          float* row = s.s + r * kBlockQ + w * kLanes;
+          const vf e = exp2v(load(row) - m_new[w]);
+          sum[w] += e;
+          store(row, e);
+        }
+      }
+      for (int w = 0; w < kQVecs; ++w) {
+        l[j][w] = l[j][w] * alpha[w] + sum[w];
+        m[j][w] = m_new[w];
+      }
+      acc_t_block<D>(s.acc + j * kHeadFloats, alpha, v + k0 * kv_stride, kv_stride, s.s, nk);
     }
-    for (int w = 0; w < kQVecs; ++w) {
-      l[w] = l[w] * alpha[w] + sum[w];
-      m[w] = m_new[w];
-    }
-    acc_t_block<D>(s.acc, alpha, v + k0 * kv_stride, kv_stride, s.s, nk);
   }
   // 3. O = O^T / l, LSE = (m + log2 l) ln 2; no keys at all: O = 0, LSE = -inf.
-  float* out = o + (t.q_offset + b.q0) * q_stride + b.head * D;
-  float* out_lse = lse + (t.q_offset + b.q0) * p.num_q_heads + b.head;
-  float mm[kBlockQ], ll[kBlockQ];
-  for (int w = 0; w < kQVecs; ++w) {
-    store(mm + w * kLanes, m[w]);
-    store(ll + w * kLanes, l[w]);
-  }
-  for (int64_t i = 0; i < b.rows; ++i) {
-    const bool has_keys = ll[i] > 0.0f;
-    const float inv = has_keys ? 1.0f / ll[i] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = s.acc[d * kBlockQ + i] * inv;
-    out_lse[i * p.num_q_heads] =
-        has_keys ? (mm[i] + std::log2(ll[i])) * static_cast<float>(M_LN2)
-                 : -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < b.heads; ++j) {
+    float* out = o + (t.q_offset + b.q0) * q_stride + (b.head + j) * D;
+    float* out_lse = lse + (t.q_offset + b.q0) * p.num_q_heads + b.head + j;
+    const float* acc = s.acc + j * kHeadFloats;
+    float mm[kBlockQ], ll[kBlockQ];
+    for (int w = 0; w < kQVecs; ++w) {
+      store(mm + w * kLanes, m[j][w]);
+      store(ll + w * kLanes, l[j][w]);
+    }
+    for (int64_t i = 0; i < b.rows; ++i) {
+      const bool has_keys = ll[i] > 0.0f;
+      const float inv = has_keys ? 1.0f / ll[i] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = acc[d * kBlockQ + i] * inv;
+      out_lse[i * p.num_q_heads] =
+          has_keys ? (mm[i] + std::log2(ll[i])) * static_cast<float>(M_LN2)
+                   : -std::numeric_limits<float>::infinity();
+    }
   }
 }
 
@@ -314,46 +327,58 @@ template <int D>
 void backward_unit(const Problem& p, const BwdUnit& u, const Packed& pk, const Scratch& s) {
   const int64_t q_stride = p.num_q_heads * D;
   const int64_t kv_stride = p.num_kv_heads * D;
-  for (int64_t r0 = u.r0; r0 < u.r1; r0 += kBlockK) {
-    const int64_t r1 = std::min(u.r1, r0 + kBlockK);
-    std::fill(s.dk, s.dk + (r1 - r0) * D, 0.0f);
-    std::fill(s.dv, s.dv + (r1 - r0) * D, 0.0f);
-    // Heads, then tasks, then query blocks: a key row's sum runs over each head's queries in
-    // task order, so cutting a document into in-order shards does not change a single bit; a
-    // query row's dQ^T sum runs over its keys in order, whatever the blocks.
+  // A sweep: as many 64-row key blocks as the dK/dV scratch holds (256 rows at D 64, 128 at
+  // D 128), each query block's packed Q^T, dO^T and dQ^T loaded once for all of them.
+  constexpr int64_t kSweepRows = kScratchFloats / D;
+  static_assert(kSweepRows % kBlockK == 0);
+  for (int64_t s0 = u.r0; s0 < u.r1; s0 += kSweepRows) {
+    const int64_t s1 = std::min(u.r1, s0 + kSweepRows);
+    std::fill(s.dk, s.dk + (s1 - s0) * D, 0.0f);
+    std::fill(s.dv, s.dv + (s1 - s0) * D, 0.0f);
+    // Heads, then tasks, then query blocks, then key blocks: a key row's sum runs over each
+    // head's queries in task order, so cutting a document into in-order shards does not change
+    // a single bit; a query row's dQ^T sum runs over its keys in order, whatever the blocks.
     for (int64_t h = u.h0; h < u.h1; ++h) {
       for (int64_t n = 0; n < u.num_tasks; ++n) {
         const int64_t ti = u.tasks[n];
         const AttnTask& t = p.tasks[ti];
-        const int64_t a = std::max(r0, t.kv_offset);
-        const int64_t e = std::min(r1, t.kv_offset + t.kv_len);
-        if (a >= e || t.q_len == 0) continue;
-        const int64_t k0 = a - t.kv_offset;  // task-relative key range [k0, k0 + nk)
-        const int64_t nk = e - a;
+        const int64_t a0 = std::max(s0, t.kv_offset);
+        const int64_t e0 = std::min(s1, t.kv_offset + t.kv_len);
+        if (a0 >= e0 || t.q_len == 0) continue;
         const int64_t off = t.kv_len - t.q_len;
-        const int64_t first_query = t.is_causal ? std::max<int64_t>(0, k0 - off) : 0;
+        // Query blocks from the first that sees the sweep's first key of this task.
+        const int64_t first_query = t.is_causal ? std::max<int64_t>(0, a0 - t.kv_offset - off) : 0;
         if (first_query >= t.q_len) continue;
         const int64_t num_blocks = (t.q_len + kBlockQ - 1) / kBlockQ;
-        const float* k = p.k + a * kv_stride + u.kv_head * D;
-        const float* v = p.v + a * kv_stride + u.kv_head * D;
         for (int64_t qb = first_query / kBlockQ; qb < num_blocks; ++qb) {
           const int64_t q0 = qb * kBlockQ;
           const int64_t rows = std::min(kBlockQ, t.q_len - q0);
           const int64_t packed = pk.block_base[ti] + h * num_blocks + qb;
-          const bool needs_mask = t.is_causal && k0 + nk - 1 > off + q0;
-          probabilities_and_ds<D>(k, v, kv_stride, nk, pk.qt + packed * D * kBlockQ,
-                                  pk.dot + packed * D * kBlockQ, pk.lse2 + packed * kBlockQ,
-                                  pk.delta + packed * kBlockQ, needs_mask, k0, off, q0, s);
           const int64_t row0 = (t.q_offset + q0) * q_stride + h * D;
-          rows_acc_block<D>(s.dv + (a - r0) * D, s.s, nk, p.d_o + row0, q_stride, rows);
-          rows_acc_block<D>(s.dk + (a - r0) * D, s.dp, nk, p.q + row0, q_stride, rows);
-          acc_t_block<D>(pk.dqt + packed * D * kBlockQ, nullptr, k, kv_stride, s.dp, nk);
+          // The sweep's 64-row key blocks (aligned to the segment) this query block sees.
+          for (int64_t r0 = s0; r0 < s1; r0 += kBlockK) {
+            const int64_t a = std::max(r0, t.kv_offset);
+            const int64_t e = std::min(std::min(s1, r0 + kBlockK), t.kv_offset + t.kv_len);
+            if (a >= e) continue;
+            const int64_t k0 = a - t.kv_offset;  // task-relative key range [k0, k0 + nk)
+            const int64_t nk = e - a;
+            if (t.is_causal && k0 > off + q0 + rows - 1) break;  // no query of the block sees them
+            const bool needs_mask = t.is_causal && k0 + nk - 1 > off + q0;
+            const float* k = p.k + a * kv_stride + u.kv_head * D;
+            const float* v = p.v + a * kv_stride + u.kv_head * D;
+            probabilities_and_ds<D>(k, v, kv_stride, nk, pk.qt + packed * D * kBlockQ,
+                                    pk.dot + packed * D * kBlockQ, pk.lse2 + packed * kBlockQ,
+                                    pk.delta + packed * kBlockQ, needs_mask, k0, off, q0, s);
+            rows_acc_block<D>(s.dv + (a - s0) * D, s.s, nk, p.d_o + row0, q_stride, rows);
+            rows_acc_block<D>(s.dk + (a - s0) * D, s.dp, nk, p.q + row0, q_stride, rows);
+            acc_t_block<D>(pk.dqt + packed * D * kBlockQ, nullptr, k, kv_stride, s.dp, nk);
+          }
         }
       }
     }
-    for (int64_t r = 0; r < r1 - r0; ++r) {
-      float* dk_out = u.dk + (r0 - u.r0 + r) * u.stride;
-      float* dv_out = u.dv + (r0 - u.r0 + r) * u.stride;
+    for (int64_t r = 0; r < s1 - s0; ++r) {
+      float* dk_out = u.dk + (s0 - u.r0 + r) * u.stride;
+      float* dv_out = u.dv + (s0 - u.r0 + r) * u.stride;
       for (int64_t d = 0; d < D; ++d) {
         dk_out[d] = s.dk[r * D + d] * u.dk_scale;
         dv_out[d] = s.dv[r * D + d];

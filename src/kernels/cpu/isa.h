@@ -35,6 +35,7 @@ struct QueryBlock {
   int64_t q0 = 0;    // first query, relative to the task
   int64_t rows = 0;  // 1..kBlockQ
   int64_t packed = 0;  // index of this block in the backward's packed arrays
+  int64_t heads = 1;   // the forward: query heads head..head+heads-1, all of one KV head
 };
 
 // One work item of the backward: the key rows [r0, r1) of a segment (the union of the key
@@ -71,12 +72,16 @@ struct Packed {
 struct Scratch {
   float* s = nullptr;   // [kBlockK, kBlockQ] scores, then probabilities
   float* dp = nullptr;  // [kBlockK, kBlockQ] dP, then dS
-  float* acc = nullptr; // [D, kBlockQ] O^T or dQ^T
-  float* qt = nullptr;  // [D, kBlockQ] the forward's packed Q^T
+  float* acc = nullptr; // [heads, D, kBlockQ] the forward's O^T (kFwdScratchFloats)
+  float* qt = nullptr;  // [heads, D, kBlockQ] the forward's packed Q^T (kFwdScratchFloats)
   float* dk = nullptr;  // [kBlockK, D]
   float* dv = nullptr;  // [kBlockK, D]
 };
 constexpr int64_t kScratchFloats = kBlockK * kMaxHeadDim;
+// The forward's O^T and Q^T scratch: kFwdScratchFloats / (D * kBlockQ) query heads at once (16 at
+// D 64, 8 at D 128; 512 KB at D 128 with both, which stays in a core's L2).
+constexpr int64_t kFwdScratchFloats = 4 * kScratchFloats;
+constexpr int64_t fwd_heads_at_once(int64_t head_dim) { return kFwdScratchFloats / (head_dim * kBlockQ); }
 
 struct BlockRoutines {
   const char* name;
