@@ -217,9 +217,11 @@ apply_shape() {  # apply_shape NS: replaces the host's qdisc with the current ra
       [ -n "$loss" ] && args+=(loss random "$loss")
       ip netns exec "$ns" tc qdisc add dev "$IFACE" root handle 1: netem "${args[@]}"
     else  # htb: class 1:10 at the rate; loss: a cBPF filter sends P% of the packets to 1:20, whose pfifo holds 0
-      local bps burst thr
-      bps="$(rate_bytes "${rate:-100gbit}")"
-      burst=$(( bps / 250 > 66000 ? bps / 250 : 66000 ))
+      local burst thr
+      # Burst: one GSO packet (64 KB) and a frame, whatever the rate: a larger one lets every
+      # exchange's first burst bytes through at the veth's own speed (at 1gbit, bps / 250 = 500 KB
+      # made a 2 MB exchange 25 % faster than the rate), which the shaped rate must not allow.
+      burst=66000
       ip netns exec "$ns" tc qdisc add dev "$IFACE" root handle 1: htb default 10
       ip netns exec "$ns" tc class add dev "$IFACE" parent 1: classid 1:10 htb rate "${rate:-100gbit}" burst "$burst" cburst "$burst" quantum 65536
       if [ -n "$loss" ]; then

@@ -101,6 +101,7 @@ nlohmann::json StepRecord::to_json() const {
           {"linear_seconds", linear_seconds},
           {"attention_seconds", attention_seconds},
           {"comm_seconds", comm_seconds},
+          {"grad_reduce_seconds", grad_reduce_seconds},
           {"wait_seconds", wait_seconds},
           {"optimizer_seconds", optimizer_seconds},
           {"other_seconds", other_seconds},
@@ -437,13 +438,13 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   // Every rank's numbers, one slot each.
   const int64_t bytes = p.bytes;
   // Attention buffer bytes travel as two floats of 24 bits each, so they arrive exact.
-  enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kBytes, kAttnMemHigh, kAttnMemLow, kSlots };
+  enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kBytes, kAttnMemHigh, kAttnMemLow, kReduce, kSlots };
   const int64_t attn_memory = p.attention_memory;
   std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
   const double mine[kSlots] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
                                groups_.me.tp == 0 ? loss_sum : 0.0,  // a replica's loss once
                                static_cast<double>(bytes), static_cast<double>(attn_memory >> 24),
-                               static_cast<double>(attn_memory & ((int64_t{1} << 24) - 1))};
+                               static_cast<double>(attn_memory & ((int64_t{1} << 24) - 1)), reduce};
   for (int i = 0; i < kSlots; ++i) all[comm_.rank() * kSlots + i] = static_cast<float>(mine[i]);
   DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   auto at = [&](int r, int i) { return static_cast<double>(all[r * kSlots + i]); };
@@ -481,6 +482,7 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   rec.linear_seconds = at(s, kLinear);
   rec.attention_seconds = at(s, kAttention);
   rec.comm_seconds = at(s, kComm);
+  rec.grad_reduce_seconds = at(s, kReduce);
   rec.wait_seconds = at(s, kWait);
   rec.optimizer_seconds = at(s, kOptimizer);
   rec.other_seconds = rec.step_seconds - rec.linear_seconds - rec.attention_seconds - rec.comm_seconds -

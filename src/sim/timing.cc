@@ -16,6 +16,17 @@ const char* collective_name(Collective c) {
   return "?";
 }
 
+double exchange_seconds(const std::vector<int64_t>& send_bytes, const std::vector<int64_t>& recv_bytes,
+                        const Link& link) {
+  DISTCA_CHECK(send_bytes.size() == recv_bytes.size() && link.bytes_per_second > 0) << "exchange over a link";
+  double worst = 0;
+  for (size_t r = 0; r < send_bytes.size(); ++r) {
+    const double bytes = static_cast<double>(std::max(send_bytes[r], recv_bytes[r]));
+    if (bytes > 0) worst = std::max(worst, link.latency_seconds + bytes / link.bytes_per_second);
+  }
+  return worst;
+}
+
 double collective_seconds(Collective c, double bytes, int n, const Link& link) {
   DISTCA_CHECK(n >= 1 && bytes >= 0 && link.bytes_per_second > 0) << "collective over " << n << " ranks";
   if (n == 1 || bytes == 0) return 0;

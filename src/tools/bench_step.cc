@@ -127,7 +127,8 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                     link.bytes_per_second / 1e6, o.latency_us, wire / 1e6, ops, o.ratio, linear));
   }
   std::array<std::vector<double>, kVariants> seconds;
-  std::vector<double> hidden, comm_seq, linear_seq;
+  std::vector<double> hidden, comm_seq, linear_seq, bytes_seq;
+  std::array<std::vector<double>, kVariants> reduce;
   nlohmann::json steps = nlohmann::json::array();
   for (int s = 0; s < o.steps; ++s) {
     std::array<model::StepRecord, kVariants> r{};
@@ -143,10 +144,12 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
     for (int v = 0; v < kVariants; ++v) {
       if (!trainers[v]) continue;
       seconds[v].push_back(r[v].step_seconds);
+      reduce[v].push_back(r[v].grad_reduce_seconds);
       j[std::string(kNames[v]) + "_seconds"] = r[v].step_seconds;
     }
     comm_seq.push_back(r[kSequential].comm_seconds);
     linear_seq.push_back(r[kSequential].linear_seconds);
+    bytes_seq.push_back(static_cast<double>(r[kSequential].attention_bytes));
     j["sequential_comm_seconds"] = r[kSequential].comm_seconds;
     j["sequential_linear_seconds"] = r[kSequential].linear_seconds;
     std::string line = fmt::format("step {}/{}: sequential {:.3f} s, ping-pong {:.3f} s", s + 1, o.steps,
@@ -177,10 +180,15 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                            {"calibration", calibration},
                            {"steps", steps}};
   for (int v = 0; v < kVariants; ++v) {
-    if (trainers[v]) report[std::string(kNames[v]) + "_seconds"] = to_json(spread_of(seconds[v]));
+    if (!trainers[v]) continue;
+    report[std::string(kNames[v]) + "_seconds"] = to_json(spread_of(seconds[v]));
+    // Of each step: the data-parallel gradient all-reduce, which no attention schedule hides.
+    report[std::string(kNames[v]) + "_grad_reduce_seconds"] = to_json(spread_of(reduce[v]));
   }
   report["sequential_comm_seconds"] = to_json(spread_of(comm_seq));
   report["sequential_linear_seconds"] = to_json(spread_of(linear_seq));
+  // Bytes the attention exchanges sent per step, all ranks together (the same every step).
+  report["sequential_attention_bytes"] = to_json(spread_of(bytes_seq));
   const double seq = spread_of(seconds[kSequential]).median, pp = spread_of(seconds[kPingPong]).median;
   const double whole = spread_of(seconds[kWhole]).median;
   report["pingpong_over_whole"] = whole > 0 ? pp / whole : 0.0;

@@ -8,6 +8,7 @@
 #include "bench_attention.h"
 #include "bench_attention_cuda.h"
 #include "bench_dispatch.h"
+#include "bench_link.h"
 #include "bench_planner.h"
 #include "bench_step.h"
 #include "cmd_profile.h"
@@ -184,6 +185,26 @@ int run_step(const StepArgs& a, const CLI::App& cmd) {
       [&](comm::Communicator& c) { return run_step_bench(c, a.options, progress); }, print_step_report);
 }
 
+struct LinkArgs {
+  LinkBenchOptions options;
+  bool is_json = false;
+  double timeout_seconds = kDefaultTimeoutSeconds;
+};
+
+int run_link(const LinkArgs& a, const CLI::App& cmd) {
+  Status s = validate(a.options);
+  Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
+  if (s.is_ok()) s = timeout.status();
+  if (!s.is_ok()) {
+    print_usage_error("bench link", s.message());
+    return kExitBadInput;
+  }
+  auto progress = [](const std::string& line) { fmt::print(stderr, "[bench link] {}\n", line); };
+  return run_world_report(
+      "bench link", a.options.ranks, cmd, timeout.value(), a.is_json,
+      [&](comm::Communicator& c) { return run_link_bench(c, a.options, progress); }, print_link_report);
+}
+
 struct PlannerArgs {
   PlannerBenchOptions options;
   bool is_json = false;
@@ -300,6 +321,31 @@ std::function<int()> add_bench_command(CLI::App& app) {
   scmd->add_flag("--json", step->is_json, "print one JSON object instead of the table");
   scmd->add_option("--timeout", step->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
+  auto link = std::make_shared<LinkArgs>();
+  LinkBenchOptions& lo = link->options;
+  CLI::App* lcmd = bench->add_subcommand(
+      "link",
+      "the CAD exchange alone (one layer's four all-to-alls of a planned batch) over the communicator as it is, e.g. "
+      "between hosts under mpirun, beside the simulator's link model (latency + busiest bytes / --rate-gbit)");
+  lcmd->add_option("--ranks", lo.ranks, "ranks as threads when not started by mpirun (2..64)")->capture_default_str();
+  lcmd->add_option("--workload", lo.workload, "document lengths: pretrain or prolong")->capture_default_str();
+  lcmd->add_option("--tokens-per-rank", lo.tokens_per_rank, "tokens of each rank's batch")->capture_default_str();
+  lcmd->add_option("--heads", lo.q_heads, "Hq: query heads")->capture_default_str();
+  lcmd->add_option("--kv-heads", lo.kv_heads, "Hkv: key/value heads")->capture_default_str();
+  lcmd->add_option("--head-dim", lo.head_dim, "D")->capture_default_str();
+  lcmd->add_option("--dtype-bytes", lo.dtype_bytes, "bytes per element on the wire: 2 (bf16) or 4 (fp32)")
+      ->capture_default_str();
+  lcmd->add_option("--policy", lo.policy, "planner: none, distca, minmax or minbytes")->capture_default_str();
+  lcmd->add_option("--backward", lo.backward_mode, "stateless or stateful")->capture_default_str();
+  lcmd->add_option("--rate-gbit", lo.rate_gbit,
+                   "the link's rate in Gbit/s (what it was shaped to) for the model's prediction; 0: measure only")
+      ->capture_default_str();
+  lcmd->add_option("--repeats", lo.repeats, "each exchange this many times (median, min..max; 1..1000)")
+      ->capture_default_str();
+  lcmd->add_option("--seed", lo.seed, "seed of the batch (>= 0)")->check(non_negative())->capture_default_str();
+  lcmd->add_flag("--json", link->is_json, "print one JSON object instead of the table");
+  lcmd->add_option("--timeout", link->timeout_seconds, kTimeoutHelp)->capture_default_str();
+
   auto planner = std::make_shared<PlannerArgs>();
   PlannerBenchOptions& po = planner->options;
   CLI::App* pcmd = bench->add_subcommand(
@@ -316,10 +362,11 @@ std::function<int()> add_bench_command(CLI::App& app) {
 
   auto calibration = add_calibration_command(*bench);
 
-  return [bench, attention, cmd, dispatch, dcmd, step, scmd, planner, calibration]() -> int {
+  return [bench, attention, cmd, dispatch, dcmd, step, scmd, link, lcmd, planner, calibration]() -> int {
     if (bench->got_subcommand("attention")) return run_attention(*attention, *cmd);
     if (bench->got_subcommand("dispatch")) return run_dispatch(*dispatch, *dcmd);
     if (bench->got_subcommand("step")) return run_step(*step, *scmd);
+    if (bench->got_subcommand("link")) return run_link(*link, *lcmd);
     if (bench->got_subcommand("planner")) return run_planner(*planner);
     if (bench->got_subcommand("calibration")) return calibration();
     return 2;

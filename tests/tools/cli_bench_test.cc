@@ -371,6 +371,50 @@ TEST(Cli, BenchDispatchBadInputGetsOneLineErrorExitTwo) {
   }
 }
 
+// The CAD exchange alone over 2 thread-ranks: four phases with the plan's bytes, the model's
+// prediction where a rate is given, and the latency measured in the run.
+TEST(Cli, BenchLinkTimesThePlansExchangesBesideTheModel) {
+  CmdResult r = distca("bench link --ranks 2 --tokens-per-rank 4096 --workload prolong --repeats 2 --rate-gbit 8 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["phases"].size(), 4u);
+  double predicted = 0, measured_sum = 0;
+  for (const auto& p : j["phases"]) {
+    const double bytes = p["busiest_rank_bytes"].get<double>();
+    EXPECT_GE(bytes, 0);
+    const double latency = j["latency_seconds"]["median"].get<double>();
+    // The model: latency + busiest bytes at 8 Gbit/s = 1e9 bytes/s (0 when nothing moves).
+    EXPECT_NEAR(p["predicted_seconds"].get<double>(), bytes > 0 ? latency + bytes / 1e9 : 0.0, 1e-12) << p;
+    predicted += p["predicted_seconds"].get<double>();
+    measured_sum += p["measured_seconds"]["median"].get<double>();
+    EXPECT_LE(p["measured_seconds"]["min"].get<double>(), p["measured_seconds"]["median"].get<double>());
+  }
+  EXPECT_NEAR(j["predicted_layer_seconds"].get<double>(), predicted, 1e-12);
+  EXPECT_GT(j["layer_seconds"]["median"].get<double>(), 0);
+  EXPECT_GT(measured_sum, 0);
+  EXPECT_GT(j["phases"][0]["total_bytes"].get<int64_t>(), 0) << "a prolong batch moves bytes";
+  CmdResult text = distca("bench link --ranks 2 --tokens-per-rank 2048 --repeats 1");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("fwd_dispatch"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("none (--rate-gbit not given)"), std::string::npos) << text.out;
+}
+
+TEST(Cli, BenchLinkBadInputGetsOneLineErrorExitTwo) {
+  const BadInput cases[] = {
+      {"one rank", "--ranks 1", "--ranks"},
+      {"gqa mismatch", "--heads 6 --kv-heads 4", "--heads (6)"},
+      {"odd element size", "--dtype-bytes 3", "--dtype-bytes"},
+      {"negative rate", "--rate-gbit -1", "--rate-gbit"},
+      {"zero repeats", "--repeats 0", "--repeats"},
+      {"unknown policy", "--policy best", "best"},
+      {"tiny batch", "--tokens-per-rank 10", "--tokens-per-rank"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = distca("bench link " + c.args);
+    cli::expect_refused(r, c);
+  }
+}
+
 TEST(Cli, ProfileWritesAProfileTheSimulatorReads) {
   const std::string out = (scratch() / "cpu_profile.json").string();
   CmdResult r = distca("profile --preset tiny --ranks 2 --repeats 1 --out " + out);

@@ -51,7 +51,7 @@ TEST(Cli, UnknownCommandsAndOptionsAreNamed) {
   CmdResult bench = distca("bench nothing");
   EXPECT_EQ(bench.exit_code, 2);
   EXPECT_NE(bench.err.find("'nothing'"), std::string::npos) << bench.err;
-  EXPECT_NE(bench.err.find("attention, dispatch, step, planner, calibration"), std::string::npos) << bench.err;
+  EXPECT_NE(bench.err.find("attention, dispatch, step, link, planner, calibration"), std::string::npos) << bench.err;
 }
 
 TEST(Cli, VersionNamesTheBuild) {

@@ -83,6 +83,7 @@ struct StepRecord {
   double linear_seconds = 0;     // everything in the model but attention (norms, GEMMs, loss)
   double attention_seconds = 0;  // attention kernels
   double comm_seconds = 0;       // attention dispatch and return, plan check, gradient all-reduce
+  double grad_reduce_seconds = 0; // of comm_seconds: the gradient all-reduce and norm (data parallel)
   double wait_seconds = 0;       // at the barrier before the all-reduce: waiting for the slowest rank
   double optimizer_seconds = 0;
   double other_seconds = 0;      // the rest of the step (planning, bookkeeping)

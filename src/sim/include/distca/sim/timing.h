@@ -13,6 +13,12 @@ struct Link {
   double bytes_per_second = 0;
 };
 
+// One all-to-all exchange (a CAD phase) over ranks whose links are all `link`: each rank sends
+// and receives at once (full duplex), so the exchange takes as long as the rank with the most
+// bytes to send or to receive: latency + max(send, recv) / bandwidth. 0 when nothing moves.
+double exchange_seconds(const std::vector<int64_t>& send_bytes, const std::vector<int64_t>& recv_bytes,
+                        const Link& link);
+
 enum class Collective { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
 const char* collective_name(Collective c);
 
