@@ -12,7 +12,7 @@
 #     all-reduce (which crosses the same link, and no attention schedule hides), is the attention
 #     exchange's; hidden = 1 - (added to ping-pong) / (added to sequential).
 #
-#   scripts/bench-link.sh [--rates 0.1,0.3,1] [--rounds 3] [--steps 4] [--json F]
+#   scripts/bench-link.sh [--rates 0.1,0.3,1] [--rounds 3] [--steps 4] [--progress poll|thread|none] [--json F]
 #
 # Needs root (network namespaces); exits 77 where they cannot be made. The hosts are removed at
 # the end, whatever happens. Progress goes to stderr, the summary to stdout, every figure to --json.
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(pwd)"
 
-rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"
+rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,12 +29,14 @@ while [ $# -gt 0 ]; do
     --rounds) rounds="${2:?--rounds needs a value}"; shift 2 ;;
     --steps) steps="${2:?--steps needs a value}"; shift 2 ;;
     --preset) preset="${2:?--preset needs a value}"; shift 2 ;;
+    --progress) progress="${2:?--progress needs a value}"; shift 2 ;;
     --json) json_out="${2:?--json needs a value}"; shift 2 ;;
     *) echo "bench-link.sh: unknown option '$1' (--help)" >&2; exit 2 ;;
   esac
 done
 [[ "$rates" =~ ^[0-9.]+(,[0-9.]+)*$ ]] || { echo "bench-link.sh: --rates must be Gbit/s values separated by commas, got '$rates'" >&2; exit 2; }
 [[ "$rounds" =~ ^[1-9][0-9]?$ ]] || { echo "bench-link.sh: --rounds must be 1..99, got '$rounds'" >&2; exit 2; }
+[[ "$progress" =~ ^(poll|thread|none)$ ]] || { echo "bench-link.sh: --progress must be poll, thread or none, got '$progress'" >&2; exit 2; }
 [[ "$steps" =~ ^[1-9][0-9]?$ ]] || { echo "bench-link.sh: --steps must be 1..99, got '$steps'" >&2; exit 2; }
 distca="$root/build/src/tools/distca"
 [ -x "$distca" ] || { echo "bench-link.sh: $distca is not built (scripts/build.sh)" >&2; exit 2; }
@@ -86,16 +88,18 @@ say "shaped rate: ${rate_mbit} Mbit/s (a step's attention bytes per rank / its l
 for k in $(seq 1 "$rounds"); do
   hosts shape --rate "${rate_mbit}mbit" >&2
   say "round $k/$rounds: shaped"
-  run2 "$distca" bench step --link off --preset "$preset" --steps "$steps" --json > "$work/shaped_$k.json"
+  run2 "$distca" bench step --link off --preset "$preset" --steps "$steps" --progress "$progress" --json > "$work/shaped_$k.json"
   hosts shape --clear >&2
   say "round $k/$rounds: unshaped"
-  run2 "$distca" bench step --link off --preset "$preset" --steps "$steps" --json > "$work/unshaped_$k.json"
+  run2 "$distca" bench step --link off --preset "$preset" --steps "$steps" --progress "$progress" --json > "$work/unshaped_$k.json"
 done
 
-python3 - "$work" "$rates" "$rounds" "$rate_mbit" "${json_out:-}" <<'EOF'
+python3 - "$work" "$rates" "$rounds" "$rate_mbit" "$progress" "${json_out:-}" <<'EOF'
 import json, statistics, sys
-work, rates, rounds, rate_mbit, out = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-report = {"benchmark": "bench-link.sh", "hosts": 2, "ranks_per_host": 1, "link_model": [], "pingpong": {}}
+work, rates, rounds, rate_mbit, progress, out = (sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]),
+                                                 float(sys.argv[4]), sys.argv[5], sys.argv[6])
+report = {"benchmark": "bench-link.sh", "hosts": 2, "ranks_per_host": 1, "progress": progress, "link_model": [],
+          "pingpong": {}}
 print("1. the simulator's link model (latency + busiest rank's bytes / rate) against the shaped link: one layer's "
       "four CAD exchanges of a prolong batch, 16K tokens per rank, medians of 5")
 print(f"{'rate Gbit/s':>11} {'latency us':>10} {'busiest MB':>10} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9}")
@@ -136,7 +140,7 @@ report["pingpong"] = {"rate_mbit": rate_mbit, "rounds": rounds, "shaped_seconds"
                       "pingpong_over_sequential_shaped": s["pingpong"] / s["sequential"]}
 print()
 print(f"2. ping-pong on a real link: the {json.load(open(f'{work}/shaped_1.json'))['preset']} CAD step, one rank per "
-      f"host, link shaped to {rate_mbit:g} Mbit/s (attention bytes per rank per step / linear seconds); medians over "
+      f"host, --progress {progress}, link shaped to {rate_mbit:g} Mbit/s (attention bytes per rank per step / linear seconds); medians over "
       f"{rounds} alternating rounds of the per-run medians")
 print(f"{'':34} {'sequential':>10} {'ping-pong':>10} {'whole':>10}")
 print(f"{'shaped link: step (s)':34} {s['sequential']:>10.3f} {s['pingpong']:>10.3f} {s['whole']:>10.3f}")

@@ -257,11 +257,11 @@ teardown() {  # removes this prefix's namespaces (and what runs in them), veths 
     ip netns del "$ns"
   done
   for v in $(list_veths); do
-    a="$(alias_of "$v")"
+    a="$(alias_of "$v" || true)"  # gone already: a deleted namespace takes its veth pair along
     ours "$a" && ip link del "$v" 2>/dev/null || true
   done
   if ip link show dev "$bridge" >/dev/null 2>&1; then
-    a="$(alias_of "$bridge")"
+    a="$(alias_of "$bridge" || true)"
     if ours "$a"; then ip link del "$bridge"; else echo "hosts.sh: leaving $bridge alone: marked '$a'" >&2; fi
   fi
 }

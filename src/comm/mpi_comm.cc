@@ -309,6 +309,13 @@ void MpiComm::abort(const std::string& reason) { abort_with(1, reason); }
 void MpiComm::abort_with(int code, const std::string& reason) {
   fmt::print(stderr, "{}\n", reason);
   std::fflush(stderr);
+  // MPI_Abort asks mpirun, through this host's daemon, to end the job; where they cannot reach
+  // each other it may never return. Then this process ends on its own, non-zero, which its
+  // daemon sees (and mpirun, where it can).
+  std::thread([code] {
+    std::this_thread::sleep_for(std::chrono::seconds(10));
+    std::_Exit(code);
+  }).detach();
   MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort does not return; if it ever did, the job still ends
 }

@@ -1,5 +1,6 @@
 #include "world.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -72,6 +73,35 @@ namespace {
 // How long a failed rank waits for its peers to reach the end too before it concludes that they
 // are stuck waiting for it, and aborts.
 constexpr std::chrono::seconds kFailedRankGrace{5};
+
+// The grace under mpirun. Where ORTE's TCP keepalive is set short (OMPI_MCA_oob_tcp_keepalive_*,
+// as scripts/hosts.sh's flags do), a host whose link dropped is declared lost by mpirun, and its
+// daemon loses mpirun, within keepalive_time + keepalive_intvl x keepalive_probes seconds of the
+// last packet, and the job ends on every host. Only while a daemon's connection carries no unsent
+// data, though: MPI_Abort (or an error line) before then makes mpirun (or the cut-off daemon)
+// send to the unreachable end, and then TCP retransmits for a quarter of an hour instead (mpirun
+// hangs in "abort is already in progress", the cut-off daemon and its ranks stay). So a failed
+// rank, which may be failing because a link dropped, stays silent that long (plus a margin)
+// before it speaks and aborts. Open MPI's defaults (300 + 20 x 9 s) are too long to wait for.
+std::chrono::milliseconds failed_rank_grace() {
+  auto mca = [](const char* name, long fallback) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return fallback;
+    char* end = nullptr;
+    const long x = std::strtol(v, &end, 10);
+    return *end == '\0' ? x : fallback;
+  };
+  const long time = mca("OMPI_MCA_oob_tcp_keepalive_time", 300);
+  const long intvl = mca("OMPI_MCA_oob_tcp_keepalive_intvl", 20);
+  const long probes = mca("OMPI_MCA_oob_tcp_keepalive_probes", 9);
+  constexpr long kMargin = 3, kMostToWait = 60;
+  if (time <= 0 || intvl < 0 || probes < 0 || time > kMostToWait || intvl > kMostToWait || probes > kMostToWait) {
+    return kFailedRankGrace;
+  }
+  const long window = time + intvl * probes + kMargin;
+  if (window > kMostToWait) return kFailedRankGrace;
+  return std::max<std::chrono::milliseconds>(kFailedRankGrace, std::chrono::seconds(window));
+}
 
 std::string& run_settings() {
   static std::string settings;
@@ -191,7 +221,8 @@ int run_world(const std::string& command, int local_ranks, const std::function<S
     }
     const int code = exit_code(s);
     // A rank that is done waits as long as any collective may; a failed one only briefly.
-    auto outcome = c.agree_on_outcome(code, code == 0 ? options.timeout + kFailedRankGrace : kFailedRankGrace);
+    const std::chrono::milliseconds grace = failed_rank_grace();
+    auto outcome = c.agree_on_outcome(code, code == 0 ? options.timeout + grace : grace);
     if (!outcome.is_ok()) {
       // Some peer never came: it waits in an operation for this rank (or is stuck). Only an
       // abort ends the job; this rank's own error is the one to show.
