@@ -170,9 +170,13 @@ Result<std::string> read_text_file(const std::string& path, int64_t max_bytes) {
       return invalid_argument(too_large(path, fmt::format("more than {} MiB", max_bytes >> 20), max_bytes));
     }
     // Grow by doubling, but never past the limit: a stream at the limit holds at most max_bytes.
+    // A doubling that would land over half the limit goes to the limit at once, so that the
+    // last growth is never from just under the limit to it (briefly holding twice the limit).
     if (text.size() + static_cast<size_t>(n) > text.capacity()) {
+      int64_t next = 2 * static_cast<int64_t>(text.capacity()) + n;
+      if (2 * next > max_bytes) next = max_bytes;
       try {
-        text.reserve(static_cast<size_t>(std::min<int64_t>(max_bytes, 2 * static_cast<int64_t>(text.capacity()) + n)));
+        text.reserve(static_cast<size_t>(next));
       } catch (const std::bad_alloc&) {
         ::close(fd);
         return invalid_argument(fmt::format("{}: out of memory after reading {} (lower {} or free memory)", path,
