@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# The one command a session with a GPU runs (the device tool: `scripts/gpu-check.sh $OUT`): builds
-# distca with CUDA for the device (build-gpu/, sm_90a unless DISTCA_CUDA_ARCHS says otherwise) and
-# runs the CUDA targets' tests (ctest -L gpu and the host-side kernel tests), compute-sanitizer
-# memcheck on a small attention case, `distca bench attention --device cuda --json` (which checks
-# the kernels against the CPU reference first and writes the measured profile
-# $OUT/profiles/<device>.json), `distca simulate --paper` with that profile; installs the Python
-# package against the device's own PyTorch (nothing can be fetched there:
-# --no-build-isolation), runs distca.torch's CUDA checks in one process (every server kernel against
-# `reference` in bf16 on a plan with key-split tasks, cad_attention end to end, kernel speed timed
-# with CUDA events), the trainer on one GPU (tokens/s), the framework adapters' GPU checks where
-# the device has the frameworks, and writes report.json and report.md into the folder given. Without a GPU it
-# prints "no GPU: skipped" and exits 0. CI does not run it.
+# The one command a session with a GPU runs (the device tool: `scripts/gpu-check.sh $OUT`): one
+# build of distca with CUDA for the device (build-gpu/, sm_90a unless DISTCA_CUDA_ARCHS says
+# otherwise: the distca binary, the CUDA tests and the Python module against the device's own
+# Python and PyTorch; nothing can be fetched there), then the CUDA tests (NcclComm and
+# CudaServerKernel on the GPU), compute-sanitizer memcheck on a small attention case, `distca bench
+# attention --device cuda --json` (which checks the kernels against the CPU reference first and
+# writes the measured profile $OUT/profiles/<device>.json), `distca simulate --paper` with that
+# profile; then, with the package staged from that build, distca.torch's CUDA checks in one process
+# (every server kernel against `reference` in bf16 on a plan with key-split tasks, cad_attention end
+# to end, kernel speed timed with CUDA events), distca's kernels beside PyTorch's, the trainer on
+# one GPU (tokens/s), the framework adapters' GPU checks where the device has the frameworks, and
+# writes report.json and report.md into the folder given. Without a GPU it prints "no GPU: skipped"
+# and exits 0. CI does not run it.
+#
+# Everything runs inside one time budget (GPU_CHECK_SECONDS, default 540: a device call's 10 minutes
+# less the transfers): each step gets what is left, at most its own limit, and a step with under 15 s
+# left is recorded as skipped ("out of time"), so the report is always written.
 #
 # usage: scripts/gpu-check.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then
-  echo "usage: scripts/gpu-check.sh OUT_DIR   (writes report.json, report.md and the logs there)" >&2
+  echo "usage: scripts/gpu-check.sh OUT_DIR   (writes report.json, report.md and the logs there; GPU_CHECK_SECONDS: the budget, default 540)" >&2
   [ $# -eq 1 ] && exit 0 || exit 2
 fi
 out="$1"
@@ -24,6 +29,8 @@ if [ -e "$out" ] && [ ! -d "$out" ]; then
   echo "gpu-check: $out exists and is not a folder" >&2
   exit 2
 fi
+budget="${GPU_CHECK_SECONDS:-540}"
+case "$budget" in ''|*[!0-9]*) echo "gpu-check: GPU_CHECK_SECONDS must be a whole number of seconds, not '$budget'" >&2; exit 2;; esac
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu-check: no GPU: skipped"
   exit 0
@@ -31,13 +38,22 @@ fi
 mkdir -p "$out"
 python="${PYTHON:-python3}"
 status=0
-step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records its exit code
-  local name="$1"; shift
-  echo "== gpu-check: $name"
+step() {  # step NAME LIMIT_S COMMAND...: runs it within min(LIMIT_S, what is left), logs to $out/NAME.log
+  local name="$1" limit="$2"; shift 2
+  local left=$((budget - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    echo "== gpu-check: $name skipped: out of time"
+    echo "$name skipped 0" >>"$out/steps.txt"
+    status=1
+    return 1
+  fi
+  echo "== gpu-check: $name (at most ${limit} s)"
   local start=$SECONDS
-  "$@" >"$out/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  tail -40 "$out/$name.log"
+  [ $rc -eq 124 ] && echo "gpu-check: $name ran past its ${limit} s and was stopped" >>"$out/$name.log"
+  tail -25 "$out/$name.log"
   echo "$name $rc $((SECONDS - start))" >>"$out/steps.txt"
   [ $rc -eq 0 ] || status=1
   return $rc
@@ -46,17 +62,20 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records its ex
 nvidia-smi -L | tee "$out/device.txt"
 # What the device offers, for the report (and for whoever fixes a step that cannot build there).
 probe() {
-  ldd --version | head -1; cmake --version | head -1; nvcc --version | tail -1
+  ldd --version | head -1; cmake --version | head -1; nvcc --version | tail -1; nproc
   command -v compute-sanitizer || echo "compute-sanitizer: not on PATH"
-  "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  command -v mpirun || echo "mpirun: not on PATH"
+  "$python" -c "import sys, sysconfig, os; inc = sysconfig.get_paths()['include']; print(sys.executable, sys.version.split()[0], 'headers', inc, os.path.exists(os.path.join(inc, 'Python.h')))"
+  "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  "$python" -m pybind11 --cmakedir || echo "pybind11: not importable"
   for pkg in fmt nlohmann_json CLI11 GTest MPI; do
     if cmake --find-package -DNAME=$pkg -DCOMPILER_ID=GNU -DLANGUAGE=CXX -DMODE=EXIST >/dev/null 2>&1; then
       echo "$pkg: found"; else echo "$pkg: not found"; fi
   done
   ls /usr/lib/x86_64-linux-gnu/libopenblas* /usr/lib/x86_64-linux-gnu/openblas*/libopenblas.so 2>/dev/null | head -2 ||
     echo "OpenBLAS: not found"
+  echo "NCCL: ${nccl_lib:-not found} ${nccl_inc:-}"
 }
-step probe probe
 # Libraries the device lacks come from build/gpu-deps when a session carried it there
 # (scripts/gpu-deps.sh prepares it from Debian's packages).
 if [ -d build/gpu-deps/usr ]; then
@@ -67,58 +86,111 @@ if [ -d build/gpu-deps/usr ]; then
   export CXXFLAGS="-isystem $deps/include/x86_64-linux-gnu/openblas-pthread ${CXXFLAGS:-}"
   echo "== gpu-check: using the libraries in build/gpu-deps"
 fi
-# distca's own CUDA kernels and NcclComm: configure, build what the checks run, test, sanitize, measure.
+# NCCL: the CUDA toolkit's when it has one, else the one PyTorch's wheels bring (nvidia-nccl-*).
+nccl_lib="" nccl_inc=""
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu \
+           $("$python" -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])" 2>/dev/null)/lib; do
+  for f in "$dir/libnccl.so" "$dir/libnccl.so.2"; do
+    if [ -z "$nccl_lib" ] && [ -e "$f" ]; then nccl_lib="$f"; fi
+  done
+done
+for dir in /usr/local/cuda/include /usr/include "$(dirname "${nccl_lib:-/x/x}")/../include"; do
+  if [ -z "$nccl_inc" ] && [ -e "$dir/nccl.h" ]; then nccl_inc="$(cd "$dir" && pwd)"; fi
+done
+nccl_defs=()
+if [ -n "$nccl_lib" ] && [ -n "$nccl_inc" ]; then
+  nccl_defs=(-DNCCL_LIBRARY="$nccl_lib" -DNCCL_INCLUDE_DIR="$nccl_inc")
+  export LD_LIBRARY_PATH="$(dirname "$nccl_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export -f probe
+export python nccl_lib nccl_inc
+step probe 60 bash -c probe
+# One build (build-gpu/, Ninja, every core) of what the checks run: the distca binary, the GPU
+# tests, and the Python module _distca against the device's own Python and PyTorch (nothing can
+# be fetched there), which the Python steps import from a staged copy of the package; a second
+# build through pip would double the device time spent compiling.
 archs="${DISTCA_CUDA_ARCHS:-90a-real}"
-step configure-cuda cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_WITH_CUDA=ON \
-    -DDISTCA_CUDA_ARCHS="$archs" -DDISTCA_BUILD_BENCH=OFF &&
-  step build-cuda cmake --build build-gpu -j "$(nproc)" &&
-  {
-    step ctest-cuda ctest --test-dir build-gpu --output-on-failure -L gpu -R . --timeout 300
-    step ctest-cuda-host ctest --test-dir build-gpu --output-on-failure -R "Cuda|kernels_cuda" --timeout 300
-    if command -v compute-sanitizer >/dev/null 2>&1; then
-      step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
-        --device cuda --docs 300,1000 --shard-doc 1000 --shards 64,128 --heads 8 --kv-heads 2 --repeats 1 --json
-    else
-      echo "== gpu-check: memcheck skipped: compute-sanitizer is not on the device's PATH"
-    fi
-    mkdir -p "$out/profiles"
-    device_slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
-    step bench-cuda build-gpu/src/tools/distca bench attention --device cuda --json \
-      --profile-out "$out/profiles/$device_slug.json"
-    cp "$out/bench-cuda.log" "$out/bench-cuda.txt"
-    step simulate-paper build-gpu/src/tools/distca simulate --paper --profile "$out/profiles/$device_slug.json"
-  }
-# The package into a venv that sees the device's PyTorch, pybind11 and scikit-build-core.
-if [ ! -x build/gpu-venv/bin/python ]; then
-  "$python" -m venv --system-site-packages build/gpu-venv
+pybind11_dir=$("$python" -m pybind11 --cmakedir 2>/dev/null || true)
+py_include=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null || true)
+pkg="$PWD/build-gpu/python-package"
+python_defs=(-DDISTCA_BUILD_PYTHON=OFF)
+targets=(distca runtime_cuda_test runtime_cuda_gpu_test)
+if [ -n "$pybind11_dir" ] && [ -f "$py_include/Python.h" ]; then
+  python_defs=(-DDISTCA_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$python")" -Dpybind11_DIR="$pybind11_dir")
+  targets+=(_distca)
+else  # the C++ checks still run
+  echo "== gpu-check: the Python module cannot be built here (pybind11: ${pybind11_dir:-not found}; Python.h in ${py_include:-?}: not found)"
 fi
-step install build/gpu-venv/bin/python -m pip install --no-build-isolation --no-deps --disable-pip-version-check \
-    --config-settings=cmake.define.DISTCA_WITH_CUDA=ON --config-settings=cmake.define.DISTCA_CUDA_ARCHS="$archs" . &&
-  step torch-cuda build/gpu-venv/bin/python python/tests/gpu/check_torch_cuda.py --require-distca --json "$out/torch-cuda.json"
-# distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
-step cuda-attention build/gpu-venv/bin/python python/bench/bench_cuda_attention.py --json "$out/cuda-attention.json"
-step torch-kernels build/gpu-venv/bin/python python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
-  --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
-# The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
-# backends compared step by step: tokens/s and the loss curve.
-step train-cuda build/gpu-venv/bin/python -m distca.torch.train --device cuda --preset demo --compare --steps 12 \
-  --skip 2 --json "$out/train-cuda.json"
-# The framework adapters' GPU checks, where the device has the frameworks (it cannot fetch them).
-if build/gpu-venv/bin/python -c "import megatron.core" >/dev/null 2>&1; then
-  step megatron-cuda build/gpu-venv/bin/python python/tests/megatron_cases.py --device cuda --json "$out/megatron-cuda.json"
+step configure-cuda 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_WITH_CUDA=ON \
+    -DDISTCA_CUDA_ARCHS="$archs" -DDISTCA_BUILD_BENCH=OFF -DDISTCA_BUILD_TESTS=ON "${python_defs[@]}" "${nccl_defs[@]}"
+if [ -f build-gpu/build.ninja ] && grep -q "comm_nccl_gpu_test" build-gpu/build.ninja; then
+  targets+=(comm_nccl_test comm_nccl_gpu_test)
+fi
+if [ -f build-gpu/build.ninja ] && step build-cuda 360 cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}"; then
+  # Only the built tests: -L gpu (NcclComm, CudaServerKernel on the device), and the CUDA tests without
+  # the label (on a GPU machine they run; without one they check that create() says why).
+  step ctest-cuda 180 ctest --test-dir build-gpu --output-on-failure -R "^(NcclComm|Cuda)" -E "NOT_BUILT|Np2" --timeout 120
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
+      --device cuda --docs 300,1000 --shard-doc 1000 --shards 64,128 --heads 8 --kv-heads 2 --repeats 1 --json
+  else
+    echo "== gpu-check: memcheck skipped: compute-sanitizer is not on the device's PATH"
+  fi
+  mkdir -p "$out/profiles"
+  device_slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+  step bench-cuda 150 build-gpu/src/tools/distca bench attention --device cuda --json \
+    --profile-out "$out/profiles/$device_slug.json"
+  [ -f "$out/profiles/$device_slug.json" ] &&
+    step simulate-paper 60 build-gpu/src/tools/distca simulate --paper --profile "$out/profiles/$device_slug.json"
+  rm -rf "$pkg"
+  if ls build-gpu/python/_distca*.so >/dev/null 2>&1; then
+    mkdir -p "$pkg" && cp -r python/distca "$pkg/" && cp build-gpu/python/_distca*.so "$pkg/distca/" &&
+      echo "== gpu-check: the package staged in $pkg"
+  fi
+fi
+export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
+if [ -f "$pkg/distca/__init__.py" ]; then
+  step torch-cuda 150 "$python" python/tests/gpu/check_torch_cuda.py --require-distca --json "$out/torch-cuda.json"
+  # distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
+  step cuda-attention 150 "$python" python/bench/bench_cuda_attention.py --json "$out/cuda-attention.json"
+  step torch-kernels 90 "$python" python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
+    --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
+  # The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
+  # backends compared step by step: tokens/s and the loss curve.
+  step train-cuda 120 "$python" -m distca.torch.train --device cuda --preset demo --compare --steps 12 \
+    --skip 2 --json "$out/train-cuda.json"
+  # The framework adapters' GPU checks, where the device has the frameworks (it cannot fetch them).
+  if "$python" -c "import megatron.core" >/dev/null 2>&1; then
+    step megatron-cuda 90 "$python" python/tests/megatron_cases.py --device cuda --json "$out/megatron-cuda.json"
+  else
+    echo "== gpu-check: megatron-cuda skipped: megatron-core is not installed on the device"
+  fi
+  if "$python" -c "import torchtitan" >/dev/null 2>&1; then
+    step torchtitan-cuda 90 "$python" python/tests/torchtitan_cases.py --reference flex
+  else
+    echo "== gpu-check: torchtitan-cuda skipped: torchtitan is not installed on the device"
+  fi
 else
-  echo "== gpu-check: megatron-cuda skipped: megatron-core is not installed on the device"
+  echo "== gpu-check: the Python steps skipped: the module _distca was not built"
+  status=1
 fi
-if build/gpu-venv/bin/python -c "import torchtitan" >/dev/null 2>&1; then
-  step torchtitan-cuda build/gpu-venv/bin/python python/tests/torchtitan_cases.py --reference flex
-else
-  echo "== gpu-check: torchtitan-cuda skipped: torchtitan is not installed on the device"
-fi
-build/gpu-venv/bin/python - "$out" <<'PY'
+"$python" - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 steps = [dict(zip(("name", "rc", "seconds"), line.split())) for line in (out / "steps.txt").read_text().splitlines()]
-report = {"format": "distca-gpu-check", "version": 1, "device": (out / "device.txt").read_text().strip(), "steps": steps}
+report = {"format": "distca-gpu-check", "version": 2, "device": (out / "device.txt").read_text().strip(), "steps": steps}
+
+
+def load(name):  # a step's JSON, or what kept it from being read (a step stopped mid-write)
+    path = out / name
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return {"unreadable": str(e)}
+
+
 bench_log = out / "bench-cuda.log"
 if bench_log.exists():
     text = bench_log.read_text()
@@ -129,14 +201,12 @@ if bench_log.exists():
         report["bench_attention_cuda"] = {"unreadable": str(e)}
 profiles = sorted((out / "profiles").glob("*.json")) if (out / "profiles").exists() else []
 report["profiles"] = [str(p.relative_to(out)) for p in profiles]
-ca = out / "cuda-attention.json"
-report["cuda_attention"] = json.loads(ca.read_text()) if ca.exists() else None
-torch_json = out / "torch-cuda.json"
-if torch_json.exists():
-    report["torch_cuda"] = json.loads(torch_json.read_text())
-train_json = out / "train-cuda.json"
-if train_json.exists():
-    summary = json.loads(train_json.read_text())["summary"]
+report["cuda_attention"] = load("cuda-attention.json")
+report["torch_cuda"] = load("torch-cuda.json")
+report["torch_kernels"] = load("torch-kernels.json")
+train = load("train-cuda.json")
+if train and "summary" in train:
+    summary = train["summary"]
     report["train_cuda"] = {name: {"tokens_per_second": b["tokens_per_second"], "step_seconds": b["step_seconds"],
                                    "loss_first": b["loss_first"], "loss_last": b["loss_last"]}
                             for name, b in summary["backends"].items()}
@@ -144,8 +214,8 @@ if train_json.exists():
 (out / "report.json").write_text(json.dumps(report, indent=1))
 lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
-for name, title in (("build-cuda", "the CUDA build"), ("ctest-cuda", "GPU tests (ctest -L gpu)"),
-                    ("ctest-cuda-host", "CUDA kernels' host-side tests"), ("memcheck", "compute-sanitizer memcheck"),
+for name, title in (("probe", "what the device offers"), ("configure-cuda", "configure"), ("build-cuda", "the CUDA build"),
+                    ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel)"), ("memcheck", "compute-sanitizer memcheck"),
                     ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
                     ("torch-cuda", "distca.torch on CUDA"),
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
