@@ -49,8 +49,14 @@ Status validate(const CudaAttentionBenchOptions& o) {
 }
 
 nlohmann::json measured_cuda_profile(const CudaAttentionBenchOptions& o, const std::string& device,
-                                     const std::string& date, const std::vector<MeasuredPoint>& whole_documents) {
+                                     const std::string& date, const std::vector<MeasuredPoint>& whole_documents,
+                                     double device_memory_bytes) {
   sim::Profile profile = sim::default_h200_profile();
+  if (device_memory_bytes > 0) {
+    profile.device_memory_bytes = device_memory_bytes;
+    profile.device_memory_source = fmt::format("{:.1f} GB ({:.1f} GiB): the total memory CUDA reports for {}",
+                                               device_memory_bytes / 1e9, device_memory_bytes / (1 << 30), device);
+  }
   sim::AttentionProfile ap;
   ap.num_q_heads = o.q_heads;
   ap.num_kv_heads = o.kv_heads;
@@ -65,9 +71,9 @@ nlohmann::json measured_cuda_profile(const CudaAttentionBenchOptions& o, const s
   ap.task_overhead_seconds = 0;
   profile.attention = {ap};
   profile.name = device;
-  profile.source = fmt::format("attention measured by `distca bench attention --device cuda` on {} on {} ({}); links, "
-                               "linear layers and memory from the published-number H200 profile",
-                               device, date, o.dtype);
+  profile.source = fmt::format("attention measured by `distca bench attention --device cuda` on {} on {} ({}); links "
+                               "and linear layers from the published-number H200 profile{}",
+                               device, date, o.dtype, device_memory_bytes > 0 ? "" : ", and its memory");
   nlohmann::json j = sim::to_json(profile);
   j["measured"] = true;
   j["device"] = device;
@@ -347,8 +353,7 @@ Result<nlohmann::json> run_cuda_attention_bench(const CudaAttentionBenchOptions&
                            {"head_dim", o.head_dim},
                            {"repeats", o.repeats},
                            {"flops", "causal-aware: 4 D Hq per (query, key) pair forward; backward 2.5x forward"},
-                           {"timing", "CUDA events around each call, median of the repeats after one warm-up"},
-                           {"kernels_validated_on_gpu", false}};
+                           {"timing", "CUDA events around each call, median of the repeats after one warm-up"}};
   DISTCA_ASSIGN_OR_RETURN(nlohmann::json check, check_against_reference(*attn, o, dtype));
   report["check"] = check;
   progress(fmt::format("checked against the reference on {}: o {:.2e}, dq {:.2e}, dk {:.2e}, dv {:.2e}",
@@ -395,7 +400,12 @@ Result<nlohmann::json> run_cuda_attention_bench(const CudaAttentionBenchOptions&
   if (!o.profile_out.empty()) {
     std::vector<MeasuredPoint> points;
     for (const auto& [L, r] : whole) points.push_back({L, r["fwd_seconds"].get<double>(), r["bwd_seconds"].get<double>()});
-    const nlohmann::json j = measured_cuda_profile(o, attn->device_name(), today(), points);
+    int device = o.device;
+    if (device < 0) BENCH_CUDA_TRY(cudaGetDevice(&device));
+    cudaDeviceProp prop{};
+    BENCH_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+    const nlohmann::json j =
+        measured_cuda_profile(o, attn->device_name(), today(), points, static_cast<double>(prop.totalGlobalMem));
     if (Status s = write_file_atomic(o.profile_out, j.dump(2) + "\n"); !s.is_ok()) return s;
     report["profile_out"] = o.profile_out;
   }

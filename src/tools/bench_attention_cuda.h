@@ -43,13 +43,16 @@ void print_cuda_attention_report(const nlohmann::json& report);
 
 // The simulator profile --profile-out writes: the default (published-number) profile with this
 // GPU's measured attention points, whole documents of L tokens timed as (L, L, fwd, bwd); the
-// kernels' 64-row query tile as the smallest unit a shard pays for; "measured": true, device, date.
+// kernels' 64-row query tile as the smallest unit a shard pays for; "measured": true, device, date;
+// the GPU's own memory when device_memory_bytes > 0 (its total, as CUDA reports it), else the
+// default profile's, said so in device_memory_source.
 struct MeasuredPoint {
   int64_t tokens = 0;
   double fwd_seconds = 0;
   double bwd_seconds = 0;
 };
 nlohmann::json measured_cuda_profile(const CudaAttentionBenchOptions& o, const std::string& device,
-                                     const std::string& date, const std::vector<MeasuredPoint>& whole_documents);
+                                     const std::string& date, const std::vector<MeasuredPoint>& whole_documents,
+                                     double device_memory_bytes = 0);
 
 }  // namespace distca::tools

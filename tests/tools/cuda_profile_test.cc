@@ -24,6 +24,7 @@ TEST(CudaProfile, TheMeasuredProfileLoadsAndPricesWholeDocumentsAtTheMeasuredTim
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   ASSERT_EQ(p.value().attention.size(), 1u);
   EXPECT_EQ(p.value().attention[0].tile_rows, 64);
+  EXPECT_EQ(p.value().device_memory_bytes, sim::default_h200_profile().device_memory_bytes);  // none given
   for (const MeasuredPoint& m : points) {
     const int64_t pairs = sim::shard_pairs(m.tokens, m.tokens);
     EXPECT_NEAR(p.value().attention_seconds(m.tokens, m.tokens, pairs, o.q_heads, o.head_dim, false), m.fwd_seconds,
@@ -31,6 +32,17 @@ TEST(CudaProfile, TheMeasuredProfileLoadsAndPricesWholeDocumentsAtTheMeasuredTim
     EXPECT_NEAR(p.value().attention_seconds(m.tokens, m.tokens, pairs, o.q_heads, o.head_dim, true), m.bwd_seconds,
                 1e-9 * m.bwd_seconds);
   }
+}
+
+// The GPU's own memory replaces the default profile's (an H100's 80 GB is not an H200's 141).
+TEST(CudaProfile, TheMeasuredProfileTakesTheGpusOwnMemory) {
+  CudaAttentionBenchOptions o;
+  const nlohmann::json j = measured_cuda_profile(o, "NVIDIA H100 80GB HBM3 (sm_90)", "2026-11-25",
+                                                 {{4096, 0.0009, 0.0024}}, 85'022'638'080.0);
+  Result<sim::Profile> p = sim::profile_from_json(j, "measured profile");
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(p.value().device_memory_bytes, 85'022'638'080.0);
+  EXPECT_NE(p.value().device_memory_source.find("NVIDIA H100"), std::string::npos) << p.value().device_memory_source;
 }
 
 // gpu-check.sh's next step: `distca simulate --paper --profile` on the written profile.
