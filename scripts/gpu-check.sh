@@ -15,7 +15,8 @@
 #
 # Everything runs inside one time budget (GPU_CHECK_SECONDS, default 540: a device call's 10 minutes
 # less the transfers): each step gets what is left, at most its own limit, and a step with under 15 s
-# left is recorded as skipped ("out of time"), so the report is always written.
+# left is recorded as skipped ("out of time"), so the report is always written. GPU_CHECK_STEPS
+# names the steps to run (e.g. "torch-cuda memcheck"; the probe, configure and build always run).
 #
 # usage: scripts/gpu-check.sh OUT_DIR
 set -uo pipefail
@@ -38,8 +39,13 @@ fi
 mkdir -p "$out"
 python="${PYTHON:-python3}"
 status=0
+only="${GPU_CHECK_STEPS:-}"   # e.g. "torch-cuda bench-cuda": just these (and the probe, configure and build)
 step() {  # step NAME LIMIT_S COMMAND...: runs it within min(LIMIT_S, what is left), logs to $out/NAME.log
   local name="$1" limit="$2"; shift 2
+  case " probe configure-cuda build-cuda $only " in
+    *" $name "*) ;;
+    *) [ -n "$only" ] && { echo "== gpu-check: $name not asked (GPU_CHECK_STEPS)"; return 0; } ;;
+  esac
   local left=$((budget - SECONDS))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 15 ]; then

@@ -28,6 +28,7 @@ distca beyond 3e-2, i.e. distca is the one off).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -175,8 +176,12 @@ def make_runner(name: str, torch, q, k, v, do, tasks: np.ndarray, scale: float):
         vx = leaves[2] if k_index is None else leaves[2].index_select(0, k_index)
         kv_leaves = [kx.detach().requires_grad_(), vx.detach().requires_grad_()]
 
+        # torch 2.11's varlen_attn has no enable_gqa (later ones do); its FlashAttention-2 kernel takes
+        # Hq a multiple of Hkv either way.
+        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+
         def call(qq, kk, vv):
-            return varlen_attn(qq, kk, vv, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+            return varlen_attn(qq, kk, vv, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **gqa)
 
         graph: dict = {}
 
@@ -329,7 +334,7 @@ def main(argv=None) -> int:
         for name in args.backends:
             try:
                 got = make_runner(name, torch, *x, tasks, scale)[2]()
-            except (Unavailable, RuntimeError, NotImplementedError) as e:
+            except (Unavailable, RuntimeError, TypeError, NotImplementedError) as e:
                 if name == "distca":
                     raise
                 unavailable[f"{name} (check, shard {shard})"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
@@ -357,7 +362,7 @@ def main(argv=None) -> int:
             except Unavailable as e:
                 unavailable[f"{name} ({layout} {n}, shard {shard})"] = str(e)
                 continue
-            except (RuntimeError, NotImplementedError) as e:   # torch refuses the shape at the call, or memory runs out
+            except (RuntimeError, TypeError, NotImplementedError) as e:   # torch refuses the shape or an argument, or memory runs out
                 unavailable[f"{name} ({layout} {n}, shard {shard})"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 torch.cuda.empty_cache()
                 continue
