@@ -60,11 +60,11 @@ TEST(Cli, VersionNamesTheBuild) {
   EXPECT_NE(r.out.find("distca 0."), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("git "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("build"), std::string::npos) << r.out;
-  // What is built, not what was found; and until a GPU run has checked them, the CUDA kernels say
-  // they are not validated.
+  // What is built, not what was found; and what a GPU run has checked (sm_90a), and what not.
 #if defined(DISTCA_HAVE_CUDA)
   EXPECT_NE(r.out.find("CUDA attention kernels: built for "), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("not yet validated on a GPU"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("sm_90a validated on an NVIDIA H100"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("other architectures not run on a GPU"), std::string::npos) << r.out;
 #else
   EXPECT_NE(r.out.find("CUDA attention kernels: not built"), std::string::npos) << r.out;
 #endif

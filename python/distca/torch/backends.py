@@ -26,8 +26,8 @@ group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `fle
 (distca's own kernels, src/kernels, through the custom operators distca::attention_fwd/_bwd of
 distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
 CPU: float32 and bfloat16, head dims 32, 64, 128, 256; CUDA: bfloat16 and float16, head dims 64
-and 128, on the current stream). `auto` picks the best that runs on the device (on CUDA it does
-not pick distca until a GPU run has validated its kernels). A named backend that cannot run
+and 128, on the current stream). `auto` picks the best that runs on the device (on CUDA, as an
+H100 measured them: varlen, then distca, then sdpa). A named backend that cannot run
 raises BackendUnavailable with the reason.
 """
 from __future__ import annotations
@@ -530,12 +530,12 @@ class DistcaKernel(ServerKernel):
 
     CUDA (`_distca.CudaAttention`, src/kernels/include/distca/kernels/cuda.h): bfloat16 and
     float16, head dims 64 and 128, compute capability 8.0 or newer; on the current stream, one
-    native object per device; dK/dV returned as their fp32 sums (never rounded to bf16). `auto`
-    on CUDA does not pick it yet: it stays varlen first until a GPU run of
-    python/tests/gpu/check_torch_cuda.py has validated these kernels (name it: backend="distca").
+    native object per device; dK/dV returned as their fp32 sums (never rounded to bf16). Validated
+    on an H100 by python/tests/gpu/check_torch_cuda.py (reports/gpu/2026-11-25-h100); `auto` on
+    CUDA picks PyTorch's FlashAttention-2 (varlen) first, which ran faster there.
 
-    Head dims the kernels are not built for go to `fallback` where one is set (auto sets it on
-    CPU), else raise ValueError."""
+    Head dims the kernels are not built for go to `fallback` where one is set (auto sets it), else
+    raise ValueError."""
     name = "distca"
     HEAD_DIMS = ops.HEAD_DIMS["cpu"]
     CUDA_HEAD_DIMS = ops.HEAD_DIMS["cuda"]
@@ -647,9 +647,12 @@ _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
     "flex": FlexKernel,
     "distca": DistcaKernel,
 }
-# `auto` tries these in order. distca's CUDA kernels are not in the CUDA order until a GPU run of
-# python/tests/gpu/check_torch_cuda.py has validated them against `reference`.
-_AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "sdpa", "flex", "reference"), "cpu": ("distca", "sdpa", "reference")}
+# `auto` tries these in order.
+# CUDA: measured on an H100 (reports/gpu/2026-11-25-h100): varlen ahead of distca (distca 0.7-0.8x its
+# forward, 0.5-0.65x its backward on 128-token shards), distca ahead of sdpa (1.4x/1.0x on a whole 16K
+# document, 6x/6x on its 128-token shards).
+_AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "distca", "sdpa", "flex", "reference"),
+               "cpu": ("distca", "sdpa", "reference")}
 
 
 def backend_names() -> list[str]:
@@ -673,10 +676,10 @@ def _first_that_runs(order, device, dtype, head_dim: Optional[int]) -> Optional[
 def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: torch.dtype,
                 head_dim: Optional[int] = None) -> ServerKernel:
     """The server kernel `name` for tensors on `device` of `dtype` (and `head_dim`, where known);
-    `auto` picks the first that runs (cuda: varlen, flash_attn, sdpa, flex, reference; cpu: distca,
-    sdpa, reference; distca only for the head dims it is built for: without `head_dim`, its kernel
-    hands other head dims to sdpa at the call; on cuda distca runs only when named, until a GPU run
-    has validated its CUDA kernels). BackendUnavailable names why a named one cannot run."""
+    `auto` picks the first that runs (cuda: varlen, flash_attn, distca, sdpa, flex, reference; cpu:
+    distca, sdpa, reference; distca only for the head dims it is built for: without `head_dim`, its
+    kernel hands other head dims to the next at the call). BackendUnavailable names why a named one
+    cannot run."""
     if isinstance(name, ServerKernel):
         return name
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):

@@ -17,8 +17,9 @@
 // splits by a caller that differentiates through the merge; a caller that passes the merged O and
 // LSE instead (distca.torch does) leaves it null.
 //
-// Built only when CMake finds nvcc (DISTCA_HAVE_CUDA); otherwise `create` says so. Until a GPU
-// run has checked them these kernels are "built, not yet validated on a GPU" (README).
+// Built only when CMake finds nvcc (DISTCA_HAVE_CUDA); otherwise `create` says so. Validated for
+// sm_90a on an NVIDIA H100 (scripts/gpu-check.sh, 2026-11-25: reports/gpu/2026-11-25-h100); the
+// sm_80 build has not run on a GPU.
 #pragma once
 
 #include <cstdint>
