@@ -149,7 +149,7 @@ struct PyLoadedPlan {
 PyPlan make_plan(std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& request, const std::string& profile_path) {
   const auto start = std::chrono::steady_clock::now();
   if (request.policy == "all") {
-    throw py::value_error("distca.plan makes one plan: pick one policy (none, distca, minmax or minbytes), not all");
+    throw py::value_error("distca.plan makes one plan: pick one policy (none, distca, minmax, minbytes or minlink), not all");
   }
   check(request.validate());
   sim::Profile profile = profile_path.empty() ? sim::default_h200_profile() : take(sim::load_profile(profile_path));

@@ -86,7 +86,7 @@ def _path(value: Any, name: str) -> str:
 
 
 def planner_names() -> list[str]:
-    """The policies: none, distca, minmax, minbytes."""
+    """The policies: none, distca, minmax, minbytes, minlink."""
     return list(_distca.planner_names())
 
 
@@ -451,7 +451,7 @@ def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, gr
     batch: per-rank document lengths ([[len, ...], ...] or {"ranks": [...]}, each rank at least one
       document), a batch file's path, or a Batch (distca.pack, distca.batch_from_pieces for
       documents that span ranks).
-    policy: none, distca (the paper's planner), minmax or minbytes (the default).
+    policy: none, distca (the paper's planner), minmax, minbytes (the default) or minlink (the least busy links).
     tolerance: eps in [0, 1]; granularity: a power of two 16..4096 (default 128; minmax and
       minbytes only); max_rank_bytes: bytes per rank per layer, or "auto" (default none).
     model: a preset name (llama-8b, llama-34b), or a dict with any of layers, hidden, heads,

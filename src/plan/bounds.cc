@@ -55,4 +55,22 @@ DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes
   return b;
 }
 
+LinkBounds link_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs) {
+  LinkBounds b;
+  b.max_pairs = max_pairs;
+  const DispatchBounds fwd = dispatch_lower_bounds(batch, bytes, max_pairs);
+  if (!fwd.is_computed) {
+    b.why_not = fwd.why_not;
+    return b;
+  }
+  TokenBytes step_rows = bytes;  // what a row costs over the four phases of a stateful step
+  step_rows.q = bytes.q + bytes.out + bytes.bwd_do + bytes.bwd_dq;
+  step_rows.kv = bytes.kv + bytes.bwd_dkv;
+  const DispatchBounds step = dispatch_lower_bounds(batch, step_rows, max_pairs);
+  b.fwd_dispatch = std::max(fwd.max_send, fwd.max_recv);
+  b.step = std::max(step.max_send, step.max_recv);
+  b.is_computed = true;
+  return b;
+}
+
 }  // namespace distca::plan

@@ -62,6 +62,19 @@ const char* backward_mode_name(BackwardMode mode) {
   return mode == BackwardMode::kStateful ? "stateful" : "stateless";
 }
 
+LinkSummary busiest_links(const Traffic& traffic) {
+  LinkSummary s;
+  for (int ph = 0; ph < kNumPhases; ++ph) {
+    const PhaseTraffic& t = traffic.phases[ph];
+    for (size_t r = 0; r < t.send_bytes.size(); ++r) {
+      s.busiest[ph] = std::max({s.busiest[ph], t.send_bytes[r], t.recv_bytes[r]});
+    }
+    s.step += s.busiest[ph];
+  }
+  s.fwd_dispatch = s.busiest[static_cast<int>(Phase::kFwdDispatch)];
+  return s;
+}
+
 Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
                       BackwardMode mode) {
   const bool is_stateless = mode == BackwardMode::kStateless;

@@ -35,14 +35,15 @@ struct Entry {
   const char* name;
   PlanFn fn;
 };
-constexpr Entry kPlanners[] = {{"none", plan_none}, {"distca", plan_distca}, {"minmax", plan_minmax}, {"minbytes", plan_minbytes}};
+constexpr Entry kPlanners[] = {{"none", plan_none},         {"distca", plan_distca},   {"minmax", plan_minmax},
+                               {"minbytes", plan_minbytes}, {"minlink", plan_minlink}};
 }  // namespace
 
 Result<PlanFn> find_planner(std::string_view name) {
   for (const Entry& e : kPlanners) {
     if (name == e.name) return e.fn;
   }
-  return not_found(fmt::format("unknown policy '{}' (expected none, distca, minmax, minbytes or all)", name));
+  return not_found(fmt::format("unknown policy '{}' (expected none, distca, minmax, minbytes, minlink or all)", name));
 }
 
 std::vector<std::string> planner_names() {

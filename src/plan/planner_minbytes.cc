@@ -38,6 +38,7 @@
 
 #include "distca/core/check.h"
 #include "budget.h"
+#include "minbytes.h"
 #include "distca/plan/planner.h"
 
 namespace distca::plan {
@@ -69,8 +70,9 @@ struct Move {
 
 class MinbytesPlanner {
  public:
-  MinbytesPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget)
-      : batch_(batch), cost_(cost), options_(options), budget_(budget), g_(options.granularity),
+  MinbytesPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget,
+                  double intake_scale = 1.0)
+      : batch_(batch), cost_(cost), options_(options), budget_(budget), intake_scale_(intake_scale), g_(options.granularity),
         num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0), server_bands_(num_ranks_),
         held_(batch.num_docs()) {
     const TokenBytes& tb = cost_.token_bytes();
@@ -503,12 +505,14 @@ class MinbytesPlanner {
   void set_intakes(double excess) {
     double lo = 0, hi = 0;
     for (int32_t k = 0; k < num_ranks_; ++k) hi = std::max(hi, cap_ - load_[k]);
+    const double top = hi;
     for (int it = 0; it < 60 && hi > 0; ++it) {
       const double t = (lo + hi) / 2;
       double sum = 0;
       for (int32_t k = 0; k < num_ranks_; ++k) sum += std::clamp(cap_ - load_[k], 0.0, t);
       if (sum >= 1.05 * excess) hi = t; else lo = t;
     }
+    hi = intake_scale_ > 1e300 ? top : std::min(top, hi * intake_scale_);  // a higher level: fewer receivers, larger blocks
     receivers_.clear();
     fresh_.clear();
     intake_.assign(num_ranks_, 0.0);
@@ -534,6 +538,7 @@ class MinbytesPlanner {
   const CostModel& cost_;
   const PlannerOptions& options_;
   const int64_t budget_;
+  const double intake_scale_;  // the soft intake's level over the water level (1: spread the most)
   const int64_t g_;
   const int32_t num_ranks_;
   double q_ = 0, q_whole_ = 0, kv_ = 0;  // bytes per query row (split, whole) and key row moved, all phases
@@ -562,6 +567,12 @@ bool keeps_budget(const Plan& plan, int64_t budget) {
 }
 
 }  // namespace
+
+Result<Plan> plan_minbytes_shaped(const Batch& batch, const CostModel& cost, const PlannerOptions& options,
+                                  double intake_scale) {
+  DISTCA_RETURN_IF_ERROR(options.validate());
+  return MinbytesPlanner(batch, cost, options, options.max_rank_bytes, intake_scale).run();
+}
 
 Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
   DISTCA_RETURN_IF_ERROR(options.validate());

@@ -12,6 +12,7 @@
 #include "distca/plan/model.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
+#include "distca/plan/workload.h"
 
 namespace distca::tools {
 
@@ -23,6 +24,9 @@ Status validate(const PlannerBenchOptions& o) {
     return invalid_argument(fmt::format("--tolerance must be in [0, 1], got {}", o.tolerance));
   }
   if (o.repeats < 1 || o.repeats > 1000) return invalid_argument(fmt::format("--repeats must be 1..1000, got {}", o.repeats));
+  if (o.fresh_seeds < 0 || o.fresh_seeds > 100) {
+    return invalid_argument(fmt::format("--fresh must be 0..100, got {}", o.fresh_seeds));
+  }
   if (o.policies.empty()) return invalid_argument("--policies names no planner");
   for (const std::string& p : o.policies) {
     if (!find_planner(p).is_ok()) {
@@ -43,6 +47,12 @@ namespace {
 
 double max_of(const std::vector<int64_t>& v) { return static_cast<double>(*std::max_element(v.begin(), v.end())); }
 
+// ours / the reference's, or null where the reference has no figures at this eps.
+json over(double ours, const json& ref, const char* key) {
+  if (ref.is_null()) return nullptr;
+  return ours / ref.at(key).get<double>();
+}
+
 json plan_json(const Batch& batch, const CostModel& cost, const Plan& plan, double plan_ms, const json& ref) {
   const auto& d = plan.traffic.phases[static_cast<int>(Phase::kFwdDispatch)];
   const double q = static_cast<double>(plan.traffic.forward.q_bytes);
@@ -59,6 +69,7 @@ json plan_json(const Batch& batch, const CostModel& cost, const Plan& plan, doub
          {"all_phases_bytes_stateful", all_bytes},
          {"verified", verify_tasks(batch, plan.tasks).is_ok()},
          {"imbalance", plan.load.pairs_imbalance},
+         {"seconds_imbalance", plan.load.imbalance},  // what the planners balance: estimated seconds
          {"q_bytes", q},
          {"kv_bytes", kv},
          {"dispatch_bytes", q + kv},
@@ -68,9 +79,23 @@ json plan_json(const Batch& batch, const CostModel& cost, const Plan& plan, doub
          {"split_tasks", std::count_if(plan.tasks.begin(), plan.tasks.end(),
                                        [](const Task& t) { return t.k0 > 0 || !t.is_causal(); })},
          {"plan_ms", plan_ms},
-         {"dispatch_over_reference", (q + kv) / (ref.at("q_bytes").get<double>() + ref.at("kv_bytes").get<double>())},
-         {"max_send_over_reference", send / ref.at("max_send_bytes").get<double>()},
-         {"max_recv_over_reference", recv / ref.at("max_recv_bytes").get<double>()}};
+         {"dispatch_over_reference",
+          ref.is_null() ? json(nullptr)
+                        : json((q + kv) / (ref.at("q_bytes").get<double>() + ref.at("kv_bytes").get<double>()))},
+         {"max_send_over_reference", over(send, ref, "max_send_bytes")},
+         {"max_recv_over_reference", over(recv, ref, "max_recv_bytes")}};
+  // The busiest link of each phase (the most bytes a rank sends or receives in it), stateful.
+  const LinkSummary links = busiest_links(all);
+  j["links"] = {{"fwd_dispatch", links.busiest[0]}, {"fwd_return", links.busiest[1]}, {"bwd_dispatch", links.busiest[2]},
+                {"bwd_return", links.busiest[3]}, {"step", links.step}};
+  const LinkBounds lb = link_lower_bounds(batch, cost.token_bytes(), max_pairs);
+  if (lb.is_computed) {
+    j["link_bound"] = {{"fwd_dispatch", lb.fwd_dispatch}, {"step", lb.step}};
+    j["fwd_dispatch_link_over_bound"] = static_cast<double>(links.fwd_dispatch) / lb.fwd_dispatch;
+    j["step_link_over_bound"] = static_cast<double>(links.step) / lb.step;
+  } else {
+    j["link_bound"] = {{"not_computed", lb.why_not}};
+  }
   if (bound.is_computed) {
     j["bound"] = {{"max_pairs", bound.max_pairs}, {"dispatch_bytes", bound.total}, {"max_send_bytes", bound.max_send},
                   {"max_recv_bytes", bound.max_recv}};
@@ -104,12 +129,52 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
                                         q_row, cost.token_bytes().q));
   }
   json report{{"tolerance", o.tolerance}, {"reference_dir", dir}, {"repeats", o.repeats}, {"batches", json::array()}};
-  for (const json& ref : reference.at("results")) {
-    if (std::abs(ref.at("tolerance").get<double>() - o.tolerance) > 1e-12) continue;
-    const std::string name = ref.at("batch");
+  // Every batch the reference ran, once; its figures where it ran at this eps (0.02 and 0.1).
+  std::vector<std::string> names;
+  for (const json& r : reference.at("results")) {
+    if (std::find(names.begin(), names.end(), r.at("batch").get<std::string>()) == names.end()) names.push_back(r.at("batch"));
+  }
+  struct Case {
+    std::string name;
+    Batch batch;
+    json ref;
+  };
+  std::vector<Case> cases;
+  for (const std::string& name : names) {
+    json ref = nullptr;
+    for (const json& r : reference.at("results")) {
+      if (r.at("batch") == name && std::abs(r.at("tolerance").get<double>() - o.tolerance) <= 1e-12) ref = r;
+    }
     const std::string path = dir + "/" + name;
     DISTCA_ASSIGN_OR_RETURN(std::string batch_text, read_text_file(path));
     DISTCA_ASSIGN_OR_RETURN(Batch batch, parse_batch_json(batch_text, 0, path));
+    cases.push_back({name, std::move(batch), ref});
+  }
+  // Fresh batches from the shipped samples, drawn as `distca plan --doc-lengths F --seed S` draws.
+  for (const char* sample : {"dist_wlbllm.json", "dist_prolong.json"}) {
+    if (o.fresh_seeds == 0) break;
+    const std::string path = (std::filesystem::path(dir).parent_path() / sample).string();
+    DISTCA_ASSIGN_OR_RETURN(LengthDistribution dist, load_doc_lengths(path));
+    for (const int32_t ranks : {64, 512}) {
+      for (int seed = 1; seed <= o.fresh_seeds; ++seed) {
+        SamplingOptions so;
+        so.seed = static_cast<uint64_t>(seed);
+        DISTCA_ASSIGN_OR_RETURN(Batch sampled, sample_batch(dist, so, ranks, 131072));
+        // In the reference batches' form: each rank's pieces as its own documents (a document
+        // packed across a rank boundary becomes two), so every document lies on one rank.
+        json per_rank = json::array();
+        for (int32_t k = 0; k < ranks; ++k) per_rank.push_back(json::array());
+        for (const Piece& p : sampled.pieces) per_rank[p.rank].push_back(p.length());
+        const std::string name = fmt::format("{} r{} seed {}", sample, ranks, seed);
+        DISTCA_ASSIGN_OR_RETURN(Batch batch, parse_batch_json(json{{"ranks", per_rank}}.dump(), 0, name));
+        cases.push_back({name, std::move(batch), nullptr});
+      }
+    }
+  }
+  for (Case& c : cases) {
+    const std::string& name = c.name;
+    const Batch& batch = c.batch;
+    const json& ref = c.ref;
     json entry{{"batch", name}, {"ranks", batch.num_ranks}, {"reference", ref}, {"plans", json::array()}};
     const PlannerOptions options{o.tolerance, 128, 0};
     // Interleaved repeats, so every policy's time is taken under the same machine load.
@@ -131,9 +196,35 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
     }
     report["batches"].push_back(entry);
   }
-  if (report["batches"].empty()) {
-    return invalid_argument(fmt::format("{} holds no result at --tolerance {} (it has 0.02 and 0.1)", results_path, o.tolerance));
+  if (report["batches"].empty()) return invalid_argument(fmt::format("{} names no batch", results_path));
+  // Per policy, over every batch: the worst ratio to each bound, the worst imbalance, the slowest
+  // median planning time at 512 ranks, and in how many batches its step's links are the least busy
+  // of the policies run (ties count).
+  json summary = json::object();
+  for (const json& b : report["batches"]) {
+    double least = 0;
+    bool first = true;
+    for (const json& p : b["plans"]) {
+      const double step = p["links"]["step"].get<double>();
+      if (first || step < least) least = step;
+      first = false;
+    }
+    for (const json& p : b["plans"]) {
+      json& s = summary[p["policy"].get<std::string>()];
+      if (s.is_null()) s = json::object();
+      auto worst = [&](const char* key, double v) { s[key] = std::max(s.value(key, v), v); };
+      if (p.contains("step_link_over_bound")) {
+        worst("worst_step_link_over_bound", p["step_link_over_bound"].get<double>());
+        worst("worst_fwd_dispatch_link_over_bound", p["fwd_dispatch_link_over_bound"].get<double>());
+        worst("worst_dispatch_bytes_over_bound", p["dispatch_bytes"].get<double>() / p["bound"]["dispatch_bytes"].get<double>());
+      }
+      worst("worst_imbalance", p["seconds_imbalance"].get<double>());
+      if (b["ranks"].get<int>() >= 512) worst("slowest_plan_ms_512", p["plan_ms"].get<double>());
+      s["least_busy_step_in"] = s.value("least_busy_step_in", 0) + (p["links"]["step"].get<double>() <= least ? 1 : 0);
+      s["batches"] = s.value("batches", 0) + 1;
+    }
   }
+  report["summary"] = summary;
   return report;
 }
 
@@ -148,17 +239,22 @@ void print_planner_report(const json& report) {
     fmt::print("{} ({} ranks)\n", b["batch"].get<std::string>(), b["ranks"].get<int>());
     fmt::print("  {:<22} {:>9} {:>16} {:>16} {:>16} {:>8} {:>8} {:>8} {:>12}\n", "", "imbalance", "Q+K/V GB (x ref)",
                "max send GB", "max recv GB", "tasks", "split", "plan ms", "all phases");
-    fmt::print("  {:<22} {:>9.4f} {:>16.2f} {:>16.3f} {:>16.3f} {:>8} {:>8} {:>8} {:>12}\n", "reference planner",
-               ref["imbalance_after"].get<double>(),
-               (ref["q_bytes"].get<double>() + ref["kv_bytes"].get<double>()) / kGB,
-               ref["max_send_bytes"].get<double>() / kGB, ref["max_recv_bytes"].get<double>() / kGB,
-               ref["chunks"].get<int64_t>(), "-", "-", "-");
+    if (ref.is_null()) {
+      fmt::print("  {:<22} (no figures at this eps: the reference ran at 0.02 and 0.1)\n", "reference planner");
+    } else {
+      fmt::print("  {:<22} {:>9.4f} {:>16.2f} {:>16.3f} {:>16.3f} {:>8} {:>8} {:>8} {:>12}\n", "reference planner",
+                 ref["imbalance_after"].get<double>(),
+                 (ref["q_bytes"].get<double>() + ref["kv_bytes"].get<double>()) / kGB,
+                 ref["max_send_bytes"].get<double>() / kGB, ref["max_recv_bytes"].get<double>() / kGB,
+                 ref["chunks"].get<int64_t>(), "-", "-", "-");
+    }
+    auto x = [](const json& v) { return v.is_null() ? std::string("  -  ") : fmt::format("{:.2f}x", v.get<double>()); };
     for (const json& p : b["plans"]) {
-      fmt::print("  {:<22} {:>9.4f} {:>8.2f} ({:.2f}x) {:>8.3f} ({:.2f}x) {:>8.3f} ({:.2f}x) {:>8} {:>8} {:>8.2f} {:>12.1f}{}\n",
+      fmt::print("  {:<22} {:>9.4f} {:>8.2f} ({}) {:>8.3f} ({}) {:>8.3f} ({}) {:>8} {:>8} {:>8.2f} {:>12.1f}{}\n",
                  p["policy"].get<std::string>(), p["imbalance"].get<double>(), p["dispatch_bytes"].get<double>() / kGB,
-                 p["dispatch_over_reference"].get<double>(), p["max_send_bytes"].get<double>() / kGB,
-                 p["max_send_over_reference"].get<double>(), p["max_recv_bytes"].get<double>() / kGB,
-                 p["max_recv_over_reference"].get<double>(), p["tasks"].get<int64_t>(), p["split_tasks"].get<int64_t>(),
+                 x(p["dispatch_over_reference"]), p["max_send_bytes"].get<double>() / kGB,
+                 x(p["max_send_over_reference"]), p["max_recv_bytes"].get<double>() / kGB,
+                 x(p["max_recv_over_reference"]), p["tasks"].get<int64_t>(), p["split_tasks"].get<int64_t>(),
                  p["plan_ms"].get<double>(), p["all_phases_bytes_stateful"].get<double>() / kGB,
                  p["verified"].get<bool>() ? "" : "  NOT VERIFIED");
     }
@@ -174,7 +270,41 @@ void print_planner_report(const json& report) {
                  "lower bound", "", bound["dispatch_bytes"].get<double>() / kGB, bound["max_send_bytes"].get<double>() / kGB,
                  bound["max_recv_bytes"].get<double>() / kGB);
     }
+    // The busiest link per phase of a stateful step, beside its lower bound.
+    fmt::print("  busiest link, GB (the most a rank sends or receives), stateful step; (x bound)\n");
+    fmt::print("  {:<22} {:>16} {:>11} {:>12} {:>11} {:>16}\n", "", "fwd dispatch", "fwd return", "bwd dispatch",
+               "bwd return", "step (sum)");
+    for (const json& p : b["plans"]) {
+      const json& l = p["links"];
+      const bool has = p.contains("step_link_over_bound");
+      fmt::print("  {:<22} {:>8.3f} ({}) {:>11.3f} {:>12.3f} {:>11.3f} {:>8.3f} ({})\n", p["policy"].get<std::string>(),
+                 l["fwd_dispatch"].get<double>() / kGB, has ? x(p["fwd_dispatch_link_over_bound"]) : "  -  ",
+                 l["fwd_return"].get<double>() / kGB, l["bwd_dispatch"].get<double>() / kGB,
+                 l["bwd_return"].get<double>() / kGB, l["step"].get<double>() / kGB,
+                 has ? x(p["step_link_over_bound"]) : "  -  ");
+    }
+    for (const json& p : b["plans"]) {
+      if (!p["link_bound"].contains("step")) continue;
+      fmt::print("  {:<22} {:>8.3f} {:>55.3f}   (plans as balanced as {}'s)\n", "link lower bound",
+                 p["link_bound"]["fwd_dispatch"].get<double>() / kGB, p["link_bound"]["step"].get<double>() / kGB,
+                 p["policy"].get<std::string>());
+      break;
+    }
     fmt::print("\n");
+  }
+  fmt::print("Over all {} batches (the worst of each; least busy: batches where its step's links are the least busy "
+             "of the policies run)\n", report["batches"].size());
+  fmt::print("  {:<12} {:>16} {:>20} {:>18} {:>10} {:>16} {:>12}\n", "policy", "step link/bound", "fwd dispatch/bound",
+             "Q+K/V bytes/bound", "imbalance", "plan ms at 512", "least busy");
+  fmt::print("  (imbalance here: max / mean of estimated seconds, what the planners balance; above: of pairs)\n");
+  for (const auto& [name, s] : report["summary"].items()) {
+    auto v = [&](const char* key, const char* f) {
+      return s.contains(key) ? fmt::format(fmt::runtime(f), s[key].get<double>()) : std::string("-");
+    };
+    fmt::print("  {:<12} {:>16} {:>20} {:>18} {:>10} {:>16} {:>12}\n", name, v("worst_step_link_over_bound", "{:.3f}"),
+               v("worst_fwd_dispatch_link_over_bound", "{:.3f}"), v("worst_dispatch_bytes_over_bound", "{:.3f}"),
+               v("worst_imbalance", "{:.4f}"), v("slowest_plan_ms_512", "{:.2f}"),
+               fmt::format("{}/{}", s["least_busy_step_in"].get<int>(), s["batches"].get<int>()));
   }
 }
 

@@ -274,7 +274,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   dcmd->add_option("--kv-heads", d.kv_heads, "Hkv: key/value heads")->capture_default_str();
   dcmd->add_option("--head-dim", d.head_dim, "D: 32, 64, 128 or 256")->capture_default_str();
   dcmd->add_option("--layers", d.layers, "layers of forward and backward per step")->capture_default_str();
-  dcmd->add_option("--policy", d.policy, "planner: none, distca, minmax or minbytes")->capture_default_str();
+  dcmd->add_option("--policy", d.policy, "planner: none, distca, minmax, minbytes or minlink")->capture_default_str();
   dcmd->add_option("--backward", d.backward_mode, "stateless (re-send Q/K/V/O) or stateful (server keeps them)")
       ->capture_default_str();
   dcmd->add_option("--threads", d.threads, "attention and BLAS threads per rank")->capture_default_str();
@@ -335,7 +335,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   lcmd->add_option("--head-dim", lo.head_dim, "D")->capture_default_str();
   lcmd->add_option("--dtype-bytes", lo.dtype_bytes, "bytes per element on the wire: 2 (bf16) or 4 (fp32)")
       ->capture_default_str();
-  lcmd->add_option("--policy", lo.policy, "planner: none, distca, minmax or minbytes")->capture_default_str();
+  lcmd->add_option("--policy", lo.policy, "planner: none, distca, minmax, minbytes or minlink")->capture_default_str();
   lcmd->add_option("--backward", lo.backward_mode, "stateless or stateful")->capture_default_str();
   lcmd->add_option("--rate-gbit", lo.rate_gbit,
                    "the link's rate in Gbit/s (what it was shaped to) for the model's prediction; 0: measure only")
@@ -355,7 +355,13 @@ std::function<int()> add_bench_command(CLI::App& app) {
   pcmd->add_option("--reference-dir", po.reference_dir,
                    "the folder of reference_planner.json and its batches (default: $DISTCA_SHARED_DATA/reference, "
                    "else ../shared/data/reference)");
-  pcmd->add_option("--tolerance", po.tolerance, "eps: 0.02 or 0.1, the ones the reference was run at")->capture_default_str();
+  pcmd->add_option("--tolerance", po.tolerance,
+                   "eps in [0, 1]; the reference's own figures are shown at 0.02 and 0.1, where it was run")
+      ->capture_default_str();
+  pcmd->add_option("--fresh", po.fresh_seeds,
+                   "also this many fresh batches per sample and size: seeds 1..N of dist_wlbllm.json and "
+                   "dist_prolong.json (beside the reference folder) at 64 and 512 ranks of 131072 tokens (0..100)")
+      ->capture_default_str();
   pcmd->add_option("--policies", po.policies, "the planners to run")->delimiter(',')->capture_default_str();
   pcmd->add_option("--repeats", po.repeats, "planning time: the median of this many runs (1..1000)")->capture_default_str();
   pcmd->add_flag("--json", planner->is_json, "print one JSON object instead of the table");

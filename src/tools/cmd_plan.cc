@@ -288,7 +288,7 @@ std::function<int()> add_plan_command(CLI::App& app) {
   cmd->add_option("--ffn-hidden", args->request.ffn_hidden, "override: FFN hidden size, 1..2^22");
   cmd->add_option("--dtype-bytes", args->request.dtype_bytes, "override: bytes per activation element: 1, 2 (bf16) or 4");
   cmd->add_option("--tp", args->request.tp, "override: tensor-parallel degree, dividing Hq");
-  cmd->add_option("--policy", args->request.policy, "none, distca, minmax, minbytes or all")->capture_default_str();
+  cmd->add_option("--policy", args->request.policy, "none, distca, minmax, minbytes, minlink or all")->capture_default_str();
   cmd->add_option("--tolerance", args->request.tolerance, "eps in [0, 1]: target max load <= (1 + eps) x mean")
       ->capture_default_str();
   cmd->add_option("--granularity", args->request.granularity,

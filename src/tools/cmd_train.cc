@@ -149,7 +149,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
     }
   }
   if (a.policy == "all") {
-    return invalid_argument("--policy must be one planner: none, distca, minmax or minbytes ('all' is for distca plan)");
+    return invalid_argument("--policy must be one planner: none, distca, minmax, minbytes or minlink ('all' is for distca plan)");
   }
   if (a.is_compare) {
     o.backends = {"colocated", "cad"};

@@ -96,6 +96,8 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
     std::vector<int64_t> rank_pairs(c.batch.num_ranks, 0);
     for (const Piece& p : c.batch.pieces) rank_pairs[p.rank] += causal_pairs(p.begin, p.end);
 
+    LinkSummary minbytes_links;
+    bool minbytes_balanced = false;
     for (const std::string& name : planner_names()) {
       SCOPED_TRACE("case " + std::to_string(i) + " policy " + name);
       const Plan plan = find_planner(name).value()(c.batch, c.cost, c.options).value();
@@ -151,6 +153,24 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
         ASSERT_LE(bound.total, static_cast<double>(d.total_bytes) * slack);
         ASSERT_LE(bound.max_send, static_cast<double>(*std::max_element(d.send_bytes.begin(), d.send_bytes.end())) * slack);
         ASSERT_LE(bound.max_recv, static_cast<double>(*std::max_element(d.recv_bytes.begin(), d.recv_bytes.end())) * slack);
+      }
+      // So do the busiest-link bounds, of the forward dispatch and of a stateful step.
+      const LinkSummary links =
+          busiest_links(count_traffic(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateful));
+      const LinkBounds link_bound = link_lower_bounds(
+          c.batch, c.cost.token_bytes(), *std::max_element(plan.server_pairs.begin(), plan.server_pairs.end()));
+      if (link_bound.is_computed) {
+        ASSERT_LE(link_bound.fwd_dispatch, static_cast<double>(links.fwd_dispatch) * (1 + 1e-9));
+        ASSERT_LE(link_bound.step, static_cast<double>(links.step) * (1 + 1e-9));
+      }
+      if (name == "minbytes") {
+        minbytes_links = links;
+        minbytes_balanced = plan.is_balanced;
+      }
+      // minlink plans minbytes among its candidates: balanced where it is, links no busier.
+      if (name == "minlink" && minbytes_balanced) {
+        ASSERT_TRUE(plan.is_balanced) << plan.note;
+        ASSERT_LE(links.step, minbytes_links.step) << plan.note;
       }
       if (name == "distca") {
         // The reference's moves take min(donor surplus, receiver need, item): no receiver ends

@@ -331,11 +331,45 @@ TEST(Cli, BenchPlannerComparesWithTheReferenceAndTheBounds) {
   ASSERT_EQ(text.exit_code, 0) << text.err;
   EXPECT_NE(text.out.find("reference planner"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("lower bound"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("busiest link"), std::string::npos) << text.out;
+}
+
+// The busiest link per phase beside its bound, at an eps the reference did not run (its figures
+// then null), on fresh batches too; minlink's step links the least busy of the policies run.
+TEST(Cli, BenchPlannerReportsTheBusiestLinksBesideTheirBounds) {
+  CmdResult r = distca("bench planner --repeats 1 --tolerance 0.05 --fresh 1 --policies minmax,minbytes,minlink --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["batches"].size(), 8u);  // 4 shipped + 1 seed x 2 samples x 2 sizes
+  for (const auto& b : j["batches"]) {
+    if (b["batch"].get<std::string>().rfind("batch_", 0) == 0) {
+      EXPECT_TRUE(b["reference"].is_null()) << b["batch"];
+    }
+    double least = 1e300;
+    for (const auto& p : b["plans"]) least = std::min(least, p["links"]["step"].get<double>());
+    for (const auto& p : b["plans"]) {
+      const auto& l = p["links"];
+      EXPECT_EQ(l["step"].get<double>(), l["fwd_dispatch"].get<double>() + l["fwd_return"].get<double>() +
+                                             l["bwd_dispatch"].get<double>() + l["bwd_return"].get<double>());
+      ASSERT_TRUE(p["link_bound"].contains("step")) << p["link_bound"];
+      EXPECT_LE(p["link_bound"]["step"].get<double>(), l["step"].get<double>()) << p["policy"];
+      EXPECT_LE(p["link_bound"]["fwd_dispatch"].get<double>(), l["fwd_dispatch"].get<double>()) << p["policy"];
+      if (p["policy"] != "distca") {
+        EXPECT_LE(p["seconds_imbalance"].get<double>(), 1.05 * (1 + 1e-9)) << p["policy"] << " " << b["batch"];
+      }
+      if (p["policy"] == "minlink") {
+        EXPECT_EQ(l["step"].get<double>(), least) << b["batch"];
+      }
+    }
+  }
+  EXPECT_EQ(j["summary"]["minlink"]["least_busy_step_in"], 8);
+  EXPECT_EQ(j["summary"]["minlink"]["batches"], 8);
 }
 
 TEST(Cli, BenchPlannerBadInputGetsOneLineErrorExitTwo) {
   const BadInput cases[] = {
-      {"tolerance not in the reference", "--tolerance 0.05", "0.05"},
+      {"too many fresh batches", "--fresh 101", "--fresh"},
+      {"negative fresh batches", "--fresh -1", "--fresh"},
       {"tolerance out of range", "--tolerance 2", "--tolerance"},
       {"unknown policy", "--policies minmax,fastest", "fastest"},
       {"zero repeats", "--repeats 0", "--repeats"},

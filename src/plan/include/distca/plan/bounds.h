@@ -36,4 +36,23 @@ struct DispatchBounds {
 // Bounds for every plan whose largest server load is at most max_pairs causal pairs.
 DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs);
 
+// Lower bounds on the busiest link: per phase, the most bytes any rank sends or receives
+// (max over ranks of max(send, receive)), for every plan as balanced as max_pairs.
+//   - Forward dispatch: a link carries at least the busiest sender's and at least the busiest
+//     receiver's dispatch, so the larger of those two bounds.
+//   - A stateful step (the four phases one after the other, each as long as its busiest link):
+//     the rank that gives away a rows and b keys sends or receives in the four phases at least
+//     a (q + out + dO + dQ) + b (kv + dK/dV) bytes in all, each phase's share at most that
+//     phase's busiest link; so the sum of the phases' busiest links is at least the dispatch
+//     bound with those per-row costs (a key-split row costs more: the merged O/LSE again). The
+//     same holds for the rank that takes them in.
+struct LinkBounds {
+  bool is_computed = false;
+  std::string why_not;
+  int64_t max_pairs = 0;
+  double fwd_dispatch = 0;  // bytes: the forward dispatch's busiest link
+  double step = 0;          // bytes: the sum over the four phases (stateful) of each one's busiest link
+};
+LinkBounds link_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs);
+
 }  // namespace distca::plan

@@ -86,6 +86,15 @@ const char* backward_mode_name(BackwardMode mode);
 Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
                       BackwardMode mode = BackwardMode::kStateless);
 
+// The busiest link of each phase: the most bytes any rank sends or receives in it (an
+// all-to-all lasts as long as that rank's transfer).
+struct LinkSummary {
+  std::array<int64_t, kNumPhases> busiest{};  // per phase
+  int64_t fwd_dispatch = 0;                   // busiest[kFwdDispatch]
+  int64_t step = 0;                           // the sum over the phases: a step's exchanges, one after the other
+};
+LinkSummary busiest_links(const Traffic& traffic);
+
 struct LoadSummary {
   double max = 0;
   double mean = 0;

@@ -4,6 +4,8 @@
 //   minmax  ours: max load <= (1 + eps) * mean whenever the shards allow it, fewest bytes
 //   minbytes ours: the same bound, moving query x key blocks (key-range splits) shaped for the
 //           fewest bytes on the busiest rank
+//   minlink ours: of minbytes at eps, eps/2, eps/4, eps/8, minmax and distca, the plan balanced to
+//           eps whose step has the least busy links (planner_minlink.cc)
 #pragma once
 
 #include <cstdint>
@@ -32,6 +34,7 @@ Result<Plan> plan_none(const Batch& batch, const CostModel& cost, const PlannerO
 Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 Result<Plan> plan_minmax(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
+Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 
 // "none", "distca", "minmax", "minbytes" (the default).
 Result<PlanFn> find_planner(std::string_view name);

@@ -1,0 +1,14 @@
+// minbytes with its receivers' soft intake raised (planner_minbytes.cc, step 3): the level is
+// intake_scale times the water level that just covers the excess (capped at the largest room),
+// so each sender sheds in fewer, larger blocks to fewer receivers: less on the sender's link,
+// more on each receiver's. 1 is plan_minbytes (without its budget search). minlink's candidates.
+#pragma once
+
+#include "distca/plan/planner.h"
+
+namespace distca::plan {
+
+Result<Plan> plan_minbytes_shaped(const Batch& batch, const CostModel& cost, const PlannerOptions& options,
+                                  double intake_scale);
+
+}  // namespace distca::plan

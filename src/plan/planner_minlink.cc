@@ -1,0 +1,76 @@
+// minlink: the plan with the least busy link at the asked balance. An all-to-all lasts as long as
+// its busiest rank's transfer, and a step's four exchanges one after the other, so what a plan
+// costs on the wire is the sum over the phases (stateful backward) of each phase's busiest link
+// (busiest_links), not its total bytes.
+//
+// minbytes shapes its moves for the fewest bytes; which of its variants has the least busy links
+// depends on the batch: spreading a sender's excess over many receivers (its default) keeps each
+// receiver's intake small but makes the sender ship many small blocks, which cost more bytes per
+// pair than a few large ones. A plan balanced to eps' <= eps is balanced to eps too. So minlink
+// plans four variants (below) and keeps the balanced one (max load <= (1 + eps) mean, within the
+// byte budget) with the least busy step, then the least busy forward dispatch, then the fewest
+// bytes; where none balances, the most balanced one. It costs four minbytes runs.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+
+#include "minbytes.h"
+
+#include "distca/plan/planner.h"
+
+namespace distca::plan {
+namespace {
+
+struct Candidate {
+  std::string name;
+  Plan plan;
+  LinkSummary links;
+  int64_t total_bytes = 0;
+};
+
+}  // namespace
+
+Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
+  DISTCA_RETURN_IF_ERROR(options.validate());
+  const double eps = options.tolerance;
+  std::vector<Candidate> candidates;
+  // minbytes as it is (its intake spread over the most receivers) and with its intake raised to
+  // the largest room (each sender's excess in the fewest, largest blocks), at eps and eps / 2.
+  // Measured on the shipped batches and fresh ones (distca bench planner --fresh 2, eps 0.02 and
+  // 0.05): each of the four was the least busy on some batch; eps/4, eps/8, minmax and the
+  // paper's planner never were, and were dropped.
+  for (const double f : {1.0, 0.5}) {
+    if (f < 1 && eps == 0) break;
+    for (const double scale : {1.0, std::numeric_limits<double>::infinity()}) {
+      PlannerOptions o = options;
+      o.tolerance = eps * f;
+      DISTCA_ASSIGN_OR_RETURN(Plan p, plan_minbytes_shaped(batch, cost, o, scale));
+      const Traffic stateful = count_traffic(batch, cost.token_bytes(), p.tasks, BackwardMode::kStateful);
+      int64_t total = 0;
+      for (const PhaseTraffic& t : stateful.phases) total += t.total_bytes;
+      candidates.push_back(Candidate{fmt::format("minbytes at eps {:g}{}", eps * f, scale > 1 ? ", largest blocks" : ""),
+                                     std::move(p), busiest_links(stateful), total});
+    }
+  }
+
+  auto balanced = [&](const Candidate& c) {
+    return c.plan.load.max <= (1.0 + eps) * c.plan.load.mean * (1.0 + 1e-12) && c.plan.is_within_budget;
+  };
+  auto key = [&](const Candidate& c) {
+    return std::make_tuple(!balanced(c), balanced(c) ? 0.0 : c.plan.load.imbalance, c.links.step, c.links.fwd_dispatch,
+                           c.total_bytes);
+  };
+  const auto best = std::min_element(candidates.begin(), candidates.end(),
+                                     [&](const Candidate& a, const Candidate& b) { return key(a) < key(b); });
+  Plan plan = finalize_plan("minlink", eps, batch, cost, std::move(best->plan.tasks));
+  plan.is_within_budget = best->plan.is_within_budget;
+  plan.smallest_kept_budget = best->plan.smallest_kept_budget;
+  plan.note = fmt::format("{} of {} candidates: {}{}", plan.is_balanced ? "the least busy link" : "the most balanced",
+                          candidates.size(), best->name,
+                          best->plan.note.empty() || best->plan.note == "bound met" ? "" : " (" + best->plan.note + ")");
+  return plan;
+}
+
+}  // namespace distca::plan
