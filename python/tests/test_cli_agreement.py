@@ -26,7 +26,7 @@ REFERENCE = DATA / "reference"
 CLI = Path(os.environ.get("DISTCA_BIN") or REPO / "build" / "src" / "tools" / "distca")
 
 BATCH_NAMES = ["batch_prolong_r64", "batch_prolong_r512", "batch_wlbllm_r64", "batch_wlbllm_r512"]
-POLICIES = ["none", "distca", "minmax", "minbytes"]
+POLICIES = ["none", "distca", "minmax", "minbytes", "minlink"]
 CLI_ONLY_KEYS = {"workload", "seed"}  # the CLI adds these; Plan.report() leaves them out
 TIMING_KEYS = {"plan_ms"}  # a measurement, different on every run
 REL = 1e-12

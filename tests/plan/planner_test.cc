@@ -31,7 +31,7 @@ Plan make(PlanFn fn, const Batch& b, const CostModel& cost, PlannerOptions opt) 
 TEST(FindPlanner, KnowsEveryPolicyAndRejectsOthers) {
   for (const std::string& name : planner_names()) EXPECT_TRUE(find_planner(name).is_ok());
   EXPECT_EQ(find_planner("greedy").status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(planner_names().size(), 4u);
+  EXPECT_EQ(planner_names().size(), 5u);
 }
 
 TEST(PlannerOptions, RejectsBadValues) {

@@ -46,10 +46,12 @@ TEST(Cli, PolicyAllComparesEveryPolicy) {
   CmdResult r = distca("plan --ranks 8 --tokens-per-rank 16384 --policy all --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
-  ASSERT_EQ(j["policies"].size(), 4u);
+  ASSERT_EQ(j["policies"].size(), 5u);
   CmdResult table = distca("plan --ranks 8 --tokens-per-rank 16384 --policy all");
   ASSERT_EQ(table.exit_code, 0);
-  for (const char* name : {"none", "distca", "minmax", "minbytes"}) EXPECT_NE(table.out.find(name), std::string::npos);
+  for (const char* name : {"none", "distca", "minmax", "minbytes", "minlink"}) {
+    EXPECT_NE(table.out.find(name), std::string::npos);
+  }
 }
 
 TEST(Cli, BatchFileAndPlanOutputRoundTrip) {
