@@ -69,12 +69,11 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
   };
   const auto best = std::min_element(candidates.begin(), candidates.end(),
                                      [&](const Candidate& a, const Candidate& b) { return key(a) < key(b); });
-  Plan plan = finalize_plan("minlink", eps, batch, cost, std::move(best->plan.tasks));
-  plan.is_within_budget = best->plan.is_within_budget;
-  plan.smallest_kept_budget = best->plan.smallest_kept_budget;
-  plan.note = fmt::format("{} of {} candidates: {}{}", plan.is_balanced ? "the least busy link" : "the most balanced",
+  Plan plan = std::move(best->plan);  // finalized by minbytes at this eps: only the name changes
+  plan.policy = "minlink";
+  plan.note = fmt::format("{} of {} candidates: {}{}", plan.is_balanced ? "the least busy link" : "the more balanced",
                           candidates.size(), best->name,
-                          best->plan.note.empty() || best->plan.note == "bound met" ? "" : " (" + best->plan.note + ")");
+                          plan.note.empty() || plan.note == "bound met" ? "" : " (" + plan.note + ")");
   return plan;
 }
 
