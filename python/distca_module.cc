@@ -154,7 +154,7 @@ PyPlan make_plan(std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& req
   check(request.validate());
   sim::Profile profile = profile_path.empty() ? sim::default_h200_profile() : take(sim::load_profile(profile_path));
   sim::PlanRun run = take(sim::prepare_plan_run(request, *batch, profile));
-  run.runs.push_back(sim::plan_policy(run, *batch, take(plan::find_planner(request.policy))));
+  run.runs.push_back(sim::plan_policy(run, *batch, take(plan::find_planner(request.policy)), profile));
   PyPlan p{std::move(batch), std::move(profile), std::move(run)};
   p.native_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return p;

@@ -285,6 +285,7 @@ class Plan:
 
     @property
     def tolerance(self) -> float:
+        """The eps the plan was made at (with tolerance="auto": the one picked)."""
         return self._native.tolerance
 
     @property
@@ -442,7 +443,7 @@ def _throughput(throughput: Union[str, Mapping[str, Any]]) -> dict:
 _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "dtype_bytes", "tp")
 
 
-def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, granularity: Optional[int] = None,
+def plan(batch: BatchLike, policy: str = "minbytes", tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
          model: Union[str, Mapping[str, Any]] = "llama-8b", max_rank_bytes: Union[int, str, None] = None,
          tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None,
          throughput: Union[str, Mapping[str, Any], None] = None) -> Plan:
@@ -452,7 +453,9 @@ def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, gr
       document), a batch file's path, or a Batch (distca.pack, distca.batch_from_pieces for
       documents that span ranks).
     policy: none, distca (the paper's planner), minmax, minbytes (the default) or minlink (the least busy links).
-    tolerance: eps in [0, 1]; granularity: a power of two 16..4096 (default 128; minmax and
+    tolerance: eps in [0, 1], or "auto" (the default): of eps = 0.2, 0.1, ..., 0.2/128, the one whose
+      plan predicts the fastest step on `profile` (Plan.tolerance says which; Plan.report()'s
+      "tolerance_auto" lists what was tried); granularity: a power of two 16..4096 (default 128; minmax and
       minbytes only); max_rank_bytes: bytes per rank per layer, or "auto" (default none).
     model: a preset name (llama-8b, llama-34b), or a dict with any of layers, hidden, heads,
       kv_heads, head_dim, ffn_hidden, dtype_bytes, tp over the preset "preset" (default: custom,
@@ -465,7 +468,12 @@ def plan(batch: BatchLike, policy: str = "minbytes", tolerance: float = 0.05, gr
     """
     request = _distca.PlanRequest()
     request.policy = _string(policy, "policy")
-    request.tolerance = _number(tolerance, "tolerance")
+    if isinstance(tolerance, str):
+        if tolerance != "auto":
+            raise TypeError(f"tolerance must be a number in [0, 1] or 'auto', got {_excerpt(tolerance)}")
+        request.tolerance = None
+    else:
+        request.tolerance = _number(tolerance, "tolerance")
     request.granularity = None if granularity is None else _integer(granularity, "granularity")
     if max_rank_bytes is None or isinstance(max_rank_bytes, str):
         request.max_rank_bytes = max_rank_bytes

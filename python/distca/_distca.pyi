@@ -21,7 +21,7 @@ def batch_from_pieces(doc_lengths: list[int], pieces: npt.NDArray[np.int64], tok
 
 class PlanRequest:
     policy: str
-    tolerance: float
+    tolerance: Optional[float]
     granularity: Optional[int]
     max_rank_bytes: Optional[str]
     model: str

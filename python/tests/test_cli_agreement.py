@@ -70,20 +70,21 @@ def cli_error(subcommand: str, *args: Any) -> str:
 
 
 def assert_same(cli: Any, py: Any, path: str = "$", skip: frozenset = frozenset()) -> None:
-    """Every key of `cli` (but those in `skip`, at the top level) is in `py` with the same value:
-    ints, strings, bools and None exactly (and of the same JSON type), floats to REL relative."""
+    """Every key of `cli` (but those in `skip`: at the top level, and timings at any depth) is in `py`
+    with the same value: ints, strings, bools and None exactly (and of the same JSON type), floats to
+    REL relative."""
     if isinstance(cli, dict):
         assert isinstance(py, dict), f"{path}: CLI has an object, Python {py!r}"
         for key, value in cli.items():
             if key in skip:
                 continue
             assert key in py, f"{path}.{key}: printed by the CLI, missing from Python"
-            assert_same(value, py[key], f"{path}.{key}")
+            assert_same(value, py[key], f"{path}.{key}", skip & TIMING_KEYS)
     elif isinstance(cli, list):
         assert isinstance(py, list), f"{path}: CLI has a list, Python {py!r}"
         assert len(cli) == len(py), f"{path}: CLI has {len(cli)} items, Python {len(py)}"
         for i, (a, b) in enumerate(zip(cli, py)):
-            assert_same(a, b, f"{path}[{i}]")
+            assert_same(a, b, f"{path}[{i}]", skip & TIMING_KEYS)
     elif isinstance(cli, float):
         assert type(py) is float, f"{path}: CLI {cli!r} (float), Python {py!r} ({type(py).__name__})"
         assert cli == py or math.isclose(cli, py, rel_tol=REL, abs_tol=0.0), f"{path}: CLI {cli!r}, Python {py!r}"
@@ -226,6 +227,7 @@ def test_plan_with_options_agrees_with_cli(tmp_path):
 
 OPTION_ERRORS = [
     (["--tolerance", "3"], dict(tolerance=3)),
+    (["--tolerance", "2", "--policy", "minlink"], dict(tolerance=2, policy="minlink")),
     (["--tolerance", "-0.1"], dict(tolerance=-0.1)),
     (["--granularity", "100"], dict(granularity=100)),
     (["--policy", "nope"], dict(policy="nope")),
@@ -413,3 +415,22 @@ def test_simulate_with_profile_agrees_with_cli(tmp_path, cli_simulation):
         assert_same(cli, report)
     # The profile was used: the slower link changes the prices.
     assert cli["systems"] != cli_simulation["systems"]
+
+
+def test_tolerance_is_auto_by_default_and_says_what_it_picked(small_batch):
+    """The default eps is auto: of the ladder 0.2, 0.1, ..., 0.2/128, the plan with the fastest
+    predicted step of those its search made; the same plan as asking for that eps outright."""
+    plan = distca.plan(small_batch)
+    report = plan.report()
+    auto = report["tolerance_auto"]
+    assert plan.tolerance == auto["tolerance"] == report["tolerance"]
+    assert plan.tolerance in [0.2 / 2**k for k in range(8)]
+    tried = auto["tried"]
+    assert len(tried) >= 3 and tried[0]["tolerance"] == 0.05
+    step = {t["tolerance"]: t["predicted_step_seconds_per_layer"] for t in tried}
+    assert step[plan.tolerance] == min(step.values())
+    assert distca.plan(small_batch, tolerance="auto").hash == plan.hash
+    fixed = distca.plan(small_batch, tolerance=plan.tolerance)
+    assert fixed.hash == plan.hash and fixed.report()["tolerance_auto"] is None
+    with pytest.raises(TypeError, match=r"tolerance must be a number in \[0, 1\] or 'auto', got 'fast'"):
+        distca.plan(small_batch, tolerance="fast")

@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 
 #include "distca/core/check.h"
 #include "distca/plan/plan_io.h"
 #include "distca/plan/verify.h"
+#include "distca/sim/auto_tolerance.h"
 
 namespace distca::sim {
 
@@ -34,6 +36,16 @@ Result<int64_t> parse_byte_budget(const std::string& text) {
   return bytes;
 }
 
+Result<std::optional<double>> parse_tolerance(const std::string& text) {
+  if (text == "auto") return std::optional<double>();
+  double eps = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), eps);
+  if (error != std::errc() || end != text.data() + text.size() || !std::isfinite(eps)) {
+    return invalid_argument(fmt::format("--tolerance must be a number in [0, 1] or auto, got '{}'", text));
+  }
+  return std::optional<double>(eps);
+}
+
 namespace {
 
 constexpr const char* kShapeFlags[] = {"--layers", "--hidden", "--heads", "--kv-heads", "--head-dim", "--ffn-hidden"};
@@ -51,15 +63,6 @@ LinkChoice choose_link(const Profile& profile, const Batch& batch, const ModelSh
   c.link = c.nodes > 1 ? profile.inter_node : profile.intra_node;
   c.name = c.nodes > 1 ? "inter-node" : "intra-node";
   return c;
-}
-
-// Forward seconds of one linear layer per token on one GPU: the FLOPs of the QKV and output
-// projections and the gated MLP, 2 per multiply-add, split over tp, at the profile's linear rate.
-// The same figure simulate.cc prices the linear layers with.
-double linear_seconds_per_token(const ModelShape& m, const Profile& profile) {
-  const double h = m.hidden, hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const double flops = 2.0 * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * m.ffn_hidden) / m.tp;
-  return flops / profile.linear_flops_per_second;
 }
 
 // The ranks meet at every exchange, so a layer's compute lasts the fullest rank's linear layers
@@ -118,11 +121,11 @@ Status PlanRequest::validate() const {
   if (policy != "all") {
     if (auto found = find_planner(policy); !found.is_ok()) return found.status();
   }
-  if (!(tolerance >= 0 && tolerance <= 1)) {
+  if (tolerance && !(*tolerance >= 0 && *tolerance <= 1)) {
     return invalid_argument(fmt::format(
         "--tolerance must be in [0, 1] (max load <= (1 + eps) x mean; above 1 a server may carry over twice the "
-        "mean), got {}",
-        tolerance));
+        "mean) or auto, got {}",
+        *tolerance));
   }
   const int64_t g = granularity_or_default();
   if (g < kMinGranularity || g > kMaxGranularity || (g & (g - 1)) != 0) {
@@ -213,20 +216,30 @@ Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch,
   return run;
 }
 
-PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner) {
-  const PlannerOptions options{run.tolerance, run.granularity, run.budget};
-  const auto start = std::chrono::steady_clock::now();
-  Result<Plan> plan = planner(batch, run.cost, options);
-  const auto stop = std::chrono::steady_clock::now();
-  DISTCA_CHECK(plan.is_ok()) << plan.status().to_string();  // inputs were validated
+PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, const Profile& profile) {
+  // none moves nothing whatever eps is: auto has nothing to pick there.
+  const bool is_auto = !run.tolerance && planner != plan_none;
+  const PlannerOptions options{run.tolerance.value_or(kAutoToleranceStart), run.granularity, run.budget};
   PolicyRun p;
-  p.plan = std::move(plan).value();
+  const auto start = std::chrono::steady_clock::now();
+  if (is_auto) {
+    Result<AutoPlan> chosen = plan_auto_tolerance(batch, run.cost, options, planner, profile, run.link.link,
+                                                  /*stateless=*/planner == plan_distca);
+    DISTCA_CHECK(chosen.is_ok()) << chosen.status().to_string();  // inputs were validated
+    p.plan = std::move(chosen.value().plan);
+    p.auto_tolerance = std::move(chosen.value().auto_tolerance);
+  } else {
+    Result<Plan> plan = planner(batch, run.cost, options);
+    DISTCA_CHECK(plan.is_ok()) << plan.status().to_string();
+    p.plan = std::move(plan).value();
+  }
+  const auto stop = std::chrono::steady_clock::now();
   p.plan_ms = std::chrono::duration<double, std::milli>(stop - start).count();
   return p;
 }
 
 void complete_plan_run(PlanRun& run, const Batch& batch, const Profile& profile) {
-  run.before = plan_policy(run, batch, plan_none);
+  run.before = plan_policy(run, batch, plan_none, profile);
   std::vector<PolicyRun*> all = {&run.before};
   for (PolicyRun& p : run.runs) all.push_back(&p);
   for (PolicyRun* p : all) {
@@ -242,7 +255,7 @@ Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch,
   const std::vector<std::string> policies =
       request.policy == "all" ? planner_names() : std::vector<std::string>{request.policy};
   for (const std::string& name : policies) {
-    run.runs.push_back(plan_policy(run, batch, find_planner(name).value()));
+    run.runs.push_back(plan_policy(run, batch, find_planner(name).value(), profile));
   }
   complete_plan_run(run, batch, profile);
   return run;
@@ -255,6 +268,7 @@ nlohmann::json plan_run_json(const PlanRun& run, const Batch& batch) {
               {"linear_seconds_per_layer", p.time.linear},
               {"attention_seconds_per_layer", p.time.attention},
               {"comm_hidden", p.time.is_hidden()}});
+    r["tolerance_auto"] = p.auto_tolerance ? p.auto_tolerance->to_json() : nlohmann::json(nullptr);
     return r;
   };
   nlohmann::json out;

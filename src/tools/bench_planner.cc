@@ -13,6 +13,8 @@
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
 #include "distca/plan/workload.h"
+#include "distca/sim/auto_tolerance.h"
+#include "distca/sim/plan_request.h"
 
 namespace distca::tools {
 
@@ -20,9 +22,8 @@ using nlohmann::json;
 using namespace distca::plan;
 
 Status validate(const PlannerBenchOptions& o) {
-  if (!(o.tolerance >= 0 && o.tolerance <= 1)) {
-    return invalid_argument(fmt::format("--tolerance must be in [0, 1], got {}", o.tolerance));
-  }
+  DISTCA_ASSIGN_OR_RETURN(const std::optional<double> eps, sim::parse_tolerance(o.tolerance));
+  if (eps && !(*eps >= 0 && *eps <= 1)) return invalid_argument(fmt::format("--tolerance must be in [0, 1] or auto, got {}", *eps));
   if (o.repeats < 1 || o.repeats > 1000) return invalid_argument(fmt::format("--repeats must be 1..1000, got {}", o.repeats));
   if (o.fresh_seeds < 0 || o.fresh_seeds > 100) {
     return invalid_argument(fmt::format("--fresh must be 0..100, got {}", o.fresh_seeds));
@@ -66,6 +67,7 @@ json plan_json(const Batch& batch, const CostModel& cost, const Plan& plan, doub
   double all_bytes = 0;
   for (const auto& ph : all.phases) all_bytes += static_cast<double>(ph.total_bytes);
   json j{{"policy", plan.policy},
+         {"tolerance", plan.tolerance},
          {"all_phases_bytes_stateful", all_bytes},
          {"verified", verify_tasks(batch, plan.tasks).is_ok()},
          {"imbalance", plan.load.pairs_imbalance},
@@ -122,13 +124,16 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
   }
   // The reference ran Llama-8B in bf16 at TP 1; our byte counts must be its.
   const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  const sim::Profile profile = sim::default_h200_profile();
   const json& model = reference.at("model");
   const int64_t q_row = model.at("hidden").get<int64_t>() * model.at("dtype_bytes").get<int64_t>();
   if (cost.token_bytes().q != q_row) {
     return invalid_argument(fmt::format("{}: the reference's model moves {} bytes per Q row, llama-8b {}", results_path,
                                         q_row, cost.token_bytes().q));
   }
-  json report{{"tolerance", o.tolerance}, {"reference_dir", dir}, {"repeats", o.repeats}, {"batches", json::array()}};
+  DISTCA_RETURN_IF_ERROR(validate(o));
+  const std::optional<double> eps = sim::parse_tolerance(o.tolerance).value();  // unset: auto
+  json report{{"tolerance", eps ? json(*eps) : json("auto")}, {"reference_dir", dir}, {"repeats", o.repeats}, {"batches", json::array()}};
   // Every batch the reference ran, once; its figures where it ran at this eps (0.02 and 0.1).
   std::vector<std::string> names;
   for (const json& r : reference.at("results")) {
@@ -143,7 +148,7 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
   for (const std::string& name : names) {
     json ref = nullptr;
     for (const json& r : reference.at("results")) {
-      if (r.at("batch") == name && std::abs(r.at("tolerance").get<double>() - o.tolerance) <= 1e-12) ref = r;
+      if (r.at("batch") == name && eps && std::abs(r.at("tolerance").get<double>() - *eps) <= 1e-12) ref = r;
     }
     const std::string path = dir + "/" + name;
     DISTCA_ASSIGN_OR_RETURN(std::string batch_text, read_text_file(path));
@@ -176,16 +181,28 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
     const Batch& batch = c.batch;
     const json& ref = c.ref;
     json entry{{"batch", name}, {"ranks", batch.num_ranks}, {"reference", ref}, {"plans", json::array()}};
-    const PlannerOptions options{o.tolerance, 128, 0};
+    const PlannerOptions options{eps.value_or(sim::kAutoToleranceStart), 128, 0};
+    // auto prices each plan's step on the built-in H200 profile, 8 GPUs to a node (distca plan's
+    // defaults): inter-node beyond 8 ranks.
+    const sim::Link link = batch.num_ranks > 8 ? profile.inter_node : profile.intra_node;
     // Interleaved repeats, so every policy's time is taken under the same machine load.
     std::vector<PlanFn> fns;
     for (const std::string& p : o.policies) fns.push_back(find_planner(p).value());
     std::vector<std::vector<double>> ms(fns.size());
     std::vector<Plan> plans(fns.size());
+    std::vector<json> autos(fns.size());
     for (int rep = 0; rep < o.repeats; ++rep) {
       for (size_t i = 0; i < fns.size(); ++i) {
         const auto start = std::chrono::steady_clock::now();
-        DISTCA_ASSIGN_OR_RETURN(Plan plan, fns[i](batch, cost, options));
+        Plan plan;
+        if (eps) {
+          DISTCA_ASSIGN_OR_RETURN(plan, fns[i](batch, cost, options));
+        } else {
+          DISTCA_ASSIGN_OR_RETURN(sim::AutoPlan chosen, sim::plan_auto_tolerance(batch, cost, options, fns[i], profile, link,
+                                                                                /*stateless=*/fns[i] == plan_distca));
+          plan = std::move(chosen.plan);
+          if (rep == 0) autos[i] = chosen.auto_tolerance.to_json();
+        }
         ms[i].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
         if (rep == 0) plans[i] = std::move(plan);
       }
@@ -193,6 +210,7 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
     for (size_t i = 0; i < fns.size(); ++i) {
       std::sort(ms[i].begin(), ms[i].end());
       entry["plans"].push_back(plan_json(batch, cost, plans[i], ms[i][ms[i].size() / 2], ref));
+      entry["plans"].back()["tolerance_auto"] = autos[i];
     }
     report["batches"].push_back(entry);
   }
@@ -219,6 +237,11 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
         worst("worst_dispatch_bytes_over_bound", p["dispatch_bytes"].get<double>() / p["bound"]["dispatch_bytes"].get<double>());
       }
       worst("worst_imbalance", p["seconds_imbalance"].get<double>());
+      // Whether max load <= (1 + eps) mean held at the eps the plan was made at (auto: the one picked).
+      const bool within = p["seconds_imbalance"].get<double>() <= (1 + p["tolerance"].get<double>()) * (1 + 1e-9);
+      s["imbalance_within_eps_in"] = s.value("imbalance_within_eps_in", 0) + (within ? 1 : 0);
+      worst("largest_tolerance", p["tolerance"].get<double>());
+      s["smallest_tolerance"] = std::min(s.value("smallest_tolerance", 1.0), p["tolerance"].get<double>());
       if (b["ranks"].get<int>() >= 512) worst("slowest_plan_ms_512", p["plan_ms"].get<double>());
       s["least_busy_step_in"] = s.value("least_busy_step_in", 0) + (p["links"]["step"].get<double>() <= least ? 1 : 0);
       s["batches"] = s.value("batches", 0) + 1;
@@ -230,28 +253,35 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
 
 void print_planner_report(const json& report) {
   constexpr double kGB = 1e9;
+  const std::string eps =
+      report["tolerance"].is_string() ? "auto (each plan's own: eps column)" : fmt::format("{}", report["tolerance"].get<double>());
   fmt::print("Forward dispatch (Q + K/V) of one layer, Llama-8B bf16 TP 1, eps {}; 1 GB = 1e9 bytes; (x ref) = ours / "
-             "the reference planner's\n", report["tolerance"].get<double>());
+             "the reference planner's\n", eps);
+  if (report["tolerance"].is_string()) {
+    fmt::print("auto: each plan's step predicted on the built-in H200 profile (8 GPUs a node); plan ms: the whole "
+               "search, every plan it made\n");
+  }
   fmt::print("plan ms: median of {} runs, the policies interleaved in this run; all phases: GB of the forward and the "
              "stateful backward, both directions\n\n", report["repeats"].get<int>());
   for (const json& b : report["batches"]) {
     const json& ref = b["reference"];
     fmt::print("{} ({} ranks)\n", b["batch"].get<std::string>(), b["ranks"].get<int>());
-    fmt::print("  {:<22} {:>9} {:>16} {:>16} {:>16} {:>8} {:>8} {:>8} {:>12}\n", "", "imbalance", "Q+K/V GB (x ref)",
-               "max send GB", "max recv GB", "tasks", "split", "plan ms", "all phases");
+    fmt::print("  {:<22} {:>9} {:>8} {:>16} {:>16} {:>16} {:>8} {:>8} {:>8} {:>12}\n", "", "imbalance", "eps",
+               "Q+K/V GB (x ref)", "max send GB", "max recv GB", "tasks", "split", "plan ms", "all phases");
     if (ref.is_null()) {
-      fmt::print("  {:<22} (no figures at this eps: the reference ran at 0.02 and 0.1)\n", "reference planner");
+      fmt::print("  {:<22} (no figures at this eps: the reference ran at 0.02 and 0.1 only)\n", "reference planner");
     } else {
-      fmt::print("  {:<22} {:>9.4f} {:>16.2f} {:>16.3f} {:>16.3f} {:>8} {:>8} {:>8} {:>12}\n", "reference planner",
-                 ref["imbalance_after"].get<double>(),
+      fmt::print("  {:<22} {:>9.4f} {:>8g} {:>16.2f} {:>16.3f} {:>16.3f} {:>8} {:>8} {:>8} {:>12}\n", "reference planner",
+                 ref["imbalance_after"].get<double>(), ref["tolerance"].get<double>(),
                  (ref["q_bytes"].get<double>() + ref["kv_bytes"].get<double>()) / kGB,
                  ref["max_send_bytes"].get<double>() / kGB, ref["max_recv_bytes"].get<double>() / kGB,
                  ref["chunks"].get<int64_t>(), "-", "-", "-");
     }
     auto x = [](const json& v) { return v.is_null() ? std::string("  -  ") : fmt::format("{:.2f}x", v.get<double>()); };
     for (const json& p : b["plans"]) {
-      fmt::print("  {:<22} {:>9.4f} {:>8.2f} ({}) {:>8.3f} ({}) {:>8.3f} ({}) {:>8} {:>8} {:>8.2f} {:>12.1f}{}\n",
-                 p["policy"].get<std::string>(), p["imbalance"].get<double>(), p["dispatch_bytes"].get<double>() / kGB,
+      fmt::print("  {:<22} {:>9.4f} {:>8g} {:>8.2f} ({}) {:>8.3f} ({}) {:>8.3f} ({}) {:>8} {:>8} {:>8.2f} {:>12.1f}{}\n",
+                 p["policy"].get<std::string>(), p["imbalance"].get<double>(), p["tolerance"].get<double>(),
+                 p["dispatch_bytes"].get<double>() / kGB,
                  x(p["dispatch_over_reference"]), p["max_send_bytes"].get<double>() / kGB,
                  x(p["max_send_over_reference"]), p["max_recv_bytes"].get<double>() / kGB,
                  x(p["max_recv_over_reference"]), p["tasks"].get<int64_t>(), p["split_tasks"].get<int64_t>(),
@@ -266,8 +296,8 @@ void print_planner_report(const json& report) {
         continue;
       }
       if (p["policy"] != "minbytes") continue;
-      fmt::print("  {:<22} {:>9} {:>16.2f} {:>16.3f} {:>16.3f}   (plans as balanced as minbytes', rows not relayed)\n",
-                 "lower bound", "", bound["dispatch_bytes"].get<double>() / kGB, bound["max_send_bytes"].get<double>() / kGB,
+      fmt::print("  {:<22} {:>9} {:>8} {:>16.2f} {:>16.3f} {:>16.3f}   (plans as balanced as minbytes', rows not relayed)\n",
+                 "lower bound", "", "", bound["dispatch_bytes"].get<double>() / kGB, bound["max_send_bytes"].get<double>() / kGB,
                  bound["max_recv_bytes"].get<double>() / kGB);
     }
     // The busiest link per phase of a stateful step, beside its lower bound.
@@ -294,16 +324,20 @@ void print_planner_report(const json& report) {
   }
   fmt::print("Over all {} batches (the worst of each; least busy: batches where its step's links are the least busy "
              "of the policies run)\n", report["batches"].size());
-  fmt::print("  {:<12} {:>16} {:>20} {:>18} {:>10} {:>16} {:>12}\n", "policy", "step link/bound", "fwd dispatch/bound",
-             "Q+K/V bytes/bound", "imbalance", "plan ms at 512", "least busy");
+  fmt::print("  {:<12} {:>16} {:>20} {:>18} {:>10} {:>15} {:>10} {:>16} {:>12}\n", "policy", "step link/bound",
+             "fwd dispatch/bound", "Q+K/V bytes/bound", "imbalance", "eps", "<= 1+eps", "plan ms at 512", "least busy");
   fmt::print("  (imbalance here: max / mean of estimated seconds, what the planners balance; above: of pairs)\n");
   for (const auto& [name, s] : report["summary"].items()) {
     auto v = [&](const char* key, const char* f) {
       return s.contains(key) ? fmt::format(fmt::runtime(f), s[key].get<double>()) : std::string("-");
     };
-    fmt::print("  {:<12} {:>16} {:>20} {:>18} {:>10} {:>16} {:>12}\n", name, v("worst_step_link_over_bound", "{:.3f}"),
-               v("worst_fwd_dispatch_link_over_bound", "{:.3f}"), v("worst_dispatch_bytes_over_bound", "{:.3f}"),
-               v("worst_imbalance", "{:.4f}"), v("slowest_plan_ms_512", "{:.2f}"),
+    const double lo = s["smallest_tolerance"].get<double>(), hi = s["largest_tolerance"].get<double>();
+    const std::string eps = lo == hi ? fmt::format("{:g}", lo) : fmt::format("{:g}..{:g}", lo, hi);
+    fmt::print("  {:<12} {:>16} {:>20} {:>18} {:>10} {:>15} {:>10} {:>16} {:>12}\n", name,
+               v("worst_step_link_over_bound", "{:.3f}"), v("worst_fwd_dispatch_link_over_bound", "{:.3f}"),
+               v("worst_dispatch_bytes_over_bound", "{:.3f}"), v("worst_imbalance", "{:.4f}"), eps,
+               fmt::format("{}/{}", s["imbalance_within_eps_in"].get<int>(), s["batches"].get<int>()),
+               v("slowest_plan_ms_512", "{:.2f}"),
                fmt::format("{}/{}", s["least_busy_step_in"].get<int>(), s["batches"].get<int>()));
   }
 }

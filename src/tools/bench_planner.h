@@ -14,7 +14,7 @@ namespace distca::tools {
 
 struct PlannerBenchOptions {
   std::string reference_dir;  // empty: $DISTCA_SHARED_DATA/reference, else ../shared/data/reference
-  double tolerance = 0.02;    // eps; the reference figures are at 0.02 and 0.1 (shown where they match)
+  std::string tolerance = "0.02";  // eps, or auto; the reference figures are at 0.02 and 0.1 (shown where they match)
   std::vector<std::string> policies = {"distca", "minmax", "minbytes"};
   int repeats = 20;           // planning time: the median of this many runs
   int fresh_seeds = 0;        // fresh batches: seeds 1..N of each shipped sample at 64 and 512 ranks

@@ -356,7 +356,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
                    "the folder of reference_planner.json and its batches (default: $DISTCA_SHARED_DATA/reference, "
                    "else ../shared/data/reference)");
   pcmd->add_option("--tolerance", po.tolerance,
-                   "eps in [0, 1]; the reference's own figures are shown at 0.02 and 0.1, where it was run")
+                   "eps in [0, 1], or auto (each plan at the eps whose predicted step is fastest on the built-in H200 "
+                   "profile); the reference's own figures are shown at 0.02 and 0.1, where it was run")
       ->capture_default_str();
   pcmd->add_option("--fresh", po.fresh_seeds,
                    "also this many fresh batches per sample and size: seeds 1..N of dist_wlbllm.json and "

@@ -32,6 +32,7 @@ struct PlanArgs {
   std::string doc_lengths_path;
   std::string batch_path;
   sim::PlanRequest request;  // policy, tolerance, granularity, budget, model, gpus per node
+  std::string tolerance = "auto";  // --tolerance as given: auto or a number
   int64_t seed = 0;
   SamplingOptions sampling;
   std::string profile_path;
@@ -140,7 +141,12 @@ int fail(const Status& status, int exit_code = 2) {
   return exit_code;
 }
 
-int run_plan(const PlanArgs& a) {
+int run_plan(PlanArgs& a) {
+  if (auto eps = sim::parse_tolerance(a.tolerance); eps.is_ok()) {
+    a.request.tolerance = eps.value();
+  } else {
+    return fail(eps.status());
+  }
   if (Status s = check_args(a); !s.is_ok()) return fail(s);
   sim::Profile profile = sim::default_h200_profile();
   if (!a.profile_path.empty()) {
@@ -209,7 +215,7 @@ int run_plan(const PlanArgs& a) {
                                               batch.tokens_per_rank, fewest, most);
   const ModelShape& m = run.cost.model();
   fmt::print("distca plan: {}, {} ({} documents), {} (tp {}), eps {}{}\n\n", sizes, workload_name, batch.num_docs(),
-             m.name, m.tp, a.request.tolerance,
+             m.name, m.tp, a.request.tolerance ? fmt::format("{}", *a.request.tolerance) : "auto",
              policy == "none" ? "" : policy == "distca" ? ", distca cuts at token granularity"
                                                        : fmt::format(", g {} (minmax, minbytes; distca cuts at token granularity)", run.granularity));
 
@@ -257,6 +263,14 @@ int run_plan(const PlanArgs& a) {
   for (const sim::PolicyRun& r : run.runs) {
     fmt::print("{}: {} (max {:.4f} s vs mean {:.4f} s per step; hash {:016x})\n", r.plan.policy, r.plan.note,
                r.plan.load.max, r.plan.load.mean, r.plan.hash);
+    if (!r.auto_tolerance) continue;
+    std::vector<std::string> tried;
+    for (const sim::ToleranceTry& t : r.auto_tolerance->tried) {
+      tried.push_back(fmt::format("{:g}: {:.3f}{}", t.tolerance, 1e3 * t.step.seconds, t.is_balanced ? "" : " (not balanced)"));
+    }
+    fmt::print("  eps auto: {:g}, the fastest predicted step of those planned (ms per layer, forward + backward, on "
+               "the profile's {} link; {} plans in {:.1f} ms): {}\n",
+               r.auto_tolerance->tolerance, link.name, tried.size(), r.plan_ms, fmt::join(tried, ", "));
   }
   if (!a.out_path.empty() && exit_code == 0) fmt::print("wrote {}\n", a.out_path);
   return exit_code;
@@ -289,7 +303,10 @@ std::function<int()> add_plan_command(CLI::App& app) {
   cmd->add_option("--dtype-bytes", args->request.dtype_bytes, "override: bytes per activation element: 1, 2 (bf16) or 4");
   cmd->add_option("--tp", args->request.tp, "override: tensor-parallel degree, dividing Hq");
   cmd->add_option("--policy", args->request.policy, "none, distca, minmax, minbytes, minlink or all")->capture_default_str();
-  cmd->add_option("--tolerance", args->request.tolerance, "eps in [0, 1]: target max load <= (1 + eps) x mean")
+  cmd->add_option("--tolerance", args->tolerance,
+                  "eps in [0, 1]: target max load <= (1 + eps) x mean; auto: of eps = 0.2, 0.1, ..., 0.2/128, the one "
+                  "whose plan predicts the fastest step on the profile (attention balance against the communication "
+                  "the linear layers cannot hide)")
       ->capture_default_str();
   cmd->add_option("--granularity", args->request.granularity,
                   "g: shard size in tokens, a power of two from 16 to 4096 (cuts on kernel tile boundaries)")

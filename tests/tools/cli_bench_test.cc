@@ -374,8 +374,35 @@ TEST(Cli, BenchPlannerReportsTheBusiestLinksBesideTheirBounds) {
   EXPECT_EQ(j["summary"]["minlink"]["batches"], 8);
 }
 
+// At --tolerance auto every plan is at the eps its search picked (of those it tried), balanced to
+// it, and its planning time is the whole search's.
+TEST(Cli, BenchPlannerAtAutoReportsEachPlansEps) {
+  CmdResult r = distca("bench planner --repeats 1 --tolerance auto --policies minbytes,minlink --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["tolerance"], "auto");
+  ASSERT_EQ(j["batches"].size(), 4u);
+  for (const auto& b : j["batches"]) {
+    EXPECT_TRUE(b["reference"].is_null());
+    for (const auto& p : b["plans"]) {
+      const auto& a = p["tolerance_auto"];
+      ASSERT_TRUE(a.is_object()) << p["policy"];
+      EXPECT_EQ(p["tolerance"], a["tolerance"]);
+      EXPECT_LE(p["seconds_imbalance"].get<double>(), (1 + p["tolerance"].get<double>()) * (1 + 1e-9));
+      double planning = 0;
+      for (const auto& t : a["tried"]) planning += t["plan_ms"].get<double>();
+      EXPECT_GE(p["plan_ms"].get<double>(), planning);
+    }
+  }
+  for (const char* policy : {"minbytes", "minlink"}) EXPECT_EQ(j["summary"][policy]["imbalance_within_eps_in"], 4);
+  CmdResult text = distca("bench planner --repeats 1 --tolerance auto --policies minbytes");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("eps auto"), std::string::npos) << text.out;
+}
+
 TEST(Cli, BenchPlannerBadInputGetsOneLineErrorExitTwo) {
   const BadInput cases[] = {
+      {"tolerance a word", "--tolerance balanced", "--tolerance must be a number in [0, 1] or auto"},
       {"too many fresh batches", "--fresh 101", "--fresh"},
       {"negative fresh batches", "--fresh -1", "--fresh"},
       {"tolerance out of range", "--tolerance 2", "--tolerance"},

@@ -42,6 +42,37 @@ TEST(Cli, PlanJsonHasTheDocumentedFields) {
   }
 }
 
+// The default eps is auto: the report names the eps each plan was made at and what auto tried,
+// and --tolerance 0.05 plans at 0.05 with no search.
+TEST(Cli, PlanToleranceIsAutoByDefaultAndReportsWhatItPicked) {
+  CmdResult r = distca("plan --ranks 32 --workload prolong --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  const auto& a = j["tolerance_auto"];
+  ASSERT_TRUE(a.is_object()) << r.out.substr(0, 400);
+  EXPECT_EQ(j["tolerance"], a["tolerance"]);
+  ASSERT_GE(a["tried"].size(), 3u);
+  double fastest = 1e300;
+  for (const auto& t : a["tried"]) fastest = std::min(fastest, t["predicted_step_seconds_per_layer"].get<double>());
+  bool found = false;
+  for (const auto& t : a["tried"]) {
+    if (t["tolerance"] == a["tolerance"]) {
+      found = true;
+      EXPECT_EQ(t["predicted_step_seconds_per_layer"].get<double>(), fastest);
+    }
+  }
+  EXPECT_TRUE(found);
+  EXPECT_LE(j["load_after"]["imbalance"].get<double>(), 1 + a["tolerance"].get<double>() + 1e-9);
+  CmdResult table = distca("plan --ranks 32 --workload prolong");
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("eps auto"), std::string::npos) << table.out;
+  CmdResult fixed = distca("plan --ranks 32 --workload prolong --tolerance 0.05 --json");
+  ASSERT_EQ(fixed.exit_code, 0) << fixed.err;
+  auto f = nlohmann::json::parse(fixed.out);
+  EXPECT_TRUE(f["tolerance_auto"].is_null());
+  EXPECT_EQ(f["tolerance"], 0.05);
+}
+
 TEST(Cli, PolicyAllComparesEveryPolicy) {
   CmdResult r = distca("plan --ranks 8 --tokens-per-rank 16384 --policy all --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -98,6 +129,7 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"unknown flag", "--frobnicate 3", "frobnicate"},
       {"out with all", "--policy all", "--out"},
       {"tolerance above one", "--tolerance 2", "--tolerance must be in [0, 1]"},
+      {"tolerance a word", "--tolerance fast", "--tolerance must be a number in [0, 1] or auto, got 'fast'"},
       {"negative seed", "--seed -1", "--seed must be >= 0"},
       {"zero gpus per node", "--gpus-per-node 0", "--gpus-per-node"},
       {"odd dtype bytes", "--dtype-bytes 3", "--dtype-bytes"},
@@ -215,7 +247,8 @@ TEST(Cli, PlanBatchFileErrorsNameTheRank) {
 
 
 TEST(Cli, PlanPricesOneLayerOnTheProfileAndSaysWhetherCommIsHidden) {
-  const std::string args = "plan --ranks 16 --tokens-per-rank 32768 --workload prolong --policy minmax --json";
+  // One eps: the same plan priced on each profile (auto would pick per profile).
+  const std::string args = "plan --ranks 16 --tokens-per-rank 32768 --workload prolong --policy minmax --tolerance 0.05 --json";
   // 16 ranks on 8 GPUs per node span two nodes: the inter-node link prices the exchange.
   CmdResult fast = distca(args + " --profile " + simple_profile(1e12));
   ASSERT_EQ(fast.exit_code, 0) << fast.err;

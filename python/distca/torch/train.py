@@ -77,6 +77,16 @@ class UsageError(Exception):
     """A bad flag or input: one line, exit status 2 on every rank."""
 
 
+def _tolerance_arg(text: str) -> Union[float, str]:
+    """--tolerance: auto or a number (its range is distca.plan's to check)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a number in [0, 1], got {text!r}") from None
+
+
 def _env_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
@@ -131,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train colocated and cad from the same weights on the same batches, interleaved step by step")
     g.add_argument("--policy", choices=[n for n in distca.planner_names() if n != "none"],
                    help="the CAD planner (default minbytes)")
-    g.add_argument("--tolerance", type=float, help="the planner's load tolerance (default 0.05)")
+    g.add_argument("--tolerance", type=_tolerance_arg, metavar="EPS|auto",
+                   help="the planner's load tolerance eps in [0, 1], or auto (default): the eps whose plan predicts the "
+                        "fastest step")
     g.add_argument("--granularity", type=int, metavar="G", help="shard granularity in tokens (default: planner's)")
     g.add_argument("--backward", choices=("stateful", "stateless"),
                    help="stateful: servers keep Q/K/V from the forward (default); stateless: sent again")
@@ -174,7 +186,7 @@ class Config:
     workload: Optional[str]     # None with --data
     seed: Optional[int]
     policy: str
-    tolerance: float
+    tolerance: Union[float, str]
     granularity: Optional[int]
     backward: str
     pingpong: Any               # "auto", True or False
@@ -267,7 +279,7 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
     cfg = Config(a, model, context, backends,
                  workload=None if a.data else (a.workload or PRESET_WORKLOAD[a.preset]),
                  seed=None if a.data else (1 if a.seed is None else a.seed),
-                 policy=a.policy or "minbytes", tolerance=0.05 if a.tolerance is None else a.tolerance,
+                 policy=a.policy or "minbytes", tolerance="auto" if a.tolerance is None else a.tolerance,
                  granularity=a.granularity, backward=a.backward or "stateful",
                  pingpong={"on": True, "off": False}.get(a.pingpong or "auto", "auto"))
     if "cad" in backends:  # the planner's own checks (distca.plan's messages), no collective
@@ -606,7 +618,8 @@ class Backend:
                 "attention_seconds": self.watch.forward + self.watch.backward,
                 "attention_forward_seconds": self.watch.forward, "attention_backward_seconds": self.watch.backward,
                 "loss_sum": float(loss_sum.detach()), "grad_norm": float(grad_norm), "lr": lr,
-                "rows_served_remotely": rows_served_remotely(plan), "plan_imbalance": float(plan.load["imbalance"])}
+                "rows_served_remotely": rows_served_remotely(plan), "plan_imbalance": float(plan.load["imbalance"]),
+                "plan_tolerance": float(plan.tolerance)}
 
 
 def rows_served_remotely(plan) -> int:
@@ -642,6 +655,7 @@ def gather_record(local: dict, step: int, backend: str, data: StepData, cfg: Con
         "loss": sum(per_rank["loss_sum"]) / data.num_targets,
         "lr": local["lr"], "grad_norm": local["grad_norm"],
         "rows_served_remotely": local["rows_served_remotely"], "plan_imbalance_estimated": local["plan_imbalance"],
+        "plan_tolerance": local.get("plan_tolerance"),
         "step_seconds": step_s, "tokens_per_second": world * cfg.context / step_s,
         "straggler_rank": straggler,
         "attention_seconds": per_rank["attention_seconds"][straggler],

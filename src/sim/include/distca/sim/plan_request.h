@@ -17,6 +17,7 @@
 #include "distca/plan/cost.h"
 #include "distca/plan/plan.h"
 #include "distca/plan/planner.h"
+#include "distca/sim/auto_tolerance.h"
 #include "distca/sim/profile.h"
 
 namespace distca::sim {
@@ -28,7 +29,7 @@ inline constexpr int64_t kMaxGranularity = 4096;
 // Options named by their command-line flags; an unset optional is a flag not given.
 struct PlanRequest {
   std::string policy = std::string(plan::kDefaultPlanner);  // a planner's name, or "all"
-  double tolerance = 0.05;
+  std::optional<double> tolerance;            // eps in [0, 1]; unset: auto (auto_tolerance.h)
   std::optional<int64_t> granularity;         // default 128
   std::optional<std::string> max_rank_bytes;  // bytes or "auto"; default "0" (no budget)
   // The attention rates the planner prices tasks at (default: ThroughputProfile{}, a GPU's;
@@ -45,6 +46,9 @@ struct PlanRequest {
   // The model the flags describe (validated).
   Result<plan::ModelShape> model_shape() const;
 };
+
+// --tolerance: auto (unset) or a number in [0, 1] (checked by PlanRequest::validate).
+Result<std::optional<double>> parse_tolerance(const std::string& text);
 
 // --max-rank-bytes as a number of bytes (0 = no budget).
 Result<int64_t> parse_byte_budget(const std::string& text);
@@ -76,7 +80,8 @@ struct AutoBudget {
 
 struct PolicyRun {
   plan::Plan plan;
-  double plan_ms = 0;       // the planner's own time
+  double plan_ms = 0;       // the planner's own time (with auto: every plan its search made)
+  std::optional<AutoTolerance> auto_tolerance;  // with auto: the eps picked and what was tried
   bool is_verified = false;
   std::string verify_error;
   LayerTime time;
@@ -88,7 +93,7 @@ struct PlanRun {
   LinkChoice link;
   std::optional<AutoBudget> auto_budget;
   int64_t budget = 0;
-  double tolerance = 0;
+  std::optional<double> tolerance;  // unset: auto
   int64_t granularity = 0;
   int gpus_per_node = 0;
   std::string profile_name;
@@ -104,7 +109,7 @@ struct PlanRun {
 //   complete_plan_run the baseline (none), every plan's verification and layer time
 Result<PlanRun> run_plan_request(const PlanRequest& request, const plan::Batch& batch, const Profile& profile);
 Result<PlanRun> prepare_plan_run(const PlanRequest& request, const plan::Batch& batch, const Profile& profile);
-PolicyRun plan_policy(const PlanRun& run, const plan::Batch& batch, plan::PlanFn planner);
+PolicyRun plan_policy(const PlanRun& run, const plan::Batch& batch, plan::PlanFn planner, const Profile& profile);
 void complete_plan_run(PlanRun& run, const plan::Batch& batch, const Profile& profile);
 
 // The report `distca plan --json` prints (without the workload and seed it adds): one policy's
