@@ -41,12 +41,15 @@ void run(benchmark::State& state, PlanFn fn, double tolerance) {
   state.counters["kv_GiB"] = static_cast<double>(plan.traffic.forward.kv_bytes) / (1 << 30);
   state.counters["tasks"] = static_cast<double>(plan.tasks.size());
   state.counters["docs"] = batch.num_docs();
+  state.counters["hash24"] = static_cast<double>(plan.hash & 0xffffff);  // to compare builds' plans
 }
 
 void BM_minmax_eps002(benchmark::State& state) { run(state, plan_minmax, 0.02); }
 void BM_distca_eps002(benchmark::State& state) { run(state, plan_distca, 0.02); }
 void BM_distca_eps010(benchmark::State& state) { run(state, plan_distca, 0.1); }
 void BM_none(benchmark::State& state) { run(state, plan_none, 0.02); }
+void BM_minbytes_eps005(benchmark::State& state) { run(state, plan_minbytes, 0.05); }
+void BM_minlink_eps005(benchmark::State& state) { run(state, plan_minlink, 0.05); }
 
 #define DISTCA_PLAN_BENCH(fn) \
   BENCHMARK(fn)->ArgsProduct({{64, 256, 512}, {0, 1}})->ArgNames({"R", "prolong"})->Unit(benchmark::kMillisecond)
@@ -54,6 +57,8 @@ DISTCA_PLAN_BENCH(BM_minmax_eps002);
 DISTCA_PLAN_BENCH(BM_distca_eps002);
 DISTCA_PLAN_BENCH(BM_distca_eps010);
 DISTCA_PLAN_BENCH(BM_none);
+DISTCA_PLAN_BENCH(BM_minbytes_eps005);
+DISTCA_PLAN_BENCH(BM_minlink_eps005);
 
 }  // namespace
 }  // namespace distca::plan

@@ -83,16 +83,7 @@ CostModel::CostModel(ModelShape model, ThroughputProfile profile)
   const double flops_per_pair = model_.num_layers * (fwd_flops_per_pair() + bwd_flops_per_pair());
   seconds_per_pair_ = flops_per_pair / profile_.flops_per_second;
   slowest_seconds_per_pair_ = flops_per_pair / profile_.slowest_rate();
-}
-
-double CostModel::task_seconds(int64_t q_len, int64_t pairs, int64_t keys) const {
-  DISTCA_CHECK(q_len > 0 && pairs >= 0) << "task of " << q_len << " rows and " << pairs << " pairs";
-  double seconds = pair_seconds(pairs);
-  if (!profile_.rate_by_keys.empty()) seconds *= profile_.flops_per_second / profile_.rate(keys);
-  if (q_len < profile_.tile_rows) {
-    seconds *= static_cast<double>(profile_.tile_rows) / static_cast<double>(q_len);
-  }
-  return seconds + model_.num_layers * profile_.task_overhead_seconds;
+  task_overhead_ = model_.num_layers * profile_.task_overhead_seconds;
 }
 
 }  // namespace distca::plan

@@ -33,7 +33,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <memory_resource>
 #include <set>
 
 #include "distca/core/check.h"
@@ -48,6 +50,7 @@ struct Band {  // causal task: rows [r0, r1), each row q sees keys [c, q]
   int32_t doc;
   int64_t r0, r1, c;
   int32_t server;
+  double seconds = 0;  // its cost (MinbytesPlanner::set_seconds), kept as the band changes
 };
 
 struct Block {  // non-causal task: rows [q0, q1) see keys [k0, k1), k1 <= q0
@@ -73,8 +76,18 @@ class MinbytesPlanner {
   MinbytesPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget,
                   double intake_scale = 1.0)
       : batch_(batch), cost_(cost), options_(options), budget_(budget), intake_scale_(intake_scale), g_(options.granularity),
-        num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0), server_bands_(num_ranks_),
-        held_(batch.num_docs()) {
+        g_shift_((g_ & (g_ - 1)) == 0 ? std::countr_zero(static_cast<uint64_t>(g_)) : -1),
+        num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0) {
+    // Per rank and per document lists from one arena (freed at once with the planner): most hold
+    // one or two entries, and allocating each from the heap cost a fifth of a plan's time.
+    server_bands_.reserve(num_ranks_);
+    for (int32_t k = 0; k < num_ranks_; ++k) server_bands_.emplace_back(&arena_);
+    held_.reserve(batch.num_docs());
+    holders_.reserve(batch.num_docs());
+    for (int32_t d = 0; d < batch.num_docs(); ++d) {
+      held_.emplace_back(&arena_);
+      holders_.emplace_back(&arena_);
+    }
     const TokenBytes& tb = cost_.token_bytes();
     // What a row costs over the four phases with the stateful backward: a query row of a split
     // task goes out as Q, comes back as partial O/LSE, goes out again as dO with the merged
@@ -140,11 +153,15 @@ class MinbytesPlanner {
   double block_seconds(int64_t rows, int64_t keys) const {
     return rows > 0 && keys > 0 ? cost_.task_seconds(rows, rows * keys, keys) : 0.0;
   }
-  double band_seconds(const Band& b) const { return causal_seconds(b.r0, b.r1, b.c); }
-  int64_t floor_g(int64_t x) const { return x / g_ * g_; }
-  int64_t ceil_g(int64_t x) const { return (x + g_ - 1) / g_ * g_; }
+  double band_seconds(const Band& b) const { return b.seconds; }
+  void set_seconds(Band& b) const { b.seconds = causal_seconds(b.r0, b.r1, b.c); }
+  // Multiples of g (rounding towards zero, as integer division does); a shift where g is a power
+  // of two (the command line's only kind), which these, called for every shape tried, need.
+  int64_t floor_g(int64_t x) const { return g_shift_ >= 0 && x >= 0 ? (x >> g_shift_) << g_shift_ : x / g_ * g_; }
+  int64_t ceil_g(int64_t x) const { return floor_g(x + g_ - 1); }
 
-  void add_band(const Band& b) {
+  void add_band(Band b) {
+    set_seconds(b);
     server_bands_[b.server].push_back(static_cast<int32_t>(bands_.size()));
     bands_.push_back(b);
     load_[b.server] += band_seconds(b);
@@ -153,7 +170,15 @@ class MinbytesPlanner {
 
   // held_[doc]: (server, [lo, hi)) key rows a server receives or owns for its tasks; merged
   // lazily (a handful per document).
-  void hold(int32_t doc, int32_t server, int64_t lo, int64_t hi) { held_[doc].push_back({server, lo, hi}); }
+  void hold(int32_t doc, int32_t server, int64_t lo, int64_t hi) {
+    held_[doc].push_back({server, lo, hi});
+    auto& h = holders_[doc];
+    if (const auto at = std::lower_bound(h.begin(), h.end(), server); at == h.end() || *at != server) h.insert(at, server);
+  }
+  // Whether `server` holds key rows of `doc` (held_).
+  bool holds_keys(int32_t doc, int32_t server) const {
+    return std::binary_search(holders_[doc].begin(), holders_[doc].end(), server);
+  }
 
   // Calls fn(owner, rows) for the rows of keys [k0, k1) of `doc` that `dst` neither owns nor
   // already receives.
@@ -166,11 +191,12 @@ class MinbytesPlanner {
         });
       }
     };
-    if (std::none_of(held_[doc].begin(), held_[doc].end(), [&](const Held& h) { return h.server == dst; })) {
+    if (!holds_keys(doc, dst)) {
       emit(k0, k1);  // the common case: dst holds nothing of the document
       return;
     }
-    std::vector<std::pair<int64_t, int64_t>> have;
+    auto& have = have_;  // scratch, reused
+    have.clear();
     for (const auto& [s, lo, hi] : held_[doc]) {
       if (s == dst) have.emplace_back(lo, hi);
     }
@@ -211,6 +237,20 @@ class MinbytesPlanner {
     return bytes;
   }
 
+  // The end of the longest key range [c, e') of `rows` rows whose block fits in `room`, of e and
+  // the multiples of g in (c, e); c when none fits. A block's seconds grow with its keys, so by
+  // bisection.
+  int64_t fitting_keys_end(int64_t rows, int64_t c, int64_t e, double room) const {
+    if (e <= c || block_seconds(rows, e - c) <= room) return e;
+    int64_t lo = floor_g(c) + g_, hi = floor_g(e - 1);  // the multiples of g in (c, e)
+    if (lo > hi || block_seconds(rows, lo - c) > room) return c;
+    while (lo < hi) {  // lo fits; the largest multiple in [lo, hi] that fits
+      const int64_t mid = lo + (((hi - lo) / g_ + 1) / 2) * g_;
+      if (block_seconds(rows, mid - c) <= room) lo = mid; else hi = mid - g_;
+    }
+    return lo;
+  }
+
   // The block of band `id` for `dst` that moves about `want` seconds with the fewest bytes
   // (or the band's largest block when it cannot hold that much), never above `room`.
   void consider_block(int32_t id, int32_t dst, double want, double room, Move& best) const {
@@ -230,10 +270,14 @@ class MinbytesPlanner {
     // receiver holds are free) of that one.
     Move shape;
     double shape_price = 0;
+    int64_t tried[5];  // the cuts x already tried: options that round to one cut give one shape
+    int num_tried = 0;
     for (int i = 0; i < count; ++i) {
       const auto a_want = static_cast<int64_t>(std::ceil(options[i]));
       int64_t x = std::max(b.r0, floor_g(b.r1 - std::max<int64_t>(a_want, 1)));
       if (x >= b.r1) x = b.r0;
+      if (std::find(tried, tried + num_tried, x) != tried + num_tried) continue;
+      tried[num_tried++] = x;
       const int64_t rows = b.r1 - x;
       const int64_t max_keys = x - b.c;
       if (rows <= 0 || max_keys <= 0) continue;
@@ -245,7 +289,7 @@ class MinbytesPlanner {
         const auto keys = static_cast<int64_t>(static_cast<double>(e - b.c) * (want - overhead_) / (s - overhead_));
         e = std::min(x, ceil_g(b.c + std::max<int64_t>(1, keys)));
       }
-      while (e > b.c && block_seconds(rows, e - b.c) > room) e = std::max(b.c, floor_g(e - 1));
+      e = fitting_keys_end(rows, b.c, e, room);
       if (e <= b.c) continue;
       const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c) - causal_seconds(x, b.r1, e);
       if (shed <= 0) continue;
@@ -344,9 +388,7 @@ class MinbytesPlanner {
 
   // Whether dst owns rows of `doc` or receives some of its keys already.
   bool holds_any(int32_t doc, int32_t dst) const {
-    for (const Held& h : held_[doc]) {
-      if (h.server == dst) return true;
-    }
+    if (holds_keys(doc, dst)) return true;
     for (int32_t p : batch_.doc_pieces[doc]) {
       if (batch_.pieces[p].rank == dst) return true;
     }
@@ -464,18 +506,22 @@ class MinbytesPlanner {
     if (m.is_whole) {
       const Band moved{b.doc, b.r0, b.r1, b.c, m.dst};
       b.r1 = b.r0;  // dead
+      set_seconds(b);
       add_band(moved);
     } else if (m.e < 0) {
       const Band moved{b.doc, m.x, b.r1, b.c, m.dst};
       b.r1 = m.x;
+      set_seconds(b);
       load_[src] += band_seconds(b);
       add_band(moved);
     } else {
-      const Band upper{b.doc, m.x, b.r1, m.e, src};
+      Band upper{b.doc, m.x, b.r1, m.e, src};
+      set_seconds(upper);
       blocks_.push_back(Block{b.doc, m.x, b.r1, b.c, m.e, m.dst});
       load_[m.dst] += block_seconds(b.r1 - m.x, m.e - b.c);
       hold(b.doc, m.dst, b.c, m.e);
       b.r1 = m.x;
+      set_seconds(b);
       load_[src] += band_seconds(b);
       if (upper.r0 < upper.r1) {
         server_bands_[src].push_back(static_cast<int32_t>(bands_.size()));
@@ -540,6 +586,7 @@ class MinbytesPlanner {
   const int64_t budget_;
   const double intake_scale_;  // the soft intake's level over the water level (1: spread the most)
   const int64_t g_;
+  const int g_shift_;  // log2(g) where g is a power of two, else -1
   const int32_t num_ranks_;
   double q_ = 0, q_whole_ = 0, kv_ = 0;  // bytes per query row (split, whole) and key row moved, all phases
   double seconds_per_pair_ = 0, slowest_seconds_per_pair_ = 0, overhead_ = 0;
@@ -547,12 +594,15 @@ class MinbytesPlanner {
   std::vector<Band> bands_;
   std::vector<Block> blocks_;
   std::vector<double> load_;                       // (R) seconds
-  std::vector<std::vector<int32_t>> server_bands_; // (R) band ids, moved ones included
+  std::pmr::monotonic_buffer_resource arena_;      // the lists below; declared before them
+  std::vector<std::pmr::vector<int32_t>> server_bands_; // (R) band ids, moved ones included
   struct Held {
     int32_t server;
     int64_t lo, hi;
   };
-  std::vector<std::vector<Held>> held_;            // (docs)
+  std::vector<std::pmr::vector<Held>> held_;       // (docs)
+  mutable std::vector<std::pair<int64_t, int64_t>> have_;  // for_each_missing_key's scratch
+  std::vector<std::pmr::vector<int32_t>> holders_; // (docs) the servers in held_[doc], sorted
   std::vector<double> intake_;                     // (R) soft intake left
   std::set<std::pair<double, int32_t>> receivers_; // (-intake, server)
   std::set<std::pair<double, int32_t>> fresh_;     // (intake, server) of receivers without a block

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <thread>
 
 namespace distca::sim {
 
@@ -78,9 +79,9 @@ nlohmann::json AutoTolerance::to_json() const {
   return {{"tolerance", tolerance},
           {"tried", tries},
           {"rule", "of eps = 0.2, 0.1, ..., 0.2/128, the plan whose predicted step (one layer, forward + backward, "
-                   "two ping-pong nano-batches on the profile) is fastest; the search starts at 0.05, tries the tighter "
-                   "neighbour first (the looser one if that is not faster) and walks on in the direction that wins "
-                   "while each step is at least 0.2 % faster"}};
+                   "two ping-pong nano-batches on the profile) is fastest of those planned; the search plans 0.05 and "
+                   "0.025 first (the looser side if 0.025 is not faster) and walks on in the direction that wins while "
+                   "each step is at least 0.2 % faster, two rungs at a time on two threads"}};
 }
 
 Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, PlannerOptions options,
@@ -88,40 +89,59 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
   const std::vector<double> ladder = auto_tolerance_ladder();
   const int n = static_cast<int>(ladder.size());
   std::vector<std::optional<Plan>> plans(n);
-  std::vector<double> seconds(n, 0.0);
-  AutoTolerance chosen;
-  auto plan_at = [&](int k) -> Status {
-    if (plans[k]) return Status::ok();
-    options.tolerance = ladder[k];
+  std::vector<ToleranceTry> tries(n);
+  std::vector<Status> failed(n);
+  auto plan_one = [&](int k) {
+    PlannerOptions o = options;
+    o.tolerance = ladder[k];
     const auto start = std::chrono::steady_clock::now();
-    DISTCA_ASSIGN_OR_RETURN(Plan p, planner(batch, cost, options));
+    Result<Plan> p = planner(batch, cost, o);
+    if (!p.is_ok()) {
+      failed[k] = p.status();
+      return;
+    }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    const LayerStepPrediction step = predicted_layer_step(p, batch, cost.model(), profile, link, stateless);
-    seconds[k] = step.seconds;
-    chosen.tried.push_back(ToleranceTry{ladder[k], step, p.is_balanced, ms});
-    plans[k] = std::move(p);
+    tries[k] = ToleranceTry{ladder[k], predicted_layer_step(p.value(), batch, cost.model(), profile, link, stateless),
+                            p.value().is_balanced, ms};
+    plans[k] = std::move(p).value();
+  };
+  AutoTolerance chosen;
+  // Plans the ladder's k and j (when in range and not planned yet) at once, on two threads.
+  auto plan_two = [&](int k, int j) -> Status {
+    const bool do_k = k >= 0 && k < n && !plans[k], do_j = j >= 0 && j < n && j != k && !plans[j];
+    std::optional<std::thread> other;
+    if (do_j) other.emplace(plan_one, j);
+    if (do_k) plan_one(k);
+    if (other) other->join();
+    for (const int i : {k, j}) {
+      if (i < 0 || i >= n || (i == k ? !do_k : !do_j)) continue;
+      DISTCA_RETURN_IF_ERROR(failed[i]);
+      chosen.tried.push_back(tries[i]);
+    }
     return Status::ok();
   };
-  int best = static_cast<int>(std::find(ladder.begin(), ladder.end(), kAutoToleranceStart) - ladder.begin());
-  DISTCA_RETURN_IF_ERROR(plan_at(best));
-  // Tighter first (measured: the better first guess even where communication is exposed, since
-  // the busiest link is the largest sender's, whose excess barely grows as eps shrinks, while the
-  // slowest server's attention falls), the looser neighbour if that is not faster; then on in the
-  // direction that won while each step is at least kAutoToleranceGain faster.
+  auto seconds = [&](int k) { return tries[k].step.seconds; };
+  const int start = static_cast<int>(std::find(ladder.begin(), ladder.end(), kAutoToleranceStart) - ladder.begin());
+  int best = start;
+  // The start and its tighter neighbour first (measured: the better first guess even where
+  // communication is exposed, since the busiest link is the largest sender's, whose excess barely
+  // grows as eps shrinks, while the slowest server's attention falls); the looser side if that is
+  // not faster. Then on in the direction that won while each step is at least kAutoToleranceGain
+  // faster, two rungs at a time (the second on a thread of its own, in case the first wins).
+  DISTCA_RETURN_IF_ERROR(plan_two(start, start + 1));
   for (const int dir : {+1, -1}) {
     bool moved = false;
     for (int k = best + dir; k >= 0 && k < n; k += dir) {
-      DISTCA_RETURN_IF_ERROR(plan_at(k));
-      if (!(seconds[k] < seconds[best] * (1 - kAutoToleranceGain))) break;
+      if (!plans[k]) DISTCA_RETURN_IF_ERROR(plan_two(k, k + dir));
+      if (!(seconds(k) < seconds(best) * (1 - kAutoToleranceGain))) break;
       best = k;
       moved = true;
     }
     if (moved) break;
   }
-  // The fastest of all it planned (a neighbour less than kAutoToleranceGain faster ends the walk
-  // but is still kept).
+  // The fastest of all it planned (a rung that ended the walk, or one planned ahead, included).
   for (int k = 0; k < n; ++k) {
-    if (plans[k] && seconds[k] < seconds[best]) best = k;
+    if (plans[k] && seconds(k) < seconds(best)) best = k;
   }
   chosen.tolerance = ladder[best];
   return AutoPlan{std::move(*plans[best]), std::move(chosen)};

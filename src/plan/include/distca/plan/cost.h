@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "distca/core/check.h"
 #include "distca/core/status.h"
 #include "distca/plan/model.h"
 
@@ -79,7 +80,16 @@ class CostModel {
 
   // Estimated seconds of one task over all layers, forward and backward, for a task of q_len
   // query rows, `pairs` (query, key) pairs and a key range `keys` long (k1 - k0).
-  double task_seconds(int64_t q_len, int64_t pairs, int64_t keys) const;
+  // (Inline: the planners price every shape they try with it.)
+  double task_seconds(int64_t q_len, int64_t pairs, int64_t keys) const {
+    DISTCA_CHECK(q_len > 0 && pairs >= 0) << "task of " << q_len << " rows and " << pairs << " pairs";
+    double seconds = pair_seconds(pairs);
+    if (!profile_.rate_by_keys.empty()) seconds *= profile_.flops_per_second / profile_.rate(keys);
+    if (q_len < profile_.tile_rows) {
+      seconds *= static_cast<double>(profile_.tile_rows) / static_cast<double>(q_len);
+    }
+    return seconds + task_overhead_;
+  }
   // Seconds of `pairs` pairs at the profile's top rate with no per-task overhead and no
   // short-shard penalty: the floor any split of the same work can reach.
   double pair_seconds(int64_t pairs) const { return seconds_per_pair_ * static_cast<double>(pairs); }
@@ -92,6 +102,7 @@ class CostModel {
   TokenBytes token_bytes_;
   double seconds_per_pair_ = 0;  // all layers, forward and backward, at the top rate
   double slowest_seconds_per_pair_ = 0;
+  double task_overhead_ = 0;  // all layers' per-task overhead
 };
 
 }  // namespace distca::plan

@@ -6,11 +6,12 @@
 // planner plans at eps from a ladder, prices each plan's step as the simulator does (one layer,
 // forward and backward, two ping-pong nano-batches: predicted_layer_step), and keeps the fastest.
 //
-// The ladder: 0.2, 0.1, 0.05, ..., 0.2 / 128. The search starts at 0.05 and tries the tighter
-// neighbour first, the looser one if that is not faster, and walks on in the direction that wins
-// while each step predicts a step at least kAutoToleranceGain faster (a smaller gain is within
-// what the profile can tell, and costs one more plan); so it assumes one valley. It plans 3 to 7
-// times, 3 when the start is best.
+// The ladder: 0.2, 0.1, 0.05, ..., 0.2 / 128. The search plans 0.05 and its tighter neighbour
+// first, the looser side if that one is not faster, and walks on in the direction that wins while
+// each rung predicts a step at least kAutoToleranceGain faster (a smaller gain is within what the
+// profile can tell, and costs one more plan); so it assumes one valley. It plans two rungs at a
+// time on two threads (the second in case the first wins), 4 to 6 plans in 2 or 3 rounds, and
+// keeps the fastest of all it planned.
 #pragma once
 
 #include <nlohmann/json.hpp>
