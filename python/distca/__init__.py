@@ -443,7 +443,7 @@ def _throughput(throughput: Union[str, Mapping[str, Any]]) -> dict:
 _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "dtype_bytes", "tp")
 
 
-def plan(batch: BatchLike, policy: str = "minbytes", tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
+def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
          model: Union[str, Mapping[str, Any]] = "llama-8b", max_rank_bytes: Union[int, str, None] = None,
          tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None,
          throughput: Union[str, Mapping[str, Any], None] = None) -> Plan:
@@ -452,7 +452,8 @@ def plan(batch: BatchLike, policy: str = "minbytes", tolerance: Union[float, str
     batch: per-rank document lengths ([[len, ...], ...] or {"ranks": [...]}, each rank at least one
       document), a batch file's path, or a Batch (distca.pack, distca.batch_from_pieces for
       documents that span ranks).
-    policy: none, distca (the paper's planner), minmax, minbytes (the default) or minlink (the least busy links).
+    policy: none, distca (the paper's planner), minmax, minbytes (the fewest bytes) or minlink (the
+      default: the least busy links).
     tolerance: eps in [0, 1], or "auto" (the default): of eps = 0.2, 0.1, ..., 0.2/128, the one whose
       plan predicts the fastest step on `profile` (Plan.tolerance says which; Plan.report()'s
       "tolerance_auto" lists what was tried); granularity: a power of two 16..4096 (default 128; minmax and

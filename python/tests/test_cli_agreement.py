@@ -418,9 +418,10 @@ def test_simulate_with_profile_agrees_with_cli(tmp_path, cli_simulation):
 
 
 def test_tolerance_is_auto_by_default_and_says_what_it_picked(small_batch):
-    """The default eps is auto: of the ladder 0.2, 0.1, ..., 0.2/128, the plan with the fastest
+    """The default policy is minlink and the default eps auto: of the ladder 0.2, 0.1, ..., 0.2/128, the plan with the fastest
     predicted step of those its search made; the same plan as asking for that eps outright."""
     plan = distca.plan(small_batch)
+    assert plan.policy == "minlink"  # the default policy: the least busy links
     report = plan.report()
     auto = report["tolerance_auto"]
     assert plan.tolerance == auto["tolerance"] == report["tolerance"]

@@ -669,7 +669,7 @@ std::function<int()> add_train_command(CLI::App& app) {
   a.workload_opt = cmd->add_option("--workload", a.workload,
                                    "document lengths of the synthetic source: pretrain | prolong | skewed (not with --data)");
   a.seed_opt = cmd->add_option("--seed", a.seed, "seed of the synthetic source (not with --data)")->capture_default_str();
-  a.policy_opt = cmd->add_option("--policy", a.policy, "CAD planner: minbytes (key-range splits) | minmax | distca | none")->capture_default_str();
+  a.policy_opt = cmd->add_option("--policy", a.policy, "CAD planner: minlink (the least busy links) | minbytes (key-range splits) | minmax | distca | none")->capture_default_str();
   a.backward_opt = cmd->add_option("--backward-mode", a.backward_mode,
                                    "stateful (servers keep forward state) | stateless (the paper's)")
                        ->capture_default_str();

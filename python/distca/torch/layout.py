@@ -389,7 +389,7 @@ class StepPlanner:
     """
 
     def __init__(self, group: Any = None, *, model: Union[str, Mapping[str, Any]],
-                 cost_model: Union[str, Mapping[str, Any], None] = None, policy: str = "minbytes",
+                 cost_model: Union[str, Mapping[str, Any], None] = None, policy: str = "minlink",
                  tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
                  max_rank_bytes: Union[int, str, None] = None, pingpong: Union[str, bool] = "auto",
                  backward: str = "stateful", backend: str = "auto", device: Union[str, torch.device, None] = None,

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true",
                    help="train colocated and cad from the same weights on the same batches, interleaved step by step")
     g.add_argument("--policy", choices=[n for n in distca.planner_names() if n != "none"],
-                   help="the CAD planner (default minbytes)")
+                   help="the CAD planner (default minlink)")
     g.add_argument("--tolerance", type=_tolerance_arg, metavar="EPS|auto",
                    help="the planner's load tolerance eps in [0, 1], or auto (default): the eps whose plan predicts the "
                         "fastest step")
@@ -279,7 +279,7 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
     cfg = Config(a, model, context, backends,
                  workload=None if a.data else (a.workload or PRESET_WORKLOAD[a.preset]),
                  seed=None if a.data else (1 if a.seed is None else a.seed),
-                 policy=a.policy or "minbytes", tolerance="auto" if a.tolerance is None else a.tolerance,
+                 policy=a.policy or "minlink", tolerance="auto" if a.tolerance is None else a.tolerance,
                  granularity=a.granularity, backward=a.backward or "stateful",
                  pingpong={"on": True, "off": False}.get(a.pingpong or "auto", "auto"))
     if "cad" in backends:  # the planner's own checks (distca.plan's messages), no collective

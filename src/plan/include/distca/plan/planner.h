@@ -4,8 +4,8 @@
 //   minmax  ours: max load <= (1 + eps) * mean whenever the shards allow it, fewest bytes
 //   minbytes ours: the same bound, moving query x key blocks (key-range splits) shaped for the
 //           fewest bytes on the busiest rank
-//   minlink ours: of minbytes at eps, eps/2, eps/4, eps/8, minmax and distca, the plan balanced to
-//           eps whose step has the least busy links (planner_minlink.cc)
+//   minlink ours, the default: of minbytes as it is and with its largest blocks (on two threads),
+//           the plan balanced to eps whose step has the least busy links (planner_minlink.cc)
 #pragma once
 
 #include <cstdint>
@@ -36,9 +36,10 @@ Result<Plan> plan_minmax(const Batch& batch, const CostModel& cost, const Planne
 Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const PlannerOptions& options);
 
-// "none", "distca", "minmax", "minbytes" (the default).
+// "none", "distca", "minmax", "minbytes", "minlink" (the default: the least busy links of the
+// policies on the shipped and fresh batches, distca bench planner).
 Result<PlanFn> find_planner(std::string_view name);
 std::vector<std::string> planner_names();
-inline constexpr std::string_view kDefaultPlanner = "minbytes";
+inline constexpr std::string_view kDefaultPlanner = "minlink";
 
 }  // namespace distca::plan
