@@ -91,7 +91,10 @@ json plan_json(const Batch& batch, const CostModel& cost, const Plan& plan, doub
   j["links"] = {{"fwd_dispatch", links.busiest[0]}, {"fwd_return", links.busiest[1]}, {"bwd_dispatch", links.busiest[2]},
                 {"bwd_return", links.busiest[3]}, {"step", links.step}};
   const LinkBounds lb = link_lower_bounds(batch, cost.token_bytes(), max_pairs);
-  if (lb.is_computed) {
+  if (lb.is_computed && !(lb.step > 0 && lb.fwd_dispatch > 0)) {
+    // A plan whose largest load is above every rank's own: the bounds ask nothing to move.
+    j["link_bound"] = {{"not_computed", "no rank holds more than this plan's largest load, so the bounds are 0"}};
+  } else if (lb.is_computed) {
     j["link_bound"] = {{"fwd_dispatch", lb.fwd_dispatch}, {"step", lb.step}};
     j["fwd_dispatch_link_over_bound"] = static_cast<double>(links.fwd_dispatch) / lb.fwd_dispatch;
     j["step_link_over_bound"] = static_cast<double>(links.step) / lb.step;
