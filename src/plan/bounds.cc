@@ -1,6 +1,7 @@
 #include "distca/plan/bounds.h"
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +52,20 @@ DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes
     if (sum >= excess) hi = t; else lo = t;
   }
   b.max_recv = excess > 0 ? unit * std::sqrt(lo) : 0.0;
+  // The whole dispatch, by the receivers' rooms: at least unit x sum of I / sqrt(room) over the
+  // receivers, each taking I <= room, all of them the excess; least for the largest rooms
+  // filled first.
+  std::sort(room.begin(), room.end(), std::greater<>());
+  double by_rooms = 0, left = excess;
+  for (double c : room) {
+    if (left <= 0 || c <= 0) break;
+    const double take = std::min(c, left);
+    by_rooms += unit * take / std::sqrt(c);
+    left -= take;
+  }
+  b.total_by_senders = b.total;
+  b.total_by_rooms = by_rooms;
+  b.total = std::max(b.total, by_rooms);
   b.is_computed = true;
   return b;
 }

@@ -8,7 +8,13 @@
 
 namespace distca::plan {
 
+struct MinbytesShape {
+  double intake_scale = 1.0;  // the soft intake's level over the water level (inf: the largest room)
+  double host_fill = 0.0;     // > 0: senders with many receivers' worth of excess ship blocks of
+                              // host_fill x cap to hosts that hand their own work on (a second hop)
+};
+
 Result<Plan> plan_minbytes_shaped(const Batch& batch, const CostModel& cost, const PlannerOptions& options,
-                                  double intake_scale);
+                                  const MinbytesShape& shape);
 
 }  // namespace distca::plan

@@ -26,6 +26,9 @@
 //      of the band, or the whole band, moves as a causal task. Keys the receiver owns or
 //      already receives cost nothing. Cuts land on multiples of g. When the soft intakes are
 //      spent, a new water level over the rooms left covers the excess left.
+//   4b. With hosts (minlink's variant, MinbytesShape::host_fill): before step 4, a sender whose
+//      excess is many rooms' worth ships it in a few equal blocks to hosts, receivers that first
+//      hand their own work on to the others (MinbytesPlanner::reserve_hosts).
 //   5. The owner of a query row merges the partial O/LSE of its row's tasks (the runtime does).
 // A per-rank byte budget (forward dispatch + return, send and receive, as minmax's) skips moves
 // that would break it; when the plan cannot keep it, the note names the smallest budget this
@@ -74,8 +77,9 @@ struct Move {
 class MinbytesPlanner {
  public:
   MinbytesPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget,
-                  double intake_scale = 1.0)
-      : batch_(batch), cost_(cost), options_(options), budget_(budget), intake_scale_(intake_scale), g_(options.granularity),
+                  const MinbytesShape& shape = {})
+      : batch_(batch), cost_(cost), options_(options), budget_(budget), intake_scale_(shape.intake_scale),
+        host_fill_(budget == 0 ? shape.host_fill : 0.0), g_(options.granularity),
         g_shift_((g_ & (g_ - 1)) == 0 ? std::countr_zero(static_cast<uint64_t>(g_)) : -1),
         num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0) {
     // Per rank and per document lists from one arena (freed at once with the planner): most hold
@@ -117,10 +121,17 @@ class MinbytesPlanner {
         senders.push_back(s);
       }
     }
-    set_intakes(excess);
-
     std::stable_sort(senders.begin(), senders.end(), [&](int32_t a, int32_t b) { return load_[a] > load_[b]; });
-    for (int32_t s : senders) shed(s);
+    reserved_.assign(num_ranks_, 0);
+    std::vector<Hosting> hosted;
+    if (host_fill_ > 0) hosted = reserve_hosts(senders, excess);
+    set_intakes(excess);
+    for (const Hosting& h : hosted) host(h.sender, h.host, h.block);
+    if (!hosted.empty()) {  // their rooms left over serve the rest
+      reserved_.assign(num_ranks_, 0);
+      refill_receivers();
+    }
+    for (int32_t s : senders) shed(s, cap_);
 
     std::vector<Task> tasks;
     for (const Band& b : bands_) {
@@ -395,20 +406,129 @@ class MinbytesPlanner {
     return false;
   }
 
-  // 4. Moves blocks off server s until it is at or below cap. Candidates: as above, plus the
+  // Hosts (host_fill > 0). A receiver takes at most its room, so a sender whose excess is many
+  // rooms' worth ships it in many small blocks, and bytes per pair fall only with a block's size
+  // (they grow as the square root of its work): the sender's link is then the busiest. Instead,
+  // such a sender's excess goes in a few blocks of up to host_fill x cap to hosts: receivers that
+  // first hand their own work on to the other receivers (a second hop for the work, not for any
+  // row: every row still goes from its owner to the server that computes with it). The
+  // sender's link carries a few large blocks; the host's, its own rows out and the block in; the
+  // plan moves more bytes in all (short documents handed on cost more per pair). Hosts are the
+  // receivers whose own work, largest bands first, costs the fewest bytes to hand on, up to half
+  // of the receivers. Returns who hosts whom, in the order to fill them; `excess` becomes what
+  // the soft intakes must cover: the senders' excess not hosted and the hosts' work to hand on.
+  struct Hosting {
+    int32_t sender, host;
+    double block;  // seconds of the sender's work the host takes
+  };
+  std::vector<Hosting> reserve_hosts(const std::vector<int32_t>& senders, double& excess) {
+    std::vector<Hosting> hosted;
+    const double block = host_fill_ * cap_;
+    // The receivers by what handing on their own work costs until the block fits: their largest
+    // bands first (a band of n rows moved whole costs n rows of Q and K/V, for about n^2 / 2
+    // pairs, so long documents hand on cheaply).
+    std::vector<int32_t> order;
+    std::vector<double> hand_on(num_ranks_, 0.0);
+    std::vector<int32_t> own;
+    for (int32_t k = 0; k < num_ranks_; ++k) {
+      if (load_[k] >= cap_) continue;
+      order.push_back(k);
+      double need = block - (cap_ - load_[k]);
+      own.assign(server_bands_[k].begin(), server_bands_[k].end());
+      std::sort(own.begin(), own.end(), [&](int32_t a, int32_t b) { return band_seconds(bands_[a]) > band_seconds(bands_[b]); });
+      for (int32_t id : own) {
+        if (need <= 0) break;
+        const Band& b = bands_[id];
+        const double share = std::min(1.0, need / band_seconds(b));
+        hand_on[k] += share * static_cast<double>(b.r1 - b.r0) * (q_whole_ + kv_);
+        need -= band_seconds(b);
+      }
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return hand_on[a] < hand_on[b]; });
+    // A sender's excess E goes in n = ceil(E / (fill x cap)) equal blocks, one to each of n
+    // hosts: its link then carries about sqrt(n E) of pair-bytes, against about E / sqrt(level)
+    // into rooms of the water level, so hosts pay where E / n is above the level. But the
+    // receivers' rooms come out below the level (senders compete for them): hosting down to
+    // 0.75 x the level, measured with distca bench planner --fresh 3 at eps 0.02 and 0.05 (32
+    // plans), lowered the busiest step link on 3 and raised it on 3 (by at most 2.1 %), and the
+    // worst over its bound from 1.418 to 1.298.
+    const double level = 0.75 * water_level(excess);
+    size_t next = 0;
+    for (int32_t s : senders) {
+      const double left = load_[s] - cap_;
+      const int n = static_cast<int>(std::ceil(left / block - 1e-9));
+      const double each = left / n;
+      if (each < level || next + n > order.size() / 2) continue;
+      for (int i = 0; i < n; ++i) {
+        const int32_t h = order[next++];
+        reserved_[h] = 1;
+        hosted.push_back({s, h, each});
+        excess += std::max(0.0, each - (cap_ - load_[h])) - each;
+      }
+    }
+    return hosted;
+  }
+
+  // Host h hands on its own work until `block` seconds fit, then takes a block of s's work of
+  // about that size (of s's bands, the cheapest per second, as any move).
+  void host(int32_t s, int32_t h, double block) {
+    block = std::min(block, load_[s] - cap_);
+    if (block <= 0) return;
+    hand_on(h, std::max(0.0, cap_ - block));
+    std::vector<int32_t> live;
+    for (int32_t id : server_bands_[s]) {
+      if (bands_[id].server == s && bands_[id].r0 < bands_[id].r1) live.push_back(id);
+    }
+    std::stable_sort(live.begin(), live.end(),
+                     [&](int32_t a, int32_t b) { return band_seconds(bands_[a]) > band_seconds(bands_[b]); });
+    const Move m = best_move_to(live, h, block, cap_ - load_[h]);
+    if (m.band >= 0) apply(m);
+  }
+
+  // Host h's own work, handed on until its load is at most `limit`: whole bands, largest first
+  // (they cost the fewest bytes per pair), each to the receiver with the most soft intake left
+  // whose room holds it (a band whole costs its rows wherever it goes: no search); what no
+  // receiver holds whole goes as shed() cuts it.
+  void hand_on(int32_t h, double limit) {
+    std::vector<int32_t> own;
+    for (int32_t id : server_bands_[h]) {
+      if (bands_[id].server == h && bands_[id].r0 < bands_[id].r1) own.push_back(id);
+    }
+    std::stable_sort(own.begin(), own.end(),
+                     [&](int32_t a, int32_t b) { return band_seconds(bands_[a]) > band_seconds(bands_[b]); });
+    for (int32_t id : own) {
+      if (load_[h] <= limit) return;
+      const Band& b = bands_[id];
+      const double seconds = band_seconds(b);
+      int32_t dst = -1;
+      int looked = 0;
+      for (auto it = receivers_.begin(); it != receivers_.end() && looked < 8; ++it, ++looked) {
+        if (it->second != h && cap_ - load_[it->second] >= seconds) {
+          dst = it->second;
+          break;
+        }
+      }
+      if (dst < 0) continue;
+      apply(Move{id, true, b.r0, b.r1, dst, seconds, seconds, move_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst), 0});
+    }
+    if (load_[h] > limit) shed(h, limit);
+  }
+
+  // 4. Moves blocks off server s until it is at or below `limit` (the cap; lower for a host
+  // handing its work on). Candidates: as above, plus the
   // servers that already receive keys of s's documents (more rows against keys they hold cost
   // only the rows) and, when none of those can take a block, the servers with the most room.
-  void shed(int32_t s) {
+  void shed(int32_t s, double limit) {
     std::vector<int32_t> candidates, live;
     // The excess goes in k equal blocks, k as few as the largest intake allows: a sender's last
     // block is then no remainder that shares a receiver with another sender's remainder (a
     // receiver of two blocks receives more than of one block of the same work).
     int moves_left = 1;
     if (!receivers_.empty() && -receivers_.begin()->first > 0) {
-      moves_left = static_cast<int>(std::ceil((load_[s] - cap_) / -receivers_.begin()->first - 1e-9));
+      moves_left = static_cast<int>(std::ceil((load_[s] - limit) / -receivers_.begin()->first - 1e-9));
     }
-    while (load_[s] > cap_) {
-      const double excess = load_[s] - cap_;
+    while (load_[s] > limit) {
+      const double excess = load_[s] - limit;
       const double target = excess / std::max(1, moves_left);
       candidates.clear();
       // A receiver pays for each block it takes (bytes grow as the square root of a block's
@@ -456,8 +576,10 @@ class MinbytesPlanner {
         if (m.band >= 0 && (best.band < 0 || better(m, best, excess))) best = m;
       }
       if (best.band < 0) {  // by room: the roomiest servers, however much intake they had
-        std::vector<int32_t> order(num_ranks_);
-        for (int32_t k = 0; k < num_ranks_; ++k) order[k] = k;
+        std::vector<int32_t> order;
+        for (int32_t k = 0; k < num_ranks_; ++k) {
+          if (!reserved_[k]) order.push_back(k);
+        }
         const size_t top = std::min<size_t>(8, order.size());
         std::partial_sort(order.begin(), order.begin() + top, order.end(),
                           [&](int32_t a, int32_t b) { return load_[a] < load_[b]; });
@@ -468,7 +590,7 @@ class MinbytesPlanner {
         }
       }
       if (best.band < 0) {
-        stuck_.push_back(s);
+        if (limit == cap_) stuck_.push_back(s);
         return;
       }
       --moves_left;
@@ -547,23 +669,38 @@ class MinbytesPlanner {
     set_intakes(excess);
   }
 
-  // intake = min(room, t) with sum of intakes = 1.05 x excess (or every room, if they fall short).
-  void set_intakes(double excess) {
+  // The level t with sum over the receivers (not hosts) of min(room, t) = 1.05 x excess, or the
+  // largest room if they fall short.
+  double water_level(double excess) const {
     double lo = 0, hi = 0;
-    for (int32_t k = 0; k < num_ranks_; ++k) hi = std::max(hi, cap_ - load_[k]);
-    const double top = hi;
+    for (int32_t k = 0; k < num_ranks_; ++k) {
+      if (!reserved_[k]) hi = std::max(hi, cap_ - load_[k]);
+    }
     for (int it = 0; it < 60 && hi > 0; ++it) {
       const double t = (lo + hi) / 2;
       double sum = 0;
-      for (int32_t k = 0; k < num_ranks_; ++k) sum += std::clamp(cap_ - load_[k], 0.0, t);
+      for (int32_t k = 0; k < num_ranks_; ++k) {
+        if (!reserved_[k]) sum += std::clamp(cap_ - load_[k], 0.0, t);
+      }
       if (sum >= 1.05 * excess) hi = t; else lo = t;
     }
-    hi = intake_scale_ > 1e300 ? top : std::min(top, hi * intake_scale_);  // a higher level: fewer receivers, larger blocks
+    return hi;
+  }
+
+  // intake = min(room, t) at the water level t (hosts take none).
+  void set_intakes(double excess) {
+    double top = 0;
+    for (int32_t k = 0; k < num_ranks_; ++k) {
+      if (!reserved_[k]) top = std::max(top, cap_ - load_[k]);
+    }
+    const double level = water_level(excess);
+    const double hi = intake_scale_ > 1e300 ? top : std::min(top, level * intake_scale_);  // a higher level: fewer receivers, larger blocks
     receivers_.clear();
     fresh_.clear();
     intake_.assign(num_ranks_, 0.0);
     received_.resize(num_ranks_, 0.0);
     for (int32_t k = 0; k < num_ranks_; ++k) {
+      if (reserved_[k]) continue;
       intake_[k] = std::clamp(cap_ - load_[k], 0.0, hi);
       if (intake_[k] <= 0) continue;
       receivers_.insert({-intake_[k], k});
@@ -585,6 +722,7 @@ class MinbytesPlanner {
   const PlannerOptions& options_;
   const int64_t budget_;
   const double intake_scale_;  // the soft intake's level over the water level (1: spread the most)
+  const double host_fill_;     // hosts' block, a share of the cap (0: no hosts)
   const int64_t g_;
   const int g_shift_;  // log2(g) where g is a power of two, else -1
   const int32_t num_ranks_;
@@ -603,6 +741,7 @@ class MinbytesPlanner {
   std::vector<std::pmr::vector<Held>> held_;       // (docs)
   mutable std::vector<std::pair<int64_t, int64_t>> have_;  // for_each_missing_key's scratch
   std::vector<std::pmr::vector<int32_t>> holders_; // (docs) the servers in held_[doc], sorted
+  std::vector<char> reserved_;                     // (R) hosts, while they are filled
   std::vector<double> intake_;                     // (R) soft intake left
   std::set<std::pair<double, int32_t>> receivers_; // (-intake, server)
   std::set<std::pair<double, int32_t>> fresh_;     // (intake, server) of receivers without a block
@@ -619,9 +758,9 @@ bool keeps_budget(const Plan& plan, int64_t budget) {
 }  // namespace
 
 Result<Plan> plan_minbytes_shaped(const Batch& batch, const CostModel& cost, const PlannerOptions& options,
-                                  double intake_scale) {
+                                  const MinbytesShape& shape) {
   DISTCA_RETURN_IF_ERROR(options.validate());
-  return MinbytesPlanner(batch, cost, options, options.max_rank_bytes, intake_scale).run();
+  return MinbytesPlanner(batch, cost, options, options.max_rank_bytes, shape).run();
 }
 
 Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {

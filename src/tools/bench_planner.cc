@@ -102,7 +102,11 @@ json plan_json(const Batch& batch, const CostModel& cost, const Plan& plan, doub
     j["link_bound"] = {{"not_computed", lb.why_not}};
   }
   if (bound.is_computed) {
-    j["bound"] = {{"max_pairs", bound.max_pairs}, {"dispatch_bytes", bound.total}, {"max_send_bytes", bound.max_send},
+    j["bound"] = {{"max_pairs", bound.max_pairs},
+                  {"dispatch_bytes", bound.total},
+                  {"dispatch_bytes_by_senders", bound.total_by_senders},
+                  {"dispatch_bytes_by_rooms", bound.total_by_rooms},
+                  {"max_send_bytes", bound.max_send},
                   {"max_recv_bytes", bound.max_recv}};
   } else {
     j["bound"] = {{"not_computed", bound.why_not}};

@@ -141,7 +141,9 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
           ++num_minbytes_reachable;
           ASSERT_TRUE(plan.is_balanced) << plan.note << " imbalance " << plan.load.imbalance;
         }
-        if (plan.is_balanced) ASSERT_LE(plan.load.max, (1 + c.options.tolerance) * plan.load.mean * (1 + 1e-12));
+        if (plan.is_balanced) {
+          ASSERT_LE(plan.load.max, (1 + c.options.tolerance) * plan.load.mean * (1 + 1e-12));
+        }
       }
       // The lower bounds hold for every plan as balanced as this one.
       const DispatchBounds bound = dispatch_lower_bounds(
@@ -167,10 +169,11 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
         minbytes_links = links;
         minbytes_balanced = plan.is_balanced;
       }
-      // minlink plans minbytes among its candidates: balanced where it is, links no busier.
+      // minlink plans minbytes among its candidates: balanced where it is, links no busier (but
+      // for its tie: a link within 0.5 % of the least busy with fewer bytes).
       if (name == "minlink" && minbytes_balanced) {
         ASSERT_TRUE(plan.is_balanced) << plan.note;
-        ASSERT_LE(links.step, minbytes_links.step) << plan.note;
+        ASSERT_LE(static_cast<double>(links.step), 1.005 * static_cast<double>(minbytes_links.step)) << plan.note;
       }
       if (name == "distca") {
         // The reference's moves take min(donor surplus, receiver need, item): no receiver ends

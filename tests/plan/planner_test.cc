@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "distca/plan/bounds.h"
 #include "distca/plan/verify.h"
 #include "distca/plan/workload.h"
 #include "test_util.h"
@@ -268,6 +269,68 @@ TEST(Planners, AnUnbalancedPlanNamesItsBusiestServer) {
     }
   }
   EXPECT_GT(named, 0) << "no plan was left unbalanced: the test checks nothing";
+}
+
+// The whole dispatch is bounded by the receivers' rooms, chains or not. Rank 0 holds a document
+// of 8 tokens (36 pairs), ranks 1 and 2 one of 4 (10 pairs each); at a cap of 20 pairs the
+// excess is 16 and each receiver has room for 10. The senders' bound ships the excess as one
+// piece: u sqrt(16) = 4u (u = 2 sqrt(q kv)). The rooms take it as 10 + 6 pairs, at least u / sqrt(10)
+// a pair: u 16 / sqrt(10) = 5.06u, the larger, so the bound.
+TEST(DispatchBounds, TheReceiversRoomsBoundTheWholeDispatch) {
+  const Batch b = batch_from_ranks({{8}, {4}, {4}}, 0).value();
+  const CostModel cost = tiny_cost();
+  const TokenBytes& tb = cost.token_bytes();
+  const double u = 2 * std::sqrt(static_cast<double>(tb.q) * static_cast<double>(tb.kv));
+  const DispatchBounds bound = dispatch_lower_bounds(b, tb, 20);
+  ASSERT_TRUE(bound.is_computed) << bound.why_not;
+  EXPECT_NEAR(bound.total_by_senders, 4 * u, 1e-9);
+  EXPECT_NEAR(bound.total_by_rooms, 16 * u / std::sqrt(10.0), 1e-9);
+  EXPECT_DOUBLE_EQ(bound.total, bound.total_by_rooms);
+  // Every policy's plan moves at least the bound for its own largest load.
+  for (const std::string& name : planner_names()) {
+    const Plan p = make(find_planner(name).value(), b, cost, PlannerOptions{0.05, 1, 0});
+    const int64_t max_pairs = *std::max_element(p.server_pairs.begin(), p.server_pairs.end());
+    const DispatchBounds own = dispatch_lower_bounds(b, tb, max_pairs);
+    const auto& d = p.traffic.phases[static_cast<int>(Phase::kFwdDispatch)];
+    if (own.is_computed) EXPECT_LE(own.total, static_cast<double>(d.total_bytes) * (1 + 1e-9)) << name;
+  }
+}
+
+// A sender whose excess is many receivers' rooms: rank 0 holds one document of 16384 tokens
+// (9.4 x the cap at eps 0.05), the 31 others 16 of 1024 each (room for 0.35 x the cap). minbytes
+// ships rank 0's excess in many room-sized blocks; minlink's hosts hand their own documents on
+// and take a few blocks of nearly the cap, so rank 0's link is far less busy, for more bytes in all.
+TEST(PlanMinlink, HostsMakeRoomForLargerBlocksWhenASendersExcessIsManyRooms) {
+  std::vector<std::vector<int64_t>> ranks(32, std::vector<int64_t>(16, 1024));
+  ranks[0] = {16384};
+  const Batch b = batch_from_ranks(ranks, 16384).value();
+  const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  const PlannerOptions opt{0.05, 128, 0};
+  const Plan minbytes = make(plan_minbytes, b, cost, opt);
+  const Plan minlink = make(plan_minlink, b, cost, opt);
+  ASSERT_TRUE(minbytes.is_balanced && minlink.is_balanced) << minlink.note;
+  EXPECT_NE(minlink.note.find("hosts"), std::string::npos) << minlink.note;
+  const Traffic mb = count_traffic(b, cost.token_bytes(), minbytes.tasks, BackwardMode::kStateful);
+  const Traffic ml = count_traffic(b, cost.token_bytes(), minlink.tasks, BackwardMode::kStateful);
+  const LinkSummary mb_links = busiest_links(mb), ml_links = busiest_links(ml);
+  EXPECT_LT(static_cast<double>(ml_links.step), 0.8 * static_cast<double>(mb_links.step));
+  EXPECT_LT(static_cast<double>(ml_links.fwd_dispatch), 0.8 * static_cast<double>(mb_links.fwd_dispatch));
+  const auto& fwd = ml.phases[static_cast<int>(Phase::kFwdDispatch)];
+  EXPECT_GT(fwd.total_bytes, mb.phases[static_cast<int>(Phase::kFwdDispatch)].total_bytes);
+  // Hosts: ranks below the cap that send their own rows out and receive rank 0's.
+  int hosts = 0;
+  for (int32_t k = 1; k < b.num_ranks; ++k) {
+    if (fwd.send_bytes[k] > 0 && fwd.recv_bytes[k] > 0) ++hosts;
+  }
+  EXPECT_GE(hosts, 5);
+  // The bounds hold for it, chained as it is.
+  const int64_t max_pairs = *std::max_element(minlink.server_pairs.begin(), minlink.server_pairs.end());
+  const DispatchBounds bound = dispatch_lower_bounds(b, cost.token_bytes(), max_pairs);
+  const LinkBounds link_bound = link_lower_bounds(b, cost.token_bytes(), max_pairs);
+  ASSERT_TRUE(bound.is_computed && link_bound.is_computed);
+  EXPECT_LE(bound.total, static_cast<double>(fwd.total_bytes));
+  EXPECT_LE(link_bound.step, static_cast<double>(ml_links.step));
+  EXPECT_LE(link_bound.fwd_dispatch, static_cast<double>(ml_links.fwd_dispatch));
 }
 
 }  // namespace

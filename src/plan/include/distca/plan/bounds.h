@@ -12,6 +12,17 @@
 //     room M - load; so the busiest takes in at least the water level t at which
 //     sum of min(room, t) covers the excess, and receives at least 2 sqrt(t q kv).
 //   - The whole dispatch is at least the sum of the senders' bounds.
+//   - And at least what the receivers' rooms allow. Write w(s, r) for the pairs of s's
+//     documents that server r computes; the dispatch is at least the sum over s != r of
+//     2 sqrt(q kv w(s, r)). A plan may chain work (r takes s's work and hands its own on to r'),
+//     but no chain lowers that sum: moving d = min(w(s, r), w(r, r')) so that s sends to r'
+//     directly and r keeps its own changes it by sqrt(w(s, r) - d) - sqrt(w(s, r))
+//     + sqrt(w(r, r') - d) - sqrt(w(r, r')) + sqrt(w(s, r') + d) - sqrt(w(s, r')) <= 0 (one of
+//     the first two terms is -sqrt(d), the last at most sqrt(d)), keeps every server's load and
+//     ends (the pairs moved fall by d each time). Without chains a receiver takes in at most its
+//     room M - load, in pieces w <= room, each costing at least 2 sqrt(q kv) w / sqrt(room);
+//     the receivers take in the whole excess, so the dispatch is at least the least sum of
+//     I / sqrt(room) over intakes I <= room covering it: the largest rooms filled first.
 // Valid when every document lies on one rank (no receiver owns rows of another rank's
 // documents) and rows are not relayed (every row comes from its owner).
 #pragma once
@@ -30,7 +41,9 @@ struct DispatchBounds {
   int64_t max_pairs = 0;      // the load cap M the bounds hold for (causal pairs)
   double max_send = 0;        // bytes: the busiest sender's dispatch
   double max_recv = 0;        // bytes: the busiest receiver's dispatch
-  double total = 0;           // bytes: Q + K/V of the whole dispatch
+  double total = 0;           // bytes: Q + K/V of the whole dispatch, the larger of:
+  double total_by_senders = 0;  //   the senders' bounds summed
+  double total_by_rooms = 0;    //   the receivers' rooms
 };
 
 // Bounds for every plan whose largest server load is at most max_pairs causal pairs.
