@@ -4,8 +4,9 @@
 //   minmax  ours: max load <= (1 + eps) * mean whenever the shards allow it, fewest bytes
 //   minbytes ours: the same bound, moving query x key blocks (key-range splits) shaped for the
 //           fewest bytes on the busiest rank
-//   minlink ours, the default: of minbytes as it is and with its largest blocks (on two threads),
-//           the plan balanced to eps whose step has the least busy links (planner_minlink.cc)
+//   minlink ours, the default: of minbytes as it is and with its largest blocks and hosts (on two
+//           threads), the plan balanced to eps whose step has the least busy links
+//           (planner_minlink.cc)
 #pragma once
 
 #include <cstdint>
