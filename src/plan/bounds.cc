@@ -7,7 +7,12 @@
 
 namespace distca::plan {
 
-DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs) {
+namespace {
+
+// The bounds for rows of q bytes and keys of kv bytes. split_extra > 0 (a stateful step): a row a
+// server computes only part of costs that much more (the merged O/LSE again), and a piece's
+// bytes are at least max(unit sqrt(w), unit_split sqrt(w) - per_piece) (bounds.h).
+DispatchBounds bounds(const Batch& batch, double q, double kv, double split_extra, int64_t max_pairs) {
   DispatchBounds b;
   b.max_pairs = max_pairs;
   for (const auto& pieces : batch.doc_pieces) {
@@ -20,7 +25,13 @@ DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes
   std::vector<double> load(r, 0.0);
   for (const Piece& p : batch.pieces) load[p.rank] += static_cast<double>(causal_pairs(p.begin, p.end));
   const auto m = static_cast<double>(max_pairs);
-  const double unit = 2 * std::sqrt(static_cast<double>(bytes.q) * static_cast<double>(bytes.kv));
+  const double unit = 2 * std::sqrt(q * kv);
+  const double o = split_extra;
+  const double unit_split = o > 0 ? 2 * std::sqrt((q + o - o * o / (2 * kv)) * kv) : 0.0;
+  const double per_piece = o / 2 + kv / 8;
+  std::vector<double> docs_on(r, 0.0);  // documents per rank (each lies on one)
+  for (const Piece& p : batch.pieces) docs_on[p.rank] += 1;
+  double sender_docs = 0;
   // Senders: out >= excess (more if they also take work in), in pieces of at most m (no server
   // ends above m); fewest bytes in whole pieces of m.
   std::vector<double> room;  // of the servers below m
@@ -32,12 +43,15 @@ DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes
     }
     double left = load[s] - m;
     excess += left;
-    double send = 0;
+    sender_docs += docs_on[s];
+    double roots = 0;  // least sum of sqrt(piece) over its pieces
     for (int32_t k = 0; k + 1 < r && left > 0; ++k) {
       const double w = std::min(m, left);
-      send += unit * std::sqrt(w);
+      roots += std::sqrt(w);
       left -= w;
     }
+    // At most one piece per other server and document.
+    const double send = std::max(unit * roots, unit_split * roots - (r - 1) * docs_on[s] * per_piece);
     b.max_send = std::max(b.max_send, send);
     b.total += send;
   }
@@ -51,7 +65,8 @@ DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes
     for (double c : room) sum += std::min(c, t);
     if (sum >= excess) hi = t; else lo = t;
   }
-  b.max_recv = excess > 0 ? unit * std::sqrt(lo) : 0.0;
+  // At most one piece per sender's document.
+  b.max_recv = excess > 0 ? std::max(unit * std::sqrt(lo), unit_split * std::sqrt(lo) - sender_docs * per_piece) : 0.0;
   // The whole dispatch, by the receivers' rooms: at least unit x sum of I / sqrt(room) over the
   // receivers, each taking I <= room, all of them the excess; least for the largest rooms
   // filled first.
@@ -70,6 +85,12 @@ DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes
   return b;
 }
 
+}  // namespace
+
+DispatchBounds dispatch_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs) {
+  return bounds(batch, static_cast<double>(bytes.q), static_cast<double>(bytes.kv), 0.0, max_pairs);
+}
+
 LinkBounds link_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs) {
   LinkBounds b;
   b.max_pairs = max_pairs;
@@ -78,10 +99,10 @@ LinkBounds link_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_
     b.why_not = fwd.why_not;
     return b;
   }
-  TokenBytes step_rows = bytes;  // what a row costs over the four phases of a stateful step
-  step_rows.q = bytes.q + bytes.out + bytes.bwd_do + bytes.bwd_dq;
-  step_rows.kv = bytes.kv + bytes.bwd_dkv;
-  const DispatchBounds step = dispatch_lower_bounds(batch, step_rows, max_pairs);
+  // What a row costs over the four phases of a stateful step, and a split row's merged O/LSE.
+  const auto q_step = static_cast<double>(bytes.q + bytes.out + bytes.bwd_do + bytes.bwd_dq);
+  const auto kv_step = static_cast<double>(bytes.kv + bytes.bwd_dkv);
+  const DispatchBounds step = bounds(batch, q_step, kv_step, static_cast<double>(bytes.out), max_pairs);
   b.fwd_dispatch = std::max(fwd.max_send, fwd.max_recv);
   b.step = std::max(step.max_send, step.max_recv);
   b.is_computed = true;

@@ -333,5 +333,33 @@ TEST(PlanMinlink, HostsMakeRoomForLargerBlocksWhenASendersExcessIsManyRooms) {
   EXPECT_LE(link_bound.fwd_dispatch, static_cast<double>(ml_links.fwd_dispatch));
 }
 
+// A stateful step's bound counts what a key-split row costs more (its merged O/LSE again with
+// dO): at 32/8 heads in bf16 it is sqrt((Q + o - o^2 / 2K) / Q) = 1.080x the bound that counts
+// every row as whole (bounds.h), less a few MB; and every policy's plan is above it.
+TEST(LinkBounds, TheStepBoundCountsTheMergedOutputsOfSplitRows) {
+  std::vector<std::vector<int64_t>> ranks(32, std::vector<int64_t>(16, 1024));
+  ranks[0] = {16384};
+  const Batch b = batch_from_ranks(ranks, 16384).value();
+  const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  const TokenBytes& tb = cost.token_bytes();
+  for (const std::string& name : planner_names()) {
+    const Plan p = make(find_planner(name).value(), b, cost, PlannerOptions{0.05, 128, 0});
+    const int64_t max_pairs = *std::max_element(p.server_pairs.begin(), p.server_pairs.end());
+    const LinkBounds bound = link_lower_bounds(b, tb, max_pairs);
+    ASSERT_TRUE(bound.is_computed) << bound.why_not;
+    TokenBytes whole = tb;  // every row counted as whole: the step's per-row costs, no surcharge
+    whole.q = tb.q + tb.out + tb.bwd_do + tb.bwd_dq;
+    whole.kv = tb.kv + tb.bwd_dkv;
+    const DispatchBounds as_whole = dispatch_lower_bounds(b, whole, max_pairs);
+    const double old_step = std::max(as_whole.max_send, as_whole.max_recv);
+    if (old_step > 0) {
+      EXPECT_GT(bound.step, 1.07 * old_step) << name;
+      EXPECT_LT(bound.step, 1.081 * old_step) << name;
+    }
+    const LinkSummary links = busiest_links(count_traffic(b, tb, p.tasks, BackwardMode::kStateful));
+    EXPECT_LE(bound.step, static_cast<double>(links.step)) << name;
+  }
+}
+
 }  // namespace
 }  // namespace distca::plan
