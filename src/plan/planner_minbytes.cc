@@ -144,6 +144,14 @@ class MinbytesPlanner {
       plan.is_within_budget = is_budget_feasible_ && fwd.max_send_bytes <= budget_ && fwd.max_recv_bytes <= budget_;
     }
     plan.note = plan.is_balanced ? "bound met" : "bound not met";
+    if (!hosted.empty()) {
+      std::vector<int32_t> hosted_senders;
+      for (const Hosting& h : hosted) hosted_senders.push_back(h.sender);
+      std::sort(hosted_senders.begin(), hosted_senders.end());
+      hosted_senders.erase(std::unique(hosted_senders.begin(), hosted_senders.end()), hosted_senders.end());
+      plan.note += fmt::format(", {} host receivers for {} sender{}", hosted.size(), hosted_senders.size(),
+                               hosted_senders.size() == 1 ? "" : "s");
+    }
     if (!plan.is_balanced && !stuck_.empty()) {
       // Name the busiest server of the finished plan (a server that got stuck early may have been
       // passed by another one), and why its work could not move.

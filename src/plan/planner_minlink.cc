@@ -51,7 +51,7 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
     const char* name;
     MinbytesShape shape;
   };
-  static const Shape kShapes[] = {{"minbytes with the largest blocks and hosts", {kLargest, 0.9}},
+  static const Shape kShapes[] = {{"minbytes with the largest blocks", {kLargest, 0.9}},
                                   {"minbytes", {1.0, 0.0}}};
   constexpr int n = 2;
   std::vector<Candidate> candidates(n);
@@ -90,11 +90,14 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
     if (tie && c->total_bytes < best->total_bytes) best = c;
   }
   Plan plan = std::move(best->plan);  // finalized by minbytes at this eps: only the name changes
+  std::string detail = plan.note;     // minbytes' note, less a met bound's "bound met"
+  if (detail == "bound met") detail.clear();
+  if (detail.rfind("bound met, ", 0) == 0) detail.erase(0, 11);
   plan.policy = "minlink";
   plan.note = fmt::format("{} of {} candidates: {}{}", plan.is_balanced ? (best == least ? "the least busy link" : "a link within 0.5 % of the least busy, with fewer bytes")
                                             : "the most balanced",
                           candidates.size(), best->name,
-                          plan.note.empty() || plan.note == "bound met" ? "" : " (" + plan.note + ")");
+                          detail.empty() ? "" : " (" + detail + ")");
   return plan;
 }
 
