@@ -75,18 +75,16 @@ LinkSummary busiest_links(const Traffic& traffic) {
   return s;
 }
 
-Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
-                      BackwardMode mode) {
-  const bool is_stateless = mode == BackwardMode::kStateless;
-  const int32_t r = batch.num_ranks;
-  std::array<FlowAccumulator, kNumPhases> acc{FlowAccumulator(r), FlowAccumulator(r),
-                                              FlowAccumulator(r), FlowAccumulator(r)};
-  auto& fwd_dispatch = acc[static_cast<int>(Phase::kFwdDispatch)];
-  auto& fwd_return = acc[static_cast<int>(Phase::kFwdReturn)];
-  auto& bwd_dispatch = acc[static_cast<int>(Phase::kBwdDispatch)];
-  auto& bwd_return = acc[static_cast<int>(Phase::kBwdReturn)];
-  CommSummary fwd;
+namespace {
 
+// Every transfer of a layer's four phases, as fn(phase, src, dst, bytes), src != dst; and the
+// forward dispatch's Q, K/V and O bytes into `fwd`.
+template <typename Fn>
+void for_each_transfer(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks, BackwardMode mode,
+                       CommSummary& fwd, Fn&& fn) {
+  const bool is_stateless = mode == BackwardMode::kStateless;
+  constexpr int kDispatch = static_cast<int>(Phase::kFwdDispatch), kReturn = static_cast<int>(Phase::kFwdReturn);
+  constexpr int kBwdDispatch = static_cast<int>(Phase::kBwdDispatch), kBwdReturn = static_cast<int>(Phase::kBwdReturn);
   // 1. Query-side rows: from their owners to each task's server and back (a row in several
   //    tasks, a key-range split, travels once per task). Stateful, the rows of a split task
   //    (k0 > 0 or non-causal: each of its rows is in several tasks) also carry the final O and
@@ -96,10 +94,10 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
     const int64_t bwd_q = is_stateless ? bytes.bwd_q : bytes.bwd_do + (is_split ? bytes.out : 0);
     for_each_owner(batch, t.doc, t.q0, t.q1, [&](int32_t owner, int64_t rows) {
       if (owner == t.server) return;
-      fwd_dispatch.add(owner, t.server, rows * bytes.q);
-      fwd_return.add(t.server, owner, rows * bytes.out);
-      bwd_dispatch.add(owner, t.server, rows * bwd_q);
-      bwd_return.add(t.server, owner, rows * bytes.bwd_dq);
+      fn(kDispatch, owner, t.server, rows * bytes.q);
+      fn(kReturn, t.server, owner, rows * bytes.out);
+      fn(kBwdDispatch, owner, t.server, rows * bwd_q);
+      fn(kBwdReturn, t.server, owner, rows * bytes.bwd_dq);
       fwd.q_bytes += rows * bytes.q;
       fwd.out_bytes += rows * bytes.out;
     });
@@ -113,9 +111,9 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
   auto send_kv = [&](int32_t doc, int32_t server, int64_t k0, int64_t k1) {
     for_each_owner(batch, doc, k0, k1, [&](int32_t owner, int64_t rows) {
       if (owner == server) return;
-      fwd_dispatch.add(owner, server, rows * bytes.kv);
-      if (is_stateless) bwd_dispatch.add(owner, server, rows * bytes.kv);
-      bwd_return.add(server, owner, rows * bytes.bwd_dkv);
+      fn(kDispatch, owner, server, rows * bytes.kv);
+      if (is_stateless) fn(kBwdDispatch, owner, server, rows * bytes.kv);
+      fn(kBwdReturn, server, owner, rows * bytes.bwd_dkv);
       fwd.kv_bytes += rows * bytes.kv;
     });
   };
@@ -135,7 +133,18 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
     send_kv(doc, server, k0, k1);
     i = j;
   }
+}
 
+}  // namespace
+
+Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
+                      BackwardMode mode) {
+  const int32_t r = batch.num_ranks;
+  std::array<FlowAccumulator, kNumPhases> acc{FlowAccumulator(r), FlowAccumulator(r),
+                                              FlowAccumulator(r), FlowAccumulator(r)};
+  CommSummary fwd;
+  for_each_transfer(batch, bytes, tasks, mode, fwd,
+                    [&](int phase, int32_t src, int32_t dst, int64_t n) { acc[phase].add(src, dst, n); });
   Traffic traffic;
   for (int p = 0; p < kNumPhases; ++p) traffic.phases[p] = acc[p].fold();
   const auto& d = traffic.phases[static_cast<int>(Phase::kFwdDispatch)];
@@ -147,6 +156,31 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
   }
   traffic.forward = fwd;
   return traffic;
+}
+
+LinkSummary busiest_links(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
+                          BackwardMode mode, int64_t* total_bytes) {
+  const int32_t r = batch.num_ranks;
+  std::array<std::vector<int64_t>, kNumPhases> send, recv;
+  for (int p = 0; p < kNumPhases; ++p) {
+    send[p].assign(r, 0);
+    recv[p].assign(r, 0);
+  }
+  int64_t total = 0;
+  CommSummary fwd;
+  for_each_transfer(batch, bytes, tasks, mode, fwd, [&](int phase, int32_t src, int32_t dst, int64_t n) {
+    send[phase][src] += n;
+    recv[phase][dst] += n;
+    total += n;
+  });
+  LinkSummary s;
+  for (int p = 0; p < kNumPhases; ++p) {
+    for (int32_t k = 0; k < r; ++k) s.busiest[p] = std::max({s.busiest[p], send[p][k], recv[p][k]});
+    s.step += s.busiest[p];
+  }
+  s.fwd_dispatch = s.busiest[static_cast<int>(Phase::kFwdDispatch)];
+  if (total_bytes != nullptr) *total_bytes = total;
+  return s;
 }
 
 LoadSummary summarize_load(const std::vector<double>& seconds, const std::vector<int64_t>& pairs) {

@@ -62,10 +62,10 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
       failed[i] = p.status();
       return;
     }
-    const Traffic stateful = count_traffic(batch, cost.token_bytes(), p.value().tasks, BackwardMode::kStateful);
     int64_t total = 0;
-    for (const PhaseTraffic& t : stateful.phases) total += t.total_bytes;
-    candidates[i] = Candidate{kShapes[i].name, std::move(p).value(), busiest_links(stateful), total};
+    const LinkSummary links =
+        busiest_links(batch, cost.token_bytes(), p.value().tasks, BackwardMode::kStateful, &total);
+    candidates[i] = Candidate{kShapes[i].name, std::move(p).value(), links, total};
   };
   std::thread other(plan_one, 1);
   plan_one(0);

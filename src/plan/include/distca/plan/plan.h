@@ -94,6 +94,10 @@ struct LinkSummary {
   int64_t step = 0;                           // the sum over the phases: a step's exchanges, one after the other
 };
 LinkSummary busiest_links(const Traffic& traffic);
+// The same from the tasks directly, without the flows (what a planner comparing plans needs);
+// total_bytes, if given, gets the bytes of all four phases.
+LinkSummary busiest_links(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
+                          BackwardMode mode, int64_t* total_bytes = nullptr);
 
 struct LoadSummary {
   double max = 0;
