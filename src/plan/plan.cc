@@ -104,10 +104,6 @@ void for_each_transfer(const Batch& batch, const TokenBytes& bytes, const std::v
   }
 
   // 2. Key/value rows: once per (document, server), the union of that server's key ranges.
-  std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t>> ranges;  // (doc, server, k0, k1)
-  ranges.reserve(tasks.size());
-  for (const Task& t : tasks) ranges.emplace_back(t.doc, t.server, t.k0, t.k1);
-  std::sort(ranges.begin(), ranges.end());
   auto send_kv = [&](int32_t doc, int32_t server, int64_t k0, int64_t k1) {
     for_each_owner(batch, doc, k0, k1, [&](int32_t owner, int64_t rows) {
       if (owner == server) return;
@@ -117,6 +113,24 @@ void for_each_transfer(const Batch& batch, const TokenBytes& bytes, const std::v
       fwd.kv_bytes += rows * bytes.kv;
     });
   };
+  // Tasks grouped by (server, document), as finalize_plan orders them: each group's ranges sorted
+  // on their own; else all of them at once.
+  std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t>> ranges;  // (doc, server, k0, k1)
+  ranges.reserve(tasks.size());
+  for (const Task& t : tasks) ranges.emplace_back(t.doc, t.server, t.k0, t.k1);
+  const auto group = [](const auto& a, const auto& b) {
+    return std::tie(std::get<1>(a), std::get<0>(a)) < std::tie(std::get<1>(b), std::get<0>(b));
+  };
+  if (std::is_sorted(ranges.begin(), ranges.end(), group)) {
+    for (size_t i = 0; i < ranges.size();) {
+      size_t j = i + 1;
+      while (j < ranges.size() && !group(ranges[i], ranges[j])) ++j;
+      std::sort(ranges.begin() + static_cast<std::ptrdiff_t>(i), ranges.begin() + static_cast<std::ptrdiff_t>(j));
+      i = j;
+    }
+  } else {
+    std::sort(ranges.begin(), ranges.end());
+  }
   for (size_t i = 0; i < ranges.size();) {
     auto [doc, server, k0, k1] = ranges[i];
     size_t j = i + 1;
