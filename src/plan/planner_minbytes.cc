@@ -432,6 +432,7 @@ class MinbytesPlanner {
   std::vector<Hosting> reserve_hosts(const std::vector<int32_t>& senders, double& excess) {
     std::vector<Hosting> hosted;
     const double block = host_fill_ * cap_;
+    if (!(block > 0)) return hosted;
     // The receivers by what handing on their own work costs until the block fits: their largest
     // bands first (a band of n rows moved whole costs n rows of Q and K/V, for about n^2 / 2
     // pairs, so long documents hand on cheaply).

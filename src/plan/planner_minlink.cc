@@ -44,8 +44,9 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
   // Measured with distca bench planner --fresh 3 (16 batches) at eps 0.02, 0.05 and auto, the
   // worst step link over its bound: 1.631, 1.640 and 1.521 of minbytes and its largest-blocks
   // variant without hosts, against 1.299, 1.287 and 1.305 with this pair (1.203, 1.192 and
-  // 1.209 once the bound counted split rows' merged outputs), for up to 2.5 x the bytes. The largest-blocks variant without hosts, minbytes at eps/2, eps/4 and eps/8, minmax
-  // and the paper's planner added nothing to the worst case and were dropped.
+  // 1.209 once the bound counted split rows' merged outputs), for up to 2.5 x the bytes. The
+  // largest-blocks variant without hosts, minbytes at eps/2, eps/4 and eps/8, minmax and the
+  // paper's planner added nothing to the worst case and were dropped.
   constexpr double kLargest = std::numeric_limits<double>::infinity();
   struct Shape {
     const char* name;
@@ -94,9 +95,10 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
   if (detail == "bound met") detail.clear();
   if (detail.rfind("bound met, ", 0) == 0) detail.erase(0, 11);
   plan.policy = "minlink";
-  plan.note = fmt::format("{} of {} candidates: {}{}", plan.is_balanced ? (best == least ? "the least busy link" : "a link within 0.5 % of the least busy, with fewer bytes")
-                                            : "the most balanced",
-                          candidates.size(), best->name,
+  const char* why = !plan.is_balanced ? "the most balanced"
+                    : best == least  ? "the least busy link"
+                                     : "a link within 0.5 % of the least busy, with fewer bytes";
+  plan.note = fmt::format("{} of {} candidates: {}{}", why, candidates.size(), best->name,
                           detail.empty() ? "" : " (" + detail + ")");
   return plan;
 }
