@@ -157,8 +157,16 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
         ASSERT_LE(bound.max_recv, static_cast<double>(*std::max_element(d.recv_bytes.begin(), d.recv_bytes.end())) * slack);
       }
       // So do the busiest-link bounds, of the forward dispatch and of a stateful step.
-      const LinkSummary links =
-          busiest_links(count_traffic(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateful));
+      const Traffic stateful = count_traffic(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateful);
+      const LinkSummary links = busiest_links(stateful);
+      // The flow-free form (what minlink compares its candidates by) agrees with the flows.
+      int64_t total = 0, flows_total = 0;
+      const LinkSummary direct =
+          busiest_links(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateful, &total);
+      for (const PhaseTraffic& t : stateful.phases) flows_total += t.total_bytes;
+      ASSERT_EQ(direct.busiest, links.busiest);
+      ASSERT_EQ(direct.step, links.step);
+      ASSERT_EQ(total, flows_total);
       const LinkBounds link_bound = link_lower_bounds(
           c.batch, c.cost.token_bytes(), *std::max_element(plan.server_pairs.begin(), plan.server_pairs.end()));
       if (link_bound.is_computed) {
