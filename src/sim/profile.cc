@@ -48,40 +48,50 @@ Status Profile::validate() const {
   return Status::ok();
 }
 
-double Profile::attention_seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, int64_t hq, int64_t head_dim,
-                                  bool is_backward) const {
-  if (q_rows <= 0 || pairs <= 0) return 0;
+AttentionPricer::AttentionPricer(const Profile& profile, int64_t hq, int64_t head_dim)
+    : config_(&profile.attention[0]), hq_(hq), head_dim_(head_dim) {
   // The closest head configuration by head dim, then by heads.
-  const AttentionProfile* best = &attention[0];
-  for (const AttentionProfile& a : attention) {
-    auto score = [&](const AttentionProfile& x) {
-      return std::abs(std::log2(static_cast<double>(x.head_dim) / head_dim)) * 100 +
-             std::abs(std::log2(static_cast<double>(x.num_q_heads) / hq));
-    };
-    if (score(a) < score(*best)) best = &a;
-  }
-  const double factor = is_backward ? 2.5 : 1.0;
-  auto throughput = [&](const AttentionPoint& p) {
-    const double flops = 4.0 * best->head_dim * best->num_q_heads * static_cast<double>(shard_pairs(p.q_tokens, p.kv_tokens)) * factor;
-    return flops / (is_backward ? p.bwd_seconds : p.fwd_seconds);
+  auto score = [&](const AttentionProfile& x) {
+    return std::abs(std::log2(static_cast<double>(x.head_dim) / head_dim)) * 100 +
+           std::abs(std::log2(static_cast<double>(x.num_q_heads) / hq));
   };
-  const auto& pts = best->points;
+  for (const AttentionProfile& a : profile.attention) {
+    if (score(a) < score(*config_)) config_ = &a;
+  }
+  for (const AttentionPoint& p : config_->points) {
+    log_kv_.push_back(std::log(static_cast<double>(p.kv_tokens)));
+    for (const bool is_backward : {false, true}) {
+      const double flops = 4.0 * config_->head_dim * config_->num_q_heads *
+                           static_cast<double>(shard_pairs(p.q_tokens, p.kv_tokens)) * (is_backward ? 2.5 : 1.0);
+      rate_[is_backward].push_back(flops / (is_backward ? p.bwd_seconds : p.fwd_seconds));
+    }
+  }
+}
+
+double AttentionPricer::seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, bool is_backward) const {
+  if (q_rows <= 0 || pairs <= 0) return 0;
+  const auto& pts = config_->points;
+  const std::vector<double>& rates = rate_[is_backward];
   double rate = 0;
   if (kv_rows <= pts.front().kv_tokens) {
-    rate = throughput(pts.front());
+    rate = rates.front();
   } else if (kv_rows >= pts.back().kv_tokens) {
-    rate = throughput(pts.back());
+    rate = rates.back();
   } else {
     size_t i = 1;
     while (pts[i].kv_tokens < kv_rows) ++i;
-    const double x0 = std::log(static_cast<double>(pts[i - 1].kv_tokens));
-    const double x1 = std::log(static_cast<double>(pts[i].kv_tokens));
+    const double x0 = log_kv_[i - 1], x1 = log_kv_[i];
     const double w = x1 > x0 ? (std::log(static_cast<double>(kv_rows)) - x0) / (x1 - x0) : 1.0;
-    rate = throughput(pts[i - 1]) * (1 - w) + throughput(pts[i]) * w;
+    rate = rates[i - 1] * (1 - w) + rates[i] * w;
   }
-  if (q_rows < best->tile_rows) rate *= static_cast<double>(q_rows) / static_cast<double>(best->tile_rows);
-  const double flops = 4.0 * head_dim * hq * static_cast<double>(pairs) * factor;
-  return flops / rate + best->task_overhead_seconds;
+  if (q_rows < config_->tile_rows) rate *= static_cast<double>(q_rows) / static_cast<double>(config_->tile_rows);
+  const double flops = 4.0 * head_dim_ * hq_ * static_cast<double>(pairs) * (is_backward ? 2.5 : 1.0);
+  return flops / rate + config_->task_overhead_seconds;
+}
+
+double Profile::attention_seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, int64_t hq, int64_t head_dim,
+                                  bool is_backward) const {
+  return AttentionPricer(*this, hq, head_dim).seconds(q_rows, kv_rows, pairs, is_backward);
 }
 
 const LinearEntry* Profile::find_linear(const std::string& model) const {

@@ -60,9 +60,8 @@ plan::ThroughputProfile planner_profile(const Ctx& c) {
 // Attention seconds per server of one layer (forward or backward) of a task list.
 std::vector<double> server_seconds(const Ctx& c, const std::vector<plan::Task>& tasks, int R, bool is_backward) {
   std::vector<double> s(static_cast<size_t>(R), 0.0);
-  for (const plan::Task& t : tasks) {
-    s[t.server] += c.prof.attention_seconds(t.q_len(), t.k1 - t.k0, t.pairs(), c.hq, c.head_dim, is_backward);
-  }
+  const AttentionPricer price(c.prof, c.hq, c.head_dim);
+  for (const plan::Task& t : tasks) s[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), is_backward);
   return s;
 }
 
@@ -537,9 +536,10 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
   const int R = batch.num_ranks;
   const int64_t hq = model.q_heads_per_rank();
   std::vector<double> af(R, 0.0), ab(R, 0.0), tokens(R, 0.0);
+  const AttentionPricer price(profile, hq, model.head_dim);
   for (const plan::Task& t : tasks) {
-    af[t.server] += profile.attention_seconds(t.q_len(), t.k1 - t.k0, t.pairs(), hq, model.head_dim, false);
-    ab[t.server] += profile.attention_seconds(t.q_len(), t.k1 - t.k0, t.pairs(), hq, model.head_dim, true);
+    af[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), false);
+    ab[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), true);
   }
   for (const plan::Piece& p : batch.pieces) tokens[p.rank] += static_cast<double>(p.length());
   const plan::Traffic traffic =

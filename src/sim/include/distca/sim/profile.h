@@ -10,6 +10,7 @@
 //   links      intra-node and inter-node, per GPU and direction (alpha-beta).
 //   memory     bytes of device memory per GPU (optional: 0 when unknown, and then not checked).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -67,6 +68,21 @@ struct Profile {
   // profiled head configuration, scaled by FLOPs).
   double attention_seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, int64_t hq, int64_t head_dim,
                            bool is_backward) const;
+};
+
+// Profile::attention_seconds for one head configuration, with what it works out on every call
+// (the closest profiled configuration, each point's rate and log key count) done once: the same
+// numbers, for code that prices every task of a plan.
+class AttentionPricer {
+ public:
+  AttentionPricer(const Profile& profile, int64_t hq, int64_t head_dim);
+  double seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, bool is_backward) const;
+
+ private:
+  const AttentionProfile* config_;
+  int64_t hq_, head_dim_;
+  std::vector<double> log_kv_;                 // per point
+  std::array<std::vector<double>, 2> rate_;    // per point: FLOP/s forward, backward
 };
 
 // Causal pairs of the last q rows of a kv-row prefix.
