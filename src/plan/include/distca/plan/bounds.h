@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "distca/plan/batch.h"
 #include "distca/plan/cost.h"
@@ -77,5 +78,11 @@ struct LinkBounds {
   double step = 0;          // bytes: the sum over the four phases (stateful) of each one's busiest link
 };
 LinkBounds link_lower_bounds(const Batch& batch, const TokenBytes& bytes, int64_t max_pairs);
+
+// The step's bound (LinkBounds::step) at each of `max_pairs`, with the same arithmetic where
+// documents may span ranks. It is no bound there (a document's other owners hold its rows for
+// free), but it follows how the busiest link grows as the cap shrinks, which --tolerance auto
+// needs to predict a balance it has not planned.
+std::vector<double> step_link_estimates(const Batch& batch, const TokenBytes& bytes, const std::vector<int64_t>& max_pairs);
 
 }  // namespace distca::plan
