@@ -7,7 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
-#include <thread>
+
+#include "distca/plan/bounds.h"
 
 namespace distca::sim {
 
@@ -19,43 +20,79 @@ double linear_seconds_per_token(const ModelShape& m, const Profile& profile) {
   return flops / profile.linear_flops_per_second;
 }
 
-LayerStepPrediction predicted_layer_step(const Plan& plan, const Batch& batch, const ModelShape& model,
-                                    const Profile& profile, const Link& link, bool stateless) {
-  const int32_t r = batch.num_ranks;
-  std::vector<double> fwd(r, 0.0), bwd(r, 0.0);
-  for (const Task& t : plan.tasks) {
-    fwd[t.server] += profile.attention_seconds(t.q_len(), t.k1 - t.k0, t.pairs(), model.q_heads_per_rank(),
-                                               model.head_dim, false);
-    bwd[t.server] += profile.attention_seconds(t.q_len(), t.k1 - t.k0, t.pairs(), model.q_heads_per_rank(),
-                                               model.head_dim, true);
-  }
-  std::vector<int64_t> tokens(r, 0);
-  for (const Piece& p : batch.pieces) tokens[p.rank] += p.length();
-  const double lin_f = static_cast<double>(*std::max_element(tokens.begin(), tokens.end())) *
-                       linear_seconds_per_token(model, profile);
+namespace {
+
+// A plan's step in the parts auto predicts for the rungs it has not planned.
+struct StepParts {
+  double linear_fwd = 0;                        // the fullest rank's linear layers, forward
+  double attn_fwd = 0, attn_bwd = 0;            // the slowest server's attention
+  std::array<double, kNumPhases> busiest{};     // bytes: each phase's busiest link
+};
+
+TokenBytes step_token_bytes(const ModelShape& model, bool stateless) {
   TokenBytes tb = token_bytes(model.q_heads_per_rank(), model.kv_heads_per_rank(), model.head_dim, model.dtype_bytes);
   if (stateless) tb.bwd_dkv = tb.kv;  // the paper's system returns dK/dV in the activation dtype
-  const Traffic traffic =
-      count_traffic(batch, tb, plan.tasks, stateless ? BackwardMode::kStateless : BackwardMode::kStateful);
+  return tb;
+}
+
+double fullest_rank_linear(const Batch& batch, const ModelShape& model, const Profile& profile) {
+  std::vector<int64_t> tokens(batch.num_ranks, 0);
+  for (const Piece& p : batch.pieces) tokens[p.rank] += p.length();
+  return static_cast<double>(*std::max_element(tokens.begin(), tokens.end())) * linear_seconds_per_token(model, profile);
+}
+
+// Per server, the profile's forward and backward seconds of `tasks`.
+void server_attention(const std::vector<Task>& tasks, int32_t ranks, const ModelShape& model, const Profile& profile,
+                      std::vector<double>& fwd, std::vector<double>& bwd) {
+  fwd.assign(ranks, 0.0);
+  bwd.assign(ranks, 0.0);
+  const AttentionPricer price(profile, model.q_heads_per_rank(), model.head_dim);
+  for (const Task& t : tasks) {
+    fwd[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), false);
+    bwd[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), true);
+  }
+}
+
+StepParts step_parts(const Plan& plan, const Batch& batch, const ModelShape& model, const Profile& profile,
+                     bool stateless) {
+  StepParts s;
+  s.linear_fwd = fullest_rank_linear(batch, model, profile);
+  std::vector<double> fwd, bwd;
+  server_attention(plan.tasks, batch.num_ranks, model, profile, fwd, bwd);
+  s.attn_fwd = *std::max_element(fwd.begin(), fwd.end());
+  s.attn_bwd = *std::max_element(bwd.begin(), bwd.end());
+  const LinkSummary links = busiest_links(batch, step_token_bytes(model, stateless), plan.tasks,
+                                          stateless ? BackwardMode::kStateless : BackwardMode::kStateful);
+  for (int k = 0; k < kNumPhases; ++k) s.busiest[k] = static_cast<double>(links.busiest[k]);
+  return s;
+}
+
+// As simulate prices a CAD iteration: every layer's operations last their slowest rank's time,
+// each nano-batch carries half of everything; the model's layers forward, then backward; an
+// exchange lasts its busiest link (exchange_seconds).
+LayerStepPrediction price_step(const StepParts& s, const ModelShape& model, const Link& link) {
   std::array<double, kNumPhases> phase{};
   for (int k = 0; k < kNumPhases; ++k) {
-    const PhaseTraffic& p = traffic.phases[k];
-    phase[k] = exchange_seconds(p.send_bytes, p.recv_bytes, link);
+    phase[k] = s.busiest[k] > 0 ? link.latency_seconds + s.busiest[k] / link.bytes_per_second : 0.0;
   }
-  const double attn_f = *std::max_element(fwd.begin(), fwd.end()), attn_b = *std::max_element(bwd.begin(), bwd.end());
-  // As simulate prices a CAD iteration: every layer's operations last their slowest rank's time,
-  // each nano-batch carries half of everything; the model's layers forward, then backward.
-  const LayerOps f{lin_f / 2, phase[0] / 2, attn_f / 2, phase[1] / 2};
-  const LayerOps b{2 * lin_f / 2, phase[2] / 2, attn_b / 2, phase[3] / 2};
+  const LayerOps f{s.linear_fwd / 2, phase[0] / 2, s.attn_fwd / 2, phase[1] / 2};
+  const LayerOps b{2 * s.linear_fwd / 2, phase[2] / 2, s.attn_bwd / 2, phase[3] / 2};
   const auto layers = static_cast<size_t>(std::max(1, model.num_layers));
   std::vector<std::array<LayerOps, 2>> ops(layers, {f, f});
   ops.resize(2 * layers, {b, b});
-  LayerStepPrediction s;
-  s.seconds = pingpong_seconds(ops) / static_cast<double>(layers);
-  s.linear = 3 * lin_f;
-  s.attention = attn_f + attn_b;
-  s.comm = phase[0] + phase[1] + phase[2] + phase[3];
-  return s;
+  LayerStepPrediction p;
+  p.seconds = pingpong_seconds(ops) / static_cast<double>(layers);
+  p.linear = 3 * s.linear_fwd;
+  p.attention = s.attn_fwd + s.attn_bwd;
+  p.comm = phase[0] + phase[1] + phase[2] + phase[3];
+  return p;
+}
+
+}  // namespace
+
+LayerStepPrediction predicted_layer_step(const Plan& plan, const Batch& batch, const ModelShape& model,
+                                    const Profile& profile, const Link& link, bool stateless) {
+  return price_step(step_parts(plan, batch, model, profile, stateless), model, link);
 }
 
 std::vector<double> auto_tolerance_ladder() {
@@ -69,6 +106,7 @@ nlohmann::json AutoTolerance::to_json() const {
   for (const ToleranceTry& t : tried) {
     tries.push_back({{"tolerance", t.tolerance},
                      {"predicted_step_seconds_per_layer", t.step.seconds},
+                     {"predicted_before_planning_seconds", t.predicted_seconds},
                      {"linear_seconds", t.step.linear},
                      {"attention_seconds", t.step.attention},
                      {"comm_seconds", t.step.comm},
@@ -76,73 +114,109 @@ nlohmann::json AutoTolerance::to_json() const {
                      {"is_balanced", t.is_balanced},
                      {"plan_ms", t.plan_ms}});
   }
+  nlohmann::json ladder = nlohmann::json::array();
+  for (const auto& [eps, seconds] : predicted) ladder.push_back({{"tolerance", eps}, {"predicted_step_seconds_per_layer", seconds}});
   return {{"tolerance", tolerance},
           {"tried", tries},
-          {"rule", "of eps = 0.2, 0.1, ..., 0.2/128, the plan whose predicted step (one layer, forward + backward, "
-                   "two ping-pong nano-batches on the profile) is fastest of those planned; the search plans 0.05 and "
-                   "0.025 first (the looser side if 0.025 is not faster) and walks on in the direction that wins while "
-                   "each step is at least 0.2 % faster, two rungs at a time on two threads"}};
+          {"ladder_predicted", ladder},
+          {"rule", fmt::format("of eps = 0.2, 0.1, ..., 0.2/128, the plan whose step (one layer, forward + backward, two "
+                               "ping-pong nano-batches on the profile) is fastest of those planned; auto predicts every "
+                               "eps from the unplanned layout and the link estimate (plan/bounds.h), scaled by the plan "
+                               "nearest it once there is one, and plans the one predicted fastest while it is predicted "
+                               "at least {:g} % faster than the fastest plan so far, {} plans at most",
+                               100 * kAutoToleranceGain, kAutoMaxPlans)}};
 }
 
 Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, PlannerOptions options,
                                      PlanFn planner, const Profile& profile, const Link& link, bool stateless) {
   const std::vector<double> ladder = auto_tolerance_ladder();
   const int n = static_cast<int>(ladder.size());
+  const ModelShape& model = cost.model();
+  const int32_t ranks = batch.num_ranks;
+
+  // The unplanned layout: every piece a causal task at home. Its busiest rank's work in the
+  // planners' seconds, and how the profile prices a second of that work forward and backward.
+  std::vector<Task> home;
+  for (const Piece& p : batch.pieces) home.push_back(Task{p.doc, p.begin, p.end, 0, p.end, p.rank});
+  std::vector<double> own(ranks, 0.0), fwd, bwd;
+  for (const Task& t : home) own[t.server] += cost.task_seconds(t.q_len(), t.pairs(), t.k1 - t.k0);
+  server_attention(home, ranks, model, profile, fwd, bwd);
+  const double heaviest = *std::max_element(own.begin(), own.end());
+  double own_total = 0, fwd_total = 0, bwd_total = 0, pairs_total = 0;
+  for (int32_t r = 0; r < ranks; ++r) own_total += own[r], fwd_total += fwd[r], bwd_total += bwd[r];
+  for (const Task& t : home) pairs_total += static_cast<double>(t.pairs());
+  // The planners' cap is (1 + eps) x the mean of every document as one task: what the busiest
+  // server is held to, and the busiest link's estimate at that many pairs.
+  double docs_total = 0;
+  for (int32_t d = 0; d < batch.num_docs(); ++d) {
+    const int64_t len = batch.doc_lengths[d];
+    docs_total += cost.task_seconds(len, causal_pairs(0, len), len);
+  }
+  const TokenBytes tb = step_token_bytes(model, stateless);
+  // An ideal block (a rows, b keys with a Q = b K over the step) costs each phase this share of
+  // the step's bytes.
+  const std::array<double, kNumPhases> row_bytes{static_cast<double>(tb.q), static_cast<double>(tb.out),
+                                                 static_cast<double>(tb.bwd_do + tb.out), static_cast<double>(tb.bwd_dq)};
+  const std::array<double, kNumPhases> key_bytes{static_cast<double>(tb.kv), 0.0, 0.0, static_cast<double>(tb.bwd_dkv)};
+  const double row_total = row_bytes[0] + row_bytes[1] + row_bytes[2] + row_bytes[3];
+  const double key_total = key_bytes[0] + key_bytes[3];
+  std::vector<double> slowest(n);
+  std::vector<int64_t> max_pairs(n);
+  for (int k = 0; k < n; ++k) {
+    slowest[k] = std::min(heaviest, (1 + ladder[k]) * docs_total / ranks);
+    max_pairs[k] = static_cast<int64_t>(std::ceil((1 + ladder[k]) * pairs_total / ranks));
+  }
+  const std::vector<double> estimate = step_link_estimates(batch, tb, max_pairs);
+  const double linear_fwd = fullest_rank_linear(batch, model, profile);
+
   std::vector<std::optional<Plan>> plans(n);
+  std::vector<StepParts> parts(n);
   std::vector<ToleranceTry> tries(n);
-  std::vector<Status> failed(n);
-  auto plan_one = [&](int k) {
-    PlannerOptions o = options;
-    o.tolerance = ladder[k];
-    const auto start = std::chrono::steady_clock::now();
-    Result<Plan> p = planner(batch, cost, o);
-    if (!p.is_ok()) {
-      failed[k] = p.status();
-      return;
+  // A rung's step: planned, as priced; else predicted, scaled by the planned rung nearest it.
+  auto predict = [&](int k) {
+    if (plans[k]) return tries[k].step.seconds;
+    int near = -1;
+    for (int j = 0; j < n; ++j) {
+      if (plans[j] && (near < 0 || std::abs(j - k) < std::abs(near - k))) near = j;
     }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    tries[k] = ToleranceTry{ladder[k], predicted_layer_step(p.value(), batch, cost.model(), profile, link, stateless),
-                            p.value().is_balanced, ms};
-    plans[k] = std::move(p).value();
+    StepParts s;
+    s.linear_fwd = linear_fwd;
+    double to_fwd = own_total > 0 ? fwd_total / own_total : 0, to_bwd = own_total > 0 ? bwd_total / own_total : 0;
+    if (near >= 0 && slowest[near] > 0) {
+      to_fwd = parts[near].attn_fwd / slowest[near];
+      to_bwd = parts[near].attn_bwd / slowest[near];
+    }
+    s.attn_fwd = to_fwd * slowest[k];
+    s.attn_bwd = to_bwd * slowest[k];
+    for (int i = 0; i < kNumPhases; ++i) {
+      double per_estimate = kAutoLinkOverEstimate * (row_bytes[i] / row_total + key_bytes[i] / key_total) / 2;
+      if (near >= 0 && estimate[near] > 0) per_estimate = parts[near].busiest[i] / estimate[near];
+      s.busiest[i] = per_estimate * estimate[k];
+    }
+    return price_step(s, model, link).seconds;
   };
   AutoTolerance chosen;
-  // Plans the ladder's k and j (when in range and not planned yet) at once, on two threads.
-  auto plan_two = [&](int k, int j) -> Status {
-    const bool do_k = k >= 0 && k < n && !plans[k], do_j = j >= 0 && j < n && j != k && !plans[j];
-    std::optional<std::thread> other;
-    if (do_j) other.emplace(plan_one, j);
-    if (do_k) plan_one(k);
-    if (other) other->join();
-    for (const int i : {k, j}) {
-      if (i < 0 || i >= n || (i == k ? !do_k : !do_j)) continue;
-      DISTCA_RETURN_IF_ERROR(failed[i]);
-      chosen.tried.push_back(tries[i]);
+  int best = -1;  // the fastest plan so far
+  for (int planned = 0; planned < kAutoMaxPlans; ++planned) {
+    int next = -1;
+    double next_seconds = 0;
+    for (int k = 0; k < n; ++k) {
+      if (plans[k]) continue;
+      const double s = predict(k);
+      if (next < 0 || s < next_seconds) next = k, next_seconds = s;
     }
-    return Status::ok();
-  };
-  auto seconds = [&](int k) { return tries[k].step.seconds; };
-  const int start = static_cast<int>(std::find(ladder.begin(), ladder.end(), kAutoToleranceStart) - ladder.begin());
-  int best = start;
-  // The start and its tighter neighbour first (measured: the better first guess even where
-  // communication is exposed, since the busiest link is the largest sender's, whose excess barely
-  // grows as eps shrinks, while the slowest server's attention falls); the looser side if that is
-  // not faster. Then on in the direction that won while each step is at least kAutoToleranceGain
-  // faster, two rungs at a time (the second on a thread of its own, in case the first wins).
-  DISTCA_RETURN_IF_ERROR(plan_two(start, start + 1));
-  for (const int dir : {+1, -1}) {
-    bool moved = false;
-    for (int k = best + dir; k >= 0 && k < n; k += dir) {
-      if (!plans[k]) DISTCA_RETURN_IF_ERROR(plan_two(k, k + dir));
-      if (!(seconds(k) < seconds(best) * (1 - kAutoToleranceGain))) break;
-      best = k;
-      moved = true;
-    }
-    if (moved) break;
+    if (next < 0 || (best >= 0 && !(next_seconds < tries[best].step.seconds * (1 - kAutoToleranceGain)))) break;
+    options.tolerance = ladder[next];
+    const auto start = std::chrono::steady_clock::now();
+    DISTCA_ASSIGN_OR_RETURN(Plan p, planner(batch, cost, options));
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    parts[next] = step_parts(p, batch, model, profile, stateless);
+    tries[next] = ToleranceTry{ladder[next], price_step(parts[next], model, link), p.is_balanced, ms, next_seconds};
+    plans[next] = std::move(p);
+    chosen.tried.push_back(tries[next]);
+    if (best < 0 || tries[next].step.seconds < tries[best].step.seconds) best = next;
   }
-  // The fastest of all it planned (a rung that ended the walk, or one planned ahead, included).
-  for (int k = 0; k < n; ++k) {
-    if (plans[k] && seconds(k) < seconds(best)) best = k;
-  }
+  for (int k = 0; k < n; ++k) chosen.predicted.emplace_back(ladder[k], predict(k));
   chosen.tolerance = ladder[best];
   return AutoPlan{std::move(*plans[best]), std::move(chosen)};
 }

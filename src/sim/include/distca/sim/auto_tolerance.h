@@ -2,16 +2,24 @@
 //
 // A low eps balances attention more tightly but moves more work, so more bytes; a high eps moves
 // less but leaves the busiest server up to eps above the mean. Which is faster depends on how
-// much communication the linear layers and attention can hide, which the profile prices. So the
-// planner plans at eps from a ladder, prices each plan's step as the simulator does (one layer,
-// forward and backward, two ping-pong nano-batches: predicted_layer_step), and keeps the fastest.
+// much communication the linear layers and attention can hide, which the profile prices. A plan's
+// step is priced as the simulator does (one layer, forward and backward, two ping-pong
+// nano-batches: predicted_layer_step).
 //
-// The ladder: 0.2, 0.1, 0.05, ..., 0.2 / 128. The search plans 0.05 and its tighter neighbour
-// first, the looser side if that one is not faster, and walks on in the direction that wins while
-// each rung predicts a step at least kAutoToleranceGain faster (a smaller gain is within what the
-// profile can tell, and costs one more plan); so it assumes one valley. It plans two rungs at a
-// time on two threads (the second in case the first wins), 4 to 6 plans in 2 or 3 rounds, and
-// keeps the fastest of all it planned.
+// The ladder: 0.2, 0.1, 0.05, ..., 0.2 / 128. Planning every rung costs eight plans, so auto
+// predicts the rungs it has not planned and plans only where the prediction says to:
+//   - The slowest server's attention at eps: the busiest rank's own work (every piece at home),
+//     down to the planner's cap (1 + eps) x mean at most, priced as the profile prices that work.
+//   - Each phase's busiest link at eps: plan::step_link_estimates at a cap of (1 + eps) x the mean
+//     pairs (the step's link bound where no document spans ranks), split over the four phases as
+//     an ideal block's rows and keys cost them, times kAutoLinkOverEstimate.
+//   - Once a rung is planned, the predictions of the others take their scale from the planned
+//     rung nearest them: its slowest server's attention over the predicted, and each phase's
+//     busiest link over the estimate.
+// It plans the rung predicted fastest, then, while some rung it has not planned is predicted at
+// least kAutoToleranceGain faster than the fastest plan so far, that one (kAutoMaxPlans at most),
+// and keeps the fastest plan it made. Measured on distca bench planner's 16 batches: 1 to 3 plans
+// in place of 4 to 6 (README).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -47,21 +55,26 @@ struct LayerStepPrediction {
 LayerStepPrediction predicted_layer_step(const plan::Plan& plan, const plan::Batch& batch, const plan::ModelShape& model,
                                     const Profile& profile, const Link& link, bool stateless);
 
-// The ladder of eps auto picks from, loosest first, and where its search starts.
+// The ladder of eps auto picks from, loosest first; the eps a plan request that names none starts
+// from where auto does not apply (policy none).
 std::vector<double> auto_tolerance_ladder();
 inline constexpr double kAutoToleranceStart = 0.05;
 inline constexpr double kAutoToleranceGain = 0.002;
+inline constexpr int kAutoMaxPlans = 3;
+inline constexpr double kAutoLinkOverEstimate = 1.1;  // before any plan: the busiest link over its estimate
 
 struct ToleranceTry {
   double tolerance = 0;
   LayerStepPrediction step;
   bool is_balanced = false;
   double plan_ms = 0;
+  double predicted_seconds = 0;  // what auto predicted for this rung before it planned it
 };
 
 struct AutoTolerance {
   double tolerance = 0;            // the one picked
   std::vector<ToleranceTry> tried;  // in the order planned
+  std::vector<std::pair<double, double>> predicted;  // (eps, step seconds) of every rung, as last predicted
   nlohmann::json to_json() const;
 };
 
@@ -71,7 +84,7 @@ struct AutoPlan {
 };
 
 // Plans `batch` with `planner` at the ladder's eps (options.tolerance is ignored) as above and
-// returns the plan whose predicted step is fastest of those planned.
+// returns the plan whose step is fastest of those planned.
 Result<AutoPlan> plan_auto_tolerance(const plan::Batch& batch, const plan::CostModel& cost,
                                      plan::PlannerOptions options, plan::PlanFn planner, const Profile& profile,
                                      const Link& link, bool stateless);
