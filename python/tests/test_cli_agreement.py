@@ -419,7 +419,7 @@ def test_simulate_with_profile_agrees_with_cli(tmp_path, cli_simulation):
 
 def test_tolerance_is_auto_by_default_and_says_what_it_picked(small_batch):
     """The default policy is minlink and the default eps auto: of the ladder 0.2, 0.1, ..., 0.2/128, the plan with the fastest
-    predicted step of the 1 to 3 its search made (every rung predicted); the same plan as asking for that eps outright."""
+    predicted step of the few its search made (every rung predicted); the same plan as asking for that eps outright."""
     plan = distca.plan(small_batch)
     assert plan.policy == "minlink"  # the default policy: the least busy links
     report = plan.report()
@@ -427,7 +427,7 @@ def test_tolerance_is_auto_by_default_and_says_what_it_picked(small_batch):
     assert plan.tolerance == auto["tolerance"] == report["tolerance"]
     assert plan.tolerance in [0.2 / 2**k for k in range(8)]
     tried = auto["tried"]
-    assert 1 <= len(tried) <= 3 and len(auto["ladder_predicted"]) == 8
+    assert 1 <= len(tried) <= 8 and len(auto["ladder_predicted"]) == 8
     step = {t["tolerance"]: t["predicted_step_seconds_per_layer"] for t in tried}
     assert step[plan.tolerance] == min(step.values())
     assert distca.plan(small_batch, tolerance="auto").hash == plan.hash

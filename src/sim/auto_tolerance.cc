@@ -121,10 +121,12 @@ nlohmann::json AutoTolerance::to_json() const {
           {"ladder_predicted", ladder},
           {"rule", fmt::format("of eps = 0.2, 0.1, ..., 0.2/128, the plan whose step (one layer, forward + backward, two "
                                "ping-pong nano-batches on the profile) is fastest of those planned; auto predicts every "
-                               "eps from the unplanned layout and the link estimate (plan/bounds.h), scaled by the plan "
-                               "nearest it once there is one, and plans the one predicted fastest while it is predicted "
-                               "at least {:g} % faster than the fastest plan so far, {} plans at most",
-                               100 * kAutoToleranceGain, kAutoMaxPlans)}};
+                               "eps from the unplanned layout and the step link estimate (plan/bounds.h), scaled by the "
+                               "plan nearest it once there is one, and plans the one predicted fastest while it is "
+                               "predicted at least {0:g} % faster than the fastest plan so far, {1} plans at most; where "
+                               "a plan missed its prediction by more than {2:g} %, it then walks the ladder from the "
+                               "fastest plan each way while the next eps is {0:g} % faster",
+                               100 * kAutoToleranceGain, kAutoMaxPlans, 100 * kAutoTrustedMiss)}};
 }
 
 Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, PlannerOptions options,
@@ -179,6 +181,7 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
     for (int j = 0; j < n; ++j) {
       if (plans[j] && (near < 0 || std::abs(j - k) < std::abs(near - k))) near = j;
     }
+
     StepParts s;
     s.linear_fwd = linear_fwd;
     double to_fwd = own_total > 0 ? fwd_total / own_total : 0, to_bwd = own_total > 0 ? bwd_total / own_total : 0;
@@ -197,6 +200,20 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
   };
   AutoTolerance chosen;
   int best = -1;  // the fastest plan so far
+  auto plan_rung = [&](int k, double predicted) -> Status {
+    options.tolerance = ladder[k];
+    const auto start = std::chrono::steady_clock::now();
+    DISTCA_ASSIGN_OR_RETURN(Plan p, planner(batch, cost, options));
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    parts[k] = step_parts(p, batch, model, profile, stateless);
+    tries[k] = ToleranceTry{ladder[k], price_step(parts[k], model, link), p.is_balanced, ms, predicted};
+    plans[k] = std::move(p);
+    chosen.tried.push_back(tries[k]);
+    if (best < 0 || tries[k].step.seconds < tries[best].step.seconds) best = k;
+    return Status::ok();
+  };
+  auto seconds = [&](int k) { return tries[k].step.seconds; };
+  // The rung predicted fastest, while it is predicted kAutoToleranceGain faster than the best plan.
   for (int planned = 0; planned < kAutoMaxPlans; ++planned) {
     int next = -1;
     double next_seconds = 0;
@@ -205,16 +222,24 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
       const double s = predict(k);
       if (next < 0 || s < next_seconds) next = k, next_seconds = s;
     }
-    if (next < 0 || (best >= 0 && !(next_seconds < tries[best].step.seconds * (1 - kAutoToleranceGain)))) break;
-    options.tolerance = ladder[next];
-    const auto start = std::chrono::steady_clock::now();
-    DISTCA_ASSIGN_OR_RETURN(Plan p, planner(batch, cost, options));
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    parts[next] = step_parts(p, batch, model, profile, stateless);
-    tries[next] = ToleranceTry{ladder[next], price_step(parts[next], model, link), p.is_balanced, ms, next_seconds};
-    plans[next] = std::move(p);
-    chosen.tried.push_back(tries[next]);
-    if (best < 0 || tries[next].step.seconds < tries[best].step.seconds) best = next;
+    if (next < 0 || (best >= 0 && !(next_seconds < seconds(best) * (1 - kAutoToleranceGain)))) break;
+    DISTCA_RETURN_IF_ERROR(plan_rung(next, next_seconds));
+  }
+  // Where a plan's step missed its prediction by more than kAutoTrustedMiss, the predictions do
+  // not hold for this planner (the paper's planner: its busiest link is up to 10x the estimate,
+  // and by how much varies by rung), so auto walks the ladder from the best plan, each way while
+  // the next rung is kAutoToleranceGain faster.
+  const bool missed = std::any_of(chosen.tried.begin(), chosen.tried.end(), [](const ToleranceTry& t) {
+    return std::abs(t.step.seconds - t.predicted_seconds) > kAutoTrustedMiss * t.step.seconds;
+  });
+  if (missed) {
+    for (const int dir : {-1, +1}) {
+      for (int k = best + dir; k >= 0 && k < n; k += dir) {
+        const double before = seconds(best);
+        if (!plans[k]) DISTCA_RETURN_IF_ERROR(plan_rung(k, predict(k)));
+        if (!(seconds(k) < before * (1 - kAutoToleranceGain))) break;
+      }
+    }
   }
   for (int k = 0; k < n; ++k) chosen.predicted.emplace_back(ladder[k], predict(k));
   chosen.tolerance = ladder[best];

@@ -38,7 +38,8 @@ struct Ctx {
 plan::ThroughputProfile planner_profile(const Ctx& c) {
   plan::ThroughputProfile t;
   t.tile_rows = c.prof.attention.front().tile_rows;
-  t.task_overhead_seconds = c.prof.attention.front().task_overhead_seconds * 3.5;
+  // A task pays the profile's overhead once forward and once backward (Profile::attention_seconds).
+  t.task_overhead_seconds = c.prof.attention.front().task_overhead_seconds * 2;
   // The rate by key range, forward and backward together, as the profile prices a task: the
   // difference of two pair counts of one shape cancels the per-task overhead.
   const int64_t rows = std::max<int64_t>(t.tile_rows, 128);

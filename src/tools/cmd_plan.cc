@@ -269,7 +269,7 @@ int run_plan(PlanArgs& a) {
       tried.push_back(fmt::format("{:g}: {:.3f}{}", t.tolerance, 1e3 * t.step.seconds, t.is_balanced ? "" : " (not balanced)"));
     }
     fmt::print("  eps auto: {:g}, the fastest predicted step of those planned (ms per layer, forward + backward, on "
-               "the profile's {} link; {} plans in {:.1f} ms): {}\n",
+               "the profile's {} link; of 8 eps predicted, {} planned in {:.1f} ms): {}\n",
                r.auto_tolerance->tolerance, link.name, tried.size(), r.plan_ms, fmt::join(tried, ", "));
   }
   if (!a.out_path.empty() && exit_code == 0) fmt::print("wrote {}\n", a.out_path);

@@ -50,8 +50,8 @@ TEST(AutoTolerance, ThePredictedStepLiesBetweenItsOverlappedAndSequentialParts) 
   }
 }
 
-// auto keeps the fastest plan it made (1 to kAutoMaxPlans of them), at an eps of its ladder, and
-// the plan is the planner's own at that eps (the same tasks as planning at it directly).
+// auto keeps the fastest plan it made, at an eps of its ladder, and the plan is the planner's own
+// at that eps (the same tasks as planning at it directly).
 TEST(AutoTolerance, KeepsTheFastestPlanItMadeAtALadderEps) {
   const Profile profile = default_h200_profile();
   const std::vector<double> ladder = auto_tolerance_ladder();
@@ -63,7 +63,7 @@ TEST(AutoTolerance, KeepsTheFastestPlanItMadeAtALadderEps) {
       const AutoPlan a = plan_auto_tolerance(batch, llama8b(), PlannerOptions{}, fn, profile, profile.inter_node, false).value();
       const AutoTolerance& t = a.auto_tolerance;
       ASSERT_GE(t.tried.size(), 1u);
-      EXPECT_LE(t.tried.size(), static_cast<size_t>(kAutoMaxPlans));
+      EXPECT_LE(t.tried.size(), ladder.size());
       EXPECT_EQ(t.predicted.size(), ladder.size());
       EXPECT_NE(std::find(ladder.begin(), ladder.end(), t.tolerance), ladder.end());
       EXPECT_EQ(a.plan.tolerance, t.tolerance);
@@ -108,9 +108,9 @@ TEST(AutoTolerance, KeepsTheBestBalancedPlanOnAFreeLinkAndTheLeastBusyOnASlowOne
   }
 }
 
-// auto plans 1 to kAutoMaxPlans rungs of the eight, where it predicts the fastest step; the plan
-// it keeps is within 1 % of the fastest of all eight rungs, each planned and priced (measured on
-// distca bench planner's 16 batches with minlink: at most 0.7 % slower, the same rung on 9).
+// auto plans a few rungs of the eight, where it predicts the fastest step; the plan it keeps is
+// within 1 % of the fastest of all eight rungs, each planned and priced (measured on distca bench
+// planner's 16 batches: minlink at most 0.7 % slower, in 1 or 2 plans a batch; minbytes 1.0 %).
 TEST(AutoTolerance, PicksAPlanWithinOnePercentOfTheBestRung) {
   const Profile profile = default_h200_profile();
   for (const char* policy : {"minlink", "minbytes"}) {
@@ -132,7 +132,7 @@ TEST(AutoTolerance, PicksAPlanWithinOnePercentOfTheBestRung) {
         const double got = predicted_layer_step(a.plan, batch, llama8b().model(), profile, profile.inter_node, false).seconds;
         EXPECT_GE(got, best * (1 - 1e-12));
         EXPECT_LE(got, best * 1.01);
-        EXPECT_LE(a.auto_tolerance.tried.size(), static_cast<size_t>(kAutoMaxPlans));
+        EXPECT_LT(a.auto_tolerance.tried.size(), auto_tolerance_ladder().size());
       }
     }
   }

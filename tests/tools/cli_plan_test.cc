@@ -52,7 +52,7 @@ TEST(Cli, PlanToleranceIsAutoByDefaultAndReportsWhatItPicked) {
   ASSERT_TRUE(a.is_object()) << r.out.substr(0, 400);
   EXPECT_EQ(j["tolerance"], a["tolerance"]);
   ASSERT_GE(a["tried"].size(), 1u);
-  EXPECT_EQ(a["ladder_predicted"].size(), 8u);  // every rung predicted, 1 to 3 planned
+  EXPECT_EQ(a["ladder_predicted"].size(), 8u);  // every rung predicted, a few planned
   double fastest = 1e300;
   for (const auto& t : a["tried"]) fastest = std::min(fastest, t["predicted_step_seconds_per_layer"].get<double>());
   bool found = false;
