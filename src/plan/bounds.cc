@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <ranges>
 #include <string>
 #include <vector>
 
@@ -97,7 +96,8 @@ DispatchBounds bounds(const RankWork& work, double q, double kv, double split_ex
   // receivers, each taking I <= room, all of them the excess; least for the largest rooms
   // filled first.
   double by_rooms = 0, left = excess;
-  for (double c : std::views::reverse(room)) {
+  for (auto it = room.rbegin(); it != room.rend(); ++it) {  // the largest rooms first
+    const double c = *it;
     if (left <= 0 || c <= 0) break;
     const double take = std::min(c, left);
     by_rooms += unit * take / std::sqrt(c);

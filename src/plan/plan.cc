@@ -238,9 +238,14 @@ uint64_t plan_hash(const Batch& batch, const std::vector<Task>& tasks) {
 
 Plan finalize_plan(std::string policy, double tolerance, const Batch& batch, const CostModel& cost,
                    std::vector<Task> tasks) {
-  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-    return std::tie(a.server, a.doc, a.q0, a.k0) < std::tie(b.server, b.doc, b.q0, b.k0);
-  });
+  // Planners leave most tasks in this order already (every piece's own task, in batch order) and
+  // append what they moved: sort what follows the sorted run, then merge the two.
+  auto before = [](const Task& a, const Task& b) {
+    return std::tie(a.server, a.doc, a.q0, a.k0, a.q1, a.k1) < std::tie(b.server, b.doc, b.q0, b.k0, b.q1, b.k1);
+  };
+  const auto sorted_end = std::is_sorted_until(tasks.begin(), tasks.end(), before);
+  std::sort(sorted_end, tasks.end(), before);
+  std::inplace_merge(tasks.begin(), sorted_end, tasks.end(), before);
   Plan plan;
   plan.policy = std::move(policy);
   plan.tolerance = tolerance;
