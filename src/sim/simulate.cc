@@ -425,13 +425,14 @@ Result<SystemResult> cad(const Ctx& c, const std::string& name, const std::strin
 }
 
 // A CAD system at the tolerance that gives its fastest iteration, of --tolerance and its halves
-// down to a 64th (SimOptions::tolerance_sweep): a planner that stops at its bound (minmax,
+// down to a 512th (SimOptions::tolerance_sweep; 1e-4 at the default 0.05, about the finest
+// balance cuts of 128 tokens resolve at these sizes): a planner that stops at its bound (minmax,
 // minbytes) leaves the busiest server up to eps above the mean even where balancing further
 // costs nothing the link cannot hide, so a deployment would tune eps down, and the simulator,
 // which prices both sides, does it for every CAD system alike (the paper's planner included).
 Result<SystemResult> cad_tuned(const Ctx& c, const std::string& name, const std::string& policy, plan::BackwardMode mode) {
   std::optional<SystemResult> best;
-  const int steps = c.o.tolerance_sweep ? 7 : 1;
+  const int steps = c.o.tolerance_sweep ? 10 : 1;
   double tolerance = c.o.tolerance;
   for (int i = 0; i < steps; ++i, tolerance /= 2) {
     DISTCA_ASSIGN_OR_RETURN(SystemResult r, cad(c, name, policy, mode, tolerance));

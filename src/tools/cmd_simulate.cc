@@ -96,7 +96,7 @@ void print_table(const nlohmann::json& j) {
              "all-reduce) and idle (waiting: stragglers, pipeline bubbles) are means over the {} unit{}\n",
              j["tp"].get<int>(), units, units == 1 ? "" : "s");
   fmt::print("eps: the tolerance each CAD planner ran at, per iteration where they differ ({})\n",
-             j["tolerance_sweep"].get<bool>() ? fmt::format("the fastest of {0:g}, {0:g}/2, ..., {0:g}/64", j["tolerance"].get<double>())
+             j["tolerance_sweep"].get<bool>() ? fmt::format("the fastest of {0:g}, {0:g}/2, ..., {0:g}/512", j["tolerance"].get<double>())
                                               : "--tolerance-sweep off");
   fmt::print("attn max/mean: the busiest unit's attention seconds over the mean; GB/GPU: the fullest GPU's peak, activations "
              "+ weights, gradients and optimizer states (1 GB = 1e9 bytes); speedup over X: X's iteration time / the "
@@ -604,7 +604,7 @@ std::function<int()> add_simulate_command(CLI::App& app) {
                   "the CAD planners' balance bound eps (the busiest server's attention <= (1 + eps) x the mean)")
       ->capture_default_str();
   cmd->add_option("--tolerance-sweep", a.tolerance_sweep,
-                  "on: each CAD system runs every iteration at the fastest of eps, eps/2, ..., eps/64 (tighter "
+                  "on: each CAD system runs every iteration at the fastest of eps, eps/2, ..., eps/512 (tighter "
                   "balance where the link hides its bytes); off: at eps")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();

@@ -22,7 +22,7 @@
 //               micro-batches (those in flight together) are balanced across all stages and
 //               replicas, and the link time that ping-pong cannot hide is exposed; each CAD
 //               system runs every iteration at the fastest of --tolerance, its half, ... its
-//               64th (tolerance_sweep; the planners are priced with the profile's rates by key
+//               512th (tolerance_sweep; the planners are priced with the profile's rates by key
 //               range, as the simulator prices their tasks)
 // All systems end with the DP gradient all-reduce (bf16 gradients).
 // Memory per GPU: the activations a unit holds at its peak (Korthikanti et al. 2022, with flash
@@ -66,7 +66,7 @@ struct SimOptions {
   plan::SamplingOptions sampling;  // how documents are drawn (its seed is replaced per micro-batch)
   uint64_t seed = 1;
   double tolerance = 0.05;     // the planners' balance bound, the loosest one tried (tolerance_sweep)
-  bool tolerance_sweep = true; // CAD systems run at the fastest of tolerance, /2, ..., /64 per iteration
+  bool tolerance_sweep = true; // CAD systems run at the fastest of tolerance, /2, ..., /512 per iteration
   int64_t granularity = 128;
   int wlb_cp = 0;             // wlb's CP degree (0: WLB-ideal, the fastest of the degrees it may use)
   int iterations = 1;         // sampled iterations averaged: seeds seed, seed + 1, ...
