@@ -81,13 +81,14 @@ struct Move {
 // of a plan's time (measured with glibc's trimming off: 9.8 ms against 6.9). So the arena's first
 // buffer and the band and block lists go back to a free list when a plan ends, for the next
 // planner to take, on whatever thread: at most as many as ever planned at once (minlink: two),
-// each as large as the largest plan it served (a few MB at 512 ranks) up to kMaxScratchBytes.
+// each as large as the largest plan it served (a few MB at 512 ranks), a list of more than
+// kMaxScratchBytes going back to the heap.
 struct Scratch {
   std::vector<std::byte> buffer;  // the arena's first buffer
   std::vector<Band> bands;
   std::vector<Block> blocks;
 };
-constexpr size_t kMinScratchBytes = size_t{1} << 16, kMaxScratchBytes = size_t{1} << 28;
+constexpr size_t kMinScratchBytes = size_t{1} << 16, kMaxScratchBytes = size_t{1} << 24;
 
 // One planner's Scratch, and the heap its arena takes beyond the buffer (counted, so that the
 // next plan's buffer holds it).
@@ -174,8 +175,8 @@ class MinbytesPlanner {
   }
 
   ~MinbytesPlanner() {
-    lease_.scratch().bands.swap(bands_);
-    lease_.scratch().blocks.swap(blocks_);
+    if (bands_.capacity() * sizeof(Band) <= kMaxScratchBytes) lease_.scratch().bands.swap(bands_);
+    if (blocks_.capacity() * sizeof(Block) <= kMaxScratchBytes) lease_.scratch().blocks.swap(blocks_);
   }
   MinbytesPlanner(const MinbytesPlanner&) = delete;
   MinbytesPlanner& operator=(const MinbytesPlanner&) = delete;
