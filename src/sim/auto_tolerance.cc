@@ -241,6 +241,21 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
       }
     }
   }
+  // A fastest plan that misses its own eps (a batch too small to balance finer at g) is no answer
+  // to "which eps": the tightest rung its balance meets, planned, is kept where it is as fast
+  // (within kAutoToleranceGain), so the eps reported is one the plan holds.
+  if (!plans[best]->is_balanced) {
+    const double reached = plans[best]->load.imbalance - 1;
+    int meets = -1;
+    for (int k = 0; k < n; ++k) {
+      if (ladder[k] >= reached) meets = k;  // the ladder is loosest first: the last is the tightest
+    }
+    if (meets >= 0) {
+      const int was = best;
+      if (!plans[meets]) DISTCA_RETURN_IF_ERROR(plan_rung(meets, predict(meets)));
+      if (plans[meets]->is_balanced && seconds(meets) <= seconds(was) * (1 + kAutoToleranceGain)) best = meets;
+    }
+  }
   for (int k = 0; k < n; ++k) chosen.predicted.emplace_back(ladder[k], predict(k));
   chosen.tolerance = ladder[best];
   return AutoPlan{std::move(*plans[best]), std::move(chosen)};

@@ -138,6 +138,22 @@ TEST(AutoTolerance, PicksAPlanWithinOnePercentOfTheBestRung) {
   }
 }
 
+// A batch too small to balance finer than its cuts allow (2 ranks of 1024 tokens, g 128): the
+// fastest plan misses eps 0.0016, so auto reports the tightest rung that plan's balance meets
+// (before: 0.0016, "not balanced", 1.05x its mean).
+TEST(AutoTolerance, ReportsAnEpsItsPlanHoldsWhereTheBatchCannotBalanceFiner) {
+  const Profile profile = default_h200_profile();
+  const Batch batch = sample_batch(builtin_distribution("pretrain").value(), SamplingOptions{}, 2, 1024).value();
+  for (const char* policy : {"minlink", "minbytes"}) {
+    SCOPED_TRACE(policy);
+    const AutoPlan a = plan_auto_tolerance(batch, llama8b(), PlannerOptions{}, find_planner(policy).value(), profile,
+                                           profile.intra_node, false).value();
+    EXPECT_TRUE(a.plan.is_balanced) << a.plan.note;
+    EXPECT_LE(a.plan.load.imbalance, (1 + a.auto_tolerance.tolerance) * (1 + 1e-12));
+    EXPECT_EQ(a.plan.tolerance, a.auto_tolerance.tolerance);
+  }
+}
+
 // `distca plan` and distca.plan: auto unless a number is given; none has nothing to pick.
 TEST(AutoTolerance, IsThePlanRequestsDefault) {
   const Profile profile = default_h200_profile();
