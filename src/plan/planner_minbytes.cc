@@ -38,14 +38,13 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <memory>
 #include <memory_resource>
-#include <mutex>
 #include <set>
 
 #include "distca/core/check.h"
 #include "budget.h"
 #include "minbytes.h"
+#include "scratch.h"
 #include "distca/plan/planner.h"
 
 namespace distca::plan {
@@ -76,68 +75,10 @@ struct Move {
   double score = 0;    // bytes per second of work moved
 };
 
-// Memory a planner keeps between plans. glibc hands a finished plan's pages back to the kernel
-// (the heap's top is trimmed) and the next plan faults them in again: at 512 ranks that was 30 %
-// of a plan's time (measured with glibc's trimming off: 9.8 ms against 6.9). So the arena's first
-// buffer and the band and block lists go back to a free list when a plan ends, for the next
-// planner to take, on whatever thread: at most as many as ever planned at once (minlink: two),
-// each as large as the largest plan it served (a few MB at 512 ranks), a list of more than
-// kMaxScratchBytes going back to the heap.
-struct Scratch {
-  std::vector<std::byte> buffer;  // the arena's first buffer
+// The lists minbytes keeps between plans (scratch.h), with its arena's buffer.
+struct KeptLists {
   std::vector<Band> bands;
   std::vector<Block> blocks;
-};
-constexpr size_t kMinScratchBytes = size_t{1} << 16, kMaxScratchBytes = size_t{1} << 24;
-
-// One planner's Scratch, and the heap its arena takes beyond the buffer (counted, so that the
-// next plan's buffer holds it).
-class ScratchLease final : public std::pmr::memory_resource {
- public:
-  ScratchLease() {
-    {
-      const std::lock_guard<std::mutex> lock(free_mutex());
-      if (!free_list().empty()) {
-        scratch_ = std::move(free_list().back());
-        free_list().pop_back();
-      }
-    }
-    if (!scratch_) scratch_ = std::make_unique<Scratch>();
-    if (scratch_->buffer.size() < kMinScratchBytes) scratch_->buffer.resize(kMinScratchBytes);
-  }
-  // After the arena that used it (declared after the lease, so destroyed before it).
-  ~ScratchLease() override {
-    if (overflow_ > 0) {
-      const size_t grown = std::min(kMaxScratchBytes, scratch_->buffer.size() + overflow_);
-      if (grown > scratch_->buffer.size()) scratch_->buffer = std::vector<std::byte>(grown);
-    }
-    const std::lock_guard<std::mutex> lock(free_mutex());
-    free_list().push_back(std::move(scratch_));
-  }
-  ScratchLease(const ScratchLease&) = delete;
-  ScratchLease& operator=(const ScratchLease&) = delete;
-  Scratch& scratch() { return *scratch_; }
-
- private:
-  static std::mutex& free_mutex() {
-    static std::mutex m;
-    return m;
-  }
-  static std::vector<std::unique_ptr<Scratch>>& free_list() {
-    static std::vector<std::unique_ptr<Scratch>> list;
-    return list;
-  }
-  void* do_allocate(size_t bytes, size_t align) override {
-    overflow_ += bytes;
-    return std::pmr::new_delete_resource()->allocate(bytes, align);
-  }
-  void do_deallocate(void* p, size_t bytes, size_t align) override {
-    std::pmr::new_delete_resource()->deallocate(p, bytes, align);
-  }
-  bool do_is_equal(const std::pmr::memory_resource& other) const noexcept override { return this == &other; }
-
-  std::unique_ptr<Scratch> scratch_;
-  size_t overflow_ = 0;  // bytes the arena took from the heap
 };
 
 class MinbytesPlanner {
@@ -152,8 +93,8 @@ class MinbytesPlanner {
     // Per rank and per document lists from one arena (freed at once with the planner): most hold
     // one or two entries, and allocating each from the heap cost a fifth of a plan's time.
     server_bands_.reserve(num_ranks_);
-    bands_.swap(lease_.scratch().bands);
-    blocks_.swap(lease_.scratch().blocks);
+    bands_.swap(lease_.lists().bands);
+    blocks_.swap(lease_.lists().blocks);
     bands_.clear();
     blocks_.clear();
     server_bands_.resize(num_ranks_);  // each list from the arena (the outer list's resource)
@@ -175,8 +116,8 @@ class MinbytesPlanner {
   }
 
   ~MinbytesPlanner() {
-    if (bands_.capacity() * sizeof(Band) <= kMaxScratchBytes) lease_.scratch().bands.swap(bands_);
-    if (blocks_.capacity() * sizeof(Block) <= kMaxScratchBytes) lease_.scratch().blocks.swap(blocks_);
+    if (bands_.capacity() * sizeof(Band) <= kMaxScratchBytes) lease_.lists().bands.swap(bands_);
+    if (blocks_.capacity() * sizeof(Block) <= kMaxScratchBytes) lease_.lists().blocks.swap(blocks_);
   }
   MinbytesPlanner(const MinbytesPlanner&) = delete;
   MinbytesPlanner& operator=(const MinbytesPlanner&) = delete;
@@ -818,8 +759,8 @@ class MinbytesPlanner {
   std::vector<Band> bands_;
   std::vector<Block> blocks_;
   std::vector<double> load_;                       // (R) seconds
-  ScratchLease lease_;                             // the arena's buffer, bands_ and blocks_
-  std::pmr::monotonic_buffer_resource arena_{lease_.scratch().buffer.data(), lease_.scratch().buffer.size(),
+  ScratchLease<KeptLists> lease_;                  // the arena's buffer, bands_ and blocks_
+  std::pmr::monotonic_buffer_resource arena_{lease_.buffer(), lease_.buffer_size(),
                                              &lease_};  // the lists below; declared before them
   std::pmr::vector<std::pmr::vector<int32_t>> server_bands_{&arena_}; // (R) band ids, moved ones included
   struct Held {
