@@ -63,9 +63,10 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
       failed[i] = p.status();
       return;
     }
-    int64_t total = 0;
-    const LinkSummary links =
-        busiest_links(batch, cost.token_bytes(), p.value().tasks, BackwardMode::kStateful, &total);
+    // The plan's traffic was counted at cost.token_bytes(), both backward modes (finalize_plan).
+    constexpr int kStateful = static_cast<int>(BackwardMode::kStateful);
+    const LinkSummary links = p.value().traffic.links[kStateful];
+    const int64_t total = p.value().traffic.all_phases_bytes[kStateful];
     candidates[i] = Candidate{kShapes[i].name, std::move(p).value(), links, total};
   };
   std::thread other(plan_one, 1);

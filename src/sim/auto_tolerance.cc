@@ -48,21 +48,26 @@ void server_attention(const std::vector<Task>& tasks, int32_t ranks, const Model
   bwd.assign(ranks, 0.0);
   const AttentionPricer price(profile, model.q_heads_per_rank(), model.head_dim);
   for (const Task& t : tasks) {
-    fwd[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), false);
-    bwd[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), true);
+    const auto [f, b] = price.seconds_both(t.q_len(), t.k1 - t.k0, t.pairs());
+    fwd[t.server] += f;
+    bwd[t.server] += b;
   }
 }
 
+// `counted_at`: the token bytes the plan's traffic was counted at (finalize_plan: its cost
+// model's), if known; where they are the step's, its links are read from there, else counted.
 StepParts step_parts(const Plan& plan, const Batch& batch, const ModelShape& model, const Profile& profile,
-                     bool stateless) {
+                     bool stateless, const TokenBytes* counted_at) {
   StepParts s;
   s.linear_fwd = fullest_rank_linear(batch, model, profile);
   std::vector<double> fwd, bwd;
   server_attention(plan.tasks, batch.num_ranks, model, profile, fwd, bwd);
   s.attn_fwd = *std::max_element(fwd.begin(), fwd.end());
   s.attn_bwd = *std::max_element(bwd.begin(), bwd.end());
-  const LinkSummary links = busiest_links(batch, step_token_bytes(model, stateless), plan.tasks,
-                                          stateless ? BackwardMode::kStateless : BackwardMode::kStateful);
+  const BackwardMode mode = stateless ? BackwardMode::kStateless : BackwardMode::kStateful;
+  const TokenBytes tb = step_token_bytes(model, stateless);
+  const LinkSummary links = counted_at != nullptr && tb == *counted_at ? plan.traffic.links[static_cast<int>(mode)]
+                                             : busiest_links(batch, tb, plan.tasks, mode);
   for (int k = 0; k < kNumPhases; ++k) s.busiest[k] = static_cast<double>(links.busiest[k]);
   return s;
 }
@@ -92,7 +97,7 @@ LayerStepPrediction price_step(const StepParts& s, const ModelShape& model, cons
 
 LayerStepPrediction predicted_layer_step(const Plan& plan, const Batch& batch, const ModelShape& model,
                                     const Profile& profile, const Link& link, bool stateless) {
-  return price_step(step_parts(plan, batch, model, profile, stateless), model, link);
+  return price_step(step_parts(plan, batch, model, profile, stateless, nullptr), model, link);
 }
 
 std::vector<double> auto_tolerance_ladder() {
@@ -205,7 +210,7 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
     const auto start = std::chrono::steady_clock::now();
     DISTCA_ASSIGN_OR_RETURN(Plan p, planner(batch, cost, options));
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    parts[k] = step_parts(p, batch, model, profile, stateless);
+    parts[k] = step_parts(p, batch, model, profile, stateless, &cost.token_bytes());
     tries[k] = ToleranceTry{ladder[k], price_step(parts[k], model, link), p.is_balanced, ms, predicted};
     plans[k] = std::move(p);
     chosen.tried.push_back(tries[k]);

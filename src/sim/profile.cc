@@ -68,25 +68,30 @@ AttentionPricer::AttentionPricer(const Profile& profile, int64_t hq, int64_t hea
   }
 }
 
-double AttentionPricer::seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, bool is_backward) const {
-  if (q_rows <= 0 || pairs <= 0) return 0;
+std::array<double, 2> AttentionPricer::seconds_both(int64_t q_rows, int64_t kv_rows, int64_t pairs) const {
+  if (q_rows <= 0 || pairs <= 0) return {0.0, 0.0};
   const auto& pts = config_->points;
-  const std::vector<double>& rates = rate_[is_backward];
-  double rate = 0;
-  if (kv_rows <= pts.front().kv_tokens) {
-    rate = rates.front();
-  } else if (kv_rows >= pts.back().kv_tokens) {
-    rate = rates.back();
-  } else {
+  std::array<double, 2> rate{rate_[0].front(), rate_[1].front()};
+  if (kv_rows >= pts.back().kv_tokens) {
+    rate = {rate_[0].back(), rate_[1].back()};
+  } else if (kv_rows > pts.front().kv_tokens) {
     size_t i = 1;
     while (pts[i].kv_tokens < kv_rows) ++i;
     const double x0 = log_kv_[i - 1], x1 = log_kv_[i];
     const double w = x1 > x0 ? (std::log(static_cast<double>(kv_rows)) - x0) / (x1 - x0) : 1.0;
-    rate = rates[i - 1] * (1 - w) + rates[i] * w;
+    for (int b = 0; b < 2; ++b) rate[b] = rate_[b][i - 1] * (1 - w) + rate_[b][i] * w;
   }
-  if (q_rows < config_->tile_rows) rate *= static_cast<double>(q_rows) / static_cast<double>(config_->tile_rows);
-  const double flops = 4.0 * head_dim_ * hq_ * static_cast<double>(pairs) * (is_backward ? 2.5 : 1.0);
-  return flops / rate + config_->task_overhead_seconds;
+  std::array<double, 2> seconds{};
+  for (int b = 0; b < 2; ++b) {
+    if (q_rows < config_->tile_rows) rate[b] *= static_cast<double>(q_rows) / static_cast<double>(config_->tile_rows);
+    const double flops = 4.0 * head_dim_ * hq_ * static_cast<double>(pairs) * (b == 1 ? 2.5 : 1.0);
+    seconds[b] = flops / rate[b] + config_->task_overhead_seconds;
+  }
+  return seconds;
+}
+
+double AttentionPricer::seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, bool is_backward) const {
+  return seconds_both(q_rows, kv_rows, pairs)[is_backward ? 1 : 0];
 }
 
 double Profile::attention_seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, int64_t hq, int64_t head_dim,

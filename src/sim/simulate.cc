@@ -540,8 +540,9 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
   std::vector<double> af(R, 0.0), ab(R, 0.0), tokens(R, 0.0);
   const AttentionPricer price(profile, hq, model.head_dim);
   for (const plan::Task& t : tasks) {
-    af[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), false);
-    ab[t.server] += price.seconds(t.q_len(), t.k1 - t.k0, t.pairs(), true);
+    const auto [f, b] = price.seconds_both(t.q_len(), t.k1 - t.k0, t.pairs());
+    af[t.server] += f;
+    ab[t.server] += b;
   }
   for (const plan::Piece& p : batch.pieces) tokens[p.rank] += static_cast<double>(p.length());
   const plan::Traffic traffic =

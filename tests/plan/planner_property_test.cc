@@ -167,6 +167,19 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
       ASSERT_EQ(direct.busiest, links.busiest);
       ASSERT_EQ(direct.step, links.step);
       ASSERT_EQ(total, flows_total);
+      // Each backward mode's summary, counted in one pass with the other mode's flows (the plan's
+      // own traffic is stateless), agrees with that mode's flows.
+      const Traffic stateless = count_traffic(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateless);
+      for (const Traffic* t : {&stateful, &stateless, &plan.traffic}) {
+        for (const Traffic* m : {&stateless, &stateful}) {
+          const int mode = m == &stateful ? 1 : 0;
+          int64_t m_total = 0;
+          for (const PhaseTraffic& p : m->phases) m_total += p.total_bytes;
+          ASSERT_EQ(t->links[mode].busiest, busiest_links(*m).busiest) << "mode " << mode;
+          ASSERT_EQ(t->links[mode].step, busiest_links(*m).step) << "mode " << mode;
+          ASSERT_EQ(t->all_phases_bytes[mode], m_total) << "mode " << mode;
+        }
+      }
       const LinkBounds link_bound = link_lower_bounds(
           c.batch, c.cost.token_bytes(), *std::max_element(plan.server_pairs.begin(), plan.server_pairs.end()));
       if (link_bound.is_computed) {

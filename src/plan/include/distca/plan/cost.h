@@ -58,6 +58,7 @@ struct TokenBytes {
   int64_t bwd_do = 0;         // dO alone (backward dispatch, query side, stateful)
   int64_t bwd_dq = 0;         // dQ (backward return, query side)
   int64_t bwd_dkv = 0;        // dK and dV in fp32, summed at the owner (backward return)
+  bool operator==(const TokenBytes&) const = default;
 };
 
 // Bytes per token of every tensor the runtime moves, for hq query heads and hkv key/value heads

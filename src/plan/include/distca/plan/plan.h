@@ -64,9 +64,22 @@ struct CommSummary {
   int64_t max_recv_bytes = 0;
 };
 
+// The busiest link of each phase: the most bytes any rank sends or receives in it (an
+// all-to-all lasts as long as that rank's transfer).
+struct LinkSummary {
+  std::array<int64_t, kNumPhases> busiest{};  // per phase
+  int64_t fwd_dispatch = 0;                   // busiest[kFwdDispatch]
+  int64_t step = 0;                           // the sum over the phases: a step's exchanges, one after the other
+};
+
 struct Traffic {
-  std::array<PhaseTraffic, kNumPhases> phases;
+  std::array<PhaseTraffic, kNumPhases> phases;  // of the backward mode counted
   CommSummary forward;
+  // Each backward mode's busiest links and bytes over the four phases, indexed by BackwardMode:
+  // the modes differ in the backward dispatch alone, so count_traffic counts both in one pass
+  // (what minlink and --tolerance auto compare plans by, without counting them again).
+  std::array<LinkSummary, 2> links{};
+  std::array<int64_t, 2> all_phases_bytes{};
 };
 
 // What the backward sends to the servers. Stateless (the paper's): the server keeps nothing
@@ -86,14 +99,7 @@ const char* backward_mode_name(BackwardMode mode);
 Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
                       BackwardMode mode = BackwardMode::kStateless);
 
-// The busiest link of each phase: the most bytes any rank sends or receives in it (an
-// all-to-all lasts as long as that rank's transfer).
-struct LinkSummary {
-  std::array<int64_t, kNumPhases> busiest{};  // per phase
-  int64_t fwd_dispatch = 0;                   // busiest[kFwdDispatch]
-  int64_t step = 0;                           // the sum over the phases: a step's exchanges, one after the other
-};
-LinkSummary busiest_links(const Traffic& traffic);
+LinkSummary busiest_links(const Traffic& traffic);  // of the mode counted: traffic.links[mode]
 // The same from the tasks directly, without the flows (what a planner comparing plans needs);
 // total_bytes, if given, gets the bytes of all four phases.
 LinkSummary busiest_links(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,

@@ -77,6 +77,8 @@ class AttentionPricer {
  public:
   AttentionPricer(const Profile& profile, int64_t hq, int64_t head_dim);
   double seconds(int64_t q_rows, int64_t kv_rows, int64_t pairs, bool is_backward) const;
+  // {forward, backward}: the same two numbers, the rate's point looked up once.
+  std::array<double, 2> seconds_both(int64_t q_rows, int64_t kv_rows, int64_t pairs) const;
 
  private:
   const AttentionProfile* config_;
