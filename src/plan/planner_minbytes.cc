@@ -112,6 +112,7 @@ class MinbytesPlanner {
     kv_ = static_cast<double>(tb.kv + tb.bwd_dkv);
     seconds_per_pair_ = cost_.pair_seconds(1);
     overhead_ = cost_.task_seconds(cost_.profile().tile_rows, 0, 1);
+    tile_rows_ = cost_.profile().tile_rows;
     slowest_seconds_per_pair_ = cost_.slowest_pair_seconds();
   }
 
@@ -273,12 +274,35 @@ class MinbytesPlanner {
     return bytes;
   }
 
+  // move_bytes where dst holds nothing of the document (holds_any is false): every row and key
+  // is sent, so the bytes need no walk over owners and held ranges (the same sum: whole numbers
+  // of bytes, exact in a double).
+  double fresh_bytes(int64_t rows, bool is_whole_rows, int64_t keys) const {
+    return static_cast<double>(rows) * (is_whole_rows ? q_whole_ : q_) + static_cast<double>(keys) * kv_;
+  }
+
   // The end of the longest key range [c, e') of `rows` rows whose block fits in `room`, of e and
   // the multiples of g in (c, e); c when none fits. A block's seconds grow with its keys, so by
   // bisection.
   int64_t fitting_keys_end(int64_t rows, int64_t c, int64_t e, double room) const {
     if (e <= c || block_seconds(rows, e - c) <= room) return e;
     int64_t lo = floor_g(c) + g_, hi = floor_g(e - 1);  // the multiples of g in (c, e)
+    // A block's seconds lie between its pairs at the top rate and at the slowest (each times the
+    // short-shard factor, plus the overhead): keys past the top rate's fit do not fit, keys
+    // within the slowest rate's do. That leaves a multiple or two to bisect (none on a flat
+    // profile), where bisecting all of (c, e) took a quarter of consider_block.
+    const double tile = rows < tile_rows_ ? static_cast<double>(tile_rows_) / static_cast<double>(rows) : 1.0;
+    const double per_key = static_cast<double>(rows) * tile;  // pairs per key, shard factor in
+    const double free = room - overhead_;
+    if (free <= 0) return c;
+    if (const double most = free / (per_key * seconds_per_pair_); most < static_cast<double>(hi - c)) {
+      hi = std::max(lo, floor_g(c + static_cast<int64_t>(most)) + g_);  // one multiple over: rounding
+      hi = std::min(hi, floor_g(e - 1));
+    }
+    if (const double least = free / (per_key * slowest_seconds_per_pair_); least >= static_cast<double>(g_)) {
+      const int64_t sure = std::min(hi, floor_g(c + static_cast<int64_t>(least)) - g_);  // one under: rounding
+      if (sure > lo && block_seconds(rows, sure - c) <= room) lo = sure;
+    }
     if (lo > hi || block_seconds(rows, lo - c) > room) return c;
     while (lo < hi) {  // lo fits; the largest multiple in [lo, hi] that fits
       const int64_t mid = lo + (((hi - lo) / g_ + 1) / 2) * g_;
@@ -289,7 +313,7 @@ class MinbytesPlanner {
 
   // The block of band `id` for `dst` that moves about `want` seconds with the fewest bytes
   // (or the band's largest block when it cannot hold that much), never above `room`.
-  void consider_block(int32_t id, int32_t dst, double want, double room, Move& best) const {
+  void consider_block(int32_t id, int32_t dst, double want, double room, bool dst_holds, Move& best) const {
     const Band& b = bands_[id];
     const double want_pairs = std::max(1.0, (want - overhead_) / seconds_per_pair_);
     const double span = static_cast<double>(b.r1 - b.c);  // rows + keys of a block fit in it
@@ -337,7 +361,7 @@ class MinbytesPlanner {
       }
     }
     if (shape.band < 0) return;
-    shape.bytes = move_bytes(b.doc, shape.x, b.r1, b.c, shape.e, dst);
+    shape.bytes = dst_holds ? move_bytes(b.doc, shape.x, b.r1, b.c, shape.e, dst) : shape.bytes;  // plain
     shape.score = price(shape.bytes, shape.shed, want);
     if (best.band < 0 || shape.score < best.score) best = shape;
   }
@@ -345,7 +369,7 @@ class MinbytesPlanner {
   // Rows [x, r1) of band `id` moved as one causal task (keys [c, q]): the tail of the band
   // whose seconds come closest to `want` from below, never above `room`. It is what a band too
   // narrow for a block (near the diagonal, or a short document) can still give.
-  void consider_suffix(int32_t id, int32_t dst, double want, double room, Move& best) const {
+  void consider_suffix(int32_t id, int32_t dst, double want, double room, bool dst_holds, Move& best) const {
     const Band& b = bands_[id];
     const double limit = std::min(want, room);
     // Largest tail within the limit: x from the aligned cuts in (r0, r1), by bisection.
@@ -365,17 +389,19 @@ class MinbytesPlanner {
       if (seconds > room) continue;
       const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c);
       if (shed <= 0) continue;
-      const double bytes = move_bytes(b.doc, x, b.r1, b.c, b.r1, dst);
+      const double bytes =
+          dst_holds ? move_bytes(b.doc, x, b.r1, b.c, b.r1, dst) : fresh_bytes(b.r1 - x, b.c == 0, b.r1 - b.c);
       const double score = price(bytes, shed, want);
       if (best.band < 0 || score < best.score) best = Move{id, false, x, -1, dst, seconds, shed, bytes, score};
     }
   }
 
-  void consider_whole(int32_t id, int32_t dst, double want, double room, Move& best) const {
+  void consider_whole(int32_t id, int32_t dst, double want, double room, bool dst_holds, Move& best) const {
     const Band& b = bands_[id];
     const double seconds = band_seconds(b);
     if (seconds > room || seconds <= 0) return;
-    const double bytes = move_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst);
+    const double bytes =
+        dst_holds ? move_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst) : fresh_bytes(b.r1 - b.r0, b.c == 0, b.r1 - b.c);
     const double score = price(bytes, seconds, want);
     if (best.band < 0 || score < best.score) best = Move{id, true, b.r0, b.r1, dst, seconds, seconds, bytes, score};
   }
@@ -410,13 +436,14 @@ class MinbytesPlanner {
     for (int32_t id : bands) {
       const Band& b = bands_[id];
       const double w = std::min(band_seconds(b), want);
-      if (here.band >= 0 && !holds_any(b.doc, dst)) {
+      const bool dst_holds = holds_any(b.doc, dst);
+      if (here.band >= 0 && !dst_holds) {
         const double pairs = std::max(0.0, (w - overhead_) / slowest_seconds_per_pair_);
         if ((per_move + 2 * std::sqrt(q_whole_ * kv_ * pairs)) / w >= here.score) break;
       }
-      consider_block(id, dst, want, room, here);
-      consider_suffix(id, dst, want, room, here);
-      consider_whole(id, dst, want, std::min(room, std::max(want, intake)), here);
+      consider_block(id, dst, want, room, dst_holds, here);
+      consider_suffix(id, dst, want, room, dst_holds, here);
+      consider_whole(id, dst, want, std::min(room, std::max(want, intake)), dst_holds, here);
     }
     if (here.band >= 0 && !fits_budget(here)) here.band = -1;
     return here;
@@ -755,6 +782,7 @@ class MinbytesPlanner {
   const int32_t num_ranks_;
   double q_ = 0, q_whole_ = 0, kv_ = 0;  // bytes per query row (split, whole) and key row moved, all phases
   double seconds_per_pair_ = 0, slowest_seconds_per_pair_ = 0, overhead_ = 0;
+  int64_t tile_rows_ = 0;
   double cap_ = 0;
   std::vector<Band> bands_;
   std::vector<Block> blocks_;
