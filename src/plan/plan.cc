@@ -108,7 +108,13 @@ void for_each_transfer(const Batch& batch, const TokenBytes& bytes, const std::v
   //    tasks, a key-range split, travels once per task). Stateful, the rows of a split task
   //    (k0 > 0 or non-causal: each of its rows is in several tasks) also carry the final O and
   //    LSE to the server, whose own are partial.
+  // A task whose document lies whole on its server moves nothing (most tasks of a plan).
+  auto is_local = [&](const Task& t) {
+    const auto& pieces = batch.doc_pieces[t.doc];
+    return pieces.size() == 1 && batch.pieces[pieces[0]].rank == t.server;
+  };
   for (const Task& t : tasks) {
+    if (is_local(t)) continue;
     const bool is_split = t.k0 > 0 || !t.is_causal();
     const int64_t stateful_q = bytes.bwd_do + (is_split ? bytes.out : 0);
     const int64_t bwd_q = is_stateless ? bytes.bwd_q : stateful_q;
@@ -141,7 +147,9 @@ void for_each_transfer(const Batch& batch, const TokenBytes& bytes, const std::v
   // on their own; else all of them at once.
   std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t>> ranges;  // (doc, server, k0, k1)
   ranges.reserve(tasks.size());
-  for (const Task& t : tasks) ranges.emplace_back(t.doc, t.server, t.k0, t.k1);
+  for (const Task& t : tasks) {
+    if (!is_local(t)) ranges.emplace_back(t.doc, t.server, t.k0, t.k1);
+  }
   const auto group = [](const auto& a, const auto& b) {
     return std::tie(std::get<1>(a), std::get<0>(a)) < std::tie(std::get<1>(b), std::get<0>(b));
   };
