@@ -40,11 +40,12 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
   // Two candidates, on two threads: minbytes as it is (its intake spread over the most
   // receivers), and minbytes with its intake raised to the largest room (each sender's excess
   // in the fewest, largest blocks) and hosts (senders with many rooms' worth of excess ship
-  // blocks of up to 0.9 x cap to hosts that hand their own work on; planner_minbytes.cc).
+  // blocks of up to 0.9 x cap, 0.95 x where that takes one block fewer, to hosts that hand their
+  // own work on; planner_minbytes.cc).
   // Measured with distca bench planner --fresh 3 (16 batches) at eps 0.02, 0.05 and auto, the
   // worst step link over its bound: 1.631, 1.640 and 1.521 of minbytes and its largest-blocks
   // variant without hosts, against 1.299, 1.287 and 1.305 with this pair (1.203, 1.192 and
-  // 1.209 once the bound counted split rows' merged outputs), for up to 2.5 x the bytes. The
+  // 1.209 once the bound counted split rows' merged outputs), for up to 2.6 x the bytes. The
   // largest-blocks variant without hosts, minbytes at eps/2, eps/4 and eps/8, minmax and the
   // paper's planner added nothing to the worst case and were dropped.
   constexpr double kLargest = std::numeric_limits<double>::infinity();
