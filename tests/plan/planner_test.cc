@@ -359,6 +359,25 @@ TEST(PlanMinlink, HostsMakeRoomForLargerBlocksWhenASendersExcessIsManyRooms) {
   EXPECT_LE(link_bound.fwd_dispatch, static_cast<double>(ml_links.fwd_dispatch));
 }
 
+// A hosted sender's excess goes in one block fewer where blocks of at most 0.95x the cap hold it:
+// rank 0's document of 8320 tokens is 2.83 caps over the cap at eps 0.05 (127 ranks of 16 x 1024
+// beside it), which blocks of 0.9x the cap would ship in 4 (0.71x the cap each; the sum of their
+// square roots, which the sender's bytes follow, 3.36) and blocks of 0.95x ship in 3 (2.91).
+TEST(PlanMinlink, AHostedSenderShipsInOneBlockFewerWhereNearlyFullBlocksHoldIt) {
+  std::vector<std::vector<int64_t>> ranks(128, std::vector<int64_t>(16, 1024));
+  ranks[0] = {8320};
+  const Batch b = batch_from_ranks(ranks, 16384).value();
+  const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  const Plan minlink = make(plan_minlink, b, cost, PlannerOptions{0.05, 128, 0});
+  ASSERT_TRUE(minlink.is_balanced) << minlink.note;
+  EXPECT_NE(minlink.note.find("(3 host receivers for 1 sender)"), std::string::npos) << minlink.note;
+  const int64_t max_pairs = *std::max_element(minlink.server_pairs.begin(), minlink.server_pairs.end());
+  const LinkBounds bound = link_lower_bounds(b, cost.token_bytes(), max_pairs);
+  ASSERT_TRUE(bound.is_computed);
+  const double step = static_cast<double>(minlink.traffic.links[static_cast<int>(BackwardMode::kStateful)].step);
+  EXPECT_LE(bound.step, step);
+}
+
 // A stateful step's bound counts what a key-split row costs more (its merged O/LSE again with
 // dO): at 32/8 heads in bf16 it is sqrt((Q + o - o^2 / 2K) / Q) = 1.080x the bound that counts
 // every row as whole (bounds.h), less a few MB; and every policy's plan is above it.
