@@ -12,9 +12,12 @@ struct MinbytesShape {
   double intake_scale = 1.0;  // the soft intake's level over the water level (inf: the largest room)
   double host_fill = 0.0;     // > 0: senders with many receivers' worth of excess ship blocks of
                               // host_fill x cap to hosts that hand their own work on (a second hop)
+  bool host_every = false;    // with hosts: every such sender, or only those that without would be
+                              // about as busy as the busiest hosted one (reserve_hosts)
 };
 
+// passed_over: the senders the hosts were not for (host_every false), of the plan returned.
 Result<Plan> plan_minbytes_shaped(const Batch& batch, const CostModel& cost, const PlannerOptions& options,
-                                  const MinbytesShape& shape);
+                                  const MinbytesShape& shape, std::vector<int32_t>* passed_over = nullptr);
 
 }  // namespace distca::plan

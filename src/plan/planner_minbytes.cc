@@ -27,8 +27,8 @@
 //      already receives cost nothing. Cuts land on multiples of g. When the soft intakes are
 //      spent, a new water level over the rooms left covers the excess left.
 //   4b. With hosts (minlink's variant, MinbytesShape::host_fill): before step 4, a sender whose
-//      excess is many rooms' worth ships it in a few equal blocks to hosts, receivers that first
-//      hand their own work on to the others (MinbytesPlanner::reserve_hosts).
+//      excess is many rooms' worth ships it in a few equal blocks to hosts, receivers that hand
+//      their own work on to the others first (reserve_hosts: which senders, how many blocks).
 //   5. The owner of a query row merges the partial O/LSE of its row's tasks (the runtime does).
 // A per-rank byte budget (forward dispatch + return, send and receive, as minmax's) skips moves
 // that would break it; when the plan cannot keep it, the note names the smallest budget this
@@ -87,7 +87,7 @@ class MinbytesPlanner {
   MinbytesPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget,
                   const MinbytesShape& shape = {}, double mean = 0)
       : batch_(batch), cost_(cost), options_(options), budget_(budget), mean_(mean), intake_scale_(shape.intake_scale),
-        host_fill_(budget == 0 ? shape.host_fill : 0.0), g_(options.granularity),
+        host_fill_(budget == 0 ? shape.host_fill : 0.0), host_every_(shape.host_every), g_(options.granularity),
         g_shift_((g_ & (g_ - 1)) == 0 ? std::countr_zero(static_cast<uint64_t>(g_)) : -1),
         num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0) {
     // Per rank and per document lists from one arena (freed at once with the planner): most hold
@@ -120,6 +120,7 @@ class MinbytesPlanner {
     if (bands_.capacity() * sizeof(Band) <= kMaxScratchBytes) lease_.lists().bands.swap(bands_);
     if (blocks_.capacity() * sizeof(Block) <= kMaxScratchBytes) lease_.lists().blocks.swap(blocks_);
   }
+  const std::vector<int32_t>& passed_over() const { return passed_over_; }
   MinbytesPlanner(const MinbytesPlanner&) = delete;
   MinbytesPlanner& operator=(const MinbytesPlanner&) = delete;
 
@@ -463,15 +464,14 @@ class MinbytesPlanner {
   // (they grow as the square root of its work): the sender's link is then the busiest. Instead,
   // such a sender's excess goes in a few blocks of up to host_fill x cap to hosts: receivers that
   // first hand their own work on to the other receivers (a second hop for the work, not for any
-  // row: every row still goes from its owner to the server that computes with it). The
-  // sender's link carries a few large blocks; the host's, its own rows out and the block in; the
-  // plan moves more bytes in all (short documents handed on cost more per pair). Hosts are the
+  // row: every row still goes from its owner to the server that computes with it), so the plan
+  // moves more bytes in all (short documents handed on cost more per pair). Hosts are the
   // receivers whose own work, largest bands first, costs the fewest bytes to hand on, up to half
   // of the receivers. Returns who hosts whom, in the order to fill them; `excess` becomes what
   // the soft intakes must cover: the senders' excess not hosted and the hosts' work to hand on.
-  struct Hosting {
+  struct Hosting {  // the host takes `block` seconds of the sender's work
     int32_t sender, host;
-    double block;  // seconds of the sender's work the host takes
+    double block;
   };
   std::vector<Hosting> reserve_hosts(const std::vector<int32_t>& senders, double& excess) {
     std::vector<Hosting> hosted;
@@ -505,19 +505,16 @@ class MinbytesPlanner {
     // 0.75 x the level, measured with distca bench planner --fresh 3 at eps 0.02 and 0.05 (32
     // plans), lowered the busiest step link on 3 and raised it on 3 (by at most 2.1 %), and the
     // worst over its bound from 1.418 to 1.298.
-    // The count n rounds up, so an excess just above a multiple of the fill costs a whole block
-    // more (2.78 caps at fill 0.9: 4 blocks of 0.69 cap, sum of square roots 3.33, against 3 of
-    // 0.93, 2.89): where one block fewer holds it in blocks of at most kHostFillMost x cap, that
-    // is the count. Measured with the 16 batches of distca bench planner --fresh 3 at eps 0.02 and
-    // 0.05 (32 plans): minlink's step link within 1.15x its bound on 29 against 22 (e.g. 1.177 ->
-    // 1.092, 1.171 -> 1.077; at most +0.007 where it rose), the worst unchanged (1.203 and 1.192),
-    // for more bytes in all (Q+K/V over its bound, worst 2.616 -> 2.890); 0.97 gained no more.
-    // Hosting only the senders whose estimated link unhosted (sqrt(k E), k blocks of half the
-    // level) tops 0.8 x the largest hosted one's cut those bytes by 5 % on average (worst 2.890
-    // -> 2.393 on the 16 batches, no link there rose) but raised the step link on 35 of 112
-    // sampled batches of 16-256 ranks (up to 9 %): the estimate misses how small rooms get.
+    // n rounds up, so an excess just above a multiple of the fill costs a whole block more (2.78
+    // caps at fill 0.9: 4 blocks, sum of square roots 3.33, against 2.89 for 3): where blocks of
+    // at most kHostFillMost x cap hold it in one fewer, that is n (distca bench planner --fresh 3,
+    // eps 0.02 and 0.05: minlink's step link within 1.15x its bound on 29 of 32, was 22).
+    // Hosts cost bytes, so unless host_every, a sender after the first is hosted only where its
+    // link into rooms of half the water level (rooms come out well below it), sqrt(k E) for k such
+    // blocks, would top 0.8 x the busiest hosted sender's sqrt(n E) (minlink re-plans if it missed).
     constexpr double kHostFillMost = 0.95;
-    const double level = 0.75 * water_level(excess);
+    const double water = water_level(excess), level = 0.75 * water;
+    double busiest_hosted = 0;
     size_t next = 0;
     for (int32_t s : senders) {
       const double left = load_[s] - cap_;
@@ -525,6 +522,14 @@ class MinbytesPlanner {
                              static_cast<int>(std::ceil(left / (kHostFillMost * cap_) - 1e-9)));
       const double each = left / n;
       if (each < level || next + n > order.size() / 2) continue;
+      if (!host_every_) {
+        const double k = std::ceil(left / (0.5 * water) - 1e-9);
+        if (busiest_hosted > 0 && std::sqrt(k * left) <= 0.8 * busiest_hosted) {
+          passed_over_.push_back(s);
+          continue;
+        }
+        busiest_hosted = std::max(busiest_hosted, std::sqrt(n * left));
+      }
       for (int i = 0; i < n; ++i) {
         const int32_t h = order[next++];
         reserved_[h] = 1;
@@ -581,9 +586,9 @@ class MinbytesPlanner {
   }
 
   // 4. Moves blocks off server s until it is at or below `limit` (the cap; lower for a host
-  // handing its work on). Candidates: as above, plus the
-  // servers that already receive keys of s's documents (more rows against keys they hold cost
-  // only the rows) and, when none of those can take a block, the servers with the most room.
+  // handing its work on). Candidates: as above, plus the servers that already receive keys of
+  // s's documents (more rows against keys they hold cost only the rows) and, when none of those
+  // can take a block, the servers with the most room.
   void shed(int32_t s, double limit) {
     std::vector<int32_t> candidates, live;
     // The excess goes in k equal blocks, k as few as the largest intake allows: a sender's last
@@ -790,6 +795,7 @@ class MinbytesPlanner {
   const double mean_;
   const double intake_scale_;  // the soft intake's level over the water level (1: spread the most)
   const double host_fill_;     // hosts' block, a share of the cap (0: no hosts)
+  const bool host_every_;      // MinbytesShape::host_every
   const int64_t g_;
   const int g_shift_;  // log2(g) where g is a power of two, else -1
   const int32_t num_ranks_;
@@ -819,13 +825,12 @@ class MinbytesPlanner {
   std::vector<int64_t> send_, recv_;               // (R) forward dispatch + return bytes so far
   bool is_budget_feasible_ = true;
   std::vector<int32_t> stuck_;  // servers left above the cap with no receiver for their work
+  std::vector<int32_t> passed_over_;  // senders with hosts' worth of excess not hosted (reserve_hosts)
 };
 
 bool keeps_budget(const Plan& plan, int64_t budget) {
   return plan.is_balanced && plan.traffic.forward.max_send_bytes <= budget && plan.traffic.forward.max_recv_bytes <= budget;
 }
-
-constexpr int kCapRetries = 3;
 
 // A plan at the cap (1 + eps) x mean. The mean is first every document as one task's, a floor:
 // cuts add tasks (each with its overhead) and shorter key ranges, which run slower, so at a small
@@ -836,13 +841,18 @@ constexpr int kCapRetries = 3;
 // 0.0004, 1.011x the mean with the first plan alone, 1.00015x with the second; on the profile of
 // PlanMinbytes.MeetsASmallEpsWhereCutsRaiseTheMeanAboveTheCap, 1.10x alone.
 Plan plan_at_cap(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget,
-                 const MinbytesShape& shape = {}) {
-  Plan plan = MinbytesPlanner(batch, cost, options, budget, shape).run();
-  double mean = plan.load.mean;  // the latest plan's
-  for (int again = 0; again < kCapRetries && !plan.is_balanced; ++again) {
-    Plan next = MinbytesPlanner(batch, cost, options, budget, shape, mean).run();
+                 const MinbytesShape& shape = {}, std::vector<int32_t>* passed_over = nullptr) {
+  constexpr int kCapRetries = 3;
+  Plan plan;
+  double mean = 0;  // the latest plan's (0 at first: every document as one task's)
+  for (int round = 0; round == 0 || (round <= kCapRetries && !plan.is_balanced); ++round) {
+    MinbytesPlanner planner(batch, cost, options, budget, shape, mean);
+    Plan next = planner.run();
     mean = next.load.mean;
-    if (next.load.imbalance < plan.load.imbalance) plan = std::move(next);
+    if (round == 0 || next.load.imbalance < plan.load.imbalance) {
+      plan = std::move(next);
+      if (passed_over != nullptr) *passed_over = planner.passed_over();
+    }
   }
   return plan;
 }
@@ -850,9 +860,9 @@ Plan plan_at_cap(const Batch& batch, const CostModel& cost, const PlannerOptions
 }  // namespace
 
 Result<Plan> plan_minbytes_shaped(const Batch& batch, const CostModel& cost, const PlannerOptions& options,
-                                  const MinbytesShape& shape) {
+                                  const MinbytesShape& shape, std::vector<int32_t>* passed_over) {
   DISTCA_RETURN_IF_ERROR(options.validate());
-  return plan_at_cap(batch, cost, options, options.max_rank_bytes, shape);
+  return plan_at_cap(batch, cost, options, options.max_rank_bytes, shape, passed_over);
 }
 
 Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {

@@ -378,6 +378,32 @@ TEST(PlanMinlink, AHostedSenderShipsInOneBlockFewerWhereNearlyFullBlocksHoldIt) 
   EXPECT_LE(bound.step, step);
 }
 
+// Hosts cost bytes (their own work handed on), so minlink hosts a sender only where without it
+// would be about as busy as the busiest hosted one. Rank 0 (one 16384-token document, 4.9x the
+// cap) is hosted; rank 1 (four of 4096, 1.5 cap of excess) ships into rooms and is not a phase's
+// busiest rank. Hosting both (13 + 3 hosts) gave the same step link and 13.05 GB in all.
+TEST(PlanMinlink, HostsOnlyTheSendersWhoseLinkNeedsThem) {
+  std::vector<std::vector<int64_t>> ranks(128, std::vector<int64_t>(16, 1024));
+  ranks[0] = {16384};
+  ranks[1] = {4096, 4096, 4096, 4096};
+  const Batch b = batch_from_ranks(ranks, 16384).value();
+  const CostModel cost(model_preset("llama-8b").value(), ThroughputProfile{});
+  const Plan minlink = make(plan_minlink, b, cost, PlannerOptions{0.05, 128, 0});
+  ASSERT_TRUE(minlink.is_balanced) << minlink.note;
+  EXPECT_NE(minlink.note.find("(13 host receivers for 1 sender)"), std::string::npos) << minlink.note;
+  for (const PhaseTraffic& phase : minlink.traffic.phases) {
+    int64_t busiest = 0;
+    for (size_t r = 0; r < phase.send_bytes.size(); ++r) busiest = std::max({busiest, phase.send_bytes[r], phase.recv_bytes[r]});
+    EXPECT_LT(std::max(phase.send_bytes[1], phase.recv_bytes[1]), busiest);
+  }
+  constexpr int kStateful = static_cast<int>(BackwardMode::kStateful);
+  EXPECT_LT(minlink.traffic.all_phases_bytes[kStateful], 12'500'000'000);
+  const int64_t max_pairs = *std::max_element(minlink.server_pairs.begin(), minlink.server_pairs.end());
+  const LinkBounds bound = link_lower_bounds(b, cost.token_bytes(), max_pairs);
+  ASSERT_TRUE(bound.is_computed);
+  EXPECT_LE(static_cast<double>(minlink.traffic.links[kStateful].step), 1.12 * bound.step);
+}
+
 // A stateful step's bound counts what a key-split row costs more (its merged O/LSE again with
 // dO): at 32/8 heads in bf16 it is sqrt((Q + o - o^2 / 2K) / Q) = 1.080x the bound that counts
 // every row as whole (bounds.h), less a few MB; and every policy's plan is above it.
