@@ -85,9 +85,9 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
     // after all, plan again hosting every sender, and keep the less busy step. Against hosting
     // every sender, measured with distca bench planner --fresh 3 at eps 0.02, 0.05 and auto (48
     // plans, none planned again): no step link rose, 16 fell (1.161 -> 1.076 at most), Q+K/V over
-    // its bound worst 2.890, 2.834, 2.816 -> 2.393, 2.588, 2.475. On 224 sampled batches of 16 to
-    // 256 ranks (two profiles, 4 eps; about 30 % planned again): 13 rose (2.4 % at most), 42
-    // fell (19 % at most), 2.5 % fewer bytes on average.
+    // its bound worst 2.890, 2.834, 2.816 -> 2.393, 2.588, 2.475. In 224 plans of 28 batches of
+    // 16 to 512 ranks (two profiles, 4 eps; about 30 % planned again): 13 rose (2.4 % at most),
+    // 42 fell (19 % at most), 2.5 % fewer bytes on average.
     if (!passed_over.empty() && is_busiest_in_a_phase(p.value(), passed_over)) {
       MinbytesShape every = kShapes[i].shape;
       every.host_every = true;
