@@ -51,7 +51,7 @@ Status GemmAttention::forward(const AttnFwdParams<float>& p) {
       }
     }
   }
-  const cpu_detail::BlockRoutines& routines = cpu_detail::best_routines();
+  const cpu_detail::BlockRoutines& routines = cpu_detail::default_routines();
   blas_set_num_threads(1);
   s.pool.parallel_for(static_cast<int64_t>(s.blocks.size()), [&](int64_t bi, int thread) {
     const State::Block& b = s.blocks[bi];

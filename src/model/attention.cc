@@ -15,7 +15,7 @@ using Clock = SteadyClock;
 
 template <typename T>
 LocalAttention<T>::LocalAttention(const ModelConfig& config, int rank, int threads) : config_(config), rank_(rank) {
-  if constexpr (std::is_same_v<T, float>) cpu_ = std::make_unique<kernels::CpuAttention>(kernels::CpuAttentionOptions{threads, false});
+  if constexpr (std::is_same_v<T, float>) cpu_ = std::make_unique<kernels::CpuAttention>(kernels::CpuAttentionOptions{.num_threads = threads});
 }
 
 template <typename T>

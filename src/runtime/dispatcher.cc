@@ -159,7 +159,7 @@ void copy_own(const std::vector<Segment>& segments, bool from_local, const std::
 
 class CpuKernel final : public ServerKernel {
  public:
-  explicit CpuKernel(int num_threads) : attention_(kernels::CpuAttentionOptions{num_threads, false}) {}
+  explicit CpuKernel(int num_threads) : attention_(kernels::CpuAttentionOptions{.num_threads = num_threads}) {}
   Status forward(const kernels::AttnFwdParams<float>& p) override { return attention_.forward(p); }
   Status backward(const kernels::AttnBwdParams<float>& p) override { return attention_.backward(p); }
 

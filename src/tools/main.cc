@@ -15,19 +15,34 @@
 #include "cmd_simulate.h"
 #include "cmd_train.h"
 #include "distca/core/log.h"
+#include "distca/kernels/cpu.h"
 #include "distca/kernels/cuda.h"
 #include "distca_git_hash.h"
 #include "world.h"
 
 namespace {
 
+// The CPU kernels' build in use (and why), the builds compiled in and the ones this CPU runs.
+std::string cpu_kernels_text() {
+  const distca::Result<std::string> isa = distca::kernels::resolve_cpu_isa("");
+  const char* forced = std::getenv(distca::kernels::kCpuIsaEnv);
+  return fmt::format("{} (built: {}; this CPU runs: {})",
+                     isa.is_ok() ? isa.value() + (forced != nullptr && *forced != '\0'
+                                                      ? fmt::format(", forced by {}", distca::kernels::kCpuIsaEnv)
+                                                      : std::string(", the fastest this CPU runs"))
+                                 : fmt::format("none: {}", isa.status().message()),
+                     fmt::join(distca::kernels::cpu_isas_built(), ", "),
+                     fmt::join(distca::kernels::cpu_isas_supported(), ", "));
+}
+
 std::string version_text() {
   return fmt::format(
       "distca {} (git {}, {} build)\n"
+      "  CPU attention kernels: {}\n"
       "  MpiComm (mpirun): {}\n"
       "  CUDA attention kernels: {}\n"
       "  NcclComm: {}\n",
-      DISTCA_VERSION, DISTCA_GIT_HASH, DISTCA_BUILD_TYPE, DISTCA_BUILT_MPI ? "built" : "not built (no MPI at configure time)",
+      DISTCA_VERSION, DISTCA_GIT_HASH, DISTCA_BUILD_TYPE, cpu_kernels_text(), DISTCA_BUILT_MPI ? "built" : "not built (no MPI at configure time)",
       distca::kernels::cuda_kernels_built()
           ? fmt::format("built for {}; sm_90a validated on an NVIDIA H100 on 2026-11-25 (reports/gpu/2026-11-25-h100), "
                         "other architectures not run on a GPU",
@@ -144,6 +159,11 @@ int main(int argc, char** argv) {
   }
   distca::set_log_level(is_verbose ? distca::LogLevel::kDebug
                                    : (is_quiet ? distca::LogLevel::kError : distca::LogLevel::kInfo));
+  // A DISTCA_CPU_ISA this CPU cannot run (or no build has) is bad input, refused before any work.
+  if (const distca::Result<std::string> isa = distca::kernels::resolve_cpu_isa(""); !isa.is_ok()) {
+    distca::tools::print_error_line(fmt::format("distca: error: {}", isa.status().message()));
+    return distca::tools::kExitBadInput;
+  }
   for (const CLI::App* sub : app.get_subcommands()) {
     distca::tools::set_run_settings(sub->config_to_str(/*default_also=*/true, /*write_description=*/false));
     // plan and simulate are one-process commands: under mpirun rank 0 runs them (one report, one

@@ -79,7 +79,7 @@ Result<sim::Profile> measure_cpu_profile(comm::Communicator& c, const CpuProfile
   const BlasCheck blas = blas_check();
   if (!blas.is_trusted) say(blas.warning);
   p.source = fmt::format("measured by distca profile on this machine: CpuAttention ({}), OpenBLAS {}{}, {} communicator",
-                         kernels::CpuAttention(kernels::CpuAttentionOptions{o.threads, false}).isa(), blas.core,
+                         kernels::CpuAttention(kernels::CpuAttentionOptions{.num_threads = o.threads}).isa(), blas.core,
                          blas.is_trusted ? "" : fmt::format(" (narrower than this {} CPU: linear work too slow)", blas.cpu_isa),
                          c.name());
   // Attention: whole causal documents of 128 .. max_tokens rows.
@@ -88,7 +88,7 @@ Result<sim::Profile> measure_cpu_profile(comm::Communicator& c, const CpuProfile
   a.num_kv_heads = m.num_kv_heads;
   a.head_dim = m.head_dim;
   a.tile_rows = 16;
-  kernels::CpuAttention kernel(kernels::CpuAttentionOptions{o.threads, false});
+  kernels::CpuAttention kernel(kernels::CpuAttentionOptions{.num_threads = o.threads});
   for (int64_t n = 128; n <= o.max_tokens; n *= 2) {
     std::vector<float> q(static_cast<size_t>(n * m.q_width()), 0.01f), kv(static_cast<size_t>(n * m.kv_width()), 0.02f);
     std::vector<float> out(q.size()), lse(static_cast<size_t>(n * m.num_q_heads)), dq(q.size()), dk(kv.size()), dv(kv.size());

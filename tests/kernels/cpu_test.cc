@@ -1,11 +1,16 @@
 // The fast CPU attention against the reference: random task lists (documents cut into shards
-// that share K/V, non-causal pieces, uncovered rows), fp32 and bf16, both instruction-set
-// builds, bit-identical results across thread counts, and exact task decompositions.
+// that share K/V, non-causal pieces, uncovered rows), fp32 and bf16, every instruction-set build
+// this CPU runs (avx512, avx2, portable), builds agreeing with each other, bit-identical results
+// across thread counts per build, and the choice of build (DISTCA_CPU_ISA).
 #include "distca/kernels/cpu.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
 #include <random>
+#include <string>
 
 #include "distca/kernels/ref.h"
 #include "test_util.h"
@@ -134,37 +139,62 @@ TaskSet make_set(std::mt19937_64& rng, const Shape& s) {
 
 class CpuVsReference : public ::testing::TestWithParam<Shape> {};
 
+// Every build this CPU runs, fastest first.
+std::vector<std::string> isas() { return cpu_isas_supported(); }
+
 TEST_P(CpuVsReference, Fp32MatchesDoubleReference) {
   std::mt19937_64 rng(7);
   const TaskSet set = make_set(rng, GetParam());
   const auto in = random_inputs<float>(rng, set.dims);
-  CpuAttention cpu;
-  expect_matches_reference(cpu.isa(), run_cpu(cpu, set, in), run_ref<float, double>(set, in),
-                           run_ref<float, float>(set, in), set.dims, 0.0);
+  const Outputs ref64 = run_ref<float, double>(set, in), ref32 = run_ref<float, float>(set, in);
+  for (const std::string& isa : isas()) {
+    CpuAttention cpu({.isa = isa});
+    ASSERT_EQ(cpu.isa(), isa);
+    expect_matches_reference(isa, run_cpu(cpu, set, in), ref64, ref32, set.dims, 0.0);
+  }
 }
 
 TEST_P(CpuVsReference, Bf16MatchesDoubleReference) {
   std::mt19937_64 rng(11);
   const TaskSet set = make_set(rng, GetParam());
   const auto in = random_inputs<bf16>(rng, set.dims);
-  CpuAttention cpu;
   // Every backward gets the reference forward's O, rounded to bf16 as the kernel's own would be
   // (so the same rounded rowsum(dO * O) enters all of them). Both sides round their results to
   // bf16 (8 significant bits): allow two roundings.
   const Outputs ref64 = run_ref<bf16, double>(set, in);
-  expect_matches_reference(cpu.isa() + " bf16", run_cpu(cpu, set, in, &ref64),
-                           run_ref<bf16, double>(set, in, &ref64),
-                           run_ref<bf16, float>(set, in, &ref64), set.dims, 1.0 / 128);
+  const Outputs given64 = run_ref<bf16, double>(set, in, &ref64), given32 = run_ref<bf16, float>(set, in, &ref64);
+  for (const std::string& isa : isas()) {
+    CpuAttention cpu({.isa = isa});
+    expect_matches_reference(isa + " bf16", run_cpu(cpu, set, in, &ref64), given64, given32, set.dims, 1.0 / 128);
+  }
 }
 
-TEST_P(CpuVsReference, PortableBuildMatchesDoubleReference) {
+// The builds compute the same function in different orders (vector widths, register tiles):
+// they agree with each other as closely as each agrees with the double reference.
+TEST_P(CpuVsReference, BuildsAgreeWithinFp32Rounding) {
   std::mt19937_64 rng(13);
   const TaskSet set = make_set(rng, GetParam());
   const auto in = random_inputs<float>(rng, set.dims);
-  CpuAttention cpu({.num_threads = 0, .is_portable = true});
-  ASSERT_EQ(cpu.isa(), "portable");
-  expect_matches_reference("portable", run_cpu(cpu, set, in), run_ref<float, double>(set, in),
-                           run_ref<float, float>(set, in), set.dims, 0.0);
+  const Outputs ref64 = run_ref<float, double>(set, in), ref32 = run_ref<float, float>(set, in);
+  const std::vector<std::string> names = isas();
+  CpuAttention first({.isa = names.front()});
+  const Outputs base = run_cpu(first, set, in);
+  for (std::size_t i = 1; i < names.size(); ++i) {
+    CpuAttention other({.isa = names[i]});
+    const Outputs got = run_cpu(other, set, in);
+    const AttnDims& n = set.dims;
+    auto check = [&](const char* name, const std::vector<float>& g, const std::vector<float>& b,
+                     const std::vector<float>& w64, const std::vector<float>& w32, int64_t heads, int64_t inner) {
+      // Each is within 4x the naive fp32 error of the truth, so within 8x of each other.
+      const double atol = 8.0 * testing::max_abs_diff(w32, w64) + 2e-6 * testing::max_abs(w64) + 1e-30;
+      expect_close(names[i] + " vs " + names.front() + " " + name, g, b, heads, inner, atol, 0.0);
+    };
+    check("O", got.o, base.o, ref64.o, ref32.o, n.num_q_heads, n.head_dim);
+    check("LSE", got.lse, base.lse, ref64.lse, ref32.lse, n.num_q_heads, 1);
+    check("dQ", got.dq, base.dq, ref64.dq, ref32.dq, n.num_q_heads, n.head_dim);
+    check("dK", got.dk, base.dk, ref64.dk, ref32.dk, n.num_kv_heads, n.head_dim);
+    check("dV", got.dv, base.dv, ref64.dv, ref32.dv, n.num_kv_heads, n.head_dim);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuVsReference, ::testing::ValuesIn(shapes()),
@@ -179,9 +209,11 @@ TEST(CpuVsReferenceLong, QueriesAndKeysOf4096Tokens) {
   set.tasks = {{0, 128, 0, 3968, true}, {128, 128, 0, 4096, true}, {256, 4096, 0, 4096, true}};
   set.dims = {256 + 4096, 4096, 1, 1, 128};
   const auto in = random_inputs<float>(rng, set.dims);
-  CpuAttention cpu;
-  expect_matches_reference(cpu.isa(), run_cpu(cpu, set, in), run_ref<float, double>(set, in),
-                           run_ref<float, float>(set, in), set.dims, 0.0);
+  const Outputs ref64 = run_ref<float, double>(set, in), ref32 = run_ref<float, float>(set, in);
+  for (const std::string& isa : isas()) {
+    CpuAttention cpu({.isa = isa});
+    expect_matches_reference(isa, run_cpu(cpu, set, in), ref64, ref32, set.dims, 0.0);
+  }
 }
 
 TEST(CpuAttention, BitIdenticalForAnyThreadCount) {
@@ -189,17 +221,83 @@ TEST(CpuAttention, BitIdenticalForAnyThreadCount) {
   TaskSet set = testing::shard_documents(rng, {300, 45, 700}, 90, 4, 2, 64, 1);
   add_noncausal(rng, set, 2);
   const auto in = random_inputs<float>(rng, set.dims);
-  CpuAttention one({.num_threads = 1});
-  const Outputs base = run_cpu(one, set, in);
-  for (int threads : {2, 3, 5}) {
-    CpuAttention many({.num_threads = threads});
-    const Outputs got = run_cpu(many, set, in);
-    for (auto [a, b] : {std::pair{&got.o, &base.o}, {&got.lse, &base.lse}, {&got.dq, &base.dq},
-                        {&got.dk, &base.dk}, {&got.dv, &base.dv}}) {
-      ASSERT_EQ(a->size(), b->size());
-      EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(float)))
-          << threads << " threads differ from one";
+  for (const std::string& isa : isas()) {
+    CpuAttention one({.num_threads = 1, .isa = isa});
+    const Outputs base = run_cpu(one, set, in);
+    for (int threads : {2, 3, 5}) {
+      CpuAttention many({.num_threads = threads, .isa = isa});
+      const Outputs got = run_cpu(many, set, in);
+      for (auto [a, b] : {std::pair{&got.o, &base.o}, {&got.lse, &base.lse}, {&got.dq, &base.dq},
+                          {&got.dk, &base.dk}, {&got.dv, &base.dv}}) {
+        ASSERT_EQ(a->size(), b->size());
+        EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(float)))
+            << isa << ": " << threads << " threads differ from one";
+      }
     }
+  }
+}
+
+// Sets an environment variable for one scope and restores it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_.has_value()) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST(CpuIsa, BuildsAreListedFastestFirstAndPortableAlwaysRuns) {
+  const std::vector<std::string> built = cpu_isas_built(), runs = cpu_isas_supported();
+  ASSERT_FALSE(runs.empty());
+  EXPECT_EQ(built.back(), "portable");
+  EXPECT_EQ(runs.back(), "portable");
+#if defined(__x86_64__)
+  EXPECT_EQ(built, (std::vector<std::string>{"avx512", "avx2", "portable"}));
+#endif
+  for (const std::string& isa : runs) EXPECT_NE(std::find(built.begin(), built.end(), isa), built.end()) << isa;
+}
+
+TEST(CpuIsa, EmptyAndAutoPickTheFastestAndTheEnvironmentForcesABuild) {
+  ScopedEnv unset(kCpuIsaEnv, "");
+  EXPECT_EQ(resolve_cpu_isa("").value(), cpu_isas_supported().front());
+  EXPECT_EQ(resolve_cpu_isa("auto").value(), cpu_isas_supported().front());
+  EXPECT_EQ(CpuAttention().isa(), cpu_isas_supported().front());
+  for (const std::string& isa : cpu_isas_supported()) {
+    ScopedEnv forced(kCpuIsaEnv, isa.c_str());
+    EXPECT_EQ(resolve_cpu_isa("").value(), isa);
+    EXPECT_EQ(CpuAttention().isa(), isa);
+    EXPECT_EQ(resolve_cpu_isa("portable").value(), "portable") << "an explicit choice beats the environment";
+  }
+}
+
+TEST(CpuIsa, UnknownOrUnrunnableBuildsAreRefusedWithTheChoices) {
+  const Status st = check_cpu_isa("avx9000");
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("portable"), std::string::npos) << st.message();
+  {
+    ScopedEnv bad(kCpuIsaEnv, "avx9000");
+    const Result<std::string> r = resolve_cpu_isa("");
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_NE(r.status().message().find("DISTCA_CPU_ISA=avx9000"), std::string::npos) << r.status().message();
+  }
+  // A build compiled in that this CPU cannot run (avx512 on an AVX2-only CPU, say).
+  const std::vector<std::string> runs = cpu_isas_supported();
+  for (const std::string& isa : cpu_isas_built()) {
+    if (std::find(runs.begin(), runs.end(), isa) != runs.end()) continue;
+    const Status no = check_cpu_isa(isa);
+    EXPECT_EQ(no.code(), StatusCode::kInvalidArgument) << isa;
+    EXPECT_NE(no.message().find("cannot run"), std::string::npos) << no.message();
   }
 }
 

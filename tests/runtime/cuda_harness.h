@@ -63,7 +63,7 @@ class Bf16CpuKernel final : public ServerKernel {
   static void widen(const std::vector<bf16>& x, float* out) {
     for (size_t i = 0; i < x.size(); ++i) out[i] = static_cast<float>(x[i]);
   }
-  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{1, false}};
+  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{.num_threads = 1}};
 };
 
 // The largest |a - b| (NaN anywhere: infinity); equal infinities (LSE of a row with no key) agree.

@@ -34,7 +34,7 @@ class CpuFp32Kernel final : public ServerKernel {
   Status backward(const AttnBwdParams<float>& p) override { return cpu_.backward(p); }
 
  private:
-  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{1, false}};
+  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{.num_threads = 1}};
 };
 
 struct Shape {

@@ -44,7 +44,7 @@ class WrongScaleKernel final : public ServerKernel {
   Status backward(const kernels::AttnBwdParams<float>& p) override { return cpu_.backward(p); }
 
  private:
-  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{1, false}};
+  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{.num_threads = 1}};
 };
 
 class UnwrittenRowKernel final : public ServerKernel {
@@ -58,7 +58,7 @@ class UnwrittenRowKernel final : public ServerKernel {
   }
 
  private:
-  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{1, false}};
+  kernels::CpuAttention cpu_{kernels::CpuAttentionOptions{.num_threads = 1}};
 };
 
 Status check_with(ServerKernel& kernel, int R) {

@@ -192,7 +192,7 @@ inline Status check_against_colocated(comm::Communicator& base, const plan::Batc
   const kernels::AttnDims dims{g.num_rows, g.num_rows, hq, hkv, d};
   std::vector<float> o(g.num_rows * qw), lse(g.num_rows * hq), dq(g.num_rows * qw), dk(g.num_rows * kw),
       dv(g.num_rows * kw);
-  kernels::CpuAttention attention({c.num_threads, false});
+  kernels::CpuAttention attention({.num_threads = c.num_threads});
   DISTCA_RETURN_IF_ERROR(attention.forward(kernels::AttnFwdParams<float>{dims, in.q.data(), in.k.data(), in.v.data(),
                                                                          tasks, {}, o.data(), lse.data()}));
   DISTCA_RETURN_IF_ERROR(attention.backward(kernels::AttnBwdParams<float>{dims, in.q.data(), in.k.data(), in.v.data(),

@@ -50,10 +50,16 @@ int64_t num_query_blocks(const AttnTask& t) { return (t.q_len + kBlockQ - 1) / k
 
 }  // namespace
 
+static const cpu_detail::BlockRoutines& routines_of(const std::string& isa) {
+  const Result<std::string> name = resolve_cpu_isa(isa);
+  DISTCA_CHECK(name.is_ok()) << name.status().message();
+  return cpu_detail::routines_for(name.value());
+}
+
 struct CpuAttention::State {
   explicit State(const CpuAttentionOptions& options)
       : pool(options.num_threads),
-        routines(&cpu_detail::best_routines(options.is_portable)) {
+        routines(&routines_of(options.isa)) {
     scratch_buffers.resize(pool.num_threads());
     scratch.resize(pool.num_threads());
     for (int t = 0; t < pool.num_threads(); ++t) {

@@ -1,7 +1,9 @@
 // Flash-style attention blocks, written once with GCC vector extensions and compiled per
-// instruction set: isa_avx512.cc builds it with AVX-512 enabled (one 16-lane vector is one zmm
-// register), isa_portable.cc with the compiler's defaults (the same code, split into narrower
-// registers). Include only from those two files, inside their own namespace.
+// instruction set: isa_avx512.cc builds it with AVX-512 (one 16-lane vector is one zmm register,
+// 32 of them), isa_avx2.cc with AVX2 and FMA (8 lanes, 16 ymm registers), isa_portable.cc with the
+// compiler's baseline (4 lanes: SSE2's 16 xmm registers on x86-64, NEON's 32 on aarch64). Include
+// only from those files, inside their own namespace, with DISTCA_VECTOR_BYTES and
+// DISTCA_VECTOR_REGISTERS defined.
 //
 // The layout is transposed so that no reduction is horizontal: a block holds kBlockQ queries in
 // the vector lanes. Scores are S^T [keys, queries]: the row max, sum and mask of the softmax are
@@ -10,6 +12,12 @@
 //   O^T += V^T P^T     (acc_t:   broadcast V[j][d], vector P^T[j])
 //   dV  += P^T dO      (rows_acc: broadcast P^T[j][i], vector dO[i])
 // Scores are kept in log2 units (Q^T is pre-scaled by scale * log2(e)) so softmax uses exp2.
+//
+// Each product runs as register tiles (accumulators that stay in registers over the reduction):
+// rows of broadcasts times vectors of columns. The data layout (kBlockQ = 64 queries a block) is
+// the same for every instruction set; the tiles are sized per set (Tiles below), so that a tile's
+// accumulators, its column vectors and one broadcast fit the register file. With 32 registers a
+// tile spans all 64 queries (one column tile); with 16, a quarter of them.
 
 #include <algorithm>
 #include <cmath>
@@ -18,14 +26,34 @@
 
 #include "isa.h"
 
+#if !defined(DISTCA_VECTOR_BYTES) || !defined(DISTCA_VECTOR_REGISTERS)
+#error "define DISTCA_VECTOR_BYTES and DISTCA_VECTOR_REGISTERS before including blocks.h"
+#endif
+
 namespace distca::kernels::cpu_detail {
 namespace DISTCA_ISA_NAMESPACE {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(DISTCA_VECTOR_BYTES)));
+typedef int32_t vi __attribute__((vector_size(DISTCA_VECTOR_BYTES)));
+constexpr int kLanes = DISTCA_VECTOR_BYTES / 4;
 constexpr int kQVecs = kBlockQ / kLanes;
 static_assert(kBlockQ % kLanes == 0);
+
+// Register tiles (rows x column vectors of accumulators), per product:
+//   st:      kStRows key rows x kStVecs query vectors (+ kStVecs loads + 1 broadcast)
+//   acc_t:   kAccRows head-dim rows x kAccVecs query vectors
+//   rows_acc: up to kRowsAccTile accumulators, in D-column vectors of at most kRowsAccVecs
+// 32 registers: 24 / 16 / 24 accumulators (AVX-512's tiles as tuned before AVX2 came: rows_acc
+// spans all of D there, 6 x 4 vectors at D 64, 3 x 8 at D 128); 16 registers: 12 / 8 / 12.
+constexpr bool kWideFile = DISTCA_VECTOR_REGISTERS >= 32;
+constexpr bool kIsAvx512Tiles = kLanes == 16;
+constexpr int kStRows = 6;
+constexpr int kStVecs = std::min(kQVecs, kWideFile ? 4 : 2);
+constexpr int kAccRows = 4;
+constexpr int kAccVecs = std::min(kQVecs, kWideFile ? 4 : 2);
+constexpr int kRowsAccTile = kWideFile ? 24 : 12;
+constexpr int kRowsAccVecs = kIsAvx512Tiles ? 16 : (kWideFile ? 4 : 2);
+static_assert(kQVecs % kStVecs == 0 && kQVecs % kAccVecs == 0);
 
 inline vf load(const float* p) {
   vf v;
@@ -63,39 +91,46 @@ inline vi lane_index(int v) {
   return idx;
 }
 
-// out[r][:] = sum_d a[r][d] * bt[d][:] for MR rows of a (row stride a_stride).
-template <int D, int MR>
+// out[r][:NV * kLanes] = sum_d a[r][d] * bt[d][:NV * kLanes] for MR rows of a (row stride
+// a_stride); bt and out rows are kBlockQ apart.
+template <int D, int MR, int NV>
 inline void st_rows(const float* a, int64_t a_stride, const float* bt, float* out) {
-  vf acc[MR][kQVecs] = {};
+  vf acc[MR][NV] = {};
 #pragma GCC unroll 2
   for (int d = 0; d < D; ++d) {
-    vf b[kQVecs];
+    vf b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < kQVecs; ++v) b[v] = load(bt + d * kBlockQ + v * kLanes);
+    for (int v = 0; v < NV; ++v) b[v] = load(bt + d * kBlockQ + v * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const float x = a[r * a_stride + d];
 #pragma GCC unroll 4
-      for (int v = 0; v < kQVecs; ++v) acc[r][v] += x * b[v];
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * b[v];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kQVecs; ++v) store(out + r * kBlockQ + v * kLanes, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store(out + r * kBlockQ + v * kLanes, acc[r][v]);
 }
 
-// out[j][:] = sum_d a[j][d] * bt[d][:] for j in [0, num_rows).
+// out[j][:] = sum_d a[j][d] * bt[d][:] for j in [0, num_rows), a column tile at a time.
 template <int D>
 void st_block(const float* a, int64_t a_stride, const float* bt, int64_t num_rows, float* out) {
-  constexpr int kMR = 6;
-  int64_t j = 0;
-  for (; j + kMR <= num_rows; j += kMR) st_rows<D, kMR>(a + j * a_stride, a_stride, bt, out + j * kBlockQ);
-  switch (num_rows - j) {
-    case 5: st_rows<D, 5>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
-    case 4: st_rows<D, 4>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
-    case 3: st_rows<D, 3>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
-    case 2: st_rows<D, 2>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
-    case 1: st_rows<D, 1>(a + j * a_stride, a_stride, bt, out + j * kBlockQ); break;
-    default: break;
+  constexpr int kMR = kStRows, kNV = kStVecs;
+  for (int c = 0; c < kQVecs; c += kNV) {
+    const float* btc = bt + c * kLanes;
+    float* outc = out + c * kLanes;
+    int64_t j = 0;
+    for (; j + kMR <= num_rows; j += kMR) st_rows<D, kMR, kNV>(a + j * a_stride, a_stride, btc, outc + j * kBlockQ);
+    const float* aj = a + j * a_stride;
+    float* oj = outc + j * kBlockQ;
+    switch (num_rows - j) {
+      case 5: st_rows<D, 5, kNV>(aj, a_stride, btc, oj); break;
+      case 4: st_rows<D, 4, kNV>(aj, a_stride, btc, oj); break;
+      case 3: st_rows<D, 3, kNV>(aj, a_stride, btc, oj); break;
+      case 2: st_rows<D, 2, kNV>(aj, a_stride, btc, oj); break;
+      case 1: st_rows<D, 1, kNV>(aj, a_stride, btc, oj); break;
+      default: break;
+    }
   }
 }
 
@@ -103,66 +138,87 @@ void st_block(const float* a, int64_t a_stride, const float* bt, int64_t num_row
 template <int D>
 void acc_t_block(float* acc_t, const vf* alpha, const float* a, int64_t a_stride, const float* pt,
                  int64_t num_rows) {
-  constexpr int kMD = 4;
+  constexpr int kMD = kAccRows, kNV = kAccVecs;
   static_assert(D % kMD == 0);
-  for (int d0 = 0; d0 < D; d0 += kMD) {
-    vf acc[kMD][kQVecs];
-    for (int r = 0; r < kMD; ++r)
-      for (int v = 0; v < kQVecs; ++v) {
-        acc[r][v] = load(acc_t + (d0 + r) * kBlockQ + v * kLanes);
-        if (alpha != nullptr) acc[r][v] *= alpha[v];
-      }
+  for (int c = 0; c < kQVecs; c += kNV) {
+    for (int d0 = 0; d0 < D; d0 += kMD) {
+      vf acc[kMD][kNV];
+      for (int r = 0; r < kMD; ++r)
+        for (int v = 0; v < kNV; ++v) {
+          acc[r][v] = load(acc_t + (d0 + r) * kBlockQ + (c + v) * kLanes);
+          if (alpha != nullptr) acc[r][v] *= alpha[c + v];
+        }
 #pragma GCC unroll 2
-    for (int64_t j = 0; j < num_rows; ++j) {
-      vf p[kQVecs];
+      for (int64_t j = 0; j < num_rows; ++j) {
+        vf p[kNV];
 #pragma GCC unroll 4
-      for (int v = 0; v < kQVecs; ++v) p[v] = load(pt + j * kBlockQ + v * kLanes);
-      const float* arow = a + j * a_stride + d0;
+        for (int v = 0; v < kNV; ++v) p[v] = load(pt + j * kBlockQ + (c + v) * kLanes);
+        const float* arow = a + j * a_stride + d0;
 #pragma GCC unroll 4
-      for (int r = 0; r < kMD; ++r) {
-        const float x = arow[r];
+        for (int r = 0; r < kMD; ++r) {
+          const float x = arow[r];
 #pragma GCC unroll 4
-        for (int v = 0; v < kQVecs; ++v) acc[r][v] += x * p[v];
+          for (int v = 0; v < kNV; ++v) acc[r][v] += x * p[v];
+        }
       }
+      for (int r = 0; r < kMD; ++r)
+        for (int v = 0; v < kNV; ++v) store(acc_t + (d0 + r) * kBlockQ + (c + v) * kLanes, acc[r][v]);
     }
-    for (int r = 0; r < kMD; ++r)
-      for (int v = 0; v < kQVecs; ++v) store(acc_t + (d0 + r) * kBlockQ + v * kLanes, acc[r][v]);
   }
 }
 
-// acc[r][:] += sum_i pt[r][i] * b[i][:] for MR rows, i in [0, num_cols); acc rows are D long.
-template <int D, int MR>
+// acc[r][:NV * kLanes] += sum_i pt[r][i] * b[i][:NV * kLanes] for MR rows, i in [0, num_cols);
+// acc rows are D long.
+template <int D, int MR, int NV>
 inline void rows_acc(float* acc_rows, const float* pt, const float* b, int64_t b_stride,
                      int64_t num_cols) {
-  constexpr int kNV = D / kLanes;
-  vf acc[MR][kNV];
+  vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kNV; ++v) acc[r][v] = load(acc_rows + r * D + v * kLanes);
+    for (int v = 0; v < NV; ++v) acc[r][v] = load(acc_rows + r * D + v * kLanes);
 #pragma GCC unroll 2
   for (int64_t i = 0; i < num_cols; ++i) {
-    vf bv[kNV];
+    vf bv[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < kNV; ++v) bv[v] = load(b + i * b_stride + v * kLanes);
+    for (int v = 0; v < NV; ++v) bv[v] = load(b + i * b_stride + v * kLanes);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
       const float x = pt[r * kBlockQ + i];
 #pragma GCC unroll 16
-      for (int v = 0; v < kNV; ++v) acc[r][v] += x * bv[v];
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * bv[v];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kNV; ++v) store(acc_rows + r * D + v * kLanes, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store(acc_rows + r * D + v * kLanes, acc[r][v]);
 }
 
 template <int D>
 void rows_acc_block(float* acc_rows, const float* pt, int64_t num_rows, const float* b,
                     int64_t b_stride, int64_t num_cols) {
-  constexpr int kMR = std::max(1, 24 / (D / kLanes));
-  int64_t r = 0;
-  for (; r + kMR <= num_rows; r += kMR) {
-    rows_acc<D, kMR>(acc_rows + r * D, pt + r * kBlockQ, b, b_stride, num_cols);
+  constexpr int kNV = std::min(D / kLanes, kRowsAccVecs);
+  constexpr int kMR = std::max(1, kRowsAccTile / kNV);
+  for (int c = 0; c < D / kLanes; c += kNV) {
+    float* acc_c = acc_rows + c * kLanes;
+    const float* b_c = b + c * kLanes;
+    int64_t r = 0;
+    for (; r + kMR <= num_rows; r += kMR) {
+      rows_acc<D, kMR, kNV>(acc_c + r * D, pt + r * kBlockQ, b_c, b_stride, num_cols);
+    }
+    if constexpr (kIsAvx512Tiles || kMR != 6) {
+      for (; r < num_rows; ++r) rows_acc<D, 1, kNV>(acc_c + r * D, pt + r * kBlockQ, b_c, b_stride, num_cols);
+    } else {
+      // The leftover rows (64 = 10 x 6 + 4) as one tile, not one by one.
+      float* ar = acc_c + r * D;
+      const float* pr = pt + r * kBlockQ;
+      switch (num_rows - r) {
+        case 5: rows_acc<D, 5, kNV>(ar, pr, b_c, b_stride, num_cols); break;
+        case 4: rows_acc<D, 4, kNV>(ar, pr, b_c, b_stride, num_cols); break;
+        case 3: rows_acc<D, 3, kNV>(ar, pr, b_c, b_stride, num_cols); break;
+        case 2: rows_acc<D, 2, kNV>(ar, pr, b_c, b_stride, num_cols); break;
+        case 1: rows_acc<D, 1, kNV>(ar, pr, b_c, b_stride, num_cols); break;
+        default: break;
+      }
+    }
   }
-  for (; r < num_rows; ++r) rows_acc<D, 1>(acc_rows + r * D, pt + r * kBlockQ, b, b_stride, num_cols);
 }
 
 // Sets s[j][i] = -inf where query q0 + i (task-relative) cannot see key k0 + j: k0 + j > off + q0 + i.

@@ -1,9 +1,11 @@
 // The boundary between the CPU attention driver (attention_cpu.cc: validation, dtype conversion,
 // work lists, threads) and the block routines, which are compiled once per instruction set
-// (isa_avx512.cc, isa_portable.cc) from one source (blocks.h). Everything here is fp32.
+// (isa_avx512.cc, isa_avx2.cc, isa_portable.cc) from one source (blocks.h); isa_select.cc picks
+// the build that runs. Everything here is fp32.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "distca/kernels/attention.h"
 
@@ -101,9 +103,13 @@ struct BlockRoutines {
 };
 
 bool supports_head_dim(int64_t head_dim);
+// One per build (isa_*.cc); the x86-64 ones exist only in x86-64 builds.
 const BlockRoutines& avx512_routines();
+const BlockRoutines& avx2_routines();
 const BlockRoutines& portable_routines();
-// AVX-512 where the CPU has it, else portable.
-const BlockRoutines& best_routines(bool is_portable = false);
+// The routines of a build this CPU runs (isa_select.cc). REQUIRES: check_cpu_isa(isa) is ok.
+const BlockRoutines& routines_for(const std::string& isa);
+// The routines of the build an empty CpuAttentionOptions::isa resolves to.
+const BlockRoutines& default_routines();
 
 }  // namespace distca::kernels::cpu_detail

@@ -1,6 +1,13 @@
-// The block routines built for the compiler's baseline instruction set: any x86-64 (or other)
-// CPU runs them.
+// The block routines built for the compiler's baseline instruction set, which every CPU of the
+// architecture runs: 4-lane vectors, SSE2's 16 registers on x86-64, NEON's 32 on aarch64 (where
+// this is the only build, and NEON has FMA).
 #define DISTCA_ISA_NAMESPACE portable
+#define DISTCA_VECTOR_BYTES 16
+#if defined(__aarch64__)
+#define DISTCA_VECTOR_REGISTERS 32
+#else
+#define DISTCA_VECTOR_REGISTERS 16
+#endif
 #include "blocks.h"
 
 namespace distca::kernels::cpu_detail {
@@ -8,9 +15,6 @@ const BlockRoutines& portable_routines() {
   static const BlockRoutines r{"portable", portable::forward_any, portable::pack_any,
                                portable::unit_any, portable::store_dq_any, portable::softmax_row};
   return r;
-}
-const BlockRoutines& best_routines(bool is_portable) {
-  return !is_portable && __builtin_cpu_supports("avx512f") ? avx512_routines() : portable_routines();
 }
 bool supports_head_dim(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;

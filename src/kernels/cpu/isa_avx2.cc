@@ -1,0 +1,15 @@
+// The block routines built for AVX2 with FMA (this file is compiled with -mavx2 -mfma; the driver
+// calls it only where the CPU reports both): 8-lane vectors, 16 registers, so the tiles of
+// blocks.h are sized for 16 (a quarter of a block's queries at a time).
+#define DISTCA_ISA_NAMESPACE avx2
+#define DISTCA_VECTOR_BYTES 32
+#define DISTCA_VECTOR_REGISTERS 16
+#include "blocks.h"
+
+namespace distca::kernels::cpu_detail {
+const BlockRoutines& avx2_routines() {
+  static const BlockRoutines r{"avx2", avx2::forward_any, avx2::pack_any, avx2::unit_any,
+                               avx2::store_dq_any, avx2::softmax_row};
+  return r;
+}
+}  // namespace distca::kernels::cpu_detail
