@@ -14,6 +14,7 @@ packages=(
   python3-venv python3-dev           # the Python package: its virtual environment and headers
   python3-numpy python3-pytest       # the package's arrays and its test suite
   python3-mypy                       # the test that the package and its stubs type-check
+  g++-aarch64-linux-gnu qemu-user    # scripts/test-aarch64.sh: the CPU kernels built for aarch64, run under qemu
   clang libclang-rt-14-dev llvm-14   # scripts/fuzz.sh: clang, its libFuzzer and sanitizer runtimes (only
                                      # recommended by clang, so named here), llvm-symbolizer for stack traces
 )

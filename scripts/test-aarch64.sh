@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The CPU attention kernels' tests on aarch64: the portable build (NEON there) cross-compiled with
+# Debian's g++-aarch64-linux-gnu into build-aarch64/ and run under qemu-aarch64 (qemu-user), so
+# the ARM build is checked for correctness on an x86-64 machine. Its speed is not measured here
+# (qemu emulates).
+#   scripts/test-aarch64.sh           every kernel test (about 8 minutes under emulation on 2 cores)
+#   scripts/test-aarch64.sh --quick   the build against the reference, the choice of build and
+#                                     bit-identity across threads (what scripts/test.sh runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+filter="*"
+case "${1:-}" in
+  "") ;;
+  --quick) filter="CpuVsReference.*:Shapes/CpuVsReference.*:CpuAttention.*:CpuIsa.*" ;;
+  -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "test-aarch64.sh: unknown argument '$1' (--quick, --help)" >&2; exit 2 ;;
+esac
+for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "test-aarch64.sh: $tool is missing: run scripts/install-deps.sh (g++-aarch64-linux-gnu, qemu-user)" >&2
+    exit 1
+  fi
+done
+mkdir -p build-aarch64
+if ! cmake -S tests/cross -B build-aarch64 -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_TOOLCHAIN_FILE="$PWD/tests/cross/aarch64.cmake" >build-aarch64/configure.log 2>&1; then
+  cat build-aarch64/configure.log
+  echo "test-aarch64.sh: configure failed (log above, also in build-aarch64/configure.log)" >&2
+  exit 1
+fi
+cmake --build build-aarch64 -j "$(nproc)"
+readelf -h build-aarch64/kernels_cpu_test_aarch64 | grep -q "AArch64" || {
+  echo "test-aarch64.sh: build-aarch64/kernels_cpu_test_aarch64 is not an aarch64 binary" >&2
+  exit 1
+}
+qemu-aarch64 build-aarch64/kernels_cpu_test_aarch64 --gtest_brief=1 --gtest_filter="$filter"
