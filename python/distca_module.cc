@@ -284,8 +284,7 @@ py::dict batch_dict(const plan::Batch& b) {
 // imply, of the dtype named, contiguous, is the caller's promise (distca.torch checks its tensors
 // before it calls). The GIL is released while the kernel runs; calls on one object serialize.
 struct PyCpuAttention {
-  explicit PyCpuAttention(int num_threads, bool is_portable)
-      : attn({.num_threads = num_threads, .is_portable = is_portable}) {}
+  explicit PyCpuAttention(int num_threads, std::string isa) : attn({.num_threads = num_threads, .isa = std::move(isa)}) {}
   kernels::CpuAttention attn;
   std::mutex mu;
 };
@@ -613,14 +612,29 @@ PYBIND11_MODULE(_distca, m) {
     }
     if (!s.is_ok()) throw py::value_error(s.message());
   });
+  m.def("cpu_isas_built", &kernels::cpu_isas_built,
+        "The builds of the CPU attention kernels compiled in, fastest first (avx512, avx2, portable on x86-64).");
+  m.def("cpu_isas_supported", &kernels::cpu_isas_supported,
+        "The builds of the CPU attention kernels this CPU runs, fastest first.");
+  m.def(
+      "cpu_isa",
+      [] {
+        const Result<std::string> isa = kernels::resolve_cpu_isa("");
+        if (!isa.is_ok()) throw py::value_error(isa.status().message());
+        return isa.value();
+      },
+      "The build of the CPU attention kernels an object made now runs: DISTCA_CPU_ISA where set, else the fastest "
+      "this CPU runs.");
   py::class_<PyCpuAttention>(m, "CpuAttention")
-      .def(py::init([](int num_threads, bool is_portable) {
+      .def(py::init([](int num_threads, const std::string& isa) {
              if (num_threads < 0 || num_threads > 1024) {
                throw py::value_error(fmt::format("num_threads {} is outside [0, 1024] (0: one per hardware thread)", num_threads));
              }
-             return std::make_unique<PyCpuAttention>(num_threads, is_portable);
+             const Result<std::string> resolved = kernels::resolve_cpu_isa(isa);
+             if (!resolved.is_ok()) throw py::value_error(resolved.status().message());
+             return std::make_unique<PyCpuAttention>(num_threads, resolved.value());
            }),
-           py::arg("num_threads") = 0, py::arg("is_portable") = false)
+           py::arg("num_threads") = 0, py::arg("isa") = "")
       .def_property_readonly("num_threads", [](const PyCpuAttention& a) { return a.attn.num_threads(); })
       .def_property_readonly("isa", [](const PyCpuAttention& a) { return a.attn.isa(); })
       .def("forward",

@@ -17,7 +17,12 @@ run; the spread includes it). The CLI reports the best of its repeats (its own c
 median. Correctness before timing: every backend against `reference` up to --reference-max tokens
 (`reference` is timed there too, slow), above it against sdpa; fp32 relative 1e-4.
 
-    .venv/bin/python python/bench/bench_cpu_kernels.py [--quick] [--json F]
+The build of distca's kernels: --isa (or DISTCA_CPU_ISA), default the fastest this CPU runs. To
+measure an AVX2 machine's case on an AVX-512 one, hold PyTorch to AVX2 as well
+(ATEN_CPU_CAPABILITY=avx2, and MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 for the libraries
+it calls); the header and the JSON name both sides' instruction sets.
+
+    .venv/bin/python python/bench/bench_cpu_kernels.py [--quick] [--isa avx2] [--json F]
 """
 from __future__ import annotations
 
@@ -149,8 +154,20 @@ def main() -> int:
     parser.add_argument("--no-cli", action="store_true", help="skip the C++ CLI's numbers")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: --tokens 256,640 --head-dims 64 --repeats 2 unless given")
+    parser.add_argument("--isa", default=None,
+                        help="the build of distca's kernels (sets DISTCA_CPU_ISA): one of " +
+                        ", ".join(_distca.cpu_isas_supported()) + " here (default: the fastest)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.isa is not None:
+        if args.isa not in _distca.cpu_isas_supported():
+            parser.error(f"--isa {args.isa}: this CPU runs {', '.join(_distca.cpu_isas_supported())}")
+        os.environ["DISTCA_CPU_ISA"] = args.isa   # the native objects and the CLI subprocess read it
+    try:
+        isa = _distca.cpu_isa()
+    except ValueError as e:
+        parser.error(str(e))
+    torch_isa = torch.backends.cpu.get_cpu_capability()
     for name, full, quick in (("tokens", [4096, 16384], [256, 640]), ("head_dims", [64, 128], [64]),
                               ("repeats", 3, 2)):
         if getattr(args, name) is None:
@@ -295,7 +312,8 @@ def main() -> int:
 
     names = [b for b in BACKENDS + ("cli",) if any(r["backend"] == b for r in rows)]
     print(f"CPU attention, Hq {hq}, Hkv {hkv}, fp32, {os.cpu_count()} CPUs, distca kernels "
-          f"{kernels['distca', args.threads[0]].native().isa}; GFLOP/s fwd/bwd, medians of {args.repeats} "
+          f"{kernels['distca', args.threads[0]].native().isa}, PyTorch {torch.__version__} CPU capability {torch_isa}; "
+          f"GFLOP/s fwd/bwd, medians of {args.repeats} "
           f"(cli: best of {args.repeats}); causal pairs x 4 D Hq, backward 2.5x")
     head = f"{'D':>4s} {'tokens':>6s} {'layout':13s} {'thr':>3s} " + " ".join(f"{b:>15s}" for b in names) + \
         f" {'distca/sdpa':>12s}"
@@ -342,6 +360,9 @@ def main() -> int:
             json.dump({"format": "distca-bench-cpu-kernels", "version": 1, "quick": args.quick,
                        "heads": hq, "kv_heads": hkv, "dtype": "float32", "cpus": os.cpu_count(),
                        "isa": kernels["distca", args.threads[0]].native().isa, "torch": torch.__version__,
+                       "torch_cpu_capability": torch_isa,
+                       "env": {k: os.environ[k] for k in ("DISTCA_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                                          "ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE") if k in os.environ},
                        "repeats": args.repeats, "threads": args.threads, "tokens": args.tokens,
                        "head_dims": args.head_dims, "shard": args.shard,
                        "flop_convention": "causal (query, key) pairs x 4 D Hq forward; backward 2.5x forward",

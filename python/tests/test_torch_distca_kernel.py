@@ -253,11 +253,20 @@ def test_unavailable_says_why():
     # The CUDA path's reasons are tested in test_torch_distca_ops.py.
 
 
-def test_auto_picks_distca_on_cpu_where_it_is_built_for_the_head_dim():
-    """auto on CPU: distca for float32/bfloat16 and head dims 32-256 (it runs 2.1-2.9x sdpa's forward
-    and 1.2-2.5x its backward here, python/bench/bench_cpu_kernels.py), else sdpa; without a head
+def _force_fast_build(monkeypatch):
+    from distca import _distca
+    fast = [isa for isa in _distca.cpu_isas_supported() if isa in ("avx512", "avx2")]
+    if not fast:
+        pytest.skip("this CPU runs neither the avx512 nor the avx2 build")
+    monkeypatch.setenv("DISTCA_CPU_ISA", fast[-1])
+
+
+def test_auto_picks_distca_on_cpu_where_it_is_built_for_the_head_dim(monkeypatch):
+    """auto on CPU where the avx512 or avx2 build runs: distca for float32/bfloat16 and head dims
+    32-256 (faster than sdpa there, python/bench/bench_cpu_kernels.py), else sdpa; without a head
     dim, distca with sdpa behind it for the head dims it is not built for, equal to sdpa bit for bit."""
     from distca.torch.backends import DistcaKernel, SdpaKernel, get_backend
+    _force_fast_build(monkeypatch)
     cpu = torch.device("cpu")
     assert get_backend("auto", cpu, torch.float32, head_dim=64).name == "distca"
     assert get_backend("auto", cpu, torch.bfloat16, head_dim=128).name == "distca"
@@ -278,6 +287,48 @@ def test_auto_picks_distca_on_cpu_where_it_is_built_for_the_head_dim():
     # A head dim it is built for runs distca's own kernel (not sdpa's, whose rounding differs).
     q, k, v, do = inputs(tasks, 4, 2, 64)
     assert torch.equal(kernel.forward(q, k, v, tasks, 0.125)[0], DistcaKernel().forward(q, k, v, tasks, 0.125)[0])
+
+
+def test_auto_picks_sdpa_where_only_the_portable_build_runs(monkeypatch):
+    """The portable build (SSE2 on x86-64, NEON on aarch64) is slower than PyTorch's kernel: auto
+    puts sdpa first there, and names distca only where asked."""
+    from distca.torch.backends import DistcaKernel, SdpaKernel, get_backend
+    monkeypatch.setenv("DISTCA_CPU_ISA", "portable")
+    cpu = torch.device("cpu")
+    assert isinstance(get_backend("auto", cpu, torch.float32, head_dim=64), SdpaKernel)
+    assert isinstance(get_backend("auto", cpu, torch.bfloat16), SdpaKernel)
+    named = get_backend("distca", cpu, torch.float32, head_dim=64)
+    assert isinstance(named, DistcaKernel) and named.native().isa == "portable"
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_every_build_the_cpu_runs_equals_reference(isa, monkeypatch):
+    """DISTCA_CPU_ISA forces a build of the kernels; each one this CPU runs passes the fp32 and bf16
+    checks above (GQA 4:1, D 64 and 128)."""
+    from distca import _distca
+    from distca.torch.backends import DistcaKernel
+    if isa not in _distca.cpu_isas_supported():
+        pytest.skip(f"this CPU does not run the {isa} build (it runs {_distca.cpu_isas_supported()})")
+    monkeypatch.setenv("DISTCA_CPU_ISA", isa)
+    assert DistcaKernel().native().isa == isa
+    for d in (64, 128):
+        test_kernel_equals_reference_fp32(4, 1, d)
+        test_kernel_bf16_within_a_derived_bound(d)
+
+
+def test_a_build_the_cpu_cannot_run_is_refused_with_the_choices(monkeypatch):
+    from distca import _distca
+    from distca.torch.backends import DistcaKernel, get_backend
+    monkeypatch.setenv("DISTCA_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="DISTCA_CPU_ISA=avx9000: no 'avx9000' build .* portable"):
+        DistcaKernel().native()
+    with pytest.raises(ValueError, match="DISTCA_CPU_ISA=avx9000"):
+        get_backend("auto", torch.device("cpu"), torch.float32)
+    monkeypatch.delenv("DISTCA_CPU_ISA")
+    with pytest.raises(ValueError, match="no 'neon' build"):
+        _distca.CpuAttention(1, "neon")
+    assert _distca.cpu_isa() == _distca.cpu_isas_supported()[0]
+    assert _distca.CpuAttention(1, "portable").isa == "portable"
 
 
 def _bad_cases():
@@ -372,4 +423,4 @@ def test_bad_tasks_and_addresses_are_refused_by_the_native_side():
         _distca.CpuAttention(-1)
     with pytest.raises(ValueError, match="num_threads"):
         DistcaKernel(num_threads=0)
-    assert native.isa in ("avx512", "portable") and native.num_threads == 1
+    assert native.isa in ("avx512", "avx2", "portable") and native.num_threads == 1

@@ -27,7 +27,8 @@ group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `fle
 distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
 CPU: float32 and bfloat16, head dims 32, 64, 128, 256; CUDA: bfloat16 and float16, head dims 64
 and 128, on the current stream). `auto` picks the best that runs on the device (on CUDA, as an
-H100 measured them: varlen, then distca, then sdpa). A named backend that cannot run
+H100 measured them: varlen, then distca, then sdpa; on CPU, distca where its avx512 or avx2 build
+runs, else sdpa: as measured per build). A named backend that cannot run
 raises BackendUnavailable with the reason.
 """
 from __future__ import annotations
@@ -651,8 +652,19 @@ _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
 # CUDA: measured on an H100 (reports/gpu/2026-11-25-h100): varlen ahead of distca (distca 0.7-0.8x its
 # forward, 0.5-0.65x its backward on 128-token shards), distca ahead of sdpa (1.4x/1.0x on a whole 16K
 # document, 6x/6x on its 128-token shards).
-_AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "distca", "sdpa", "flex", "reference"),
-               "cpu": ("distca", "sdpa", "reference")}
+_AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "distca", "sdpa", "flex", "reference")}
+# CPU: by the build of distca's kernels that runs (ops.cpu_isa()), as python/bench/bench_cpu_kernels.py
+# measured it against sdpa with PyTorch held to the same vector width (reports/cpu/2026-11-27-isa):
+# avx512 and avx2 ahead of sdpa on every shape, the portable build (SSE2 on x86-64) behind it. aarch64
+# (portable: NEON) is not measured (only run under qemu): sdpa first there too.
+_CPU_AUTO_ORDER = {"avx512": ("distca", "sdpa", "reference"), "avx2": ("distca", "sdpa", "reference"),
+                   "portable": ("sdpa", "distca", "reference")}
+
+
+def _auto_order(device: torch.device) -> tuple:
+    if device.type == "cpu":
+        return _CPU_AUTO_ORDER[ops.cpu_isa()]
+    return _AUTO_ORDER.get(device.type, ("reference",))
 
 
 def backend_names() -> list[str]:
@@ -677,15 +689,16 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
                 head_dim: Optional[int] = None) -> ServerKernel:
     """The server kernel `name` for tensors on `device` of `dtype` (and `head_dim`, where known);
     `auto` picks the first that runs (cuda: varlen, flash_attn, distca, sdpa, flex, reference; cpu:
-    distca, sdpa, reference; distca only for the head dims it is built for: without `head_dim`, its
-    kernel hands other head dims to the next at the call). BackendUnavailable names why a named one
+    distca, sdpa, reference where distca's kernels run their avx512 or avx2 build, else sdpa, distca,
+    reference; distca only for the head dims it is built for: without `head_dim`, its kernel hands
+    other head dims to the next at the call). BackendUnavailable names why a named one
     cannot run."""
     if isinstance(name, ServerKernel):
         return name
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     if name == "auto":
-        kernel = _first_that_runs(_AUTO_ORDER.get(device.type, ("reference",)), device, dtype, head_dim)
+        kernel = _first_that_runs(_auto_order(device), device, dtype, head_dim)
         if kernel is None:
             raise BackendUnavailable(f"no server kernel runs on {device} with {dtype}")
         return kernel

@@ -36,7 +36,7 @@ MIN_CAPABILITY = (8, 0)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PREFIX = "distca attention: "
 
-_natives: dict = {}          # ("cpu", threads) or ("cuda", device index) -> native kernel object
+_natives: dict = {}          # ("cpu", threads, isa) or ("cuda", device index) -> native kernel object
 _natives_lock = threading.Lock()
 
 
@@ -44,14 +44,23 @@ def _names(items) -> str:
     return " or ".join(str(x).removeprefix("torch.") for x in items)
 
 
+def cpu_isa() -> str:
+    """The build of the CPU kernels that runs: DISTCA_CPU_ISA where set (ValueError where this CPU
+    cannot run it), else the fastest this CPU runs (avx512, avx2, portable)."""
+    from distca import _distca
+    return _distca.cpu_isa()
+
+
 def cpu_native(num_threads: int = 0):
-    """The CPU kernels' native object for `num_threads` (0: torch.get_num_threads())."""
+    """The CPU kernels' native object for `num_threads` (0: torch.get_num_threads()) and the build
+    cpu_isa() names now."""
     threads = int(num_threads) or torch.get_num_threads()
-    native = _natives.get(("cpu", threads))
+    key = ("cpu", threads, cpu_isa())
+    native = _natives.get(key)
     if native is None:
         from distca import _distca
         with _natives_lock:
-            native = _natives.get(("cpu", threads)) or _natives.setdefault(("cpu", threads), _distca.CpuAttention(threads))
+            native = _natives.get(key) or _natives.setdefault(key, _distca.CpuAttention(threads, key[2]))
     return native
 
 
@@ -285,4 +294,4 @@ def flops(tasks, num_q_heads: int, head_dim: int) -> tuple[float, float]:
 
 
 __all__ = ["attention_fwd", "attention_bwd", "check_inputs", "unavailable", "task_tensor", "pairs", "flops",
-           "cpu_native", "cuda_native", "DTYPES", "HEAD_DIMS"]
+           "cpu_isa", "cpu_native", "cuda_native", "DTYPES", "HEAD_DIMS"]
