@@ -14,6 +14,7 @@
 #include "distca/plan/plan_io.h"
 
 #include "cli_util.h"
+#include "distca/kernels/cpu.h"
 
 namespace {
 
@@ -69,6 +70,21 @@ TEST(Cli, VersionNamesTheBuild) {
   EXPECT_NE(r.out.find("CUDA attention kernels: not built"), std::string::npos) << r.out;
 #endif
   EXPECT_NE(r.out.find("NcclComm: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("CPU attention kernels: " + distca::kernels::cpu_isas_supported().front() +
+                       ", the fastest this CPU runs"),
+            std::string::npos)
+      << r.out;
+}
+
+TEST(Cli, DistcaCpuIsaForcesABuildAndABadOneIsRefused) {
+  const CmdResult forced = cli::run_shell("DISTCA_CPU_ISA=portable " + std::string(DISTCA_BIN) + " --version");
+  EXPECT_EQ(forced.exit_code, 0) << forced.err;
+  EXPECT_NE(forced.out.find("CPU attention kernels: portable, forced by DISTCA_CPU_ISA"), std::string::npos)
+      << forced.out;
+  const CmdResult bad = cli::run_shell("DISTCA_CPU_ISA=avx9000 " + std::string(DISTCA_BIN) + " simulate");
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;
+  EXPECT_NE(bad.err.find("DISTCA_CPU_ISA=avx9000: no 'avx9000' build"), std::string::npos) << bad.err;
+  EXPECT_EQ(bad.out, "") << "nothing runs before the check";
 }
 
 }  // namespace
