@@ -5,14 +5,15 @@
 # (qemu emulates).
 #   scripts/test-aarch64.sh           every kernel test (about 8 minutes under emulation on 2 cores)
 #   scripts/test-aarch64.sh --quick   the build against the reference, the choice of build and
-#                                     bit-identity across threads (what scripts/test.sh runs)
+#                                     bit-identity across threads (what scripts/test.sh runs:
+#                                     2m15s from a clean build-aarch64/ on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 filter="*"
 case "${1:-}" in
   "") ;;
   --quick) filter="CpuVsReference.*:Shapes/CpuVsReference.*:CpuAttention.*:CpuIsa.*" ;;
-  -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "test-aarch64.sh: unknown argument '$1' (--quick, --help)" >&2; exit 2 ;;
 esac
 for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
