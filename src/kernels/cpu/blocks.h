@@ -520,5 +520,11 @@ inline void store_dq_any(const Problem& p, const QueryBlock& b, const Packed& pk
 }
 #undef DISTCA_HEAD_DIM_DISPATCH
 
+// This build's routines under `name` (what CpuAttention::isa() reports).
+inline const BlockRoutines& routines_named(const char* name) {
+  static const BlockRoutines r{name, forward_any, pack_any, unit_any, store_dq_any, softmax_row};
+  return r;
+}
+
 }  // namespace DISTCA_ISA_NAMESPACE
 }  // namespace distca::kernels::cpu_detail

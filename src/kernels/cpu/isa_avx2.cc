@@ -7,9 +7,5 @@
 #include "blocks.h"
 
 namespace distca::kernels::cpu_detail {
-const BlockRoutines& avx2_routines() {
-  static const BlockRoutines r{"avx2", avx2::forward_any, avx2::pack_any, avx2::unit_any,
-                               avx2::store_dq_any, avx2::softmax_row};
-  return r;
-}
+const BlockRoutines& avx2_routines() { return avx2::routines_named("avx2"); }
 }  // namespace distca::kernels::cpu_detail

@@ -6,9 +6,5 @@
 #include "blocks.h"
 
 namespace distca::kernels::cpu_detail {
-const BlockRoutines& avx512_routines() {
-  static const BlockRoutines r{"avx512", avx512::forward_any, avx512::pack_any, avx512::unit_any,
-                               avx512::store_dq_any, avx512::softmax_row};
-  return r;
-}
+const BlockRoutines& avx512_routines() { return avx512::routines_named("avx512"); }
 }  // namespace distca::kernels::cpu_detail

@@ -11,11 +11,7 @@
 #include "blocks.h"
 
 namespace distca::kernels::cpu_detail {
-const BlockRoutines& portable_routines() {
-  static const BlockRoutines r{"portable", portable::forward_any, portable::pack_any,
-                               portable::unit_any, portable::store_dq_any, portable::softmax_row};
-  return r;
-}
+const BlockRoutines& portable_routines() { return portable::routines_named("portable"); }
 bool supports_head_dim(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
