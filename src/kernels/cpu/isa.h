@@ -11,7 +11,7 @@
 
 namespace distca::kernels::cpu_detail {
 
-constexpr int64_t kBlockQ = 64;  // queries per block: four 16-lane vectors
+constexpr int64_t kBlockQ = 64;  // queries per block, in the vector lanes: 4 AVX-512 vectors, 8 AVX2, 16 portable
 constexpr int64_t kBlockK = 64;  // keys per block
 constexpr int64_t kMaxHeadDim = 256;
 
