@@ -40,12 +40,12 @@ colocated. Bad flags or data: one line and exit status 2 on every rank.
 from __future__ import annotations
 
 import argparse
-import bisect
+import array
 import datetime
+import errno
 import json
 import math
 import os
-import shutil
 import stat
 import statistics
 import sys
@@ -60,6 +60,8 @@ import torch.distributed as dist
 
 import distca
 
+from . import checkpoint
+from .checkpoint import probe_folder
 from .backends import ServerKernel, backend_names, get_backend
 from .layout import InputError, StepLayout, StepPlanner
 from .attention import cad_attention
@@ -69,12 +71,19 @@ PROG = "distca.torch.train"
 BACKENDS = ("colocated", "cad")
 WORKLOADS = ("skewed", "spanning", "packed")
 MAX_CONTEXT = 1 << 20
-CHECKPOINT_META = "distca_train.json"
-CHECKPOINT_FORMAT = "distca-torch-train-checkpoint"
+MAX_SEED = (1 << 63) - 1
+MAX_BUCKET_MB = 65536.0
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 604800.0
+CHECKPOINT_META = checkpoint.META
+CHECKPOINT_FORMAT = checkpoint.FORMAT
 
 
 class UsageError(Exception):
     """A bad flag or input: one line, exit status 2 on every rank."""
+
+
+class RunError(Exception):
+    """A failure of the run itself (an output that could not be written): one line, exit status 1."""
 
 
 def _tolerance_arg(text: str) -> Union[float, str]:
@@ -163,11 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu (gloo) or cuda (NCCL, one GPU per process); the same code (default cpu)")
     g.add_argument("--json", metavar="FILE", help="write the run's records and summary here")
     g.add_argument("--checkpoint", metavar="DIR",
-                   help="save model, optimizer and step at the end (torch.distributed.checkpoint, a folder)")
+                   help="save model, optimizer and step at the end: a folder, replaced only when absent, empty or "
+                        "a checkpoint of this trainer (JSON header + raw tensor bytes; loading runs no code)")
     g.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
     g.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (the same loss curve)")
-    g.add_argument("--skip", type=int, default=1, metavar="K",
-                   help="steps left out of the time means at the start (warm-up; default 1)")
+    g.add_argument("--skip", type=int, metavar="K",
+                   help="steps left out of the time means at the start (warm-up; default 1, 0 with --steps 1)")
     g.add_argument("--log-every", type=int, default=1, metavar="N",
                    help="print every N-th step's lines (and the last); default 1")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's gradient bucket size (default 25)")
@@ -231,16 +241,20 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
         raise UsageError(f"--weight-decay must be in [0, 1], got {a.weight_decay}")
     if not (0 <= a.clip < math.inf):
         raise UsageError(f"--clip must be >= 0 (0: off), got {a.clip}")
+    if a.skip is None:
+        a.skip = 1 if a.steps > 1 else 0
     if a.skip < 0 or a.skip >= a.steps:
         raise UsageError(f"--skip {a.skip} leaves no step of {a.steps} to time: give 0..{a.steps - 1}")
     if a.log_every < 1:
         raise UsageError(f"--log-every must be >= 1, got {a.log_every}")
     if a.save_every < 0 or (a.save_every and not a.checkpoint):
         raise UsageError("--save-every needs --checkpoint and a count >= 1")
-    if not a.bucket_mb > 0:
-        raise UsageError(f"--bucket-mb must be > 0, got {a.bucket_mb}")
-    if not a.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {a.timeout}")
+    if a.seed is not None and not 0 <= a.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be 0..{MAX_SEED}, got {a.seed}")
+    if not 0 < a.bucket_mb <= MAX_BUCKET_MB:
+        raise UsageError(f"--bucket-mb must be in (0, {MAX_BUCKET_MB}] MB, got {a.bucket_mb}")
+    if not MIN_TIMEOUT <= a.timeout <= MAX_TIMEOUT:
+        raise UsageError(f"--timeout must be {MIN_TIMEOUT}..{MAX_TIMEOUT} seconds (a week), got {a.timeout}")
     if a.threads is not None and not 1 <= a.threads <= 1024:
         raise UsageError(f"--threads must be 1..1024, got {a.threads}")
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -249,32 +263,23 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
         get_backend(a.kernel, torch.device(a.device), torch.float32, head_dim=PRESETS[a.preset].head_dim)
     except ValueError as e:
         raise UsageError(f"--kernel {a.kernel}: {e}") from None
-    if a.data and not os.path.isfile(a.data):
-        raise UsageError(f"{a.data}: no such data file")
-    outputs: dict[str, str] = {}
-    for flag, path in (("--json", a.json), ("--checkpoint", a.checkpoint)):
-        if path is None:
-            continue
-        parent = Path(path).resolve().parent
-        if not parent.is_dir():
-            raise UsageError(f"{flag} {path}: the folder {parent} does not exist")
-        if flag == "--checkpoint" and os.path.exists(path) and not os.path.isdir(path):
-            raise UsageError(f"--checkpoint {path}: a file is there; a checkpoint is a folder")
-        if os.path.isdir(path) and flag == "--json":
-            raise UsageError(f"--json {path} is a folder")
-        if flag == "--json" and os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
-            # The report is a new file renamed into place: it replaces only a regular file, never
-            # a device or a FIFO (as `distca` does; README "Inputs and outputs").
-            raise UsageError(f"--json {path}: not a regular file; the report replaces only a regular file")
-        resolved = str(Path(path).resolve())
-        if resolved in outputs:
-            raise UsageError(f"{outputs[resolved]} and {flag} name the same path {path}")
-        outputs[resolved] = flag
-        for in_flag, source in (("--data", a.data), ("--resume", a.resume)):
-            if source and os.path.exists(path) and os.path.samefile(source, path):
-                raise UsageError(f"{flag} {path} is the {in_flag} input: it would be overwritten")
-    if a.resume and not os.path.isfile(os.path.join(a.resume, CHECKPOINT_META)):
-        raise UsageError(f"--resume {a.resume}: not a checkpoint of this trainer (no {CHECKPOINT_META} in it)")
+    if a.data:
+        _check_data_file(a.data)
+    if a.resume:
+        _check_resume_folder(a.resume)
+    inputs = {"--data": a.data, "--resume": a.resume}
+    if a.json is not None:
+        _check_json_output(a.json, inputs)
+    if a.checkpoint is not None:
+        try:
+            checkpoint.check_output_folder("--checkpoint", a.checkpoint, inputs)
+        except checkpoint.CheckpointError as e:
+            raise UsageError(str(e)) from None
+        if a.json is not None:
+            report, folder = Path(os.path.abspath(a.json)).resolve(), Path(os.path.abspath(a.checkpoint)).resolve()
+            if report == folder or folder in report.parents:
+                raise UsageError(f"--json {a.json} names the --checkpoint folder or lies inside it, which a save "
+                                 f"replaces; write it elsewhere")
     model = replace(PRESETS[a.preset], tie_embeddings=a.tie_embeddings)
     cfg = Config(a, model, context, backends,
                  workload=None if a.data else (a.workload or PRESET_WORKLOAD[a.preset]),
@@ -289,6 +294,55 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
         except (TypeError, ValueError) as e:
             raise UsageError(str(e)) from None
     return cfg
+
+
+def _check_data_file(path: str) -> None:
+    """--data: a regular file (a FIFO or device is refused: every rank reads it, once each)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise UsageError(f"--data {path}: {'no such data file' if e.errno == errno.ENOENT else e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"--data {path}: is a folder, expected a JSON lines file")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"--data {path}: not a regular file (every rank reads it, so it must be one)")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"--data {path}: not readable")
+
+
+def _check_resume_folder(path: str) -> None:
+    if not os.path.isdir(path):
+        raise UsageError(f"--resume {path}: {'not a folder' if os.path.exists(path) else 'no such folder'} "
+                         f"(a checkpoint of this trainer is a folder)")
+    if not os.path.isfile(os.path.join(path, CHECKPOINT_META)):
+        raise UsageError(f"--resume {path}: not a checkpoint of this trainer (no {CHECKPOINT_META} in it)")
+
+
+def _check_json_output(path: str, inputs: dict) -> None:
+    """--json: the CLI's output rules (src/core/file.cc check_output_path), before any work."""
+    if not path:
+        raise UsageError("--json needs a file name")
+    target = Path(os.path.abspath(path)).resolve()
+    if target.is_dir():
+        raise UsageError(f"--json {path} is a folder; give a file name")
+    if target.exists() and not stat.S_ISREG(os.stat(target).st_mode):
+        # The report is a new file renamed into place: it replaces only a regular file, never a
+        # device or a FIFO (as `distca` does).
+        raise UsageError(f"--json {path}: not a regular file; the report replaces only a regular file")
+    parent = target.parent
+    if not parent.is_dir():
+        raise UsageError(f"--json {path}: the folder {parent} does not exist")
+    probe_folder("--json", path, parent, UsageError)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"--json {path}: the file exists and is not writable")
+    for in_flag, source in inputs.items():
+        if not source:
+            continue
+        src = Path(os.path.abspath(source)).resolve()
+        if src == target:
+            raise UsageError(f"--json {path} is the {in_flag} input: it would be overwritten")
+        if src.is_dir() and src in target.parents:
+            raise UsageError(f"--json {path} lies inside the {in_flag} folder {source}; write it elsewhere")
 
 
 def _cost_model(m: ModelArgs) -> dict:
@@ -415,15 +469,50 @@ class SyntheticData:
         return pack_documents(docs, self.num_ranks, self.context)
 
 
-def read_jsonl(path: str) -> list:
-    """Every non-blank line's "text" as a uint8 array (UTF-8 bytes); empty texts skipped. A bad
-    line raises UsageError naming file:line."""
-    docs = []
+class Documents:
+    """A file's documents as one uint8 buffer and their offsets: the file's bytes at most (a text's
+    UTF-8 bytes never outnumber its line's) plus 8 bytes per document, however many there are."""
+
+    def __init__(self, buffer: np.ndarray, offsets: np.ndarray, lines: np.ndarray):
+        self.buffer, self.offsets, self.lines = buffer, offsets, lines   # offsets: (docs + 1) int64
+
+    @classmethod
+    def of(cls, docs: list) -> "Documents":
+        """From a list of uint8 arrays (tests, small inputs)."""
+        offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+        buffer = np.concatenate(docs).astype(np.uint8) if docs else np.zeros(0, np.uint8)
+        return cls(buffer, offsets, np.arange(1, len(docs) + 1, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.buffer[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes + self.offsets.nbytes + self.lines.nbytes
+
+
+PROGRESS_SECONDS = 2.0
+
+
+def read_jsonl(path: str, progress: bool = True) -> Documents:
+    """Every non-blank line's "text" as UTF-8 bytes, read line by line into one buffer (memory: the
+    file's size plus 16 bytes per document, and a few copies of the longest line while it is
+    parsed); empty texts skipped. A bad line raises UsageError
+    naming file:line. Rank 0 prints a progress line every 2 s when reading takes that long."""
     try:
         f = open(path, "rb")
     except OSError as e:
         raise UsageError(f"{path}: cannot open the data file ({e.strerror})") from None
     with f:
+        size = os.fstat(f.fileno()).st_size
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        offsets, lines = array.array("q", [0]), array.array("q")
+        at, start = 0, time.perf_counter()
+        last = start
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -432,16 +521,33 @@ def read_jsonl(path: str) -> list:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
                 raise UsageError(f"{path}:{number}: not JSON ({msg})") from None
+            except RecursionError:
+                raise UsageError(f"{path}:{number}: nested too deeply to be a document") from None
             if not isinstance(obj, dict) or "text" not in obj:
                 raise UsageError(f"{path}:{number}: expected an object with a \"text\" field")
             if not isinstance(obj["text"], str):
                 raise UsageError(f"{path}:{number}: \"text\" must be a string")
             data = obj["text"].encode("utf-8", errors="surrogatepass")
-            if data:
-                docs.append(np.frombuffer(data, dtype=np.uint8))
-    if not docs:
+            if not data:
+                continue
+            if at + len(data) > len(buffer):      # the file grew while being read
+                raise UsageError(f"{path}: changed while being read (it grew past {size} bytes)")
+            view[at:at + len(data)] = data
+            at += len(data)
+            offsets.append(at)
+            lines.append(number)
+            now = time.perf_counter()
+            if progress and now - last >= PROGRESS_SECONDS:
+                last = now
+                say(f"reading {path}: {f.tell() / 2**20:.0f} of {size / 2**20:.0f} MiB, {len(lines)} documents "
+                    f"[{now - start:.0f}s]")
+    if not lines:
         raise UsageError(f"{path}: no document (every line blank or with an empty text)")
-    return docs
+    offsets_a = np.frombuffer(offsets, dtype=np.int64)
+    if int(np.diff(offsets_a).max()) < 2:
+        raise UsageError(f"{path}: every document is one byte long, so no token has a next one to predict")
+    view.release()
+    return Documents(np.frombuffer(buffer, dtype=np.uint8)[:at], offsets_a, np.frombuffer(lines, dtype=np.int64))
 
 
 class JsonlData:
@@ -450,10 +556,11 @@ class JsonlData:
     continues as a new document (positions from 0); its last token before the cut still predicts
     the next one."""
 
-    def __init__(self, path: str, docs: list, num_ranks: int, context: int):
-        self.path, self.docs, self.num_ranks, self.context = path, docs, num_ranks, context
-        self.offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).tolist()
-        self.total = self.offsets[-1]
+    def __init__(self, path: str, docs: Union[Documents, list], num_ranks: int, context: int):
+        self.path, self.num_ranks, self.context = path, num_ranks, context
+        self.docs = docs if isinstance(docs, Documents) else Documents.of(docs)
+        self.offsets = self.docs.offsets
+        self.total = int(self.offsets[-1])
 
     def describe(self) -> str:
         return f"{self.path} ({len(self.docs)} documents, {self.total} tokens, JSON lines)"
@@ -464,9 +571,9 @@ class JsonlData:
         docs, pos = [], begin
         while pos < end:
             r = pos % self.total
-            i = bisect.bisect_right(self.offsets, r) - 1
+            i = int(np.searchsorted(self.offsets, r, side="right")) - 1
             doc = self.docs[i]
-            start = r - self.offsets[i]
+            start = r - int(self.offsets[i])
             take = min(len(doc) - start, end - pos)
             tokens = doc[start:start + take].astype(np.int64)
             following = doc[start + 1:start + take + 1]          # shorter by one where the document ends
@@ -475,6 +582,10 @@ class JsonlData:
             docs.append((tokens, targets))
             pos += take
         data = pack_documents(docs, self.num_ranks, self.context)
+        if data.num_targets == 0:   # every token of the step ends its document
+            first = int(np.searchsorted(self.offsets, begin % self.total, side="right")) - 1
+            raise UsageError(f"{self.path}:{int(self.docs.lines[first])}: step {k + 1} holds only one-byte documents "
+                             f"(from this line on), so no token in it has a next one to predict")
         first_top = -(-begin // self.total) * self.total     # the first start of the file at or after begin
         data.epoch_started = first_top // self.total if 0 < first_top < end else None
         return data
@@ -669,57 +780,70 @@ def gather_record(local: dict, step: int, backend: str, data: StepData, cfg: Con
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints (torch.distributed.checkpoint)
+# Checkpoints (distca/torch/checkpoint.py: JSON and raw bytes, nothing unpickled)
 
 
 def _checkpoint_meta(cfg: Config, world: int, steps_done: int) -> dict:
-    return {"format": CHECKPOINT_FORMAT, "version": 1, "steps_done": steps_done, "backends": list(cfg.backends),
-            "ranks": world, "context": cfg.context, "model": cfg.model.to_dict(), **cfg.data_identity}
+    return {"format": CHECKPOINT_FORMAT, "version": checkpoint.VERSION, "steps_done": steps_done,
+            "backends": list(cfg.backends), "ranks": world, "context": cfg.context, "model": cfg.model.to_dict(),
+            **cfg.data_identity}
+
+
+def _state_tensors(backends: list) -> dict:
+    """Every backend's model parameters and AdamW state, by name."""
+    out: dict = {}
+    for b in backends:
+        for name, t in b.model.state_dict().items():
+            out[f"{b.name}/model/{name}"] = t
+        for index, state in b.optimizer.state_dict()["state"].items():
+            for key, t in state.items():
+                if not isinstance(t, torch.Tensor):
+                    t = torch.tensor(t)
+                out[f"{b.name}/optim/{index}/{key}"] = t
+    return out
+
+
+def _expected_tensors(backends: list) -> dict:
+    """{name: (dtype, shape)} of what a checkpoint of these backends holds after a step: each
+    parameter, and AdamW's step, exp_avg and exp_avg_sq of each (by index, as state_dict numbers them)."""
+    out: dict = {}
+    for b in backends:
+        for name, t in b.model.state_dict().items():
+            out[f"{b.name}/model/{name}"] = (t.dtype, list(t.shape))
+        params = [q for group in b.optimizer.param_groups for q in group["params"]]
+        for index, q in enumerate(params):
+            out[f"{b.name}/optim/{index}/step"] = (torch.float32, [])
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{b.name}/optim/{index}/{key}"] = (q.dtype, list(q.shape))
+    return out
 
 
 def save_checkpoint(path: str, backends: list, steps_done: int, cfg: Config, world: int, rank: int,
                     ctl_group) -> None:
-    """Written to PATH.partial and renamed into place, so a crash leaves the last good checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    partial = path.rstrip("/") + ".partial"
-    if rank == 0 and os.path.exists(partial):
-        shutil.rmtree(partial)
-    dist.barrier(group=ctl_group)
-    state: dict = {"step": torch.tensor(steps_done, dtype=torch.int64)}
-    for b in backends:
-        model_state, optim_state = get_state_dict(b.ddp, b.optimizer)
-        state[b.name] = {"model": model_state, "optim": optim_state}
-    dcp.save(state, checkpoint_id=partial, process_group=ctl_group)
-    dist.barrier(group=ctl_group)
+    """Rank 0 writes the (replicated) state as a new folder renamed into place, so a crash leaves
+    the last good checkpoint; a failure there ends every rank with its message."""
+    error = None
     if rank == 0:
-        with open(os.path.join(partial, CHECKPOINT_META), "w") as f:
-            json.dump(_checkpoint_meta(cfg, world, steps_done), f, indent=1)
-        old = path.rstrip("/") + ".old"
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(partial, path)
-        if os.path.exists(old):
-            shutil.rmtree(old)
-    dist.barrier(group=ctl_group)
+        try:
+            checkpoint.save(path, _checkpoint_meta(cfg, world, steps_done), _state_tensors(backends))
+        except (OSError, checkpoint.CheckpointError) as e:
+            error = f"--checkpoint {path}: the save after step {steps_done} failed ({e})"
+    _agree(error, ctl_group, RunError)
 
 
 def check_resume(path: str, cfg: Config, world: int) -> int:
     """The checkpoint's header against this run -> steps done; UsageError naming the field."""
     meta_path = os.path.join(path, CHECKPOINT_META)
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{meta_path}: cannot read the checkpoint header ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT or meta.get("version") != 1:
-        raise UsageError(f"{meta_path}: not a {CHECKPOINT_FORMAT} version 1 header")
+        meta = checkpoint.read_header(path)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(str(e)) from None
     want = _checkpoint_meta(cfg, world, 0)
     for key in ("backends", "ranks", "context", "model", *cfg.data_identity):
         if meta.get(key) != want[key]:
             raise UsageError(f"{meta_path}: field \"{key}\" is {json.dumps(meta.get(key))}, this run has "
                              f"{json.dumps(want[key])}: resume with the same flags, ranks and data")
-    extra = set(meta) - set(want)
+    extra = set(meta) - set(want) - {"tensors"}
     if extra:
         raise UsageError(f"{meta_path}: unknown field \"{sorted(extra)[0]}\" (or data flags that differ from this run's)")
     done = meta.get("steps_done")
@@ -730,19 +854,36 @@ def check_resume(path: str, cfg: Config, world: int) -> int:
     return done
 
 
-def load_checkpoint(path: str, backends: list, steps_done: int, ctl_group) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    state: dict = {"step": torch.tensor(-1, dtype=torch.int64)}
+def load_checkpoint(path: str, backends: list) -> None:
+    """The checkpoint's tensors into every backend's model and optimizer; UsageError when a tensor
+    is missing, extra, or of another shape or dtype than this run's."""
+    try:
+        tensors = checkpoint.load(path, checkpoint.read_header(path))
+    except checkpoint.CheckpointError as e:
+        raise UsageError(str(e)) from None
+    want = _expected_tensors(backends)
+    where = os.path.join(path, CHECKPOINT_META)
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        name = (missing or extra)[0]
+        raise UsageError(f"{where}: tensor {name} is {'missing' if missing else 'not one of this run'} "
+                         f"({len(missing)} missing, {len(extra)} extra)")
+    for name, (dtype, shape) in want.items():
+        got = tensors[name]
+        if list(got.shape) != shape or got.dtype != dtype:
+            raise UsageError(f"{where}: tensor {name} is {got.dtype} {list(got.shape)}, this run has {dtype} {shape}")
     for b in backends:
-        model_state, optim_state = get_state_dict(b.ddp, b.optimizer)
-        state[b.name] = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path, process_group=ctl_group)
-    if int(state["step"]) != steps_done:
-        raise UsageError(f"{path}: the checkpoint holds step {int(state['step'])}, its header says {steps_done}")
-    for b in backends:
-        set_state_dict(b.ddp, b.optimizer, model_state_dict=state[b.name]["model"],
-                       optim_state_dict=state[b.name]["optim"])
+        prefix = f"{b.name}/model/"
+        b.model.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
+        optim = b.optimizer.state_dict()
+        prefix = f"{b.name}/optim/"
+        state: dict = {}
+        for k, v in tensors.items():
+            if k.startswith(prefix):
+                index, key = k[len(prefix):].split("/", 1)
+                state.setdefault(int(index), {})[key] = v
+        optim["state"] = state
+        b.optimizer.load_state_dict(optim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -852,13 +993,14 @@ def _same_settings(a: argparse.Namespace, ctl_group) -> None:
                                  f"command line")
 
 
-def _agree(local_error: Optional[str], ctl_group) -> None:
-    """Raises UsageError on every rank when any rank has an error (the lowest rank's message)."""
+def _agree(local_error: Optional[str], ctl_group, error: type = None) -> None:
+    """Raises `error` (UsageError by default) on every rank when any rank has an error (the lowest
+    rank's message)."""
     messages: list = [None] * dist.get_world_size(ctl_group)
     dist.all_gather_object(messages, local_error, group=ctl_group)
     bad = [(r, m) for r, m in enumerate(messages) if m is not None]
     if bad:
-        raise UsageError(bad[0][1] if len(bad) == len(messages) else f"rank {bad[0][0]}: {bad[0][1]}")
+        raise (error or UsageError)(bad[0][1] if len(bad) == len(messages) else f"rank {bad[0][0]}: {bad[0][1]}")
 
 
 def run(cfg: Config) -> int:
@@ -894,7 +1036,12 @@ def run(cfg: Config) -> int:
 
     backends = [Backend(name, cfg, device, dist.group.WORLD, ddp_group) for name in cfg.backends]
     if a.resume:
-        load_checkpoint(a.resume, backends, steps_done, ctl_group)
+        error = None
+        try:
+            load_checkpoint(a.resume, backends)
+        except UsageError as e:
+            error = str(e)
+        _agree(error, ctl_group)
 
     m = cfg.model
     say(f"{PROG}: {' vs '.join(cfg.backends)}{' (compared, interleaved step by step)' if len(backends) > 1 else ''} "
@@ -939,21 +1086,32 @@ def run(cfg: Config) -> int:
         say(f"checkpoint: {a.checkpoint} (step {a.steps})")
     summary = summarise(records, cfg, steps_done, wall)
     print_summary(summary, cfg)
+    json_error = None
     if a.json and rank == 0:
-        write_json(a.json, {"format": "distca-torch-train", "version": 1,
-                            "config": {"preset": a.preset, "backends": list(cfg.backends), "ranks": world,
-                                       "device": device.type, "context": cfg.context, "steps": a.steps,
-                                       "resumed_after": steps_done, "model": m.to_dict(), **cfg.data_identity,
-                                       "policy": cfg.policy if "cad" in cfg.backends else None,
-                                       "tolerance": cfg.tolerance, "granularity": cfg.granularity,
-                                       "backward": cfg.backward, "kernel": backends[0].kernel.name,
-                                       "lr": a.lr, "warmup": a.warmup, "weight_decay": a.weight_decay,
-                                       "clip": a.clip, "skip": a.skip, "threads": torch.get_num_threads()},
-                            "steps": records, "summary": summary})
-        say(f"json: {a.json}")
+        try:
+            _write_report(a, cfg, m, world, device, steps_done, backends, records, summary)
+            say(f"json: {a.json}")
+        except (OSError, ValueError) as e:
+            json_error = f"--json {a.json}: the report could not be written ({e})"
     for b in backends:
         b.planner.close()
+    if a.json:
+        _agree(json_error, ctl_group, RunError)
     return 0
+
+
+def _write_report(a, cfg: Config, m: ModelArgs, world: int, device, steps_done: int, backends: list, records: list,
+                  summary: dict) -> None:
+    write_json(a.json, {"format": "distca-torch-train", "version": 1,
+                        "config": {"preset": a.preset, "backends": list(cfg.backends), "ranks": world,
+                                   "device": device.type, "context": cfg.context, "steps": a.steps,
+                                   "resumed_after": steps_done, "model": m.to_dict(), **cfg.data_identity,
+                                   "policy": cfg.policy if "cad" in cfg.backends else None,
+                                   "tolerance": cfg.tolerance, "granularity": cfg.granularity,
+                                   "backward": cfg.backward, "kernel": backends[0].kernel.name,
+                                   "lr": a.lr, "warmup": a.warmup, "weight_decay": a.weight_decay,
+                                   "clip": a.clip, "skip": a.skip, "threads": torch.get_num_threads()},
+                        "steps": records, "summary": summary})
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -983,6 +1141,9 @@ def main(argv: Optional[list] = None) -> int:
     except (UsageError, InputError) as e:
         say(f"{PROG}: error: {e}")
         return 2
+    except RunError as e:
+        say(f"{PROG}: error: {e}")
+        return 1
     finally:
         if created:
             try:
