@@ -310,3 +310,39 @@ def test_reading_data_prints_progress(tmp_path, monkeypatch, capsys):
     read_jsonl(str(path))
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 5 and lines[-1].startswith(f"reading {path}: 0 of 0 MiB, 5 documents"), lines
+
+
+def test_ctrl_c_leaves_a_whole_checkpoint_and_one_line(tmp_path):
+    """SIGINT while training (a world of one under plain python): exit 130, one line naming the
+    checkpoint's step, no traceback; the checkpoint resumes; no scratch folder is left behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "distca.torch.train", "--preset", "tiny", "--steps", "100000", "--save-every", "2",
+           "--checkpoint", str(ck), "--log-every", "1000"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.time() + 120
+        while not (ck / checkpoint.META).is_file() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("distca.torch.train: interrupted; ") and "saved whole" in last, out
+    assert "Traceback" not in err, err
+    step = int(last.split("checkpoint of step ")[1].split(",")[0])
+    assert checkpoint.read_header(str(ck))["steps_done"] == step
+    assert sorted(os.listdir(tmp_path)) == ["ck"] or all(name == "ck" or ".distca-" in name
+                                                          for name in os.listdir(tmp_path))
+    out = _train(1, ["--preset", "tiny", "--steps", str(step + 1), "--resume", str(ck), "--checkpoint", str(ck)],
+                 tmp_path)
+    assert [r["code"] for r in out] == [0], out
+    assert sorted(os.listdir(tmp_path)) == ["ck"]          # a stale scratch folder of ours is cleaned

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -134,6 +135,21 @@ def _as_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def _remove_stale_scratch(parent: Path, name: str) -> None:
+    """Scratch folders of an earlier save of this checkpoint that was interrupted (Ctrl-C, a kill):
+    named as only a save names them and holding only this trainer's files, so they are ours."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.distca-(new|old)-[0-9a-f]{{12}}")
+    for entry in os.scandir(parent):
+        if not pattern.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        folder = Path(entry.path)
+        names = set(_entries(folder))
+        if names <= OWN_FILES:
+            for own in names:
+                os.unlink(folder / own)
+            os.rmdir(folder)
+
+
 def save(path: str, header: dict, tensors: dict) -> None:
     """Writes header + tensors as a checkpoint folder at `path` (checked with check_output_folder
     before the run; checked again here, since the folder may have changed during training)."""
@@ -142,6 +158,7 @@ def save(path: str, header: dict, tensors: dict) -> None:
     if target.is_dir() and _entries(target) and not is_own_checkpoint(target):
         raise CheckpointError(f"{path}: the folder no longer holds only a checkpoint of this trainer; nothing was "
                               f"replaced")
+    _remove_stale_scratch(parent, target.name)
     new = parent / f".{target.name}.distca-new-{uuid.uuid4().hex[:12]}"
     os.mkdir(new)                          # fails if it exists: never a folder of the user's
     table, digest, offset = [], hashlib.sha256(), 0

@@ -200,6 +200,7 @@ class Config:
     granularity: Optional[int]
     backward: str
     pingpong: Any               # "auto", True or False
+    saved_step: Optional[int] = None   # the step of the last checkpoint this run saved
 
     @property
     def data_identity(self) -> dict:
@@ -829,6 +830,7 @@ def save_checkpoint(path: str, backends: list, steps_done: int, cfg: Config, wor
         except (OSError, checkpoint.CheckpointError) as e:
             error = f"--checkpoint {path}: the save after step {steps_done} failed ({e})"
     _agree(error, ctl_group, RunError)
+    cfg.saved_step = steps_done
 
 
 def check_resume(path: str, cfg: Config, world: int) -> int:
@@ -1144,6 +1146,12 @@ def main(argv: Optional[list] = None) -> int:
     except RunError as e:
         say(f"{PROG}: error: {e}")
         return 1
+    except KeyboardInterrupt:
+        # The last checkpoint written is whole: a save renames a complete folder into place.
+        last = (f"; {cfg.args.checkpoint} holds the checkpoint of step {cfg.saved_step}, saved whole"
+                if cfg.saved_step is not None else "; no checkpoint was saved" if cfg.args.checkpoint else "")
+        say(f"{PROG}: interrupted{last}")
+        return 130
     finally:
         if created:
             try:
