@@ -91,6 +91,20 @@ Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const Planne
   }
   std::stable_sort(receivers.begin(), receivers.end(),
                    [&](int32_t a, int32_t b) { return surplus[a] < surplus[b]; });
+  // Candidates lie only on servers with a surplus, and a server does not gain one: donors only
+  // give, and a receiver takes at most its need (a moved item or shard lands on it). So the items
+  // on donors, in list order, are a list that only shrinks, and scanning it instead of every item
+  // finds the same winner (ties: the earliest in list order) in O(items on donors) a move, where
+  // scanning all items made the plan O(R x items) (one donor of 2 M items at 2,048 ranks: minutes).
+  // A receiver that rounding leaves a hair above the mean becomes a donor: the list is rebuilt.
+  std::vector<int64_t> on_donors;
+  auto collect_donor_items = [&] {
+    on_donors.clear();
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+      if (surplus[items[i].server] > 0) on_donors.push_back(i);
+    }
+  };
+  collect_donor_items();
 
   int32_t num_given_up = 0;  // receivers left with need > eps * mean
   for (const int32_t dst : receivers) {
@@ -100,10 +114,14 @@ Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const Planne
       int64_t best = -1;
       double best_priority = 0;
       double best_flops = 0;
-      for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+      size_t kept = 0;
+      for (size_t j = 0; j < on_donors.size(); ++j) {
+        const int64_t i = on_donors[j];
         const Item& it = items[i];
         const double donor_surplus = surplus[it.server];
-        if (!(donor_surplus > 0) || it.pairs <= 0) continue;
+        if (!(donor_surplus > 0)) continue;  // its server gave all its surplus (or it moved): never again
+        on_donors[kept++] = i;
+        if (it.pairs <= 0) continue;
         const double f = std::min({donor_surplus, need, static_cast<double>(it.pairs)});
         const int64_t kv_len = batch.doc_lengths[it.doc] + 1;
         const double q_len = f / static_cast<double>(kv_len);
@@ -115,6 +133,7 @@ Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const Planne
           best_flops = f;
         }
       }
+      on_donors.resize(kept);
       if (best < 0) break;  // no server has a surplus left
 
       // 3. Move it whole, or cut m rows from the inner edges of its head and tail.
@@ -141,6 +160,7 @@ Result<Plan> plan_distca(const Batch& batch, const CostModel& cost, const Planne
       surplus[donor] -= static_cast<double>(moved);
       surplus[dst] += static_cast<double>(moved);
       need -= static_cast<double>(moved);
+      if (surplus[dst] > 0) collect_donor_items();
     }
     if (need > threshold) ++num_given_up;
   }
