@@ -12,39 +12,58 @@
 #     all-reduce (which crosses the same link, and no attention schedule hides), is the attention
 #     exchange's; hidden = 1 - (added to ping-pong) / (added to sequential).
 #
-#   scripts/bench-link.sh [--rates 0.1,0.3,1] [--rounds 3] [--steps 4] [--progress poll|thread|none] [--json F]
+#   scripts/bench-link.sh [--rates 0.1,0.3,1] [--rounds 3] [--steps 4] [--preset demo|tiny]
+#                         [--progress poll|thread|none] [--json F]
 #
-# Needs root (network namespaces); exits 77 where they cannot be made. The hosts are removed at
-# the end, whatever happens. Progress goes to stderr, the summary to stdout, every figure to --json.
+# Every flag is checked before any host is made: a bad one is one line on stderr, exit 2. Needs
+# root (network namespaces); exits 77 where they cannot be made. The hosts are removed at the
+# end, whatever happens. Progress goes to stderr, the summary to stdout, every figure to --json.
 set -euo pipefail
+caller_pwd="$(pwd)"
 cd "$(dirname "$0")/.."
 root="$(pwd)"
 
 rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }  # the header above
+die() { echo "bench-link.sh: $*" >&2; exit 2; }
+need_arg() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (--help)"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --rates) rates="${2:?--rates needs a value}"; shift 2 ;;
-    --rounds) rounds="${2:?--rounds needs a value}"; shift 2 ;;
-    --steps) steps="${2:?--steps needs a value}"; shift 2 ;;
-    --preset) preset="${2:?--preset needs a value}"; shift 2 ;;
-    --progress) progress="${2:?--progress needs a value}"; shift 2 ;;
-    --json) json_out="${2:?--json needs a value}"; shift 2 ;;
-    *) echo "bench-link.sh: unknown option '$1' (--help)" >&2; exit 2 ;;
+    --rates) need_arg "$@"; rates="$2"; shift 2 ;;
+    --rounds) need_arg "$@"; rounds="$2"; shift 2 ;;
+    --steps) need_arg "$@"; steps="$2"; shift 2 ;;
+    --preset) need_arg "$@"; preset="$2"; shift 2 ;;
+    --progress) need_arg "$@"; progress="$2"; shift 2 ;;
+    --json) need_arg "$@"; json_out="$2"; shift 2 ;;
+    --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;;
+    *) die "unknown option '$1' (--help)" ;;
   esac
 done
-[[ "$rates" =~ ^[0-9.]+(,[0-9.]+)*$ ]] || { echo "bench-link.sh: --rates must be Gbit/s values separated by commas, got '$rates'" >&2; exit 2; }
-[[ "$rounds" =~ ^[1-9][0-9]?$ ]] || { echo "bench-link.sh: --rounds must be 1..99, got '$rounds'" >&2; exit 2; }
-[[ "$progress" =~ ^(poll|thread|none)$ ]] || { echo "bench-link.sh: --progress must be poll, thread or none, got '$progress'" >&2; exit 2; }
-[[ "$steps" =~ ^[1-9][0-9]?$ ]] || { echo "bench-link.sh: --steps must be 1..99, got '$steps'" >&2; exit 2; }
+# Every flag is checked here, before any host is made (exit 2, one line).
+bad_rates="--rates must be Gbit/s values 0.001..100 separated by commas, e.g. 0.1,0.3,1 (got '$rates')"
+[[ "$rates" =~ ^[^,](.*[^,])?$ && "$rates" != *,,* ]] || die "$bad_rates"
+for r in ${rates//,/ }; do  # each becomes hosts.sh's --rate in Mbit/s ("%g"): 0.001..100 Gbit/s keeps it plain
+  [[ "$r" =~ ^(0|[1-9][0-9]*)(\.[0-9]+)?$ ]] && awk -v r="$r" 'BEGIN {exit !(r >= 0.001 && r <= 100)}' || die "$bad_rates"
+done
+[[ "$rounds" =~ ^[1-9][0-9]?$ ]] || die "--rounds must be 1..99 (got '$rounds')"
+[[ "$steps" =~ ^[1-9][0-9]?$ ]] || die "--steps must be 1..99 (got '$steps')"
+[[ "$preset" =~ ^(tiny|demo)$ ]] || die "--preset must be tiny or demo, distca bench step's presets (got '$preset')"
+[[ "$progress" =~ ^(poll|thread|none)$ ]] || die "--progress must be poll, thread or none (got '$progress')"
+if [ -n "$json_out" ]; then  # written at the very end: a path that cannot be written would lose the run
+  case "$json_out" in /*) ;; *) json_out="$caller_pwd/$json_out" ;; esac
+  [ ! -d "$json_out" ] || die "--json $json_out is a folder, not a file"
+  [ -d "$(dirname "$json_out")" ] && [ -w "$(dirname "$json_out")" ] || die "--json $json_out: $(dirname "$json_out") is not a writable folder"
+fi
 distca="$root/build/src/tools/distca"
-[ -x "$distca" ] || { echo "bench-link.sh: $distca is not built (scripts/build.sh)" >&2; exit 2; }
+[ -x "$distca" ] || die "$distca is not built (scripts/build.sh)"
+command -v mpirun >/dev/null 2>&1 || die "no mpirun (scripts/install-deps.sh installs Open MPI)"
+command -v python3 >/dev/null 2>&1 || die "no python3 for the summary"
 
 prefix="dbl"; subnet="10.79.0"
 work="$(mktemp -d "${TMPDIR:-/tmp}/distca-bench-link.XXXXXX")"
 hosts() { "$root/scripts/hosts.sh" "$@" --prefix "$prefix"; }
-cleanup() { hosts down --dir "$work/hosts" >/dev/null 2>&1 || true; rm -rf "$work"; }
+cleanup() { hosts down --dir "$work/hosts" >/dev/null || true; rm -rf "$work"; }  # down names on stderr anything it cannot remove
 trap cleanup EXIT INT TERM
 say() { echo "[bench-link $(date +%T)] $*" >&2; }
 
