@@ -28,7 +28,6 @@ Status nccl_status(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) 
   return internal_error(fmt::format("{} failed: {}{}{}", what, ncclGetErrorString(r), last != nullptr && *last ? ": " : "",
                                     last != nullptr ? last : ""));
 }
-#define DISTCA_CUDA_CHECK(call) DISTCA_RETURN_IF_ERROR(cuda_status((call), #call))
 #define DISTCA_NCCL_CHECK(call) DISTCA_RETURN_IF_ERROR(nccl_status((call), #call))
 
 // Device memory freed when it goes out of scope.
@@ -294,7 +293,7 @@ Result<std::unique_ptr<Work>> post(const std::shared_ptr<State>& state, std::chr
   DISTCA_RETURN_IF_ERROR(s.flush_p2p());
   DISTCA_RETURN_IF_ERROR(s.settle(deadline, what, timeout));
   auto op = std::make_shared<Op>(what, std::move(waiting_for));
-  DISTCA_CUDA_CHECK(cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming));
   DISTCA_ASSIGN_OR_RETURN(const ncclResult_t r, issue(s));
   if (r == ncclInProgress) {
     s.enqueuing.push_back(op);
@@ -317,7 +316,7 @@ Result<std::unique_ptr<Work>> post_p2p(const std::shared_ptr<State>& state, std:
   if (s.comm == nullptr) return internal_error(fmt::format("{} on {}: the NCCL communicator was {}", op->what, s.who(s.rank), s.closed));
   CudaDeviceScope scope(s.device);
   DISTCA_RETURN_IF_ERROR(scope.status());
-  DISTCA_CUDA_CHECK(cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming));
   if (bytes == 0) {
     // An empty message moves nothing: both sides agree on the size, so neither issues it.
     DISTCA_RETURN_IF_ERROR(s.record({op}));
@@ -374,11 +373,11 @@ Status make_stream_and_scratch(State& s, void* given_stream) {
   if (given_stream != nullptr) {
     s.stream = static_cast<cudaStream_t>(given_stream);
   } else {
-    DISTCA_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
     s.owns_stream = true;
   }
-  DISTCA_CUDA_CHECK(cudaMalloc(&s.barrier_scratch, sizeof(float)));
-  DISTCA_CUDA_CHECK(cudaMemset(s.barrier_scratch, 0, sizeof(float)));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.barrier_scratch, sizeof(float)));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaMemset(s.barrier_scratch, 0, sizeof(float)));
   return Status::ok();
 }
 
@@ -501,7 +500,7 @@ Result<std::unique_ptr<Work>> NcclComm::all_to_all_v_async(const AllToAllV& a) {
   const std::string waiting_for = peers.empty() ? std::string("no peer") : fmt::format("{}", fmt::join(peers, ", "));
   return post(state_, timeout(), "all_to_all_v", waiting_for, [&a, me](State& s) -> Result<ncclResult_t> {
     if (a.recv_counts[me] > 0) {
-      DISTCA_CUDA_CHECK(cudaMemcpyAsync(a.recv + a.recv_offsets[me], a.send + a.send_offsets[me],
+      DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.recv + a.recv_offsets[me], a.send + a.send_offsets[me],
                                         static_cast<size_t>(a.recv_counts[me]), cudaMemcpyDeviceToDevice, s.stream));
     }
     return nccl_group([&]() {
@@ -605,19 +604,19 @@ Result<std::unique_ptr<Communicator>> NcclComm::split(int color, int key, const 
   CudaDeviceScope scope(group->device);
   DISTCA_RETURN_IF_ERROR(scope.status());
   DeviceBuffer ranks;  // (size + 1) int32: the gathered ranks, then this rank's
-  DISTCA_CUDA_CHECK(cudaMalloc(&ranks.ptr, static_cast<size_t>(group->size + 1) * sizeof(int32_t)));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaMalloc(&ranks.ptr, static_cast<size_t>(group->size + 1) * sizeof(int32_t)));
   auto* all = static_cast<int32_t*>(ranks.ptr);
   const int32_t mine = group->world_rank;
-  DISTCA_CUDA_CHECK(cudaMemcpyAsync(all + group->size, &mine, sizeof mine, cudaMemcpyHostToDevice, group->stream));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(all + group->size, &mine, sizeof mine, cudaMemcpyHostToDevice, group->stream));
   DISTCA_ASSIGN_OR_RETURN(auto work, post(group, timeout(), "split's all-gather", "the other ranks of the group",
                                           [all](State& s) -> Result<ncclResult_t> {
                                             return ncclAllGather(all + s.size, all, 1, ncclInt32, s.comm, s.stream);
                                           }));
   DISTCA_RETURN_IF_ERROR(work->wait());
   group->world_ranks.assign(static_cast<size_t>(group->size), 0);
-  DISTCA_CUDA_CHECK(cudaMemcpyAsync(group->world_ranks.data(), all, static_cast<size_t>(group->size) * sizeof(int32_t),
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(group->world_ranks.data(), all, static_cast<size_t>(group->size) * sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, group->stream));
-  DISTCA_CUDA_CHECK(cudaStreamSynchronize(group->stream));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(group->stream));
   return std::unique_ptr<Communicator>(std::move(c));
 }
 

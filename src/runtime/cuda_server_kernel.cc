@@ -10,7 +10,6 @@ namespace distca::runtime {
 namespace {
 
 Status cuda_status(cudaError_t e, const char* what) { return distca::cuda_status(e, what, "CudaServerKernel: "); }
-#define DISTCA_CUDA_CHECK(call) DISTCA_RETURN_IF_ERROR(cuda_status((call), #call))
 
 // Device memory that grows to the largest size asked for and is kept.
 struct DeviceBuffer {
@@ -19,7 +18,7 @@ struct DeviceBuffer {
 
   Status reserve(int64_t need, const char* name) {
     if (need <= bytes) return Status::ok();
-    if (ptr != nullptr) DISTCA_CUDA_CHECK(cudaFree(ptr));
+    if (ptr != nullptr) DISTCA_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
     ptr = nullptr;
     bytes = 0;
     if (const cudaError_t e = cudaMalloc(&ptr, static_cast<size_t>(need)); e != cudaSuccess) {
@@ -56,7 +55,7 @@ struct CudaServerKernel::State {
     if (n == 0) return Status::ok();
     DISTCA_RETURN_IF_ERROR(staging.reserve(n * 4, "the fp32 staging buffer"));
     DISTCA_RETURN_IF_ERROR(dst.reserve(n * kStorageBytes, name));
-    DISTCA_CUDA_CHECK(cudaMemcpyAsync(staging.ptr, host, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging.ptr, host, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream));
     return kernels::cuda_convert_from_f32(staging.as<float>(), dst.ptr, dtype, n, stream);
   }
   // `src` in the storage dtype [n] -> host fp32, through the staging buffer.
@@ -64,19 +63,19 @@ struct CudaServerKernel::State {
     if (n == 0) return Status::ok();
     DISTCA_RETURN_IF_ERROR(staging.reserve(n * 4, "the fp32 staging buffer"));
     DISTCA_RETURN_IF_ERROR(kernels::cuda_convert_to_f32(src.ptr, dtype, staging.as<float>(), n, stream));
-    DISTCA_CUDA_CHECK(cudaMemcpyAsync(host, staging.ptr, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, staging.ptr, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
     return Status::ok();
   }
   // fp32 both sides.
   Status copy_in(const float* host, int64_t n, DeviceBuffer& dst, const char* name) {
     if (n == 0) return Status::ok();
     DISTCA_RETURN_IF_ERROR(dst.reserve(n * 4, name));
-    DISTCA_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, host, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.ptr, host, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream));
     return Status::ok();
   }
   Status copy_out(const DeviceBuffer& src, int64_t n, float* host) {
     if (n == 0) return Status::ok();
-    DISTCA_CUDA_CHECK(cudaMemcpyAsync(host, src.ptr, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, src.ptr, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream));
     return Status::ok();
   }
 
@@ -106,7 +105,7 @@ Result<std::unique_ptr<CudaServerKernel>> CudaServerKernel::create(int device, k
   state->device = state->attention->device();
   CudaDeviceScope scope(state->device);
   DISTCA_RETURN_IF_ERROR(scope.status());
-  DISTCA_CUDA_CHECK(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
   return std::unique_ptr<CudaServerKernel>(new CudaServerKernel(std::move(state)));
 }
 
@@ -157,7 +156,7 @@ Status CudaServerKernel::forward(const kernels::AttnFwdParams<float>& p) {
   // 3. Outputs to the host: O through fp32, LSE as it is.
   DISTCA_RETURN_IF_ERROR(s.download(s.o, q_elems, p.o));
   DISTCA_RETURN_IF_ERROR(s.copy_out(s.lse, rows_heads, p.lse));
-  DISTCA_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
   return Status::ok();
 }
 
@@ -206,7 +205,7 @@ Status CudaServerKernel::backward(const kernels::AttnBwdParams<float>& p) {
   DISTCA_RETURN_IF_ERROR(s.download(s.dq, q_elems, p.dq));
   DISTCA_RETURN_IF_ERROR(s.copy_out(s.dk, kv_elems, p.dk));
   DISTCA_RETURN_IF_ERROR(s.copy_out(s.dv, kv_elems, p.dv));
-  DISTCA_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
   return Status::ok();
 }
 

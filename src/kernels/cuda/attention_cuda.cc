@@ -29,7 +29,6 @@ static_assert(cuda::BwdShape<128>::kBlockN == kCudaBwdBlockN && cuda::BwdShape<1
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-#define DISTCA_CUDA_TRY(call) DISTCA_RETURN_IF_ERROR(cuda_status((call), #call))
 
 Status check_grid(int64_t items, int64_t heads) {
   if (items > 0 && items * heads > INT32_MAX) {
@@ -51,7 +50,7 @@ class Scratch {
   template <typename T>
   Result<T*> alloc(int64_t count) {
     void* p = nullptr;
-    DISTCA_CUDA_TRY(cudaMallocAsync(&p, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T), stream_));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&p, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T), stream_));
     blocks_.push_back(p);
     return static_cast<T*>(p);
   }
@@ -61,7 +60,7 @@ class Scratch {
   Result<const Item*> upload(const std::vector<Item>& items) {
     Result<Item*> device = alloc<Item>(static_cast<int64_t>(items.size()));
     if (!device.is_ok()) return device.status();
-    DISTCA_CUDA_TRY(cudaMemcpyAsync(device.value(), items.data(), items.size() * sizeof(Item), cudaMemcpyHostToDevice,
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device.value(), items.data(), items.size() * sizeof(Item), cudaMemcpyHostToDevice,
                                     stream_));
     return static_cast<const Item*>(device.value());
   }
@@ -89,17 +88,17 @@ Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device) {
   if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
     return not_found(fmt::format("no CUDA device: {}", e != cudaSuccess ? cudaGetErrorString(e) : "the driver sees none"));
   }
-  if (device < 0) DISTCA_CUDA_TRY(cudaGetDevice(&device));
+  if (device < 0) DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (device >= count) return invalid_argument(fmt::format("CUDA device {} does not exist ({} found)", device, count));
   cudaDeviceProp prop{};
-  DISTCA_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   if (prop.major < 8) {
     return invalid_argument(fmt::format("{} has compute capability {}.{}; distca's CUDA kernels need 8.0 or newer",
                                         prop.name, prop.major, prop.minor));
   }
   CudaDeviceScope scope(device);
   if (!scope.status().is_ok()) return scope.status();
-  DISTCA_CUDA_TRY(cuda::allow_tile_smem());
+  DISTCA_CUDA_RETURN_IF_ERROR(cuda::allow_tile_smem());
   auto state = std::make_unique<State>();
   state->device = device;
   state->name = fmt::format("{} (sm_{}{})", prop.name, prop.major, prop.minor);
@@ -119,7 +118,7 @@ Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
   if (!scope.status().is_ok()) return scope.status();
   auto* o = static_cast<uint16_t*>(a.o);
   for (const auto& [begin, end] : cuda::uncovered_rows(d.num_q_rows, a.tasks)) {
-    DISTCA_CUDA_TRY(cuda::launch_fill_rows(o, a.lse, begin, end, d.num_q_heads * d.head_dim,
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_fill_rows(o, a.lse, begin, end, d.num_q_heads * d.head_dim,
                                            static_cast<int>(d.num_q_heads), stream));
   }
   if (items.empty()) return Status::ok();
@@ -137,7 +136,7 @@ Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
   p.num_q_heads = static_cast<int>(d.num_q_heads);
   p.num_kv_heads = static_cast<int>(d.num_kv_heads);
   p.scale_log2 = softmax_scale(d, a.scale) * kLog2e;
-  DISTCA_CUDA_TRY(cuda::launch_fwd(p, static_cast<int>(d.head_dim), a.dtype == CudaDType::kBf16,
+  DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_fwd(p, static_cast<int>(d.head_dim), a.dtype == CudaDType::kBf16,
                                    p.num_items * d.num_q_heads, stream));
   return Status::ok();
 }
@@ -170,13 +169,13 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     dk_acc = k_acc.value();
     dv_acc = v_acc.value();
   }
-  if (q_elems > 0) DISTCA_CUDA_TRY(cudaMemsetAsync(dq_acc.value(), 0, static_cast<size_t>(q_elems) * 4, stream));
+  if (q_elems > 0) DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dq_acc.value(), 0, static_cast<size_t>(q_elems) * 4, stream));
   if (kv_elems > 0) {
-    DISTCA_CUDA_TRY(cudaMemsetAsync(dk_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
-    DISTCA_CUDA_TRY(cudaMemsetAsync(dv_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dk_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dv_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
   }
   if (rows_heads > 0) {
-    DISTCA_CUDA_TRY(cuda::launch_delta(static_cast<const uint16_t*>(a.d_o), static_cast<const uint16_t*>(a.o), a.d_lse,
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_delta(static_cast<const uint16_t*>(a.d_o), static_cast<const uint16_t*>(a.o), a.d_lse,
                                        delta.value(), rows_heads, static_cast<int>(d.head_dim), is_bf16, stream));
   }
   if (!items.empty()) {
@@ -197,17 +196,17 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     p.num_q_heads = static_cast<int>(d.num_q_heads);
     p.num_kv_heads = static_cast<int>(d.num_kv_heads);
     p.scale_log2 = scale * kLog2e;
-    DISTCA_CUDA_TRY(cuda::launch_bwd(p, static_cast<int>(d.head_dim), is_bf16, p.num_items * d.num_q_heads, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_bwd(p, static_cast<int>(d.head_dim), is_bf16, p.num_items * d.num_q_heads, stream));
   }
   // Round the sums once: dQ and dK carry the softmax scale, dV none.
   if (q_elems > 0) {
-    DISTCA_CUDA_TRY(cuda::launch_finalize(dq_acc.value(), static_cast<uint16_t*>(a.dq), scale, q_elems, is_bf16, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_finalize(dq_acc.value(), static_cast<uint16_t*>(a.dq), scale, q_elems, is_bf16, stream));
   }
   if (kv_elems > 0) {
-    DISTCA_CUDA_TRY(cuda::launch_finalize(dk_acc, a.dkv_fp32 ? nullptr : static_cast<uint16_t*>(a.dk), scale, kv_elems,
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_finalize(dk_acc, a.dkv_fp32 ? nullptr : static_cast<uint16_t*>(a.dk), scale, kv_elems,
                                           is_bf16, stream));
     if (!a.dkv_fp32) {
-      DISTCA_CUDA_TRY(cuda::launch_finalize(dv_acc, static_cast<uint16_t*>(a.dv), 1.f, kv_elems, is_bf16, stream));
+      DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_finalize(dv_acc, static_cast<uint16_t*>(a.dv), 1.f, kv_elems, is_bf16, stream));
     }
   }
   return Status::ok();

@@ -18,6 +18,9 @@ inline Status cuda_status(cudaError_t e, const char* what, const char* prefix = 
   return internal_error(fmt::format("{}{} failed: {} ({})", prefix, what, cudaGetErrorString(e), cudaGetErrorName(e)));
 }
 
+// Returns the Status of a failed CUDA runtime call from the enclosing function, naming the call.
+#define DISTCA_CUDA_RETURN_IF_ERROR(call) DISTCA_RETURN_IF_ERROR(::distca::cuda_status((call), #call))
+
 // Makes `device` current for the scope of a call and restores the caller's.
 class CudaDeviceScope {
  public:
