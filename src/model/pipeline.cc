@@ -189,11 +189,7 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
   if (options.micro_batches == 0) options.micro_batches = 2 * options.pp;
   DISTCA_RETURN_IF_ERROR(options.validate(world.size()));
   TrainOptions& o = options.train;
-  if (o.granularity == 0) {
-    int64_t g = 16;
-    while (g * 2 <= std::min<int64_t>(o.context / 32, 128)) g *= 2;
-    o.granularity = g;
-  }
+  if (o.granularity == 0) o.granularity = default_granularity(o.context);
   auto t = std::unique_ptr<PipelineTrainer>(new PipelineTrainer(world, std::move(options)));
   const PipelineOptions& po = t->options_;
   DISTCA_ASSIGN_OR_RETURN(t->groups_, RankGroups::split(world, po.train.tp, po.pp, po.train.model));

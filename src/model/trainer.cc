@@ -162,6 +162,12 @@ struct Trainer::Pass {
 };
 
 Trainer::Trainer(comm::Communicator& comm, TrainOptions options) : comm_(comm), options_(std::move(options)) {}
+int64_t default_granularity(int64_t context) {
+  int64_t g = 16;
+  while (g * 2 <= std::min<int64_t>(context / 32, 128)) g *= 2;
+  return g;
+}
+
 Trainer::~Trainer() = default;
 
 ModelState<float>& Trainer::state(size_t i) { return runs_.at(i)->state; }
@@ -172,12 +178,7 @@ std::string Trainer::data_description() const { return packer_->source().describ
 Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, TrainOptions options) {
   options.optim.total_steps = options.steps;  // a decaying schedule ends at the last step
   DISTCA_RETURN_IF_ERROR(options.validate());
-  if (options.granularity == 0) {
-    // The largest power of two <= context / 32, within 16..128 (tile boundaries; see distca plan).
-    int64_t g = 16;
-    while (g * 2 <= std::min<int64_t>(options.context / 32, 128)) g *= 2;
-    options.granularity = g;
-  }
+  if (options.granularity == 0) options.granularity = default_granularity(options.context);
   auto t = std::unique_ptr<Trainer>(new Trainer(comm, std::move(options)));
   const TrainOptions& o = t->options_;
   DISTCA_ASSIGN_OR_RETURN(t->groups_, RankGroups::split(comm, o.tp, 1, o.model));

@@ -127,6 +127,10 @@ struct MemoryEstimate {
 // `ranks`: the world (with tensor parallelism, options.tp of them share each replica's tokens).
 MemoryEstimate estimate_memory(const TrainOptions& options, int ranks);
 
+// The planner granularity a run of `context` tokens per rank uses when --granularity is 0 (auto):
+// the largest power of two <= context / 32, within 16..128 (tile boundaries; see distca plan).
+int64_t default_granularity(int64_t context);
+
 // The loss of one backend on the held-out steps.
 struct EvalRecord {
   int64_t step = 0;  // after this many training steps
