@@ -18,13 +18,19 @@ phase is one all_to_all_single per nano-batch and tensor kind.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .backends import ServerKernel, default_scale, get_backend
-from .layout import InputError, PartLayout, StepLayout, agree
+from .layout import CALL_CAD_ATTENTION, InputError, PartLayout, StepLayout, _error_message, _latest_planner, call_header
+
+# The dtypes cad_attention takes: every CPU and CUDA backend's forward and backward run them
+# (float64's backward does not run on the CPU kernels).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -89,13 +95,15 @@ class _Exchange:
         return self.out
 
 
-def _check(q, k, v, layout: StepLayout) -> Optional[str]:
-    """This rank's inputs against its layout: None when fine, else what is wrong."""
+def _check(q, k, v, layout: StepLayout, scale, backend, return_lse) -> Optional[str]:
+    """This rank's arguments against its layout: None when fine, else what is wrong (one line)."""
     if not isinstance(layout, StepLayout):
         return f"layout must be a StepLayout (StepPlanner.plan), got {type(layout).__name__}"
     m = layout.model
     if m is None:
         return "the layout has no model shape (rank_layout makes such layouts; pass the one StepPlanner.plan returns)"
+    if layout.group is None or layout.control_group is None:
+        return "the layout has no process group (rank_layout makes such layouts; pass the one StepPlanner.plan returns)"
     for name, x, heads in (("q", q, m.num_q_heads), ("k", k, m.num_kv_heads), ("v", v, m.num_kv_heads)):
         if not isinstance(x, torch.Tensor):
             return f"{name} must be a tensor, got {type(x).__name__}"
@@ -111,32 +119,22 @@ def _check(q, k, v, layout: StepLayout) -> Optional[str]:
             return f"{name} is on {x.device}, the layout on {layout.device}"
         if not x.is_contiguous():
             return f"{name} is not contiguous (call .contiguous(); a strided view would be copied on every exchange)"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return (f"q, k and v are {q.dtype}: cad_attention supports {', '.join(map(str, SUPPORTED_DTYPES))} "
+                f"(cast them, e.g. q.float())")
+    if scale is not None and (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale) or scale <= 0):
+        return f"scale must be a finite positive number (default 1/sqrt(head_dim)), got {scale!r}"
+    if backend is not None and not isinstance(backend, (str, ServerKernel)):
+        return f"backend must be a backend's name or a ServerKernel instance, got {type(backend).__name__}"
+    if not isinstance(return_lse, (bool, np.bool_)):
+        return f"return_lse must be a bool, got {return_lse!r}"
     if dist.get_world_size(layout.group) != layout.world_size:
         return (f"the layout was planned for {layout.world_size} ranks, its group has "
                 f"{dist.get_world_size(layout.group)}")
     if dist.get_rank(layout.group) != layout.rank:
         return f"the layout was made for rank {layout.rank} of its group, this is rank {dist.get_rank(layout.group)}"
     return None
-
-
-def _agree_on_layout(layout: StepLayout, message: Optional[str]) -> None:
-    """All ranks check together: any rank's message, or ranks passing layouts of different steps,
-    raise the same InputError everywhere."""
-    serial = layout.serial if isinstance(layout, StepLayout) else 0
-    state = torch.tensor([0 if message is None else 1, serial, -serial], dtype=torch.int64)
-    group = layout.control_group if isinstance(layout, StepLayout) else None
-    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
-    if state[0].item() == 0 and state[1].item() == -state[2].item():
-        return
-    if state[0].item() == 0:  # every input fine, but the steps differ: name the ranks behind
-        serials: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(serials, serial, group=group)
-        stale = [r for r, s in enumerate(serials) if s != max(serials)]
-        raise InputError(f"cad_attention: rank{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))} passed the "
-                         f"layout of an earlier step than the others: every rank must pass the layout of the same "
-                         f"StepPlanner.plan call")
-    agree(group, message, "cad_attention")
-    raise AssertionError("unreachable: agree() raises when any rank has a message")
 
 
 def _server_forward(part: PartLayout, q_recv, kv_recv, kernel, scale):
@@ -210,6 +208,9 @@ class CADAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if torch.is_grad_enabled():  # the engine runs a backward with grad mode on only for create_graph=True
+            raise RuntimeError("cad_attention does not support double backward (create_graph=True): its backward "
+                               "is not differentiable; call backward() / autograd.grad() without create_graph")
         layout, kernel, scale = ctx.layout, ctx.kernel, ctx.scale
         group = layout.group
         out, lse, *inputs = ctx.saved_tensors
@@ -272,21 +273,39 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Ste
     """Causal core attention of this rank's rows, computed by the plan's attention servers.
 
     q [T, Hq, D], k/v [T, Hkv, D]: this rank's rows (after RoPE at layout.positions), in the
-    order of the documents given to StepPlanner.plan; returns o [T, Hq, D] (and, with return_lse,
-    the LSE [T, Hq] fp32, not differentiable). backend: a name (the planner's by default) or a
-    ServerKernel instance. Collective over the layout's group: every rank calls
-    it with the same step's layout. Differentiable in q, k, v. Bad input on any rank raises
-    InputError on every rank (unless the planner was made with check_inputs=False).
+    order of the documents given to StepPlanner.plan, float32, bfloat16 or float16; returns
+    o [T, Hq, D] (and, with return_lse, the LSE [T, Hq] fp32, not differentiable). scale: a finite
+    positive number (default 1/sqrt(D)). backend: a name (the planner's by default) or a
+    ServerKernel instance. Collective over the layout's group: every rank calls it with the same
+    step's layout. Differentiable in q, k, v (once: no double backward).
+
+    Every argument is checked before the first collective; with the planner's check_inputs (the
+    default) the call then starts with the call header (one all_gather of 4 int64 per rank over
+    the control group, see distca.torch.layout), so bad input on any rank, ranks passing layouts
+    of different steps, or a rank in another call (StepPlanner.plan) raise the same InputError on
+    every rank. A rank whose `layout` is not a planner's agrees over the control group of this
+    process's newest live StepPlanner (or raises at once where there is none). With
+    check_inputs=False only local checks run (ValueError on this rank).
     """
-    message = _check(q, k, v, layout)
-    kernel = None
-    if message is None:
-        try:
-            kernel = get_backend(backend or layout.backend, layout.device, q.dtype, head_dim=int(q.shape[-1]))
-        except ValueError as e:
-            message = str(e)
-    if isinstance(layout, StepLayout) and layout.check_inputs:
-        _agree_on_layout(layout, message)
+    message, kernel = None, None
+    try:
+        message = _check(q, k, v, layout, scale, backend, return_lse)
+        if message is None:
+            kernel = get_backend(layout.backend if backend is None else backend, layout.device, q.dtype,
+                                 head_dim=int(q.shape[-1]))
+    except Exception as e:  # noqa: BLE001 (any rank's fault is agreed on, then raised everywhere)
+        message = _error_message(e)
+    if isinstance(layout, StepLayout) and layout.control_group is not None:
+        check, group, planner_id, serial = layout.check_inputs, layout.control_group, layout.planner_id, layout.serial
+    else:
+        # No planner's layout: its planner is unknown here, so agree over the newest one's group
+        # (where the other ranks, making the same calls with their layouts, are).
+        planner = _latest_planner()
+        if planner is None:
+            raise InputError(f"cad_attention: {message} (and no StepPlanner in this process)")
+        check, group, planner_id, serial = planner.check_inputs, planner.control_group, 0, 0
+    if check:
+        call_header(group, CALL_CAD_ATTENTION, planner_id, serial, message)
     elif message is not None:
         raise ValueError(f"cad_attention: {message}")
     scale = default_scale(q.shape[2]) if scale is None else float(scale)

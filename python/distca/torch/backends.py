@@ -695,6 +695,9 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
     cannot run."""
     if isinstance(name, ServerKernel):
         return name
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be one of {', '.join(backend_names())} or a ServerKernel instance, "
+                        f"got {type(name).__name__}")
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     if name == "auto":
