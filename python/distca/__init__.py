@@ -525,7 +525,7 @@ def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, *
         elif kind is bool:
             if isinstance(value, str):
                 if value not in ("on", "off"):
-                    raise ValueError(f"--{key.replace('_', '-')} must be on or off, got {_excerpt(value)}")
+                    raise ValueError(f"{name} must be on or off, got {_excerpt(value)}")
                 value = value == "on"
             elif not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool or 'on'/'off', got {_excerpt(value)}")
