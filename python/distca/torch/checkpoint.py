@@ -240,10 +240,10 @@ def load(path: str, head: dict) -> dict:
     if hashlib.sha256(blob.data).hexdigest() != want_sha:
         raise CheckpointError(f"{data_path}: its SHA-256 differs from the header's (corrupted or replaced)")
     out: dict = {}
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict) or set(e) != {"name", "dtype", "shape", "offset"}:
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or set(entry) != {"name", "dtype", "shape", "offset"}:
             raise _bad(meta, f"tensor entry {i} must have exactly name, dtype, shape and offset")
-        name, dtype, shape, offset = e["name"], e["dtype"], e["shape"], e["offset"]
+        name, dtype, shape, offset = entry["name"], entry["dtype"], entry["shape"], entry["offset"]
         if not isinstance(name, str) or name in out:
             raise _bad(meta, f"tensor entry {i}: the name must be a string not used before")
         if dtype not in _DTYPES:

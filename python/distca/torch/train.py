@@ -995,7 +995,7 @@ def _same_settings(a: argparse.Namespace, ctl_group) -> None:
                                  f"command line")
 
 
-def _agree(local_error: Optional[str], ctl_group, error: type = None) -> None:
+def _agree(local_error: Optional[str], ctl_group, error: Optional[type] = None) -> None:
     """Raises `error` (UsageError by default) on every rank when any rank has an error (the lowest
     rank's message)."""
     messages: list = [None] * dist.get_world_size(ctl_group)
