@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -443,6 +444,14 @@ def _throughput(throughput: Union[str, Mapping[str, Any]]) -> dict:
 _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "dtype_bytes", "tp")
 
 
+def python_names(message: str) -> str:
+    """A message of distca's C++ checks, which name the command line's flags, in the Python
+    arguments' names: "--max-rank-bytes must ..." -> "max_rank_bytes must ..."."""
+    message = message.replace("--model custom needs every shape flag", "model (a dict without a preset) needs "
+                              "every shape key")
+    return re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
+
+
 def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
          model: Union[str, Mapping[str, Any]] = "llama-8b", max_rank_bytes: Union[int, str, None] = None,
          tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None,
@@ -503,7 +512,10 @@ def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str]
         request.set_throughput(t["flops_per_second"], t["tile_rows"], t["task_overhead_seconds"], t["source"])
     profile_path = "" if profile is None else _path(profile, "profile")
     native_batch = _batch(batch, tokens_per_rank)
-    return Plan(_distca.make_plan(native_batch, request, profile_path))
+    try:
+        return Plan(_distca.make_plan(native_batch, request, profile_path))
+    except ValueError as e:
+        raise ValueError(python_names(str(e))) from None
 
 
 def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, **options: Any) -> dict:
@@ -545,4 +557,7 @@ def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, *
         text = json.dumps(_profiles.load(profile))
     else:
         raise TypeError(f"simulate: profile must be a profile file's path or a dict, got {_excerpt(profile)}")
-    return json.loads(_distca.simulate_json(request, text))
+    try:
+        return json.loads(_distca.simulate_json(request, text))
+    except ValueError as e:
+        raise ValueError(python_names(str(e))) from None

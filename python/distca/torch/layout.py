@@ -27,7 +27,6 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import re
 import time
 import weakref
 from collections.abc import Sequence as SequenceABC
@@ -591,14 +590,6 @@ def _memory_limit(device: torch.device) -> tuple:
     return 1 << 40, "1 TiB"
 
 
-def _argument_names(message: str) -> str:
-    """A message of distca's C++ checks, which name command-line flags, with the Python
-    arguments' names: "--max-rank-bytes must ..." -> "max_rank_bytes must ..."."""
-    message = message.replace("--model custom needs every shape flag", "model (a dict without a preset) needs "
-                              "every shape key")
-    return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
-
-
 class StepPlanner:
     """Plans CAD for every step of a process group (see the module docstring).
 
@@ -679,7 +670,7 @@ class StepPlanner:
         try:
             distca.plan([[16]], model=self._plan_model, **self.options)
         except ValueError as e:
-            raise ValueError(_argument_names(str(e))) from None
+            raise ValueError(distca.python_names(str(e))) from None
         if (isinstance(buffer_capacity, bool) or not isinstance(buffer_capacity, (int, np.integer))
                 or buffer_capacity < 0):
             raise ValueError(f"buffer_capacity must be a non-negative integer of bytes, got {buffer_capacity!r}")
