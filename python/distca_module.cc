@@ -1,6 +1,6 @@
 // The distca Python module's native part (_distca): thin bindings over the plan, route and sim
 // layers and the CPU and CUDA attention kernels (on raw addresses, and for CUDA a stream handle: no
-// PyTorch or CUDA headers here). Every check, plan, layout and report is the C++ one (DESIGN.md §3:
+// PyTorch or CUDA headers here). Every check, plan, layout and report is the C++ one (docs/design.md §3:
 // python adds no logic of its own); this file only converts: Python lists and NumPy arrays in,
 // NumPy arrays and JSON text out, and a Status that is not ok into ValueError (bad input) or
 // RuntimeError (a broken invariant). Long calls run without the GIL, and the planner and the

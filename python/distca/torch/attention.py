@@ -1,6 +1,6 @@
 """cad_attention: core attention of this rank's rows, computed by the plan's attention servers.
 
-One autograd.Function whose forward and backward are the CAD data path (DESIGN.md §4), per
+One autograd.Function whose forward and backward are the CAD data path (docs/design.md §4), per
 nano-batch:
   forward   owner: gather Q rows and K/V rows (K/V once per (document, server))  -> all-to-all
             server: lay the rows out per task, run the server kernel (O, LSE)      -> all-to-all back

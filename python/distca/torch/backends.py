@@ -1,6 +1,6 @@
 """Server kernels: attention over one server's CA tasks, behind one small interface.
 
-A server holds, per nano-batch, its tasks' rows in the varlen layout (DESIGN.md §2 letters):
+A server holds, per nano-batch, its tasks' rows in the varlen layout (docs/design.md §2 letters):
     q  [Nq, Hq, D]   every task's query rows, causal tasks first
     k  [Nk, Hkv, D]  every task's own key rows (a task's keys are contiguous), v likewise
 and `ServerTasks` says where each task's rows are. A kernel computes

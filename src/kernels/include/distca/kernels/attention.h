@@ -2,7 +2,7 @@
 // BLAS baseline, cuda/) takes, plus the parts they share: validation, causal-aware FLOP counts
 // and the LSE merge of partial results.
 //
-// Layout (DESIGN.md §2): packed THD. Q is [Tq, Hq, D], K and V are [Tkv, Hkv, D], row-major.
+// Layout (docs/design.md §2): packed THD. Q is [Tq, Hq, D], K and V are [Tkv, Hkv, D], row-major.
 // Query head h reads key/value head h / (Hq / Hkv) (GQA). A task addresses Q rows
 // [q_offset, q_offset + q_len) and K/V rows [kv_offset, kv_offset + kv_len). Causal tasks are
 // bottom-right aligned: query i of the task (0-based) sees task keys [0, kv_len - q_len + i].

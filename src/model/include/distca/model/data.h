@@ -1,5 +1,5 @@
 // Training data: documents as byte-level tokens, packed in order into R x T tokens per step
-// (DESIGN.md §1: every rank holds T tokens; a document that overflows a rank continues on the
+// (docs/design.md §1: every rank holds T tokens; a document that overflows a rank continues on the
 // next). Sources:
 //   synthetic   embedded default: document lengths from a built-in distribution scaled to the
 //               context, text from a fixed random Markov chain (learnable: the loss falls from

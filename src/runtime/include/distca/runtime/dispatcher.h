@@ -1,4 +1,4 @@
-// Dispatcher: runs core attention of one plan through the attention servers (DESIGN.md §4).
+// Dispatcher: runs core attention of one plan through the attention servers (docs/design.md §4).
 // Forward: Q/K/V rows go from their owners to the servers the plan names (one all-to-all-v;
 // K/V once per (document, server)), each server runs the fused kernel over its tasks, and O
 // and LSE come back into the linear layout. Backward is the mirror: dO (and, stateless, Q, O,

@@ -1,4 +1,4 @@
-// Ping-pong (DESIGN.md §4.5): a micro-batch split into two nano-batches whose work alternates,
+// Ping-pong (docs/design.md §4.5): a micro-batch split into two nano-batches whose work alternates,
 // so that the communication of one overlaps the compute of the other.
 //
 // Each nano-batch's work is a chain of stages: stage i computes, then starts a communication

@@ -1,4 +1,4 @@
-// Routing of one plan on one rank (DESIGN.md §4): where every row of this rank's linear layout
+// Routing of one plan on one rank (docs/design.md §4): where every row of this rank's linear layout
 // goes when the rank acts as an owner, and where every row arrives when it acts as a server.
 // Pure data, computed the same way on every rank from the same batch and task list.
 //
