@@ -1,4 +1,4 @@
-// Cost model (DESIGN.md §6): causal pair counts, FLOPs, estimated seconds from a throughput
+// Cost model (docs/design.md §6): causal pair counts, FLOPs, estimated seconds from a throughput
 // profile, and bytes per token for every tensor the runtime moves.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Model shape: the numbers the cost model and the byte counter need (DESIGN.md §6).
+// Model shape: the numbers the cost model and the byte counter need (docs/design.md §6).
 #pragma once
 
 #include <string>

@@ -1,4 +1,4 @@
-// The plan (DESIGN.md §5): every CA task with its server, the per-server load, the bytes each
+// The plan (docs/design.md §5): every CA task with its server, the per-server load, the bytes each
 // communication phase moves, and a hash. Plain data; finalize_plan() fills everything but the
 // tasks, with the one byte counter the runtime also uses.
 #pragma once
