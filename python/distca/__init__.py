@@ -11,7 +11,7 @@ same code as the ``distca`` command line, so the same plans, figures and error m
 
 Bad input raises ValueError with the command line's message, and an argument of the wrong type
 TypeError naming it (an integer argument takes a Python or NumPy integer: never a bool, a float,
-even 128.0, or a string); see README.md, "Python package".
+even 128.0, or a string); see docs/python.md.
 """
 from __future__ import annotations
 

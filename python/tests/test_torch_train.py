@@ -2,7 +2,7 @@
 attention train to the same loss curve from the same weights (2 ranks with the demo model on
 skewed batches, 4 ranks with JSONL documents spanning ranks), a resumed run repeats the straight
 run's curve, and bad flags, data or checkpoints end every rank with exit status 2 and one line.
-No timing assertions: the speedup is measured by the trainer's own run (see README)."""
+No timing assertions: the speedup is measured by the trainer's own run (see docs/torch.md)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,7 @@
 // Where a multi-rank command runs: under an MPI launcher (mpirun, srun) this process is one
 // rank of an MpiComm; otherwise `local_ranks` threads over LocalComm in this process.
 //
-// Exit codes, the same with and without mpirun (README "Exit codes"):
+// Exit codes, the same with and without mpirun (docs/cli.md, "Exit codes"):
 //   0  done
 //   2  bad input: a flag, a file, the data, an output path, a run that cannot fit in memory
 //   1  the run failed: an I/O error while running, a timeout, a failed rank

@@ -1,4 +1,4 @@
-// Hostile input, by class (README "Bad input"): every case ends with exit 2 and one line naming
+// Hostile input, by class (docs/cli.md, "Inputs and outputs"): every case ends with exit 2 and one line naming
 // the file or flag, writes no output, changes nothing at any path, and neither crashes nor grows
 // without bound. The classes:
 //   1. an output never replaces what is not a regular file (device, FIFO, socket, directory);

@@ -361,7 +361,7 @@ TEST(Cli, TrainRuntimeFailureExitsOneWithTheRealError) {
 
 #ifdef DISTCA_MPIRUN
 // Under mpirun the same exit codes, one message, and no MPI_Abort banner for errors every rank
-// knows. (mpirun -q keeps mpirun's own "a process returned non-zero" note out; the README's
+// knows. (mpirun -q keeps mpirun's own "a process returned non-zero" note out; the docs'
 // commands use it.)
 CmdResult mpirun(int np, const std::string& args) {
   return cli::run_shell(std::string(DISTCA_MPIRUN) + " -q --allow-run-as-root --oversubscribe --bind-to none -np " +

@@ -12,7 +12,7 @@
 gloo on CPU, NCCL on CUDA; server kernels `reference`, `sdpa`, `varlen`, `flash_attn`, `flex`, `distca`
 (distca's own CPU and CUDA kernels, also as the custom operators torch.ops.distca.attention_fwd/_bwd
 of distca.torch.ops) (`auto` picks).
-See README.md, "distca.torch".
+See docs/torch.md.
 """
 try:
     import torch  # noqa: F401
