@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import ServerKernel, default_scale, get_backend
+from .buffers import ExchangeBuffers
 from .layout import CALL_CAD_ATTENTION, InputError, PartLayout, StepLayout, _error_message, _latest_planner, call_header
 
 # The dtypes cad_attention takes: every CPU and CUDA backend's forward and backward run them
@@ -47,35 +48,6 @@ def _unpack(packed: torch.Tensor, specs: list) -> list:
         out.append(packed[:, at:at + width].contiguous().view(dtype).view(n, *shape))
         at += width
     return out
-
-
-class ExchangeBuffers:
-    """Receive buffers for the exchanges, one per slot (phase, nano-batch, tensor kind), allocated
-    at the largest size seen (or a fixed capacity) and reused by every layer and step, so the
-    exchanges allocate nothing in steady state. Safe because each phase consumes its received rows
-    (gathers or copies them) before the next layer's exchange of the same slot is posted, and on
-    CUDA the next collective is ordered after that consumption on the stream."""
-
-    def __init__(self, device: torch.device, capacity_bytes: int = 0):
-        self.device = device
-        self.capacity_bytes = int(capacity_bytes)
-        self.allocations = 0          # buffers allocated so far (growth included)
-        self._slots: dict = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self._slots.values())
-
-    def get(self, slot: tuple, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        width = math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
-        need = rows * width
-        buf = self._slots.get(slot)
-        if buf is None or buf.numel() < need:
-            size = max(need, self.capacity_bytes, int(1.25 * buf.numel()) if buf is not None else 0)
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._slots[slot] = buf
-            self.allocations += 1
-        return buf[:need].view(dtype).view(rows, *row_shape)
 
 
 class _Exchange:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import distca
 from distca import _distca
 
+from .buffers import ExchangeBuffers
 from .backends import ServerTasks, TaskGroup, get_backend
 
 # Planners constructed in this process per tuple of their group's (global) ranks: a planner's
@@ -692,7 +693,6 @@ class StepPlanner:
             [self.options, self._plan_model, self.model.__dict__, self.pingpong, backward,
              backend if isinstance(backend, str) else type(backend).__name__, check_inputs, prefetch],
             sort_keys=True, default=str).encode()).hexdigest()[:16]
-        from .attention import ExchangeBuffers
         self.buffers = ExchangeBuffers(self.device, int(buffer_capacity)) if static_buffers else None
         self.current: Optional[StepLayout] = None
         # The planner's identity: its settings, its group's ranks and its place among this process's
