@@ -105,12 +105,8 @@ def _fresh_planner(**kwargs):
     return StepPlanner(group, model=MODEL, policy="minbytes", granularity=16, **kwargs), group
 
 
-def agreement_worker(rank, world, store, cases):
+def agreement_worker(rank, world, cases):
     from distca.torch import InputError, StepPlanner, cad_attention
-    # The default group again, with the short timeout: a rank left waiting anywhere fails fast.
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     results = {}
     for case in cases:
         # A planner of its own per case, so a regression in one case leaves the next its own group.
@@ -155,9 +151,9 @@ def agreement_worker(rank, world, store, cases):
 
 
 @pytest.fixture(scope="module")
-def agreement(tmp_path_factory):
-    store = tmp_path_factory.mktemp("agreement") / "store"
-    results = run_ranks(agreement_worker, 2, str(store), list(CASES), timeout=120)
+def agreement():
+    # The default group with the short timeout too: a rank left waiting anywhere fails fast.
+    results = run_ranks(agreement_worker, 2, list(CASES), timeout=120, group_timeout=GROUP_TIMEOUT_S)
     errors = [r["error"] for r in results if r["error"]]
     assert not errors, errors[0]
     return [r["result"] for r in results]

@@ -16,16 +16,19 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from datetime import timedelta
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: tuple,
+            group_timeout: Optional[float] = None) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    extra = {} if group_timeout is None else {"timeout": timedelta(seconds=group_timeout)}
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, **extra)
     try:
         result, error = fn(rank, world, *args), None
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its traceback)
@@ -46,10 +49,13 @@ def _worker(rank: int, world: int, store: str, out_dir: str, fn: Callable, args:
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) -> list:
-    """fn(rank, world, *args) on `world` spawned gloo processes -> each rank's {"result", "error"}."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600,
+              group_timeout: Optional[float] = None) -> list:
+    """fn(rank, world, *args) on `world` spawned gloo processes -> each rank's {"result", "error"}.
+    group_timeout: the default group's collective timeout in seconds (PyTorch's default: 30 min)."""
     with tempfile.TemporaryDirectory(prefix="distca-ranks-") as tmp:
-        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, fn, args), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, fn, args, group_timeout),
+                                 nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.time() + timeout
         while not ctx.join(timeout=1):
