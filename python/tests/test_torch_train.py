@@ -125,7 +125,7 @@ def test_demo_model_cad_equals_colocated_2_ranks(tmp_path):
     assert all(r["rows_served_remotely"] == 0 for r in doc["steps"] if r["backend"] == "colocated")
     assert doc["summary"]["speedup"] > 0 and len(doc["summary"]["speedup_per_step"]) == 19
     assert "speedup of CAD over colocated" in run.stdout and "step   20/20 cad" in run.stdout, log
-    from distca.torch.train import SyntheticData
+    from distca.torch.data import SyntheticData
     want = _reference_loss(SyntheticData("skewed", 1, 2, 1024).step(0), "demo")
     assert abs(cad[0] - want) / want <= TOLERANCE and abs(col[0] - want) / want <= TOLERANCE, (want, cad[0], col[0])
 
@@ -149,7 +149,7 @@ def test_jsonl_spanning_ranks_cad_equals_colocated_4_ranks(tmp_path):
     moved = [r["rows_served_remotely"] for r in doc["steps"] if r["backend"] == "cad"]
     assert sum(moved) > 0, moved                  # the planner moved work (not colocated under another name)
     assert doc["config"]["ranks"] == 4
-    from distca.torch.train import JsonlData, read_jsonl
+    from distca.torch.data import JsonlData, read_jsonl
     want = _reference_loss(JsonlData(str(data), read_jsonl(str(data)), 4, 256).step(0), "tiny")
     assert abs(cad[0] - want) / want <= TOLERANCE, (want, cad[0])
 
@@ -278,7 +278,7 @@ def test_help_lists_every_flag(capsys):
 def test_packed_targets_and_pieces():
     """The data path alone: documents spanning ranks become pieces of one key; a document's last
     token has no target, and one cut at a step's end still predicts the next token."""
-    from distca.torch.train import JsonlData, pack_documents
+    from distca.torch.data import JsonlData, pack_documents
     docs = [np.frombuffer(b"abcdefg", np.uint8), np.frombuffer(b"xyz", np.uint8)]
     data = JsonlData("mem", docs, num_ranks=2, context=3)          # 10 tokens, 6 per step
     s0, s1 = data.step(0), data.step(1)

@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 
 from distca.torch import checkpoint  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
-from distca.torch.train import UsageError, main, read_jsonl  # noqa: E402
+from distca.torch.data import DataError, read_jsonl  # noqa: E402
+from distca.torch.train import main  # noqa: E402
 
 TINY = ["--preset", "tiny", "--steps", "1", "--workload", "packed"]
 
@@ -243,20 +244,20 @@ def test_bad_data_is_one_line_naming_file_and_line(tmp_path, text, message):
     path = tmp_path / "d.jsonl"
     path.write_text(text)
     if message is None:
-        assert len(read_jsonl(str(path), progress=False)) == 2
+        assert len(read_jsonl(str(path))) == 2
         return
-    with pytest.raises(UsageError) as raised:
-        read_jsonl(str(path), progress=False)
+    with pytest.raises(DataError) as raised:
+        read_jsonl(str(path))
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_a_step_with_no_targets_is_refused_naming_the_line(tmp_path):
-    from distca.torch.train import JsonlData
+    from distca.torch.data import JsonlData
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "abcdefgh"}\n' + '{"text": "x"}\n' * 64)
-    data = JsonlData(str(path), read_jsonl(str(path), progress=False), 1, 16)
+    data = JsonlData(str(path), read_jsonl(str(path)), 1, 16)
     data.step(0)                                   # 8 bytes of text + 8 one-byte documents: targets
-    with pytest.raises(UsageError, match=r"d.jsonl:\d+: step 2 holds only one-byte documents"):
+    with pytest.raises(DataError, match=r"d.jsonl:\d+: step 2 holds only one-byte documents"):
         data.step(1)
 
 
@@ -293,7 +294,7 @@ def test_data_memory_is_the_files_size_plus_16_bytes_a_document(tmp_path):
     size = path.stat().st_size
     tracemalloc.start()
     try:
-        docs = read_jsonl(str(path), progress=False)
+        docs = read_jsonl(str(path))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -302,13 +303,13 @@ def test_data_memory_is_the_files_size_plus_16_bytes_a_document(tmp_path):
     assert peak <= 1.5 * (size + 16 * len(docs)), (peak, size)
 
 
-def test_reading_data_prints_progress(tmp_path, monkeypatch, capsys):
+def test_reading_data_reports_progress(tmp_path, monkeypatch):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "some text"}\n' * 5)
-    import distca.torch.train as train
-    monkeypatch.setattr(train, "PROGRESS_SECONDS", 0.0)
-    read_jsonl(str(path))
-    lines = capsys.readouterr().out.splitlines()
+    import distca.torch.data as data
+    monkeypatch.setattr(data, "PROGRESS_SECONDS", 0.0)
+    lines: list = []
+    read_jsonl(str(path), progress=lines.append)
     assert len(lines) == 5 and lines[-1].startswith(f"reading {path}: 0 of 0 MiB, 5 documents"), lines
 
 

@@ -29,7 +29,7 @@ spanning ranks), all with text from a fixed random Markov chain over 32 symbols 
 loss can fall (from ln 256 = 5.5 toward about 1.1 nats); or --data FILE.jsonl (a "text" field per
 line, UTF-8 bytes as tokens, documents packed in order into R x T tokens per step; a document that
 overflows a rank continues on the next, one cut at the end of a step continues in the next as a
-new document, and the file starts again from the top when it runs out).
+new document, and the file starts again from the top when it runs out); distca/torch/data.py.
 
 Per step and backend rank 0 prints the loss, the step seconds (the longest rank's), tokens/s, the
 straggler's attention seconds (inside cad_attention, forward + backward, waiting included; the
@@ -40,7 +40,6 @@ colocated. Bad flags or data: one line and exit status 2 on every rank.
 from __future__ import annotations
 
 import argparse
-import array
 import datetime
 import errno
 import json
@@ -65,6 +64,7 @@ from .checkpoint import probe_folder
 from .backends import ServerKernel, backend_names, get_backend
 from .layout import InputError, StepLayout, StepPlanner
 from .attention import cad_attention
+from .data import DataError, JsonlData, StepData, SyntheticData, read_jsonl
 from .model import PRESET_CONTEXT, PRESET_WORKLOAD, PRESETS, ModelArgs, Transformer, packed_cross_entropy
 
 PROG = "distca.torch.train"
@@ -350,246 +350,6 @@ def _cost_model(m: ModelArgs) -> dict:
     """What the planner prices: this model's attention and layer shape."""
     return {"heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.head_dim, "layers": m.n_layers,
             "hidden": m.dim, "ffn_hidden": m.ffn_dim, "dtype_bytes": 4}
-
-
-# ---------------------------------------------------------------------------------------------
-# Data: every rank builds the whole step and takes its slice
-
-
-@dataclass
-class StepData:
-    tokens: np.ndarray            # [R T] int64
-    targets: np.ndarray           # [R T] int64: the next token of the same document, -1 at its end
-    pieces: list                  # per rank: [(doc_key, begin, end, doc_length)] in row order
-    num_targets: int              # over all ranks
-    epoch_started: Optional[int] = None   # --data: a new pass over the file began in this step
-
-    def spanning_documents(self) -> int:
-        """How many documents have pieces on more than one rank."""
-        ranks_of: dict = {}
-        for rank, pieces in enumerate(self.pieces):
-            for key, *_ in pieces:
-                ranks_of.setdefault(key, set()).add(rank)
-        return sum(len(r) > 1 for r in ranks_of.values())
-
-    def rank_slice(self, rank: int, context: int) -> tuple:
-        """(tokens, targets, pieces, cu_seqlens or None) of one rank; cu_seqlens when every piece
-        there is a whole document."""
-        rows = slice(rank * context, (rank + 1) * context)
-        pieces = self.pieces[rank]
-        whole = all(b == 0 and e == n for _, b, e, n in pieces)
-        cu = np.concatenate([[0], np.cumsum([e - b for _, b, e, _ in pieces])]) if whole else None
-        return self.tokens[rows], self.targets[rows], pieces, cu
-
-
-def pack_documents(docs: list, num_ranks: int, context: int) -> StepData:
-    """docs: (tokens, targets) arrays in order, filling num_ranks x context exactly -> StepData;
-    a document that overflows a rank continues on the next (pieces of one doc_key)."""
-    tokens = np.concatenate([t for t, _ in docs]).astype(np.int64)
-    targets = np.concatenate([y for _, y in docs]).astype(np.int64)
-    assert len(tokens) == num_ranks * context, (len(tokens), num_ranks, context)
-    pieces: list = [[] for _ in range(num_ranks)]
-    at = 0
-    for key, (t, _) in enumerate(docs):
-        n, begin = len(t), 0
-        while begin < n:
-            rank, offset = divmod(at, context)
-            take = min(n - begin, context - offset)
-            pieces[rank].append((key, begin, begin + take, n))
-            begin += take
-            at += take
-    return StepData(tokens, targets, pieces, int((targets >= 0).sum()))
-
-
-class MarkovText:
-    """A fixed random Markov chain over 32 printable symbols: each is followed by one of 4 others
-    with probabilities 0.55, 0.25, 0.15, 0.05 (about 1.1 nats per token): the C++ source's construction,
-    not its table (the numbers differ from `distca train`'s)."""
-    ALPHABET = b"abcdefghijklmnopqrstuvwxyz .,;!?"
-    CUTS = np.array([0.55, 0.80, 0.95])
-
-    def __init__(self):
-        self.next = np.random.default_rng(0x5EED).integers(0, 32, size=(32, 4)).tolist()
-
-    def document(self, n: int, rng: np.random.Generator) -> tuple:
-        """n tokens and their targets (-1 at the end)."""
-        picks = np.searchsorted(self.CUTS, rng.random(n), side="right").tolist()
-        s, symbols, table = int(rng.integers(32)), [], self.next
-        for p in picks:
-            symbols.append(s)
-            s = table[s][p]
-        tokens = np.frombuffer(self.ALPHABET, dtype=np.uint8)[symbols].astype(np.int64)
-        return tokens, np.append(tokens[1:], -1)
-
-
-class SyntheticData:
-    """Step k's batch is a function of (seed, k) alone, so a resumed run sees the same data."""
-
-    def __init__(self, workload: str, seed: int, num_ranks: int, context: int):
-        self.workload, self.seed, self.num_ranks, self.context = workload, seed, num_ranks, context
-        self.text = MarkovText()
-
-    def describe(self) -> str:
-        what = {"skewed": "every other rank one whole document, the others short ones of 2..context/8",
-                "spanning": "every other pair of ranks one document across both, the others short ones of 2..context/8",
-                "packed": "documents of 2..2 x context tokens packed in order across ranks"}[self.workload]
-        return f"synthetic {self.workload} (seed {self.seed}: {what}; Markov text)"
-
-    def lengths(self, rng: np.random.Generator) -> list:
-        t, out = self.context, []
-
-        def short_documents(left: int) -> None:
-            while left > 0:
-                n = min(int(rng.integers(2, max(2, t // 8) + 1)), left)
-                out.append(n)
-                left -= n
-
-        if self.workload == "skewed":
-            for rank in range(self.num_ranks):
-                if rank % 2 == 0:
-                    out.append(t)
-                else:
-                    short_documents(t)
-        elif self.workload == "spanning":   # pairs of ranks; one rank left over takes short documents
-            for first in range(0, self.num_ranks, 2):
-                if first % 4 == 0 and first + 1 < self.num_ranks:
-                    out.append(2 * t)
-                else:
-                    short_documents(t * min(2, self.num_ranks - first))
-        else:
-            left = self.num_ranks * t
-            while left > 0:
-                n = min(int(rng.integers(2, 2 * t + 1)), left)
-                out.append(n)
-                left -= n
-        return out
-
-    def step(self, k: int) -> StepData:
-        rng = np.random.default_rng([self.seed, k])
-        docs = [self.text.document(n, rng) for n in self.lengths(rng)]
-        return pack_documents(docs, self.num_ranks, self.context)
-
-
-class Documents:
-    """A file's documents as one uint8 buffer and their offsets: the file's bytes at most (a text's
-    UTF-8 bytes never outnumber its line's) plus 8 bytes per document, however many there are."""
-
-    def __init__(self, buffer: np.ndarray, offsets: np.ndarray, lines: np.ndarray):
-        self.buffer, self.offsets, self.lines = buffer, offsets, lines   # offsets: (docs + 1) int64
-
-    @classmethod
-    def of(cls, docs: list) -> "Documents":
-        """From a list of uint8 arrays (tests, small inputs)."""
-        offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
-        buffer = np.concatenate(docs).astype(np.uint8) if docs else np.zeros(0, np.uint8)
-        return cls(buffer, offsets, np.arange(1, len(docs) + 1, dtype=np.int64))
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.buffer[self.offsets[i]:self.offsets[i + 1]]
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.nbytes + self.offsets.nbytes + self.lines.nbytes
-
-
-PROGRESS_SECONDS = 2.0
-
-
-def read_jsonl(path: str, progress: bool = True) -> Documents:
-    """Every non-blank line's "text" as UTF-8 bytes, read line by line into one buffer (memory: the
-    file's size plus 16 bytes per document, and a few copies of the longest line while it is
-    parsed); empty texts skipped. A bad line raises UsageError
-    naming file:line. Rank 0 prints a progress line every 2 s when reading takes that long."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise UsageError(f"{path}: cannot open the data file ({e.strerror})") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        offsets, lines = array.array("q", [0]), array.array("q")
-        at, start = 0, time.perf_counter()
-        last = start
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
-                raise UsageError(f"{path}:{number}: not JSON ({msg})") from None
-            except RecursionError:
-                raise UsageError(f"{path}:{number}: nested too deeply to be a document") from None
-            if not isinstance(obj, dict) or "text" not in obj:
-                raise UsageError(f"{path}:{number}: expected an object with a \"text\" field")
-            if not isinstance(obj["text"], str):
-                raise UsageError(f"{path}:{number}: \"text\" must be a string")
-            data = obj["text"].encode("utf-8", errors="surrogatepass")
-            if not data:
-                continue
-            if at + len(data) > len(buffer):      # the file grew while being read
-                raise UsageError(f"{path}: changed while being read (it grew past {size} bytes)")
-            view[at:at + len(data)] = data
-            at += len(data)
-            offsets.append(at)
-            lines.append(number)
-            now = time.perf_counter()
-            if progress and now - last >= PROGRESS_SECONDS:
-                last = now
-                say(f"reading {path}: {f.tell() / 2**20:.0f} of {size / 2**20:.0f} MiB, {len(lines)} documents "
-                    f"[{now - start:.0f}s]")
-    if not lines:
-        raise UsageError(f"{path}: no document (every line blank or with an empty text)")
-    offsets_a = np.frombuffer(offsets, dtype=np.int64)
-    if int(np.diff(offsets_a).max()) < 2:
-        raise UsageError(f"{path}: every document is one byte long, so no token has a next one to predict")
-    view.release()
-    return Documents(np.frombuffer(buffer, dtype=np.uint8)[:at], offsets_a, np.frombuffer(lines, dtype=np.int64))
-
-
-class JsonlData:
-    """The file's documents end to end, read as one stream that starts again at the top: step k
-    covers stream tokens [k N, (k + 1) N), N = ranks x context. A document cut at a step's start
-    continues as a new document (positions from 0); its last token before the cut still predicts
-    the next one."""
-
-    def __init__(self, path: str, docs: Union[Documents, list], num_ranks: int, context: int):
-        self.path, self.num_ranks, self.context = path, num_ranks, context
-        self.docs = docs if isinstance(docs, Documents) else Documents.of(docs)
-        self.offsets = self.docs.offsets
-        self.total = int(self.offsets[-1])
-
-    def describe(self) -> str:
-        return f"{self.path} ({len(self.docs)} documents, {self.total} tokens, JSON lines)"
-
-    def step(self, k: int) -> StepData:
-        n = self.num_ranks * self.context
-        begin, end = k * n, (k + 1) * n
-        docs, pos = [], begin
-        while pos < end:
-            r = pos % self.total
-            i = int(np.searchsorted(self.offsets, r, side="right")) - 1
-            doc = self.docs[i]
-            start = r - int(self.offsets[i])
-            take = min(len(doc) - start, end - pos)
-            tokens = doc[start:start + take].astype(np.int64)
-            following = doc[start + 1:start + take + 1]          # shorter by one where the document ends
-            targets = np.full(take, -1, dtype=np.int64)
-            targets[:len(following)] = following
-            docs.append((tokens, targets))
-            pos += take
-        data = pack_documents(docs, self.num_ranks, self.context)
-        if data.num_targets == 0:   # every token of the step ends its document
-            first = int(np.searchsorted(self.offsets, begin % self.total, side="right")) - 1
-            raise UsageError(f"{self.path}:{int(self.docs.lines[first])}: step {k + 1} holds only one-byte documents "
-                             f"(from this line on), so no token in it has a next one to predict")
-        first_top = -(-begin // self.total) * self.total     # the first start of the file at or after begin
-        data.epoch_started = first_top // self.total if 0 < first_top < end else None
-        return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1025,13 +785,13 @@ def run(cfg: Config) -> int:
     data: Union[JsonlData, SyntheticData, None] = None
     try:
         if a.data:
-            data = JsonlData(a.data, read_jsonl(a.data), world, cfg.context)
+            data = JsonlData(a.data, read_jsonl(a.data, progress=say), world, cfg.context)
         else:
             assert cfg.workload is not None and cfg.seed is not None
             data = SyntheticData(cfg.workload, cfg.seed, world, cfg.context)
         if a.resume:
             steps_done = check_resume(a.resume, cfg, world)
-    except UsageError as e:
+    except (UsageError, DataError) as e:
         error = str(e)
     _agree(error, ctl_group)
     assert data is not None
@@ -1140,7 +900,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     try:
         return run(cfg)
-    except (UsageError, InputError) as e:
+    except (UsageError, InputError, DataError) as e:
         say(f"{PROG}: error: {e}")
         return 2
     except RunError as e:
