@@ -46,6 +46,13 @@ Result<PlanFn> find_planner(std::string_view name) {
   return not_found(fmt::format("unknown policy '{}' (expected none, distca, minmax, minbytes, minlink or all)", name));
 }
 
+std::string_view planner_name(PlanFn fn) {
+  for (const Entry& e : kPlanners) {
+    if (fn == e.fn) return e.name;
+  }
+  return "";
+}
+
 std::vector<std::string> planner_names() {
   std::vector<std::string> names;
   for (const Entry& e : kPlanners) names.emplace_back(e.name);

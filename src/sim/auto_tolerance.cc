@@ -117,29 +117,37 @@ nlohmann::json AutoTolerance::to_json() const {
                      {"comm_seconds", t.step.comm},
                      {"exposed_comm_seconds", t.step.exposed()},
                      {"is_balanced", t.is_balanced},
+                     {"moves_work", t.moves_work},
                      {"plan_ms", t.plan_ms}});
   }
   nlohmann::json ladder = nlohmann::json::array();
   for (const auto& [eps, seconds] : predicted) ladder.push_back({{"tolerance", eps}, {"predicted_step_seconds_per_layer", seconds}});
   return {{"tolerance", tolerance},
+          {"moves_work", moves_work},
           {"tried", tries},
           {"ladder_predicted", ladder},
           {"rule", fmt::format("of eps = 0.2, 0.1, ..., 0.2/128, the plan whose step (one layer, forward + backward, two "
                                "ping-pong nano-batches on the profile) is fastest of those planned; auto predicts every "
                                "eps from the unplanned layout and the step link estimate (plan/bounds.h), scaled by the "
-                               "plan nearest it once there is one, and plans the one predicted fastest while it is "
-                               "predicted at least {0:g} % faster than the fastest plan so far, {1} plans at most; where "
-                               "a plan missed its prediction by more than {2:g} %, it then walks the ladder from the "
-                               "fastest plan each way while the next eps is {0:g} % faster",
+                               "plan nearest it that moved work once there is one, and plans the one predicted fastest "
+                               "while it is predicted at least {0:g} % faster than the fastest plan so far (while no plan "
+                               "moved work and the best misses its eps: the eps farthest from those planned); where a "
+                               "plan missed its prediction by more than {2:g} %, it then walks the ladder from the "
+                               "fastest plan each way while the next eps is {0:g} % faster; {1} plans at most in all",
                                100 * kAutoToleranceGain, kAutoMaxPlans, 100 * kAutoTrustedMiss)}};
 }
 
 Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, PlannerOptions options,
-                                     PlanFn planner, const Profile& profile, const Link& link, bool stateless) {
+                                     PlanFn planner, const Profile& profile, const Link& link, bool stateless,
+                                     Progress* progress) {
   const std::vector<double> ladder = auto_tolerance_ladder();
   const int n = static_cast<int>(ladder.size());
   const ModelShape& model = cost.model();
   const int32_t ranks = batch.num_ranks;
+  if (progress != nullptr) {
+    progress->stage(fmt::format("predicting the step of each eps for {} ({} ranks; --tolerance auto)",
+                                planner_name(planner), ranks));
+  }
 
   // The unplanned layout: every piece a causal task at home. Its busiest rank's work in the
   // planners' seconds, and how the profile prices a second of that work forward and backward.
@@ -179,12 +187,23 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
   std::vector<std::optional<Plan>> plans(n);
   std::vector<StepParts> parts(n);
   std::vector<ToleranceTry> tries(n);
-  // A rung's step: planned, as priced; else predicted, scaled by the planned rung nearest it.
+  // Whether a planned rung's plan can set the scale of the others: it moved work and came near its
+  // own eps (within kAutoTrustedMiss of its cap). A plan that moves nothing (the paper's planner
+  // where every receiver is within eps of the mean) prices the unplanned layout, and one stuck
+  // far above its cap (minmax where no server has room for a shard at a tight eps) prices what
+  // this planner failed to do at that eps: their links and attention say nothing about another
+  // rung's plan (scaled from them, every other rung looked slower, and auto kept them).
+  auto moved = [&](int k) { return plans[k] && plans[k]->traffic.forward.total_bytes > 0; };
+  auto informs = [&](int k) {
+    return moved(k) && plans[k]->load.imbalance <= (1 + ladder[k]) * (1 + kAutoTrustedMiss);
+  };
+  // A rung's step: planned, as priced; else predicted, scaled by the planned rung nearest it that
+  // informs (none: the estimates alone).
   auto predict = [&](int k) {
     if (plans[k]) return tries[k].step.seconds;
     int near = -1;
     for (int j = 0; j < n; ++j) {
-      if (plans[j] && (near < 0 || std::abs(j - k) < std::abs(near - k))) near = j;
+      if (informs(j) && (near < 0 || std::abs(j - k) < std::abs(near - k))) near = j;
     }
 
     StepParts s;
@@ -205,21 +224,68 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
   };
   AutoTolerance chosen;
   int best = -1;  // the fastest plan so far
+  int num_planned = 0;
   auto plan_rung = [&](int k, double predicted) -> Status {
     options.tolerance = ladder[k];
+    if (progress != nullptr) {
+      progress->stage(fmt::format("planning {} at eps {:g} ({} ranks; --tolerance auto: plan {} of at most {})",
+                                  planner_name(planner), ladder[k], ranks, num_planned + 1, kAutoMaxPlans));
+    }
     const auto start = std::chrono::steady_clock::now();
     DISTCA_ASSIGN_OR_RETURN(Plan p, planner(batch, cost, options));
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     parts[k] = step_parts(p, batch, model, profile, stateless, &cost.token_bytes());
-    tries[k] = ToleranceTry{ladder[k], price_step(parts[k], model, link), p.is_balanced, ms, predicted};
+    tries[k] = ToleranceTry{ladder[k], price_step(parts[k], model, link), p.is_balanced, ms, predicted,
+                            p.traffic.forward.total_bytes > 0};
     plans[k] = std::move(p);
     chosen.tried.push_back(tries[k]);
+    ++num_planned;
     if (best < 0 || tries[k].step.seconds < tries[best].step.seconds) best = k;
     return Status::ok();
   };
   auto seconds = [&](int k) { return tries[k].step.seconds; };
-  // The rung predicted fastest, while it is predicted kAutoToleranceGain faster than the best plan.
-  for (int planned = 0; planned < kAutoMaxPlans; ++planned) {
+  // The tightest rung the balance of plan k meets (-1: none), where it misses its own eps.
+  auto rung_met = [&](int k) {
+    int meets = -1;
+    for (int j = 0; j < n; ++j) {
+      if (ladder[j] >= plans[k]->load.imbalance - 1) meets = j;  // loosest first: the last is the tightest
+    }
+    return meets;
+  };
+  // Every plan counts against kAutoMaxPlans, so auto costs at most that many plans of the
+  // planner. While the best plan misses its own eps, one is kept back for the rung its balance
+  // meets (below), unless that rung is planned already.
+  auto may_plan = [&] {
+    int reserve = 0;
+    if (best >= 0 && !plans[best]->is_balanced) {
+      const int meets = rung_met(best);
+      reserve = meets >= 0 && !plans[meets] ? 1 : 0;
+    }
+    return num_planned < kAutoMaxPlans - reserve;
+  };
+  // 1. The rung predicted fastest, while one is predicted kAutoToleranceGain faster than the best
+  //    plan. While no plan informs and the best misses its eps (it moved nothing, or got stuck),
+  //    moving more may still help: the unplanned rung farthest from those planned is planned next
+  //    (the paper's planner moves at a tight eps what it leaves at a loose one; minmax finds room
+  //    at a loose eps that a tight one lacks), so auto keeps such a plan only where the rungs on
+  //    the other side were tried and predict a slower step.
+  while (may_plan()) {
+    bool any_informs = false;
+    for (int k = 0; k < n; ++k) any_informs = any_informs || informs(k);
+    if (best >= 0 && !any_informs && !plans[best]->is_balanced) {
+      int farthest = -1, distance = -1;
+      for (int k = 0; k < n; ++k) {
+        if (plans[k]) continue;
+        int d = n;
+        for (int j = 0; j < n; ++j) {
+          if (plans[j]) d = std::min(d, std::abs(j - k));
+        }
+        if (d > distance) farthest = k, distance = d;
+      }
+      if (farthest < 0) break;
+      DISTCA_RETURN_IF_ERROR(plan_rung(farthest, predict(farthest)));
+      continue;
+    }
     int next = -1;
     double next_seconds = 0;
     for (int k = 0; k < n; ++k) {
@@ -230,10 +296,10 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
     if (next < 0 || (best >= 0 && !(next_seconds < seconds(best) * (1 - kAutoToleranceGain)))) break;
     DISTCA_RETURN_IF_ERROR(plan_rung(next, next_seconds));
   }
-  // Where a plan's step missed its prediction by more than kAutoTrustedMiss, the predictions do
-  // not hold for this planner (the paper's planner: its busiest link is up to 10x the estimate,
-  // and by how much varies by rung), so auto walks the ladder from the best plan, each way while
-  // the next rung is kAutoToleranceGain faster.
+  // 2. Where a plan's step missed its prediction by more than kAutoTrustedMiss, the predictions
+  //    do not hold for this planner (the paper's planner: its busiest link is up to 10x the
+  //    estimate, and by how much varies by rung), so auto walks the ladder from the best plan, each
+  //    way while the next rung is kAutoToleranceGain faster, within the plans left.
   const bool missed = std::any_of(chosen.tried.begin(), chosen.tried.end(), [](const ToleranceTry& t) {
     return std::abs(t.step.seconds - t.predicted_seconds) > kAutoTrustedMiss * t.step.seconds;
   });
@@ -241,28 +307,31 @@ Result<AutoPlan> plan_auto_tolerance(const Batch& batch, const CostModel& cost, 
     for (const int dir : {-1, +1}) {
       for (int k = best + dir; k >= 0 && k < n; k += dir) {
         const double before = seconds(best);
-        if (!plans[k]) DISTCA_RETURN_IF_ERROR(plan_rung(k, predict(k)));
+        if (!plans[k]) {
+          if (!may_plan()) break;
+          DISTCA_RETURN_IF_ERROR(plan_rung(k, predict(k)));
+        }
         if (!(seconds(k) < before * (1 - kAutoToleranceGain))) break;
       }
     }
   }
-  // A fastest plan that misses its own eps (a batch too small to balance finer at g) is no answer
-  // to "which eps": the tightest rung its balance meets, planned, is kept where it is as fast
-  // (within kAutoToleranceGain), so the eps reported is one the plan holds.
+  // 3. A fastest plan that misses its own eps (a batch too small to balance finer at g) is no
+  //    answer to "which eps": the tightest rung its balance meets, planned (with the plan kept
+  //    back for it), is kept where it is as fast (within kAutoToleranceGain), so the eps reported
+  //    is one the plan holds.
   if (!plans[best]->is_balanced) {
-    const double reached = plans[best]->load.imbalance - 1;
-    int meets = -1;
-    for (int k = 0; k < n; ++k) {
-      if (ladder[k] >= reached) meets = k;  // the ladder is loosest first: the last is the tightest
-    }
+    const int meets = rung_met(best);
     if (meets >= 0) {
       const int was = best;
-      if (!plans[meets]) DISTCA_RETURN_IF_ERROR(plan_rung(meets, predict(meets)));
-      if (plans[meets]->is_balanced && seconds(meets) <= seconds(was) * (1 + kAutoToleranceGain)) best = meets;
+      if (!plans[meets] && num_planned < kAutoMaxPlans) DISTCA_RETURN_IF_ERROR(plan_rung(meets, predict(meets)));
+      if (plans[meets] && plans[meets]->is_balanced && seconds(meets) <= seconds(was) * (1 + kAutoToleranceGain)) {
+        best = meets;
+      }
     }
   }
   for (int k = 0; k < n; ++k) chosen.predicted.emplace_back(ladder[k], predict(k));
   chosen.tolerance = ladder[best];
+  chosen.moves_work = moved(best);
   return AutoPlan{std::move(*plans[best]), std::move(chosen)};
 }
 

@@ -154,6 +154,96 @@ TEST(AutoTolerance, ReportsAnEpsItsPlanHoldsWhereTheBatchCannotBalanceFiner) {
   }
 }
 
+// R ranks of 131072 tokens: rank 0 holds documents of `heavy_len` tokens, every other rank
+// documents of `light_len` (the attention of rank 0 is heavy_len / light_len times the others').
+Batch skewed_batch(int32_t ranks, int64_t heavy_len, int64_t light_len) {
+  constexpr int64_t kTokens = 131072;
+  std::vector<std::vector<int64_t>> docs(static_cast<size_t>(ranks));
+  docs[0].assign(static_cast<size_t>(kTokens / heavy_len), heavy_len);
+  for (int32_t r = 1; r < ranks; ++r) docs[r].assign(static_cast<size_t>(kTokens / light_len), light_len);
+  return batch_from_ranks(docs, kTokens).value();
+}
+
+// Plans counted, of every planner (what auto costs is this many plans).
+int g_plans = 0;
+template <PlanFn fn>
+Result<Plan> counted(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
+  ++g_plans;
+  return fn(batch, cost, options);
+}
+
+// auto costs at most kAutoMaxPlans plans of the planner, whatever it is and however far its plans
+// stray from the predictions (before: the paper's planner 4 plans on the first batch, minmax all 8
+// rungs on the second).
+TEST(AutoTolerance, MakesAtMostThreePlansOfAnyPlanner) {
+  const Profile profile = default_h200_profile();
+  const Batch one_document = skewed_batch(512, 131072, 2048);
+  const Batch one_rank = skewed_batch(512, 1024, 256);
+  const PlanFn planners[] = {counted<plan_distca>, counted<plan_minmax>, counted<plan_minbytes>, counted<plan_minlink>};
+  const char* names[] = {"distca", "minmax", "minbytes", "minlink"};
+  for (const Batch* batch : {&one_document, &one_rank}) {
+    for (int i = 0; i < 4; ++i) {
+      for (const Link& link : {profile.inter_node, profile.intra_node}) {
+        g_plans = 0;
+        const AutoPlan a = plan_auto_tolerance(*batch, llama8b(), PlannerOptions{}, planners[i], profile, link, i == 0).value();
+        SCOPED_TRACE(fmt::format("{} docs, {}, eps {}", batch->num_docs(), names[i], a.auto_tolerance.tolerance));
+        EXPECT_GE(g_plans, 1);
+        EXPECT_LE(g_plans, kAutoMaxPlans);
+        EXPECT_EQ(a.auto_tolerance.tried.size(), static_cast<size_t>(g_plans));
+      }
+    }
+  }
+}
+
+// At 1,024 ranks, one rank holding 4x the others' attention: minmax cannot place a shard at eps
+// 0.2/128 (no server has that little room left), and the plan stuck there, scaled to the other
+// rungs, made each look slower, so auto kept it: 2.17x the mean where eps 0.2 reaches 1.197x. A
+// plan far above its own eps scales no prediction now, and while no plan informs, auto plans the
+// rung farthest from those tried: it keeps a plan that moves work and balances as the fixed-eps
+// plan at its eps does.
+TEST(AutoTolerance, LeavesAnEpsItsPlannerIsStuckAtForOneThatBalances) {
+  const Profile profile = default_h200_profile();
+  const Batch batch = skewed_batch(1024, 1024, 256);
+  const AutoPlan a =
+      plan_auto_tolerance(batch, llama8b(), PlannerOptions{}, plan_minmax, profile, profile.intra_node, false).value();
+  PlannerOptions fixed;
+  fixed.tolerance = a.auto_tolerance.tolerance;
+  const Plan at_eps = plan_minmax(batch, llama8b(), fixed).value();
+  PlannerOptions loose;
+  loose.tolerance = 0.2;
+  const Plan at_loose = plan_minmax(batch, llama8b(), loose).value();
+  EXPECT_TRUE(a.auto_tolerance.moves_work);
+  EXPECT_GT(a.plan.traffic.forward.total_bytes, 0);
+  EXPECT_EQ(a.plan.hash, at_eps.hash);
+  EXPECT_LE(a.plan.load.imbalance, at_loose.load.imbalance * 1.01) << "auto " << a.plan.load.imbalance << " at eps "
+                                                                    << a.auto_tolerance.tolerance;
+  EXPECT_TRUE(a.plan.is_balanced) << a.plan.note;
+  EXPECT_LE(a.auto_tolerance.tried.size(), static_cast<size_t>(kAutoMaxPlans));
+}
+
+// The paper's planner at 512 ranks, one rank holding one 131072-token document, the others
+// 2048-token ones (the shape of a tester's 8,192-rank batch, pairs imbalance 480): at eps 0.2
+// every receiver is within eps of the mean, so it moves nothing; at a tighter eps it sends the
+// whole document's K/V to every receiver, a step over 10x slower. auto keeps the plan that moves
+// nothing, says so, and has tried a plan that moves work.
+TEST(AutoTolerance, KeepsAPlanThatMovesNothingOnlyWhereAPlanThatMovedWasSlower) {
+  const Profile profile = default_h200_profile();
+  const Batch batch = skewed_batch(512, 131072, 2048);
+  const AutoPlan a =
+      plan_auto_tolerance(batch, llama8b(), PlannerOptions{}, plan_distca, profile, profile.inter_node, true).value();
+  const AutoTolerance& t = a.auto_tolerance;
+  EXPECT_FALSE(t.moves_work);
+  EXPECT_EQ(a.plan.traffic.forward.total_bytes, 0);
+  const auto kept = std::find_if(t.tried.begin(), t.tried.end(), [&](const ToleranceTry& x) { return x.tolerance == t.tolerance; });
+  ASSERT_NE(kept, t.tried.end());
+  EXPECT_FALSE(kept->moves_work);
+  const auto moving = std::find_if(t.tried.begin(), t.tried.end(), [](const ToleranceTry& x) { return x.moves_work; });
+  ASSERT_NE(moving, t.tried.end()) << "no plan that moves work was tried";
+  EXPECT_GT(moving->step.seconds, kept->step.seconds);
+  EXPECT_LE(t.tried.size(), static_cast<size_t>(kAutoMaxPlans));
+  EXPECT_EQ(t.to_json()["moves_work"], false);
+}
+
 // `distca plan` and distca.plan: auto unless a number is given; none has nothing to pick.
 TEST(AutoTolerance, IsThePlanRequestsDefault) {
   const Profile profile = default_h200_profile();
@@ -165,7 +255,9 @@ TEST(AutoTolerance, IsThePlanRequestsDefault) {
   for (const PolicyRun& r : run.runs) {
     SCOPED_TRACE(r.plan.policy);
     EXPECT_EQ(r.auto_tolerance.has_value(), r.plan.policy != "none");
-    if (r.auto_tolerance) EXPECT_EQ(r.plan.tolerance, r.auto_tolerance->tolerance);
+    if (r.auto_tolerance) {
+      EXPECT_EQ(r.plan.tolerance, r.auto_tolerance->tolerance);
+    }
   }
   request.tolerance = 0.1;
   for (const PolicyRun& r : run_plan_request(request, batch, profile).value().runs) {

@@ -41,6 +41,8 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
 // policies on the shipped and fresh batches, distca bench planner).
 Result<PlanFn> find_planner(std::string_view name);
 std::vector<std::string> planner_names();
+// The name find_planner gives `fn` ("" for a function it does not know).
+std::string_view planner_name(PlanFn fn);
 inline constexpr std::string_view kDefaultPlanner = "minlink";
 
 }  // namespace distca::plan

@@ -16,22 +16,29 @@
 //   - Once a rung is planned, the predictions of the others take their scale from the planned
 //     rung nearest them: its slowest server's attention over the predicted, and each phase's
 //     busiest link over the estimate.
+//   - A planned rung that moved no work scales nothing: its links (none) and its attention (the
+//     busiest rank's own) say nothing about what another rung's plan would move.
 // It plans the rung predicted fastest, then, while some rung it has not planned is predicted at
-// least kAutoToleranceGain faster than the fastest plan so far, that one (kAutoMaxPlans at most).
-// Where a plan missed its prediction by more than kAutoTrustedMiss (a planner whose links stray
-// far from the estimate, as the paper's does), it then walks the ladder from the fastest plan,
-// each way while the next rung is kAutoToleranceGain faster. It keeps the fastest plan it made;
-// where that plan misses its own eps (a batch its cuts cannot balance finer), the tightest rung
-// its balance meets, planned, where that is as fast, so the eps reported is one the plan holds.
-// Measured on distca bench planner's 16 batches against planning all eight rungs: minlink 17
-// plans (1 or 2 a batch), within 0.7 % of the fastest rung; minbytes, minmax and the paper's
-// planner 39, 35 and 51 plans, within 1.0, 1.4 and 11.9 % (the README).
+// least kAutoToleranceGain faster than the fastest plan so far, that one. While no plan has moved
+// work and the best misses its eps, it plans the rung farthest from those planned instead (the
+// paper's planner leaves everything in place at a loose eps where every receiver is within eps of
+// the mean, and moves at a tight one), so a plan that moves nothing is kept only where the plans
+// that moved work predict a slower step. Where a plan missed its prediction by more than
+// kAutoTrustedMiss (a planner whose links stray far from the estimate, as the paper's does), it
+// then walks the ladder from the fastest plan, each way while the next rung is
+// kAutoToleranceGain faster. It keeps the fastest plan it made; where that plan misses its own
+// eps (a batch its cuts cannot balance finer), the tightest rung its balance meets, planned,
+// where that is as fast, so the eps reported is one the plan holds.
+// All of it within kAutoMaxPlans plans of the planner, so that auto costs at most that many
+// fixed-eps plans (plus the predictions, one pass over the batch): the same plans on every run,
+// whatever the machine's speed.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
 #include <vector>
 
+#include "distca/core/progress.h"
 #include "distca/core/status.h"
 #include "distca/plan/batch.h"
 #include "distca/plan/cost.h"
@@ -66,7 +73,7 @@ LayerStepPrediction predicted_layer_step(const plan::Plan& plan, const plan::Bat
 std::vector<double> auto_tolerance_ladder();
 inline constexpr double kAutoToleranceStart = 0.05;
 inline constexpr double kAutoToleranceGain = 0.002;
-inline constexpr int kAutoMaxPlans = 3;
+inline constexpr int kAutoMaxPlans = 3;  // plans of the planner in all
 inline constexpr double kAutoLinkOverEstimate = 1.1;  // before any plan: the busiest link over its estimate
 inline constexpr double kAutoTrustedMiss = 0.03;      // a best plan missed by more: walk the ladder from it
 
@@ -76,10 +83,12 @@ struct ToleranceTry {
   bool is_balanced = false;
   double plan_ms = 0;
   double predicted_seconds = 0;  // what auto predicted for this rung before it planned it
+  bool moves_work = true;        // whether its plan moves any work
 };
 
 struct AutoTolerance {
   double tolerance = 0;            // the one picked
+  bool moves_work = true;          // whether its plan moves any work (false: none planned did, or moving was slower)
   std::vector<ToleranceTry> tried;  // in the order planned
   std::vector<std::pair<double, double>> predicted;  // (eps, step seconds) of every rung, as last predicted
   nlohmann::json to_json() const;
@@ -91,9 +100,10 @@ struct AutoPlan {
 };
 
 // Plans `batch` with `planner` at the ladder's eps (options.tolerance is ignored) as above and
-// returns the plan whose step is fastest of those planned.
+// returns the plan whose step is fastest of those planned. `progress` (may be null) is told each
+// rung before it is planned.
 Result<AutoPlan> plan_auto_tolerance(const plan::Batch& batch, const plan::CostModel& cost,
                                      plan::PlannerOptions options, plan::PlanFn planner, const Profile& profile,
-                                     const Link& link, bool stateless);
+                                     const Link& link, bool stateless, Progress* progress = nullptr);
 
 }  // namespace distca::sim
