@@ -82,9 +82,9 @@ LayerTime layer_time(const Plan& plan, const Batch& batch, const ModelShape& mod
   for (int32_t k = 0; k < r; ++k) t.comm = std::max(t.comm, seconds(dispatch, k) + seconds(ret, k));
 
   std::vector<double> attention(r, 0.0);
+  const AttentionPricer price(profile, model.q_heads_per_rank(), model.head_dim);  // once: not per task
   for (const Task& task : plan.tasks) {
-    attention[task.server] += profile.attention_seconds(task.q_len(), task.k1, task.pairs(), model.q_heads_per_rank(),
-                                                        model.head_dim, /*is_backward=*/false);
+    attention[task.server] += price.seconds(task.q_len(), task.k1, task.pairs(), /*is_backward=*/false);
   }
   t.attention = *std::max_element(attention.begin(), attention.end());
   const std::vector<int64_t> tokens = rank_tokens(batch);
@@ -216,15 +216,20 @@ Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch,
   return run;
 }
 
-PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, const Profile& profile) {
+PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, const Profile& profile,
+                      Progress* progress) {
   // none moves nothing whatever eps is: auto has nothing to pick there.
   const bool is_auto = !run.tolerance && planner != plan_none;
   const PlannerOptions options{run.tolerance.value_or(kAutoToleranceStart), run.granularity, run.budget};
   PolicyRun p;
+  if (progress != nullptr && !is_auto) {
+    progress->stage(fmt::format("planning {} at eps {:g} ({} ranks, {} documents)", planner_name(planner),
+                                options.tolerance, batch.num_ranks, batch.num_docs()));
+  }
   const auto start = std::chrono::steady_clock::now();
   if (is_auto) {
     Result<AutoPlan> chosen = plan_auto_tolerance(batch, run.cost, options, planner, profile, run.link.link,
-                                                  /*stateless=*/planner == plan_distca);
+                                                  /*stateless=*/planner == plan_distca, progress);
     DISTCA_CHECK(chosen.is_ok()) << chosen.status().to_string();  // inputs were validated
     p.plan = std::move(chosen.value().plan);
     p.auto_tolerance = std::move(chosen.value().auto_tolerance);
@@ -238,11 +243,12 @@ PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, co
   return p;
 }
 
-void complete_plan_run(PlanRun& run, const Batch& batch, const Profile& profile) {
+void complete_plan_run(PlanRun& run, const Batch& batch, const Profile& profile, Progress* progress) {
   run.before = plan_policy(run, batch, plan_none, profile);
   std::vector<PolicyRun*> all = {&run.before};
   for (PolicyRun& p : run.runs) all.push_back(&p);
   for (PolicyRun* p : all) {
+    if (progress != nullptr) progress->stage(fmt::format("verifying and pricing the {} plan", p->plan.policy));
     const Status verified = verify_tasks(batch, p->plan.tasks);
     p->is_verified = verified.is_ok();
     p->verify_error = verified.message();
@@ -250,14 +256,15 @@ void complete_plan_run(PlanRun& run, const Batch& batch, const Profile& profile)
   }
 }
 
-Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch, const Profile& profile) {
+Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch, const Profile& profile,
+                                 Progress* progress) {
   DISTCA_ASSIGN_OR_RETURN(PlanRun run, prepare_plan_run(request, batch, profile));
   const std::vector<std::string> policies =
       request.policy == "all" ? planner_names() : std::vector<std::string>{request.policy};
   for (const std::string& name : policies) {
-    run.runs.push_back(plan_policy(run, batch, find_planner(name).value(), profile));
+    run.runs.push_back(plan_policy(run, batch, find_planner(name).value(), profile, progress));
   }
-  complete_plan_run(run, batch, profile);
+  complete_plan_run(run, batch, profile, progress);
   return run;
 }
 

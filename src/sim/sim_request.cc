@@ -121,9 +121,9 @@ nlohmann::json simulation_report(const SimOptions& o, const Profile& profile, co
           {"systems", systems}};
 }
 
-Result<nlohmann::json> run_simulation(const SimRequest& request, const Profile& profile) {
+Result<nlohmann::json> run_simulation(const SimRequest& request, const Profile& profile, Progress* progress) {
   DISTCA_ASSIGN_OR_RETURN(const SimOptions options, request.options());
-  DISTCA_ASSIGN_OR_RETURN(const std::vector<SystemResult> results, simulate(profile, options, request.systems()));
+  DISTCA_ASSIGN_OR_RETURN(const std::vector<SystemResult> results, simulate(profile, options, request.systems(), progress));
   return simulation_report(options, profile, results);
 }
 

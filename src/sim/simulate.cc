@@ -33,6 +33,11 @@ struct Ctx {
   double state_bytes = 0;                // per GPU: weights, gradients, optimizer states
   double allreduce = 0;
   plan::LengthDistribution dist = plan::LengthDistribution::from_sample("none", {1});
+  Progress* progress = nullptr;  // may be null
+  std::string stage;             // the system (and iteration) being simulated, for progress lines
+  void say(const std::string& what) const {
+    if (progress != nullptr) progress->stage(what.empty() ? stage : stage + ": " + what);
+  }
 };
 
 plan::ThroughputProfile planner_profile(const Ctx& c) {
@@ -357,7 +362,7 @@ Result<SystemResult> wlb(const Ctx& c) {
 }
 
 Result<SystemResult> cad(const Ctx& c, const std::string& name, const std::string& policy, plan::BackwardMode mode,
-                         double tolerance) {
+                         double tolerance, const std::string& sweep = "") {
   SystemResult r;
   r.system = name;
   r.cp = c.cp;
@@ -378,6 +383,10 @@ Result<SystemResult> cad(const Ctx& c, const std::string& name, const std::strin
       for (const auto& docs : replica_docs(seqs)) lengths.insert(lengths.end(), docs.begin(), docs.end());
     }
     const int R = in_wave * c.D * c.cp;
+    c.say(fmt::format("eps {:g}{}, micro-batch{} {} of {}: planning {} ranks with {}", tolerance, sweep,
+                      in_wave > 1 ? "es" : "", in_wave > 1 ? fmt::format("{}-{}", w * wave + 1, w * wave + in_wave)
+                                                            : fmt::format("{}", w * wave + 1),
+                      c.o.batch, R, policy));
     DISTCA_ASSIGN_OR_RETURN(plan::Batch batch, plan::pack_documents(lengths, R, c.T));
     DISTCA_ASSIGN_OR_RETURN(Planned p, plan_batch(c, batch, policy, mode, tolerance));
     r.bytes += static_cast<int64_t>(static_cast<double>(p.bytes) * layers);
@@ -435,7 +444,8 @@ Result<SystemResult> cad_tuned(const Ctx& c, const std::string& name, const std:
   const int steps = c.o.tolerance_sweep ? 10 : 1;
   double tolerance = c.o.tolerance;
   for (int i = 0; i < steps; ++i, tolerance /= 2) {
-    DISTCA_ASSIGN_OR_RETURN(SystemResult r, cad(c, name, policy, mode, tolerance));
+    const std::string sweep = steps > 1 ? fmt::format(" ({} of {} in the sweep)", i + 1, steps) : "";
+    DISTCA_ASSIGN_OR_RETURN(SystemResult r, cad(c, name, policy, mode, tolerance, sweep));
     if (!best || r.seconds < best->seconds) best = std::move(r);
   }
   return std::move(*best);
@@ -648,7 +658,8 @@ StepPrediction predict_pipeline_step(const Profile& profile, const plan::ModelSh
 
 std::vector<std::string> system_names() { return {"colocated", "wlb", "cad-distca", "cad", "cad-minmax"}; }
 
-Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems) {
+Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& o, const std::vector<std::string>& systems,
+                                           Progress* progress) {
   DISTCA_RETURN_IF_ERROR(o.validate());
   DISTCA_RETURN_IF_ERROR(profile.validate());
   const std::vector<std::string> known = system_names();
@@ -689,7 +700,10 @@ Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOpti
     c.state_bytes = params / (tp * c.S) * (4.0 + 16.0 / (c.U / c.S));
     c.allreduce = collective_seconds(Collective::kAllReduce, 2.0 * params / (tp * c.S), c.D, profile.inter_node);
     DISTCA_ASSIGN_OR_RETURN(c.dist, plan::builtin_distribution(o.workload));
+    c.progress = progress;
     for (size_t k = 0; k < systems.size(); ++k) {
+      c.stage = o.iterations > 1 ? fmt::format("iteration {} of {}, {}", it + 1, o.iterations, systems[k]) : systems[k];
+      c.say("");
       DISTCA_ASSIGN_OR_RETURN(SystemResult r, run_system(c, systems[k]));
       runs[k].push_back(std::move(r));
     }

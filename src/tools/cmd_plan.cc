@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "distca/core/file.h"
+#include "distca/core/progress.h"
 #include "distca/plan/plan_io.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
@@ -156,11 +157,15 @@ int run_plan(PlanArgs& a) {
   }
   if (auto model = a.request.model_shape(); !model.is_ok()) return fail(model.status());
   std::string workload_name;
+  // Lines on stderr once the run lasts (core/progress.h), from the planning on: reading the batch
+  // says nothing, so that a batch refused after a long read is refused in one line.
+  Progress progress("distca plan");
   auto batch_or = make_batch(a, workload_name);
   if (!batch_or.is_ok()) return fail(batch_or.status());
   const Batch& batch = batch_or.value();
-  auto run_or = sim::run_plan_request(a.request, batch, profile);
+  auto run_or = sim::run_plan_request(a.request, batch, profile, &progress);
   if (!run_or.is_ok()) return fail(run_or.status());
+  progress.stage("writing the report");
   const sim::PlanRun& run = run_or.value();
   const sim::LinkChoice& link = run.link;
   const int64_t budget = run.budget;
@@ -265,12 +270,19 @@ int run_plan(PlanArgs& a) {
                r.plan.load.max, r.plan.load.mean, r.plan.hash);
     if (!r.auto_tolerance) continue;
     std::vector<std::string> tried;
+    bool any_moved = false;
     for (const sim::ToleranceTry& t : r.auto_tolerance->tried) {
-      tried.push_back(fmt::format("{:g}: {:.3f}{}", t.tolerance, 1e3 * t.step.seconds, t.is_balanced ? "" : " (not balanced)"));
+      tried.push_back(fmt::format("{:g}: {:.3f}{}{}", t.tolerance, 1e3 * t.step.seconds, t.is_balanced ? "" : " (not balanced)",
+                                  t.moves_work ? "" : " (moves no work)"));
+      any_moved = any_moved || t.moves_work;
     }
     fmt::print("  eps auto: {:g}, the fastest predicted step of those planned (ms per layer, forward + backward, on "
-               "the profile's {} link; of 8 eps predicted, {} planned in {:.1f} ms): {}\n",
-               r.auto_tolerance->tolerance, link.name, tried.size(), r.plan_ms, fmt::join(tried, ", "));
+               "the profile's {} link; of 8 eps predicted, {} planned in {:.1f} ms): {}{}\n",
+               r.auto_tolerance->tolerance, link.name, tried.size(), r.plan_ms, fmt::join(tried, ", "),
+               r.auto_tolerance->moves_work ? ""
+               : r.plan.is_balanced ? "; its plan moves no work: none is needed at this eps"
+               : any_moved          ? "; its plan moves no work: the plans that moved work predict a slower step"
+                                    : "; no eps planned moved any work");
   }
   if (!a.out_path.empty() && exit_code == 0) fmt::print("wrote {}\n", a.out_path);
   return exit_code;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "distca/core/progress.h"
 #include "distca/core/file.h"
 #include "distca/plan/model.h"
 #include "distca/plan/planner.h"
@@ -421,7 +422,12 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
                "par", "cad-distca", "cad", "cad-minmax", "paper (cad-distca)", "");
   }
   int over_memory = 0;
-  for (const PaperCase& pc : paper_cases()) {
+  Progress progress("distca simulate --paper");  // lines on stderr once the run lasts (core/progress.h)
+  const std::vector<PaperCase> cases = paper_cases();
+  for (const PaperCase& pc : cases) {
+    progress.set_context(fmt::format("configuration {} of {} ({}, {} GPUs, pp {}, {} tokens, {})",
+                                     &pc - cases.data() + 1, cases.size(), pc.model, pc.gpus, pc.pp, pc.context,
+                                     pc.dataset));
     sim::SimOptions o;
     o.model = plan::model_preset(pc.model).value();
     o.cluster.gpus = pc.gpus;
@@ -438,7 +444,7 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
     // small sample of the workload).
     o.iterations = iterations;
     const std::vector<std::string> systems = {"wlb", "cad-distca", "cad", "colocated", "cad-minmax"};
-    auto rs = sim::simulate(profile, o, systems);
+    auto rs = sim::simulate(profile, o, systems, &progress);
     if (!rs.is_ok()) {
       fmt::print(stderr, "distca simulate --paper: error: {}\n", rs.status().message());
       return 1;
@@ -547,12 +553,16 @@ int run_simulate(const SimArgs& a) {
     profile = loaded.value();
   }
   if (a.is_paper) return run_paper(a, iterations, profile);
-  auto rs = sim::simulate(profile, o, request.systems());
-  if (!rs.is_ok()) {  // the options were checked: what fails here is the run
-    fmt::print(stderr, "distca simulate: error: {}\n", rs.status().message());
+  std::optional<Result<std::vector<sim::SystemResult>>> rs;
+  {
+    Progress progress("distca simulate");  // lines on stderr once the run lasts (core/progress.h)
+    rs = sim::simulate(profile, o, request.systems(), &progress);
+  }
+  if (!rs->is_ok()) {  // the options were checked: what fails here is the run
+    fmt::print(stderr, "distca simulate: error: {}\n", rs->status().message());
     return 1;
   }
-  const nlohmann::json j = sim::simulation_report(o, profile, rs.value());
+  const nlohmann::json j = sim::simulation_report(o, profile, rs->value());
   if (!a.plot.empty()) {
     if (Status st = write_file_atomic(a.plot, plot_svg(j)); !st.is_ok()) {
       fmt::print(stderr, "distca simulate: error: {}\n", st.message());

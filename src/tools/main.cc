@@ -15,6 +15,7 @@
 #include "cmd_simulate.h"
 #include "cmd_train.h"
 #include "distca/core/log.h"
+#include "distca/core/progress.h"
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/cuda.h"
 #include "distca_git_hash.h"
@@ -162,6 +163,10 @@ int main(int argc, char** argv) {
   // A DISTCA_CPU_ISA this CPU cannot run (or no build has) is bad input, refused before any work.
   if (const distca::Result<std::string> isa = distca::kernels::resolve_cpu_isa(""); !isa.is_ok()) {
     distca::tools::print_error_line(fmt::format("distca: error: {}", isa.status().message()));
+    return distca::tools::kExitBadInput;
+  }
+  if (const distca::Result<double> interval = distca::progress_interval_from_env(); !interval.is_ok()) {
+    distca::tools::print_error_line(fmt::format("distca: error: {}", interval.status().message()));
     return distca::tools::kExitBadInput;
   }
   for (const CLI::App* sub : app.get_subcommands()) {

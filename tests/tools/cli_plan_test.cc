@@ -27,6 +27,29 @@ using cli::scratch;
 using cli::write;
 namespace fs = std::filesystem;
 
+// Progress lines on stderr while a plan runs (DISTCA_PROGRESS_INTERVAL=0: every stage at once,
+// no delay; by default nothing before 2 s, then at most one a second): each rung auto plans, and
+// the report after them. A bad interval is refused up front; --quiet has none.
+TEST(Cli, PlanSaysWhatItIsDoingOnStderr) {
+  const std::string args = " plan --ranks 64 --workload prolong --policy minmax --json";
+  CmdResult r = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=0 ") + DISTCA_BIN + args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.rfind("distca plan: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(" s: predicting the step of each eps for minmax (64 ranks; --tolerance auto)\n"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("s: planning minmax at eps 0."), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(64 ranks; --tolerance auto: plan 1 of at most 3)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("s: verifying and pricing the minmax plan\n"), std::string::npos) << r.err;
+  EXPECT_NO_THROW((void)nlohmann::json::parse(r.out)) << "stdout stays the report alone";
+  CmdResult quiet = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=0 ") + DISTCA_BIN + " --quiet" + args);
+  ASSERT_EQ(quiet.exit_code, 0) << quiet.err;
+  EXPECT_EQ(quiet.err.find("s: planning"), std::string::npos) << quiet.err;
+  for (const char* bad : {"-1", "soon", "7200"}) {
+    CmdResult b = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=") + bad + " " + DISTCA_BIN + args);
+    cli::expect_refused(b, BadInput{bad, "", "DISTCA_PROGRESS_INTERVAL must be a number of seconds in 0..3600"});
+  }
+}
+
 TEST(Cli, PlanJsonHasTheDocumentedFields) {
   CmdResult r = distca("plan --ranks 8 --tokens-per-rank 32768 --workload prolong --policy minmax --tolerance 0.05 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -27,6 +27,28 @@ using cli::scratch;
 using cli::write;
 namespace fs = std::filesystem;
 
+// Progress lines on stderr while a simulation runs (DISTCA_PROGRESS_INTERVAL=0: every stage at
+// once): each system, each eps of the sweep and each micro-batch it plans.
+TEST(Cli, SimulateSaysWhatItIsDoingOnStderr) {
+  CmdResult r = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=0 ") + DISTCA_BIN +
+                               " simulate --gpus 64 --system all --tolerance-sweep off --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.rfind("distca simulate: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(" s: colocated\n"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("s: wlb\n"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("s: cad: eps 0.05, micro-batch 1 of 4: planning 8 ranks with minlink\n"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("s: cad-distca: eps 0.05, micro-batch 4 of 4: planning 8 ranks with distca\n"), std::string::npos)
+      << r.err;
+  EXPECT_NO_THROW((void)nlohmann::json::parse(r.out)) << "stdout stays the report alone";
+  CmdResult sweep = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=0 ") + DISTCA_BIN +
+                                   " simulate --gpus 64 --system cad --iterations 2 --json");
+  ASSERT_EQ(sweep.exit_code, 0) << sweep.err;
+  EXPECT_NE(sweep.err.find("s: iteration 2 of 2, cad: eps 0.025 (2 of 10 in the sweep), micro-batch 3 of 4: planning 8 "
+                           "ranks with minlink\n"),
+            std::string::npos)
+      << sweep.err;
+}
+
 TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   CmdResult r = distca("simulate --gpus 64 --context 128K --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;

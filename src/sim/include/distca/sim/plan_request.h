@@ -107,10 +107,13 @@ struct PlanRun {
 //   prepare_plan_run  the checks, the cost model, the link and the byte budget; no planning
 //   plan_policy       one policy's plan; plan_ms times the planner alone
 //   complete_plan_run the baseline (none), every plan's verification and layer time
-Result<PlanRun> run_plan_request(const PlanRequest& request, const plan::Batch& batch, const Profile& profile);
+// `progress` (may be null) is told each step (and each rung of --tolerance auto) as it starts.
+Result<PlanRun> run_plan_request(const PlanRequest& request, const plan::Batch& batch, const Profile& profile,
+                                 Progress* progress = nullptr);
 Result<PlanRun> prepare_plan_run(const PlanRequest& request, const plan::Batch& batch, const Profile& profile);
-PolicyRun plan_policy(const PlanRun& run, const plan::Batch& batch, plan::PlanFn planner, const Profile& profile);
-void complete_plan_run(PlanRun& run, const plan::Batch& batch, const Profile& profile);
+PolicyRun plan_policy(const PlanRun& run, const plan::Batch& batch, plan::PlanFn planner, const Profile& profile,
+                      Progress* progress = nullptr);
+void complete_plan_run(PlanRun& run, const plan::Batch& batch, const Profile& profile, Progress* progress = nullptr);
 
 // The report `distca plan --json` prints (without the workload and seed it adds): one policy's
 // object, or {"policies": [...]} with several.

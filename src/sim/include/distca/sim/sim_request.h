@@ -53,7 +53,7 @@ std::string context_text(int64_t tokens);
 nlohmann::json simulation_report(const SimOptions& options, const Profile& profile, const std::vector<SystemResult>& results);
 
 // Runs the request on the profile: its report, or bad input (invalid_argument, before any work),
-// or the run's failure.
-Result<nlohmann::json> run_simulation(const SimRequest& request, const Profile& profile);
+// or the run's failure. `progress` as simulate's.
+Result<nlohmann::json> run_simulation(const SimRequest& request, const Profile& profile, Progress* progress = nullptr);
 
 }  // namespace distca::sim

@@ -38,6 +38,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "distca/core/progress.h"
 #include "distca/core/status.h"
 #include "distca/plan/model.h"
 #include "distca/plan/plan.h"
@@ -144,7 +145,8 @@ StepPrediction predict_pipeline_step(const Profile& profile, const plan::ModelSh
 
 std::vector<std::string> system_names();  // colocated, wlb, cad-distca, cad, cad-minmax
 // One result per system, in the order asked, each the mean of options.iterations iterations.
+// `progress` (may be null) is told each system, iteration, eps and planned micro-batch.
 Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOptions& options,
-                                           const std::vector<std::string>& systems);
+                                           const std::vector<std::string>& systems, Progress* progress = nullptr);
 
 }  // namespace distca::sim
