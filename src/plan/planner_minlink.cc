@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 #include <limits>
 #include <thread>
 #include <tuple>
@@ -106,9 +107,24 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
     const int64_t total = p.value().traffic.all_phases_bytes[kStateful];
     candidates[i] = Candidate{kShapes[i].name, std::move(p).value(), links, total};
   };
-  std::thread other(plan_one, 1);
-  plan_one(0);
+  // An exception on the other thread (std::bad_alloc) is thrown again here, after the join, so
+  // that it reaches the caller as it would without the thread instead of ending the process.
+  std::exception_ptr thrown;
+  std::thread other([&] {
+    try {
+      plan_one(1);
+    } catch (...) {
+      thrown = std::current_exception();
+    }
+  });
+  try {
+    plan_one(0);
+  } catch (...) {
+    other.join();
+    throw;
+  }
   other.join();
+  if (thrown) std::rethrow_exception(thrown);
   for (const Status& s : failed) DISTCA_RETURN_IF_ERROR(s);
 
   auto balanced = [&](const Candidate& c) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <memory_resource>
 #include <mutex>
+#include <new>
 #include <vector>
 
 namespace distca::plan {
@@ -36,13 +37,21 @@ class ScratchLease final : public std::pmr::memory_resource {
     if (!scratch_) scratch_ = std::make_unique<Scratch>();
     if (scratch_->buffer.size() < kMinScratchBytes) scratch_->buffer.resize(kMinScratchBytes);
   }
+  // Never throws (it runs while a planner's std::bad_alloc unwinds): out of memory, the buffer
+  // keeps its size, or the scratch is freed rather than kept.
   ~ScratchLease() override {
-    if (overflow_ > 0) {
-      const size_t grown = std::min(kMaxScratchBytes, scratch_->buffer.size() + overflow_);
-      if (grown > scratch_->buffer.size()) scratch_->buffer = std::vector<std::byte>(grown);
+    try {
+      if (overflow_ > 0) {
+        const size_t grown = std::min(kMaxScratchBytes, scratch_->buffer.size() + overflow_);
+        if (grown > scratch_->buffer.size()) scratch_->buffer = std::vector<std::byte>(grown);
+      }
+    } catch (const std::bad_alloc&) {
     }
-    const std::lock_guard<std::mutex> lock(free_mutex());
-    free_list().push_back(std::move(scratch_));
+    try {
+      const std::lock_guard<std::mutex> lock(free_mutex());
+      free_list().push_back(std::move(scratch_));
+    } catch (const std::bad_alloc&) {
+    }
   }
   ScratchLease(const ScratchLease&) = delete;
   ScratchLease& operator=(const ScratchLease&) = delete;

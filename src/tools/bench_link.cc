@@ -10,6 +10,7 @@
 #include "distca/plan/planner.h"
 #include "distca/plan/workload.h"
 #include "distca/sim/timing.h"
+#include "memory_check.h"
 #include "spread.h"
 
 namespace distca::tools {
@@ -123,6 +124,27 @@ Result<json> run_link_bench(comm::Communicator& c, const LinkBenchOptions& o,
     ex[ph] = exchange_of(traffic.phases[ph], c.rank(), R);
     buffer = std::max({buffer, ex[ph].send_total, ex[ph].recv_total});
   }
+  // Memory, before the buffers: every rank holds a send and a receive buffer of its largest
+  // phase; the ranks on this machine together (all of them as threads; mpirun's local ranks, the
+  // largest each) must fit. Every rank finds the same and refuses alike (exit 2, one line).
+  std::vector<int64_t> rank_buffer(static_cast<size_t>(R), 1);
+  for (const plan::PhaseTraffic& t : traffic.phases) {
+    for (int r = 0; r < R; ++r) rank_buffer[r] = std::max({rank_buffer[r], t.send_bytes[r], t.recv_bytes[r]});
+  }
+  const int here = ranks_on_this_machine(R);
+  int64_t needed = 0;
+  if (here == R) {
+    for (int64_t b : rank_buffer) needed += 2 * b;
+  } else {
+    needed = 2 * here * *std::max_element(rank_buffer.begin(), rank_buffer.end());
+  }
+  DISTCA_RETURN_IF_ERROR(check_memory(
+      "bench link", needed,
+      fmt::format("{} rank{} x a send and a receive buffer of up to {} each, the largest phase's bytes at Hq {} Hkv {} D "
+                  "{} and {} tokens per rank",
+                  here, here == 1 ? "" : "s", memory_text(*std::max_element(rank_buffer.begin(), rank_buffer.end())),
+                  o.q_heads, o.kv_heads, o.head_dim, o.tokens_per_rank),
+      kBenchMemoryShare, "lower --heads, --kv-heads, --head-dim or --tokens-per-rank, or run fewer ranks per machine"));
   std::vector<std::byte> send(static_cast<size_t>(buffer), std::byte{1}), recv(static_cast<size_t>(buffer));
   // The link's latency: a one-byte exchange with every peer, the median of its repeats.
   Exchange probe;

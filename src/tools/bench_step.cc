@@ -10,6 +10,7 @@
 
 #include "distca/model/config.h"
 #include "distca/model/trainer.h"
+#include "memory_check.h"
 #include "spread.h"
 
 namespace distca::tools {
@@ -54,6 +55,22 @@ Status validate(const StepBenchOptions& o) {
   model::TrainOptions t = train_options(o, model::find_preset(o.preset).value());
   t.pingpong = "on";
   return t.validate();
+}
+
+Status check_step_memory(const StepBenchOptions& o) {
+  const model::TrainOptions t = train_options(o, model::find_preset(o.preset).value());
+  const int variants = o.link == "auto" ? kVariants : kVariants - 1;  // --link off: no zero-cost trainer
+  const int here = ranks_on_this_machine(o.ranks);
+  const model::MemoryEstimate m = model::estimate_memory(t, world_size(o.ranks));
+  const int64_t needed = m.total() * variants * here;
+  return check_memory(
+      "bench step", needed,
+      fmt::format("{} rank{} x {} trainers (one per variant) x {}: model states {}, activations {}, attention buffers "
+                  "{}, step data {}, at {} tokens per rank and {} layers",
+                  here, here == 1 ? "" : "s", variants, memory_text(m.total()), memory_text(m.states_bytes),
+                  memory_text(m.activations_bytes), memory_text(m.attention_bytes), memory_text(m.data_bytes), t.context,
+                  t.model.num_layers),
+      kBenchMemoryShare, "lower --context or --layers, or run fewer ranks per machine");
 }
 
 Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchOptions& o,

@@ -43,6 +43,10 @@ struct StepBenchOptions {
 };
 
 Status validate(const StepBenchOptions& o);
+// The memory of the run on this machine (every rank here holds one trainer per variant, each the
+// estimate `distca train` checks) against what the machine can give a benchmark
+// (memory_check.h): kInvalidArgument naming both where it does not fit. REQUIRES: validate(o).
+Status check_step_memory(const StepBenchOptions& o);
 // The share of the exposed communication that ping-pong hid: (sequential - ping-pong) /
 // (sequential - zero-cost), or nothing when the zero-cost step was no faster than the sequential
 // one (no exposed communication was measured: the share is undefined, not 0 %). It is not

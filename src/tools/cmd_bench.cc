@@ -12,6 +12,7 @@
 #include "bench_planner.h"
 #include "bench_step.h"
 #include "cmd_profile.h"
+#include "memory_check.h"
 #include "world.h"
 
 namespace distca::tools {
@@ -177,6 +178,10 @@ int run_step(const StepArgs& a, const CLI::App& cmd) {
   if (s.is_ok()) s = timeout.status();
   if (!s.is_ok()) {
     print_usage_error("bench step", s.message());
+    return kExitBadInput;
+  }
+  if (Status m = check_step_memory(a.options); !m.is_ok()) {
+    print_usage_error("bench step", m.message());
     return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench step] {}\n", line); };

@@ -23,6 +23,7 @@
 #include "distca/model/pipeline.h"
 #include "distca/plan/planner.h"
 #include "distca/runtime/pipeline_schedule.h"
+#include "memory_check.h"
 #include "world.h"
 
 namespace distca::tools {
@@ -68,35 +69,7 @@ struct TrainArgs {
   bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
 
-int64_t available_memory_bytes() {
-  // MemAvailable: what the kernel can give without swapping; the whole machine if unreadable.
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
-}
-
-std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024)); }
-
-// Processes of this job on this machine: the threads of one process, or mpirun's local ranks.
-int ranks_on_this_machine(int local_ranks) {
-  if (!is_under_mpi()) return local_ranks;
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
-    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
-  }
-  return 1;
-}
-int world_size(int local_ranks) {
-  if (!is_under_mpi()) return local_ranks;
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
-    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
-  }
-  return 1;
-}
+std::string gib(int64_t bytes) { return memory_text(bytes); }
 
 Result<model::TrainOptions> resolve(const TrainArgs& a) {
   DISTCA_ASSIGN_OR_RETURN(model::Preset p, model::find_preset(a.preset));

@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -19,6 +22,7 @@
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/cuda.h"
 #include "distca_git_hash.h"
+#include "memory_check.h"
 #include "world.h"
 
 namespace {
@@ -175,7 +179,22 @@ int main(int argc, char** argv) {
     // error line, its exit code) and the other ranks end at once.
     const bool is_single_process = sub->get_name() == "plan" || sub->get_name() == "simulate";
     if (is_single_process && !distca::tools::is_primary_process()) return distca::tools::kExitOk;
-    return commands.at(sub->get_name())();
+    // A command that runs out of memory (or throws) ends with one line and exit 1, never with an
+    // uncaught exception; the commands that allocate by their flags check an estimate up front
+    // (exit 2) so that this is rare. Then it ends at once: out of memory, the libraries' exit
+    // handlers may not finish (OpenBLAS joins a worker that retries its buffer forever).
+    try {
+      return commands.at(sub->get_name())();
+    } catch (const std::bad_alloc&) {
+      distca::tools::print_error_line(fmt::format(
+          "distca {}: error: out of memory: this machine could not give the run the memory it asked for ({} "
+          "available now); make the run smaller",
+          sub->get_name(), distca::tools::memory_text(distca::tools::available_memory_bytes())));
+    } catch (const std::exception& e) {
+      distca::tools::print_error_line(fmt::format("distca {}: internal error: {}", sub->get_name(), e.what()));
+    }
+    std::fflush(nullptr);
+    std::_Exit(distca::tools::kExitFailed);
   }
   return distca::tools::kExitBadInput;
 }

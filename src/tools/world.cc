@@ -248,7 +248,15 @@ int run_world(const std::string& command, int local_ranks, const std::function<S
     fmt::print(stderr, "distca {}: error: --ranks must be 1..256, got {}\n", command, local_ranks);
     return kExitBadInput;
   }
-  const auto statuses = comm::LocalWorld::run(local_ranks, body, options.timeout);
+  // A rank out of memory says so in words (LocalWorld reports any other exception by its what()).
+  auto guarded = [&body](comm::Communicator& c) -> Status {
+    try {
+      return body(c);
+    } catch (const std::bad_alloc&) {
+      return internal_error("out of memory (the machine could not give this rank the memory it asked for)");
+    }
+  };
+  const auto statuses = comm::LocalWorld::run(local_ranks, guarded, options.timeout);
   // The first rank's own error (not a peer's report of it) names the cause.
   auto is_peer_report = [](const Status& s) {
     return s.message().starts_with("rank ") && s.message().find(" failed: ") != std::string::npos;

@@ -489,6 +489,23 @@ TEST(Cli, BenchLinkBadInputGetsOneLineErrorExitTwo) {
   }
 }
 
+// bench link and bench step estimate their memory before they allocate, and refuse a run this
+// machine cannot hold with one line naming the estimate and what is available (exit 2), at once.
+// Before: bench step --context 1000000 ended in "exception: std::bad_alloc" (exit 1), and bench
+// link allocated its buffers until the machine ran out.
+TEST(Cli, BenchLinkAndStepRefuseARunTooLargeForThisMachineBeforeAllocating) {
+  const BadInput cases[] = {
+      {"bench link, 1024 heads", "bench link --ranks 64 --heads 1024 --kv-heads 1024 --tokens-per-rank 1048576",
+       "bench link needs about"},
+      {"bench step, 1M tokens", "bench step --context 1000000", "bench step needs about"},
+  };
+  for (const BadInput& c : cases) {
+    CmdResult r = distca(c.args);
+    cli::expect_refused(r, c);
+    EXPECT_NE(r.err.find(" GiB available"), std::string::npos) << r.err;
+  }
+}
+
 TEST(Cli, ProfileWritesAProfileTheSimulatorReads) {
   const std::string out = (scratch() / "cpu_profile.json").string();
   CmdResult r = distca("profile --preset tiny --ranks 2 --repeats 1 --out " + out);

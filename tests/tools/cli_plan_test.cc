@@ -50,6 +50,16 @@ TEST(Cli, PlanSaysWhatItIsDoingOnStderr) {
   }
 }
 
+// A plan that runs out of memory ends with one line and exit 1 (before: "terminate called after
+// throwing an instance of 'std::bad_alloc'" and SIGABRT).
+TEST(Cli, PlanOutOfMemoryIsOneLineAndExitOne) {
+  CmdResult r = cli::run_shell(std::string("ulimit -v 120000; ") + DISTCA_BIN + " plan --ranks 4096");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("distca plan: error: out of memory"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
 TEST(Cli, PlanJsonHasTheDocumentedFields) {
   CmdResult r = distca("plan --ranks 8 --tokens-per-rank 32768 --workload prolong --policy minmax --tolerance 0.05 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -1,0 +1,32 @@
+// What this machine can give a run, for the commands that allocate by their flags (train, bench
+// step, bench link): each estimates its memory from the flags and checks it here before it
+// allocates anything large, so that a run too big for the machine is refused with one line
+// (exit 2) instead of ending in std::bad_alloc or the kernel's OOM killer.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "distca/core/status.h"
+
+namespace distca::tools {
+
+// MemAvailable (what the kernel can give without swapping), else the machine's physical memory;
+// under an address-space limit (ulimit -v), at most what is left of it.
+int64_t available_memory_bytes();
+// Processes of this job on this machine: the threads of one process, or mpirun's local ranks.
+int ranks_on_this_machine(int local_ranks);
+// Ranks of the job: `local_ranks` threads, or mpirun's world.
+int world_size(int local_ranks);
+// "12.52 GiB".
+std::string memory_text(int64_t bytes);
+
+// A benchmark keeps to this share of the available memory, leaving the rest to the system and
+// whatever else runs (a training run may take all of it: that is what it is for).
+inline constexpr double kBenchMemoryShare = 0.5;
+
+// OK when `bytes` fit in `share` of the available memory; else kInvalidArgument:
+// "<what> needs about <bytes> of memory on this machine (<parts>), more than <limit>; <fix>".
+Status check_memory(const std::string& what, int64_t bytes, const std::string& parts, double share,
+                    const std::string& fix);
+
+}  // namespace distca::tools
