@@ -318,7 +318,7 @@ std::function<int()> add_plan_command(CLI::App& app) {
   cmd->add_option("--tolerance", args->tolerance,
                   "eps in [0, 1]: target max load <= (1 + eps) x mean; auto: of eps = 0.2, 0.1, ..., 0.2/128, the one "
                   "whose plan predicts the fastest step on the profile (attention balance against the communication "
-                  "the linear layers cannot hide)")
+                  "the linear layers cannot hide), of at most 3 planned where the predictions point")
       ->capture_default_str();
   cmd->add_option("--granularity", args->request.granularity,
                   "g: shard size in tokens, a power of two from 16 to 4096 (cuts on kernel tile boundaries)")
