@@ -321,7 +321,7 @@ def test_ctrl_c_leaves_a_whole_checkpoint_and_one_line(tmp_path):
     import sys
     import time
     ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "distca.torch.train", "--preset", "tiny", "--steps", "100000", "--save-every", "2",
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "distca.torch.train", "--preset", "tiny", "--steps", "100000", "--save-every", "2",
            "--checkpoint", str(ck), "--log-every", "1000"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -331,7 +331,12 @@ def test_ctrl_c_leaves_a_whole_checkpoint_and_one_line(tmp_path):
             time.sleep(0.2)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)      # faulthandler prints every thread's stack
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"still running 60 s after SIGINT\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -180,10 +181,15 @@ def save(path: str, header: dict, tensors: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     old: Optional[Path] = None
-    if target.is_dir():
-        old = parent / f".{target.name}.distca-old-{uuid.uuid4().hex[:12]}"
-        os.rename(target, old)
-    os.rename(new, target)
+    # Ctrl-C waits for both renames: between them no checkpoint is at `path`.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if target.is_dir():
+            old = parent / f".{target.name}.distca-old-{uuid.uuid4().hex[:12]}"
+            os.rename(target, old)
+        os.rename(new, target)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if old is not None:                    # ours: only our two files (checked above), or empty
         for name in OWN_FILES:
             if (old / name).exists():

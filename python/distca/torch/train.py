@@ -911,6 +911,7 @@ def main(argv: Optional[list] = None) -> int:
         last = (f"; {cfg.args.checkpoint} holds the checkpoint of step {cfg.saved_step}, saved whole"
                 if cfg.saved_step is not None else "; no checkpoint was saved" if cfg.args.checkpoint else "")
         say(f"{PROG}: interrupted{last}")
+        created = False        # no teardown: a collective cut short by the interrupt may never end
         return 130
     finally:
         if created:
@@ -928,4 +929,9 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:          # interrupted: leave at once, as the checkpoint on disk is whole
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
