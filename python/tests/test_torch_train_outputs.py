@@ -323,8 +323,11 @@ def test_ctrl_c_leaves_a_whole_checkpoint_and_one_line(tmp_path):
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-X", "faulthandler", "-m", "distca.torch.train", "--preset", "tiny", "--steps", "100000", "--save-every", "2",
            "--checkpoint", str(ck), "--log-every", "1000"]
+    # SIGINT at its default in the child: a suite started in the background (`.ci/run &`) inherits
+    # it ignored, and Python then installs no KeyboardInterrupt handler.
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 120
         while not (ck / checkpoint.META).is_file() and time.time() < deadline and proc.poll() is None:
