@@ -30,6 +30,7 @@
 #include "distca/core/json.h"
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/cuda.h"
+#include "distca/kernels/cudnn.h"
 #include "distca/plan/batch.h"
 #include "distca/plan/plan_io.h"
 #include "distca/plan/planner.h"
@@ -662,18 +663,30 @@ PYBIND11_MODULE(_distca, m) {
            py::arg("dk"), py::arg("dv"), py::arg("dims"), py::arg("tasks"), py::arg("scale"), py::arg("dtype"));
   m.def("cuda_kernels_built", &kernels::cuda_kernels_built);
   m.def("cuda_kernels_archs", &kernels::cuda_kernels_archs);
+  m.def("cudnn_built", &kernels::cudnn_built);
+  m.def("cudnn_version", &kernels::cudnn_version);
   py::class_<PyCudaAttention>(m, "CudaAttention")
-      .def(py::init([](int device) {
+      .def(py::init([](int device, const std::string& kernel) {
              if (device < -1) throw py::value_error(fmt::format("device {} is not a CUDA device index (-1: the current one)", device));
+             const kernels::CudaKernel which = take(kernels::parse_cuda_kernel(kernel));
              Result<std::unique_ptr<kernels::CudaAttention>> made = [&] {
                py::gil_scoped_release release;
-               return kernels::CudaAttention::create(device);
+               return kernels::CudaAttention::create(device, which);
              }();
              auto self = std::make_unique<PyCudaAttention>();
              self->attn = take(std::move(made));
              return self;
            }),
-           py::arg("device") = -1)
+           py::arg("device") = -1, py::arg("kernel") = "distca")
+      .def_property_readonly("kernel", [](const PyCudaAttention& a) { return kernels::cuda_kernel_name(a.attn->kernel()); })
+      .def_property_readonly("graph_stats", [](const PyCudaAttention& a) {
+        const kernels::CudnnGraphStats s = a.attn->graph_stats();
+        py::dict d;
+        d["graphs_built"] = s.graphs_built;
+        d["build_seconds"] = s.build_seconds;
+        d["calls"] = s.calls;
+        return d;
+      })
       .def_property_readonly("device", [](const PyCudaAttention& a) { return a.attn->device(); })
       .def_property_readonly("device_name", [](const PyCudaAttention& a) { return a.attn->device_name(); })
       .def("forward",

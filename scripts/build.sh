@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p build
+# With nvcc, the CUDA build also compiles the cuDNN attention kernel: it needs cudnn-frontend's headers
+# (fetched once into build/cudnn-frontend; without them CMake leaves the kernel out and says so).
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  scripts/cudnn-frontend.sh || echo "build.sh: cudnn-frontend's headers not fetched: the cuDNN kernel is left out" >&2
+fi
 if ! cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_BUILD_TESTS=ON -DDISTCA_BUILD_BENCH=ON \
     >build/configure.log 2>&1; then
   cat build/configure.log

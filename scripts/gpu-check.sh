@@ -108,9 +108,23 @@ if [ -n "$nccl_lib" ] && [ -n "$nccl_inc" ]; then
   nccl_defs=(-DNCCL_LIBRARY="$nccl_lib" -DNCCL_INCLUDE_DIR="$nccl_inc")
   export LD_LIBRARY_PATH="$(dirname "$nccl_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-export -f probe
-export python nccl_lib nccl_inc
-step probe 60 bash -c probe
+# cuDNN: the CUDA toolkit's when it has one, else the one PyTorch's wheels bring (nvidia-cudnn-*).
+cudnn_defs=()
+if [ ! -e /usr/local/cuda/include/cudnn.h ]; then
+  cudnn_root=$("$python" -c "import nvidia.cudnn, os; print(os.path.dirname(nvidia.cudnn.__file__) if nvidia.cudnn.__file__ else list(nvidia.cudnn.__path__)[0])" 2>/dev/null || true)
+  if [ -n "$cudnn_root" ] && [ -d "$cudnn_root/lib" ]; then
+    cudnn_defs=(-DCUDNN_ROOT="$cudnn_root")
+    export LD_LIBRARY_PATH="$cudnn_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
+probe_cudnn() {
+  ls /usr/local/cuda/include/cudnn.h 2>/dev/null || echo "cudnn.h: not in /usr/local/cuda/include"
+  echo "cuDNN from: ${cudnn_defs[*]:-the CUDA toolkit}"; ls "${cudnn_root:-/nonexistent}"/include/cudnn.h "${cudnn_root:-/nonexistent}"/lib 2>&1 | head -12
+  ls build/gpu-deps/cudnn-frontend/include/cudnn_frontend.h 2>&1
+}
+export -f probe probe_cudnn
+export python nccl_lib nccl_inc cudnn_root
+step probe 60 bash -c 'probe; probe_cudnn'
 # One build (build-gpu/, Ninja, every core) of what the checks run: the distca binary, the GPU
 # tests, and the Python module _distca against the device's own Python and PyTorch (nothing can
 # be fetched there), which the Python steps import from a staged copy of the package; a second
@@ -120,7 +134,7 @@ pybind11_dir=$("$python" -m pybind11 --cmakedir 2>/dev/null || true)
 py_include=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null || true)
 pkg="$PWD/build-gpu/python-package"
 python_defs=(-DDISTCA_BUILD_PYTHON=OFF)
-targets=(distca runtime_cuda_test runtime_cuda_gpu_test)
+targets=(distca runtime_cuda_test runtime_cuda_gpu_test kernels_cuda_host_test)
 if [ -n "$pybind11_dir" ] && [ -f "$py_include/Python.h" ]; then
   python_defs=(-DDISTCA_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$python")" -Dpybind11_DIR="$pybind11_dir")
   targets+=(_distca)
@@ -128,14 +142,19 @@ else  # the C++ checks still run
   echo "== gpu-check: the Python module cannot be built here (pybind11: ${pybind11_dir:-not found}; Python.h in ${py_include:-?}: not found)"
 fi
 step configure-cuda 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_WITH_CUDA=ON \
-    -DDISTCA_CUDA_ARCHS="$archs" -DDISTCA_BUILD_BENCH=OFF -DDISTCA_BUILD_TESTS=ON "${python_defs[@]}" "${nccl_defs[@]}"
+    -DDISTCA_CUDA_ARCHS="$archs" -DDISTCA_BUILD_BENCH=OFF -DDISTCA_BUILD_TESTS=ON "${python_defs[@]}" "${nccl_defs[@]}" \
+    "${cudnn_defs[@]}"
 if [ -f build-gpu/build.ninja ] && grep -q "comm_nccl_gpu_test" build-gpu/build.ninja; then
   targets+=(comm_nccl_test comm_nccl_gpu_test)
 fi
 if [ -f build-gpu/build.ninja ] && step build-cuda 360 cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}"; then
   # Only the built tests: -L gpu (NcclComm, CudaServerKernel on the device), and the CUDA tests without
   # the label (on a GPU machine they run; without one they check that create() says why).
-  step ctest-cuda 180 ctest --test-dir build-gpu --output-on-failure -R "^(NcclComm|Cuda)" -E "NOT_BUILT|Np2" --timeout 120
+  step ctest-cuda 180 ctest --test-dir build-gpu --output-on-failure -R "^(NcclComm|Cuda|Shapes/Cuda|Cudnn)" -E "NOT_BUILT|Np2" --timeout 120
+  # cuDNN with exactly as many sequence slots as tasks (no empty slots): tells a failure of the
+  # bucketed batch's empty slots apart from one of the kernel itself.
+  step ctest-cudnn-exact 60 env DISTCA_CUDNN_EXACT_BATCH=1 ctest --test-dir build-gpu --output-on-failure \
+    -R "cudnn|Cudnn" --timeout 60
   if command -v compute-sanitizer >/dev/null 2>&1; then
     step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
       --device cuda --docs 300,1000 --shard-doc 1000 --shards 64,128 --heads 8 --kv-heads 2 --repeats 1 --json
@@ -158,7 +177,8 @@ export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
 if [ -f "$pkg/distca/__init__.py" ]; then
   step torch-cuda 150 "$python" python/tests/gpu/check_torch_cuda.py --require-distca --json "$out/torch-cuda.json"
   # distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
-  step cuda-attention 150 "$python" python/bench/bench_cuda_attention.py --json "$out/cuda-attention.json"
+  step cuda-attention 200 "$python" python/bench/bench_cuda_attention.py --tokens 8192,16384,32768,65536 \
+    --shards 128,1024 --repeats 5 --json "$out/cuda-attention.json"
   step torch-kernels 90 "$python" python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
     --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
   # The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
@@ -221,7 +241,8 @@ if train and "summary" in train:
 lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
 for name, title in (("probe", "what the device offers"), ("configure-cuda", "configure"), ("build-cuda", "the CUDA build"),
-                    ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel)"), ("memcheck", "compute-sanitizer memcheck"),
+                    ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel with distca's and cuDNN's kernels)"),
+                    ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_EXACT_BATCH=1"), ("memcheck", "compute-sanitizer memcheck"),
                     ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
                     ("torch-cuda", "distca.torch on CUDA"),
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),

@@ -2,7 +2,7 @@
 # Prepares build/gpu-deps: the C++ build's libraries (fmt, nlohmann-json, CLI11, GoogleTest,
 # OpenBLAS and its libgfortran) unpacked from Debian's packages, for a device machine that has
 # nvcc, CMake and PyTorch but cannot fetch these. A GPU session carries the folder to the device
-# (the device tool's carry: ["build/gpu-deps"]); scripts/gpu-check.sh uses it when the device's own
+# (the device tool's carry: ["build/gpu-deps"]), with cudnn-frontend's headers (scripts/cudnn-frontend.sh); scripts/gpu-check.sh uses it when the device's own
 # CMake does not find the libraries. The packages are downloaded, never installed here.
 #
 # usage: scripts/gpu-deps.sh   (about 40 MB unpacked; static archives are left out)
@@ -26,6 +26,8 @@ mkdir -p "$out.new"
 for deb in "$work"/*.deb; do dpkg -x "$deb" "$out.new"; done
 # The OpenBLAS archives are not needed (the build links the shared library) and would double the size.
 find "$out.new" -name "*.a" -path "*openblas*" -delete
+# cudnn-frontend's headers (header-only), for the cuDNN attention kernel: the device cannot fetch them.
+scripts/cudnn-frontend.sh "$out.new/cudnn-frontend" >/dev/null
 rm -rf "$out"
 mv "$out.new" "$out"
 echo "gpu-deps: $(du -sh "$out" | cut -f1) in $out ($(echo $packages | wc -w) packages); carry it to the device"

@@ -4,7 +4,8 @@ document (--shard-doc tokens) as fused causal shards (--shards): every shard of 
 one call, each shard a causal task over its key prefix.
 
 Backends: `distca` (torch.ops.distca.attention_fwd/_bwd: the task list in one call, the shards
-reading the document's one K/V), `varlen` (torch.nn.attention.varlen.varlen_attn, GQA native;
+reading the document's one K/V), `cudnn` (the same operators with kernel="cudnn": cuDNN's fused
+attention on the task list, each task a sequence of one ragged batch), `varlen` (torch.nn.attention.varlen.varlen_attn, GQA native;
 shards as one varlen batch, each with its own copy of its key prefix, as a varlen layout holds
 it: the copy and the sum of the copies' dK/dV are not timed), `sdpa-flash` and `sdpa-cudnn`
 (scaled_dot_product_attention under sdpa_kernel with that one backend; shards as one call per
@@ -21,6 +22,13 @@ document (whole and as 128-token shards) every backend against float32 attention
 (distca beyond 3e-2 of the largest value, about 8 bf16 ulps, stops the run: exit 1), and on every
 timed shape each backend against distca (recorded; exit 1 when every PyTorch backend differs from
 distca beyond 3e-2, i.e. distca is the one off).
+
+The plan case (--plan-server, on by default): a skewed batch (--plan-ranks ranks of --plan-tokens
+tokens, two of them one whole document each, the rest documents of 512-16K) planned by distca
+(minlink), the busiest server's task list (most causal pairs) run by `distca` and `cudnn`, beside
+PyTorch's cuDNN SDPA (and flash) on one whole document with the same number of causal pairs: the
+equal-work baseline a colocated rank runs. Its ratios are each task-list kernel over sdpa-cudnn's
+TFLOP/s.
 
     python/bench/bench_cuda_attention.py [--tokens 4096,16384,32768,65536] [--shard-doc 16384]
         [--shards 64,128,256,1024] [--heads 32] [--kv-heads 8] [--head-dim 128] [--json F]
@@ -39,7 +47,8 @@ from typing import Callable, Optional
 import numpy as np
 
 TOLERANCE = 3e-2
-BACKENDS = ("distca", "varlen", "sdpa-flash", "sdpa-cudnn")
+BACKENDS = ("distca", "cudnn", "varlen", "sdpa-flash", "sdpa-cudnn")
+TASK_LIST_BACKENDS = ("distca", "cudnn")   # take any task list (the others: one document's shards)
 
 
 def shard_tasks(tokens: int, shard: Optional[int]) -> np.ndarray:
@@ -73,11 +82,24 @@ def ratios(rows: list) -> list:
         ours = next((r for r in shape if r["backend"] == "distca"), None)
         entry = {"layout": key[0], "tokens": key[1], "shard": key[2]}
         for p in ("fwd", "bwd"):
-            theirs = [r for r in shape if r["backend"] != "distca" and r.get(p)]
+            theirs = [r for r in shape if r["backend"] not in TASK_LIST_BACKENDS and r.get(p)]
             best = max(theirs, key=lambda r: r[p]["tflops"], default=None)
             entry[f"{p}_fastest_pytorch"] = best["backend"] if best else None
             entry[f"{p}_ratio"] = (ours[p]["tflops"] / best[p]["tflops"]) if ours and best and ours.get(p) else None
         out.append(entry)
+    return out
+
+
+def vs_sdpa_cudnn(rows: list) -> list:
+    """Per shape: each task-list kernel's TFLOP/s over sdpa-cudnn's on the same shape."""
+    out = []
+    for key in dict.fromkeys((r["layout"], r["tokens"], r["shard"]) for r in rows):
+        shape = {r["backend"]: r for r in rows if (r["layout"], r["tokens"], r["shard"]) == key}
+        base = shape.get("sdpa-cudnn")
+        for name in TASK_LIST_BACKENDS:
+            if base is not None and name in shape:
+                out.append({"backend": name, "layout": key[0], "tokens": key[1], "shard": key[2],
+                            **{p: shape[name][p]["tflops"] / base[p]["tflops"] for p in ("fwd", "bwd")}})
     return out
 
 
@@ -107,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per pass (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
     parser.add_argument("--check-tokens", type=int, default=2048, help="the correctness check's document (default 2048)")
+    parser.add_argument("--plan-ranks", type=int, default=8, help="the plan case's ranks (default 8; 0: no plan case)")
+    parser.add_argument("--plan-tokens", type=int, default=32768, help="the plan case's tokens per rank (default 32768)")
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help=f"comma-separated, from {', '.join(BACKENDS)} (default all)")
     parser.add_argument("--json", default=None, help="write the report here")
@@ -114,9 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser, args) -> None:
-    for name in ("shard_doc", "heads", "kv_heads", "repeats", "check_tokens"):
+    for name in ("shard_doc", "heads", "kv_heads", "repeats", "check_tokens", "plan_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.plan_ranks != 0 and not 3 <= args.plan_ranks <= 64:
+        parser.error(f"--plan-ranks must be 0 (no plan case) or in [3, 64], got {args.plan_ranks}")
+    if args.plan_ranks and args.plan_tokens < 4096:
+        parser.error(f"--plan-tokens must be at least 4096 for the plan case, got {args.plan_tokens}")
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
     if args.heads % args.kv_heads:
@@ -140,16 +168,21 @@ def make_runner(name: str, torch, q, k, v, do, tasks: np.ndarray, scale: float):
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    if name == "distca":
+    if name in TASK_LIST_BACKENDS:
         from distca.torch import ops
+        if name == "cudnn":
+            from distca import _distca
+            if not _distca.cudnn_built():
+                raise Unavailable("this build of distca has no cuDNN kernel (cuDNN or cudnn-frontend not found at "
+                                  "configure time)")
         t = torch.from_numpy(tasks)
         state: dict = {}
 
         def forward():
-            state["o"], state["lse"] = ops.attention_fwd(q, k, v, t, scale)
+            state["o"], state["lse"] = ops.attention_fwd(q, k, v, t, scale, 0, name)
 
         def backward():
-            state["grads"] = ops.attention_bwd(do, q, k, v, state["o"], state["lse"], t, scale)
+            state["grads"] = ops.attention_bwd(do, q, k, v, state["o"], state["lse"], t, scale, 0, name)
 
         def outputs():
             forward()
@@ -285,6 +318,34 @@ def reference(torch, q, k, v, do, tasks: np.ndarray, scale: float) -> list:
     return [o.detach()] + list(torch.autograd.grad(o, leaves, do.float()))
 
 
+def plan_server_tasks(ranks: int, tokens: int, hq: int, hkv: int, d: int):
+    """The busiest server's task list (n, 5) of a skewed batch planned by distca (minlink), and the
+    batch: ranks 0 and 1 one whole document each, the others documents of 512-16K tokens."""
+    import distca
+    from distca.torch import rank_layout
+    from distca.torch.backends import DistcaKernel
+    import torch
+    rng = np.random.default_rng(0)
+    batch = [[tokens], [tokens]]
+    for _ in range(ranks - 2):
+        docs, left = [], tokens
+        while left > 0:
+            n = int(min(left, 2 ** rng.integers(9, 15)))
+            docs.append(n)
+            left -= n
+        batch.append(docs)
+    plan = distca.plan(batch, policy="minlink", model={"heads": hq, "kv_heads": hkv, "head_dim": d})
+    rows = [tuple(int(x) for x in r) for r in plan.batch.to_dict()["pieces"].tolist()]
+    best, best_pairs, server = None, -1, -1
+    for r in range(plan.num_ranks):
+        tasks = DistcaKernel.task_array(rank_layout(plan, plan.batch, rows, r, torch.device("cpu"),
+                                                    pingpong=False).parts[0].tasks)
+        pairs = causal_pairs(tasks)
+        if pairs > best_pairs:
+            best, best_pairs, server = tasks, pairs, r
+    return best, server, batch
+
+
 def time_pass(torch, fn: Callable, repeats: int, warmup: int) -> list:
     for _ in range(warmup):
         fn()
@@ -387,12 +448,54 @@ def main(argv=None) -> int:
             del forward, backward, outputs
             torch.cuda.empty_cache()
         del x, base
-        others = [r for r in rows if (r["layout"], r["tokens"], r["shard"]) == (layout, n, shard) and r["backend"] != "distca"]
+        others = [r for r in rows if (r["layout"], r["tokens"], r["shard"]) == (layout, n, shard)
+                  and r["backend"] not in TASK_LIST_BACKENDS]
         if others and not any(r["agrees_with_distca"] for r in others):
             print(f"bench_cuda_attention: every PyTorch backend differs from distca on {layout} {n} shard {shard}: "
                   f"distca is off", file=sys.stderr)
             return 1
-    report = {"format": "distca-bench-cuda-attention", "version": 1, "date": time.strftime("%Y-%m-%d"),
+    # 3. The plan case: the busiest server's task list, and the equal-work whole document.
+    plan_case = None
+    if args.plan_ranks:
+        tasks, server, batch = plan_server_tasks(args.plan_ranks, args.plan_tokens, hq, hkv, d)
+        pairs = causal_pairs(tasks)
+        n_equal = int(round((math.sqrt(8 * pairs + 1) - 1) / 2))   # n (n + 1) / 2 = pairs
+        plan_case = {"ranks": args.plan_ranks, "tokens_per_rank": args.plan_tokens, "server": server,
+                     "tasks": int(len(tasks)), "causal_tasks": int(tasks[:, 4].sum()), "pairs": pairs,
+                     "equal_work_tokens": n_equal, "batch_documents": [len(b) for b in batch]}
+        num_q, num_kv = int((tasks[:, 0] + tasks[:, 1]).max()), int((tasks[:, 2] + tasks[:, 3]).max())
+        for layout, n_rows, task_rows in (("plan", None, tasks), ("equal-work", n_equal, shard_tasks(n_equal, None))):
+            fwd_flops = 4.0 * d * hq * causal_pairs(task_rows)
+            if n_rows is None:
+                q, do = (torch.randn(num_q, hq, d, generator=gen, device=device, dtype=dtype) for _ in range(2))
+                k, v = (torch.randn(num_kv, hkv, d, generator=gen, device=device, dtype=dtype) for _ in range(2))
+                x = (q, k, v, do)
+            else:
+                x = inputs(n_rows)
+            names = [b for b in args.backends if (b in TASK_LIST_BACKENDS) == (layout == "plan")]
+            for name in names:
+                try:
+                    forward, backward, outputs = make_runner(name, torch, *x, task_rows, scale)
+                    forward()
+                    backward()
+                except (Unavailable, RuntimeError, TypeError, NotImplementedError) as e:
+                    unavailable[f"{name} ({layout})"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    torch.cuda.empty_cache()
+                    continue
+                row = {"backend": name, "layout": layout, "tokens": n_rows or num_q, "shard": None,
+                       "tasks": int(len(task_rows)), "pairs": causal_pairs(task_rows), "fwd_flops": fwd_flops,
+                       "bwd_flops": 2.5 * fwd_flops}
+                row["fwd"] = summarize(time_pass(torch, forward, args.repeats, args.warmup), fwd_flops)
+                row["bwd"] = summarize(time_pass(torch, backward, args.repeats, args.warmup), 2.5 * fwd_flops)
+                rows.append(row)
+                del forward, backward, outputs
+                torch.cuda.empty_cache()
+            del x
+        base = next((r for r in rows if r["layout"] == "equal-work" and r["backend"] == "sdpa-cudnn"), None)
+        plan_case["vs_sdpa_cudnn_equal_work"] = {
+            r["backend"]: {p: r[p]["tflops"] / base[p]["tflops"] for p in ("fwd", "bwd")}
+            for r in rows if r["layout"] == "plan" and base is not None}
+    report = {"format": "distca-bench-cuda-attention", "version": 2, "date": time.strftime("%Y-%m-%d"),
               "device": torch.cuda.get_device_name(device), "capability": list(torch.cuda.get_device_capability(device)),
               "torch": torch.__version__, "distca_archs": _distca.cuda_kernels_archs(),
               "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": args.dtype, "repeats": args.repeats,
@@ -400,7 +503,8 @@ def main(argv=None) -> int:
               "flop_convention": "causal (query, key) pairs x 4 D Hq forward; backward 2.5x the forward",
               "timing": "CUDA events per call; median of repeats, spread = [min, max]",
               "varlen_shards": "each shard with its own copy of its key prefix (the copy and the dK/dV sum not timed)",
-              "checks": checks, "rows": rows, "ratios": ratios(rows), "unavailable": unavailable}
+              "checks": checks, "rows": rows, "ratios": ratios(rows), "plan_case": plan_case,
+              "vs_sdpa_cudnn": vs_sdpa_cudnn(rows), "unavailable": unavailable}
     print(f"{report['device']}, Hq {hq}, Hkv {hkv}, D {d}, {args.dtype}; TFLOP/s, medians of {args.repeats} "
           f"(spread min-max)")
     print(f"{'layout':7s} {'tokens':>6s} {'shard':>5s} {'backend':11s} {'fwd':>18s} {'bwd':>18s}")
@@ -413,6 +517,15 @@ def main(argv=None) -> int:
         print(f"distca / fastest PyTorch, {e['layout']} {e['tokens']} shard {e['shard'] or '-'}: forward "
               f"{fmt(e['fwd_ratio'])} ({e['fwd_fastest_pytorch']}), backward {fmt(e['bwd_ratio'])} "
               f"({e['bwd_fastest_pytorch']})")
+    for e in report["vs_sdpa_cudnn"]:
+        print(f"{e['backend']} / sdpa-cudnn, {e['layout']} {e['tokens']} shard {e['shard'] or '-'}: forward "
+              f"{e['fwd']:.2f}x, backward {e['bwd']:.2f}x")
+    if plan_case:
+        print(f"plan case: server {plan_case['server']} of {plan_case['ranks']}, {plan_case['tasks']} tasks, "
+              f"{plan_case['pairs']} pairs = a {plan_case['equal_work_tokens']}-token document")
+        for name, r in plan_case.get("vs_sdpa_cudnn_equal_work", {}).items():
+            print(f"plan case: {name} on the task list / sdpa-cudnn on the equal-work document: forward "
+                  f"{r['fwd']:.2f}x, backward {r['bwd']:.2f}x")
     for what, why in unavailable.items():
         print(f"bench_cuda_attention: not timed: {what}: {why}", file=sys.stderr)
     if args.json:

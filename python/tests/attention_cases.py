@@ -292,12 +292,12 @@ def excess(got, truth, bound) -> dict:
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def _native_pass(device, is_forward, *args):
+def _native_pass(device, is_forward, *args, kernel: str = "distca"):
     """One native call on NaN-filled outputs (args end with dims, tasks, scale, dtype name), then
-    synchronize: an element the kernel does not write stays NaN."""
+    synchronize: an element the kernel does not write stays NaN. `kernel`: the CUDA implementation."""
     from distca.torch import ops
     if device.type == "cuda":
-        native = ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device())
+        native = ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device(), kernel)
         call = native.forward if is_forward else native.backward
         call(*args, torch.cuda.current_stream(device).cuda_stream, **({} if is_forward else {"dkv_fp32": True}))
         torch.cuda.synchronize(device)
@@ -307,13 +307,15 @@ def _native_pass(device, is_forward, *args):
 
 
 def check_distca_kernels(device, dtype, head_dim: int, seed: int, target_rows: int, hq: int = 8, hkv: int = 2,
-                         lengths=LENGTHS) -> dict:
+                         lengths=LENGTHS, kernel: str = "distca") -> dict:
     """distca's kernels on `device` (CUDA: CudaAttention; CPU: CpuAttention) on one random server
     against the float64 truth within the derived bounds: the native calls on NaN-filled outputs
     (every element written, finite where the truth is, -inf exactly where a row sees no key), the
     key-split parts merged by the LSE rule and the backward given the merged O and LSE, then the
-    same through the `distca` backend (its forward equal to the native one bit for bit)."""
-    from distca.torch.backends import DistcaKernel
+    same through the `distca` backend (its forward equal to the native one bit for bit). On CUDA,
+    `kernel` "cudnn" checks cuDNN's kernel (the `cudnn` backend) the same way; its dK/dV are each
+    task's rounded to the dtype and then summed, so their bound is that of a rounded result."""
+    from distca.torch.backends import CudnnKernel, DistcaKernel
     rng = np.random.default_rng(seed)
     server = random_server(rng, target_rows, lengths)
     q, k, v, do = server_inputs(server, hq, hkv, head_dim, dtype, device, seed)
@@ -324,7 +326,7 @@ def check_distca_kernels(device, dtype, head_dim: int, seed: int, target_rows: i
     o = torch.full(q.shape, nan, dtype=dtype, device=device)
     lse = torch.full(q.shape[:2], nan, dtype=torch.float32, device=device)
     _native_pass(device, True, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), dims, tasks,
-                 scale, name)
+                 scale, name, kernel=kernel)
     t_o, t_lse, e_o, e_lse = reference_forward(q, k, v, tasks, scale, dtype)
     results = {"O": excess(o, t_o, e_o), "LSE": excess(lse, t_lse, e_lse)}
     # 2. The backward given the merged O and LSE of every query (its parts merged by the LSE rule).
@@ -335,17 +337,18 @@ def check_distca_kernels(device, dtype, head_dim: int, seed: int, target_rows: i
     dq = torch.full(q.shape, nan, dtype=dtype, device=device)
     dk, dv = (torch.full(k.shape, nan, dtype=dkv_dtype, device=device) for _ in range(2))
     _native_pass(device, False, q.data_ptr(), k.data_ptr(), v.data_ptr(), o_in.data_ptr(), lse_in.data_ptr(),
-                 do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dims, tasks, scale, name)
-    truth = reference_backward(do, q, k, v, o_in, lse_in, tasks, scale, dtype, dkv_rounded=not is_cuda)
+                 do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dims, tasks, scale, name, kernel=kernel)
+    truth = reference_backward(do, q, k, v, o_in, lse_in, tasks, scale, dtype,
+                               dkv_rounded=not is_cuda or kernel == "cudnn")
     for key, got, want, bound in zip(("dQ", "dK", "dV"), (dq, dk, dv), truth[:3], truth[3:]):
         results[key] = excess(got, want, bound)
     # 3. The same through the backend (the custom operators).
-    kernel = DistcaKernel()
-    b_o, b_lse = kernel.forward_tasks(q, k, v, tasks, scale)
+    backend = CudnnKernel() if kernel == "cudnn" else DistcaKernel()
+    b_o, b_lse = backend.forward_tasks(q, k, v, tasks, scale)
     results["backend O, LSE equal native"] = {"ok": bool(torch.equal(b_o, o) and torch.equal(b_lse, lse))}
-    b_grads = kernel.backward_tasks(do, q, k, v, o_in, lse_in, tasks, scale)
+    b_grads = backend.backward_tasks(do, q, k, v, o_in, lse_in, tasks, scale)
     for key, got, want, bound in zip(("backend dQ", "backend dK", "backend dV"), b_grads, truth[:3], truth[3:]):
         results[key] = excess(got, want, bound)
-    return {"device": str(device), "dtype": name, "head_dim": head_dim, "heads": [hq, hkv], "seed": seed,
+    return {"device": str(device), "kernel": kernel, "dtype": name, "head_dim": head_dim, "heads": [hq, hkv], "seed": seed,
             "tasks": int(len(tasks)), "q_rows": server.num_q, "kv_rows": server.num_kv, "counts": server.counts,
             "results": results, "ok": all(r["ok"] for r in results.values())}

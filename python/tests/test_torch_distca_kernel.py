@@ -253,6 +253,37 @@ def test_unavailable_says_why():
     # The CUDA path's reasons are tested in test_torch_distca_ops.py.
 
 
+def test_cudnn_backend_says_why_it_cannot_run_and_refuses_unknown_kernels():
+    from distca import _distca
+    from distca.torch import BackendUnavailable, backend_names, get_backend, ops
+    assert "cudnn" in backend_names()
+    with pytest.raises(BackendUnavailable, match="the cudnn backend runs on CUDA devices, not cpu"):
+        get_backend("cudnn", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown CUDA kernel 'flash': expected distca or cudnn"):
+        _distca.CudaAttention(0, "flash")
+    with pytest.raises(ValueError, match="kernel must be one of distca, cudnn"):
+        ops.cuda_native(0, "flash")
+    assert isinstance(_distca.cudnn_built(), bool)
+    assert bool(_distca.cudnn_version()) == _distca.cudnn_built()
+
+
+def test_native_module_exports_nothing_of_its_static_libraries():
+    """_distca shares a process with PyTorch, whose libraries carry their own cudnn-frontend: an
+    exported instantiation of a frontend type binds one version's calls to the other's code (a crash
+    in cuDNN graph validation on an H100). The module exports PyInit and no frontend symbol."""
+    import shutil
+    import subprocess
+    from distca import _distca
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", "-C", _distca.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    assert "PyInit__distca" in out
+    leaked = [line for line in out.splitlines() if "cudnn_frontend" in line]
+    assert not leaked, leaked[:5]
+
+
 def _force_fast_build(monkeypatch):
     from distca import _distca
     fast = [isa for isa in _distca.cpu_isas_supported() if isa in ("avx512", "avx2")]

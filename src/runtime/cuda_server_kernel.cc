@@ -94,8 +94,9 @@ struct CudaServerKernel::State {
 CudaServerKernel::CudaServerKernel(std::unique_ptr<State> state) : state_(std::move(state)) {}
 CudaServerKernel::~CudaServerKernel() = default;
 
-Result<std::unique_ptr<CudaServerKernel>> CudaServerKernel::create(int device, kernels::CudaDType dtype) {
-  auto attention = kernels::CudaAttention::create(device);
+Result<std::unique_ptr<CudaServerKernel>> CudaServerKernel::create(int device, kernels::CudaDType dtype,
+                                                                    kernels::CudaKernel kernel) {
+  auto attention = kernels::CudaAttention::create(device, kernel);
   if (!attention.is_ok()) {
     return Status(attention.status().code(), fmt::format("CudaServerKernel: {}", attention.status().message()));
   }
@@ -112,6 +113,7 @@ Result<std::unique_ptr<CudaServerKernel>> CudaServerKernel::create(int device, k
 int CudaServerKernel::device() const { return state_->device; }
 std::string CudaServerKernel::device_name() const { return state_->attention->device_name(); }
 kernels::CudaDType CudaServerKernel::dtype() const { return state_->dtype; }
+kernels::CudaKernel CudaServerKernel::kernel() const { return state_->attention->kernel(); }
 int64_t CudaServerKernel::device_bytes() const {
   int64_t total = 0;
   for (const DeviceBuffer* b : {&state_->staging, &state_->q, &state_->k, &state_->v, &state_->o, &state_->d_o,

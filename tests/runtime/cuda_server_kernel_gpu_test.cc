@@ -14,6 +14,7 @@
 #include "../kernels/test_util.h"
 #include "cuda_harness.h"
 #include "distca/comm/local_comm.h"
+#include "distca/kernels/cudnn.h"
 #include "distca/runtime/cuda_server_kernel.h"
 
 namespace distca::runtime {
@@ -24,6 +25,7 @@ using kernels::AttnDims;
 using kernels::AttnFwdParams;
 using kernels::AttnTask;
 using kernels::CudaDType;
+using kernels::CudaKernel;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -161,9 +163,12 @@ void expect_matches_cpu(ServerKernel& kernel, const Problem& p) {
 
 struct Case {
   friend void PrintTo(const Case& c, std::ostream* os) { *os << name(c); }
-  static std::string name(const Case& c) { return std::string(c.shape.name) + "_" + kernels::cuda_dtype_name(c.dtype); }
+  static std::string name(const Case& c) {
+    return std::string(kernels::cuda_kernel_name(c.kernel)) + "_" + c.shape.name + "_" + kernels::cuda_dtype_name(c.dtype);
+  }
   Shape shape;
   CudaDType dtype;
+  CudaKernel kernel;
 };
 
 std::vector<Case> cases() {
@@ -172,8 +177,11 @@ std::vector<Case> cases() {
            {"primes_gqa2_d64", 64, 4, 2, {97, 1, 131, 5}, 61, 1, 3},
            {"shards64_gqa8_d128", 128, 8, 1, {200, 17, 64}, 64, 0, 5},
            {"mha4_d128", 128, 4, 4, {257, 2}, 100, 2, 1},
+           {"odd_gqa4_d128", 128, 8, 2, {1, 5, 77, 1023}, 300, 1, 2},
        }) {
-    for (CudaDType dtype : {CudaDType::kBf16, CudaDType::kFp16}) out.push_back({shape, dtype});
+    for (CudaKernel kernel : {CudaKernel::kDistca, CudaKernel::kCudnn}) {
+      for (CudaDType dtype : {CudaDType::kBf16, CudaDType::kFp16}) out.push_back({shape, dtype, kernel});
+    }
   }
   return out;
 }
@@ -183,9 +191,11 @@ class CudaServerKernelVsCpu : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaServerKernelVsCpu, MatchesTheCpuKernelsOnEveryKindOfTask) {
   DISTCA_SKIP_WITHOUT_CUDA_DEVICE();
   const Case& c = GetParam();
-  auto kernel = CudaServerKernel::create(-1, c.dtype);
+  if (c.kernel == CudaKernel::kCudnn && !kernels::cudnn_built()) GTEST_SKIP() << "skipped: this build has no cuDNN kernel";
+  auto kernel = CudaServerKernel::create(-1, c.dtype, c.kernel);
   ASSERT_TRUE(kernel.is_ok()) << kernel.status().to_string();
   EXPECT_EQ(kernel.value()->dtype(), c.dtype);
+  EXPECT_EQ(kernel.value()->kernel(), c.kernel);
   expect_matches_cpu(*kernel.value(), make_problem(c.shape, 7));
 }
 
@@ -253,6 +263,18 @@ TEST(CudaServerKernelGpu, DispatcherOnTwoRanksSharingTheGpuMatchesTheCpuKernels)
   const plan::Batch batch = dispatch_batch(2);
   const auto statuses = comm::LocalWorld::run(2, [&batch](comm::Communicator& comm) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto kernel, CudaServerKernel::create(0));
+    return testing::check_kernel_on_plans(comm, batch, *kernel).status();
+  });
+  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+}
+
+// The same with cuDNN's kernel on both ranks (one CudnnAttention each, sharing the GPU).
+TEST(CudaServerKernelGpu, DispatcherOnTwoRanksWithCudnnMatchesTheCpuKernels) {
+  DISTCA_SKIP_WITHOUT_CUDA_DEVICE();
+  if (!kernels::cudnn_built()) GTEST_SKIP() << "skipped: this build has no cuDNN kernel";
+  const plan::Batch batch = dispatch_batch(2);
+  const auto statuses = comm::LocalWorld::run(2, [&batch](comm::Communicator& comm) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(auto kernel, CudaServerKernel::create(0, CudaDType::kBf16, CudaKernel::kCudnn));
     return testing::check_kernel_on_plans(comm, batch, *kernel).status();
   });
   for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();

@@ -538,6 +538,7 @@ class DistcaKernel(ServerKernel):
     Head dims the kernels are not built for go to `fallback` where one is set (auto sets it), else
     raise ValueError."""
     name = "distca"
+    cuda_kernel = "distca"   # the native CUDA implementation (CudnnKernel: "cudnn")
     HEAD_DIMS = ops.HEAD_DIMS["cpu"]
     CUDA_HEAD_DIMS = ops.HEAD_DIMS["cuda"]
 
@@ -560,7 +561,8 @@ class DistcaKernel(ServerKernel):
         count, on CUDA the one for the device (each made once)."""
         if device is None or device.type == "cpu":
             return ops.cpu_native(self.num_threads or 0)
-        return ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device())
+        return ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device(),
+                               self.cuda_kernel)
 
     @staticmethod
     def task_array(tasks: ServerTasks) -> np.ndarray:
@@ -593,13 +595,14 @@ class DistcaKernel(ServerKernel):
         side checks them)."""
         tasks = ops.task_tensor(task_array)
         ops.check_inputs(q, k, v, tasks)   # here too: the operator's dispatch refuses some inputs less clearly
-        return torch.ops.distca.attention_fwd(q, k, v, tasks, scale, self.num_threads or 0)
+        return torch.ops.distca.attention_fwd(q, k, v, tasks, scale, self.num_threads or 0, self.cuda_kernel)
 
     def backward_tasks(self, do, q, k, v, o, lse, task_array, scale: Optional[float]):
         """backward on a native task array: dq (q's dtype), dk, dv (fp32)."""
         tasks = ops.task_tensor(task_array)
         ops.check_inputs(q, k, v, tasks, (("o", o, "q"), ("lse", lse, "lse"), ("do", do, "q")))
-        return torch.ops.distca.attention_bwd(do, q, k, v, o, lse, tasks, scale, self.num_threads or 0)
+        return torch.ops.distca.attention_bwd(do, q, k, v, o, lse, tasks, scale, self.num_threads or 0,
+                                              self.cuda_kernel)
 
     @staticmethod
     def _check_rows(q, k, tasks: ServerTasks):
@@ -640,6 +643,28 @@ def lse_autograd_backward(call, do, q, k, v, o, lse):
     return dq, dk.float(), dv.float()
 
 
+class CudnnKernel(DistcaKernel):
+    """cuDNN's fused attention (the kernel under TransformerEngine's packed THD attention) on the
+    server's task list, through the same operators and native object as `distca` with
+    kernel="cudnn" (src/kernels/include/distca/kernels/cudnn.h): each task one sequence of a
+    ragged batch, one cuDNN call per mask kind, graphs cached per bucketed shape. CUDA only;
+    bfloat16 and float16, head dims 64 and 128; builds that found cuDNN at configure time."""
+    name = "cudnn"
+    cuda_kernel = "cudnn"
+
+    def unavailable(self, device, dtype):
+        if device.type != "cuda":
+            return f"the cudnn backend runs on CUDA devices, not {device.type}"
+        reason = ops.unavailable(device, dtype)
+        if reason is not None:
+            return reason
+        from distca import _distca
+        if not _distca.cudnn_built():
+            return ("this build of distca has no cuDNN kernel (cuDNN or cudnn-frontend's headers were not found at "
+                    "configure time: scripts/cudnn-frontend.sh, then reinstall)")
+        return None
+
+
 _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
     "reference": ReferenceKernel,
     "sdpa": SdpaKernel,
@@ -647,6 +672,7 @@ _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
     "flash_attn": FlashAttnKernel,
     "flex": FlexKernel,
     "distca": DistcaKernel,
+    "cudnn": CudnnKernel,
 }
 # `auto` tries these in order.
 # CUDA: measured on an H100 (reports/gpu/2026-11-25-h100): varlen ahead of distca (distca 0.7-0.8x its
@@ -709,7 +735,7 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
         raise BackendUnavailable(f"backend must be one of {', '.join(backend_names())}, got {name!r}")
     kernel = _BACKENDS[name]()
     reason = kernel.unavailable(device, dtype)
-    if reason is None and name == "distca" and head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
+    if reason is None and name in ("distca", "cudnn") and head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
         reason = (f"the kernels are built for head dims {', '.join(map(str, DistcaKernel.head_dims(device)))} on "
                   f"{device.type}, not {head_dim}")
     if reason is not None:

@@ -1,7 +1,7 @@
 """distca's attention kernels as PyTorch custom operators, on CPU and CUDA tensors:
 
-    torch.ops.distca.attention_fwd(q, k, v, tasks, scale, num_threads)          -> o, lse
-    torch.ops.distca.attention_bwd(do, q, k, v, o, lse, tasks, scale, num_threads) -> dq, dk, dv
+    torch.ops.distca.attention_fwd(q, k, v, tasks, scale, num_threads, kernel)          -> o, lse
+    torch.ops.distca.attention_bwd(do, q, k, v, o, lse, tasks, scale, num_threads, kernel) -> dq, dk, dv
 
 q [Tq, Hq, D], k/v [Tkv, Hkv, D] packed THD (contiguous, one device), tasks an (n, 5) int64 CPU
 tensor of (q_offset, q_len, kv_offset, kv_len, is_causal) rows, the task list of kernels::AttnTask
@@ -9,12 +9,14 @@ tensor of (q_offset, q_len, kv_offset, kv_len, is_causal) rows, the task list of
 log; -inf where a row sees no key); dq has q's dtype, dk/dv are fp32 (summed over the tasks that
 read a row). The backward takes the O and LSE it is given (a key-split row's merged ones), as
 distca.torch.backends describes. `scale` None is 1/sqrt(D); `num_threads` is the CPU kernels'
-thread count (0: torch.get_num_threads()), ignored on CUDA.
+thread count (0: torch.get_num_threads()), ignored on CUDA; `kernel` picks the CUDA implementation:
+"distca" (distca's own kernels) or "cudnn" (cuDNN's fused attention on the same task list, in builds
+that found cuDNN), ignored on CPU.
 
 CPU: `_distca.CpuAttention` (float32, bfloat16; head dims 32, 64, 128, 256). CUDA:
 `_distca.CudaAttention` on the tensors' device and the current stream (bfloat16, float16; head dims
 64, 128; compute capability 8.0 or newer), asynchronous like any CUDA op. One native object per
-CPU thread count and per CUDA device, made at first use and shared.
+CPU thread count and per CUDA device and kernel, made at first use and shared.
 
 Both operators have fake (meta) implementations that check the same shapes, dtypes and devices,
 so they trace under torch.compile without a graph break, and attention_fwd is differentiable in
@@ -64,16 +66,23 @@ def cpu_native(num_threads: int = 0):
     return native
 
 
-def cuda_native(index: int):
-    """The CUDA kernels' native object for device `index` (made once; ValueError or RuntimeError with
-    the C++ Status message where it cannot be made: not built, no such device, too old)."""
-    native = _natives.get(("cuda", index))
+CUDA_KERNELS = ("distca", "cudnn")
+
+
+def cuda_native(index: int, kernel: str = "distca"):
+    """The CUDA native object for device `index` running `kernel` (distca's own kernels, or cuDNN's
+    fused attention behind the same task-list contract): made once; ValueError or RuntimeError with
+    the C++ Status message where it cannot be made: not built, no such device, too old."""
+    key = ("cuda", index, kernel)
+    native = _natives.get(key)
     if native is None:
+        if kernel not in CUDA_KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(CUDA_KERNELS)}, got {kernel!r}")
         from distca import _distca
         with _natives_lock:
-            native = _natives.get(("cuda", index))
+            native = _natives.get(key)
             if native is None:
-                native = _natives.setdefault(("cuda", index), _distca.CudaAttention(index))
+                native = _natives.setdefault(key, _distca.CudaAttention(index, kernel))
     return native
 
 
@@ -206,7 +215,7 @@ def _dims(x) -> tuple:
 
 @torch.library.custom_op("distca::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tasks: torch.Tensor, scale: Optional[float] = None,
-                  num_threads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_threads: int = 0, kernel: str = "distca") -> tuple[torch.Tensor, torch.Tensor]:
     dims = _dims(check_inputs(q, k, v, tasks))
     tq, _, hq, _, d = dims
     o = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
@@ -219,13 +228,13 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tasks: torc
         cpu_native(num_threads).forward(*pointers, dims, array, scale, dtype)
     else:
         with torch.cuda.device(q.device):
-            cuda_native(q.device.index).forward(*pointers, dims, array, scale, dtype,
+            cuda_native(q.device.index, kernel).forward(*pointers, dims, array, scale, dtype,
                                                 torch.cuda.current_stream(q.device).cuda_stream)
     return o, lse
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, tasks, scale=None, num_threads=0):
+def _attention_fwd_fake(q, k, v, tasks, scale=None, num_threads=0, kernel="distca"):
     check_inputs(q, k, v, tasks, is_fake=True)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
@@ -233,7 +242,7 @@ def _attention_fwd_fake(q, k, v, tasks, scale=None, num_threads=0):
 @torch.library.custom_op("distca::attention_bwd", mutates_args=())
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, tasks: torch.Tensor, scale: Optional[float] = None,
-                  num_threads: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_threads: int = 0, kernel: str = "distca") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dims = _dims(check_inputs(q, k, v, tasks, (("o", o, "q"), ("lse", lse, "lse"), ("do", do, "q"))))
     tq, tkv, hq, hkv, d = dims
     dq = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
@@ -250,7 +259,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if tq == 0:   # no query reads a key: nothing to launch
         return dq, dk.zero_(), dv.zero_()
     with torch.cuda.device(q.device):
-        cuda_native(q.device.index).backward(
+        cuda_native(q.device.index, kernel).backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), do.data_ptr(), dq.data_ptr(),
             dk.data_ptr(), dv.data_ptr(), dims, array, scale, dtype, torch.cuda.current_stream(q.device).cuda_stream,
             d_lse=0, dkv_fp32=True)
@@ -258,24 +267,24 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, lse, tasks, scale=None, num_threads=0):
+def _attention_bwd_fake(do, q, k, v, o, lse, tasks, scale=None, num_threads=0, kernel="distca"):
     check_inputs(q, k, v, tasks, (("o", o, "q"), ("lse", lse, "lse"), ("do", do, "q")), is_fake=True)
     return (q.new_empty(q.shape), k.new_empty(k.shape, dtype=torch.float32),
             k.new_empty(k.shape, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, tasks, scale, num_threads = inputs
+    q, k, v, tasks, scale, num_threads, kernel = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, tasks)
-    ctx.scale, ctx.num_threads = scale, num_threads
+    ctx.scale, ctx.num_threads, ctx.kernel = scale, num_threads, kernel
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, tasks = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(do.contiguous(), q, k, v, o, lse, tasks, ctx.scale, ctx.num_threads)
-    return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+    dq, dk, dv = attention_bwd(do.contiguous(), q, k, v, o, lse, tasks, ctx.scale, ctx.num_threads, ctx.kernel)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -294,4 +303,4 @@ def flops(tasks, num_q_heads: int, head_dim: int) -> tuple[float, float]:
 
 
 __all__ = ["attention_fwd", "attention_bwd", "check_inputs", "unavailable", "task_tensor", "pairs", "flops",
-           "cpu_isa", "cpu_native", "cuda_native", "DTYPES", "HEAD_DIMS"]
+           "cpu_isa", "cpu_native", "cuda_native", "CUDA_KERNELS", "DTYPES", "HEAD_DIMS"]

@@ -43,7 +43,7 @@ from attention_cases import check_distca_kernels  # noqa: E402
 from torch_cases import COST_MODEL, doc_data, local_rows, whole_document  # noqa: E402
 
 HQ, HKV, D = 8, 2, 128
-BACKENDS = ("reference", "sdpa", "varlen", "flash_attn", "flex", "distca")
+BACKENDS = ("reference", "sdpa", "varlen", "flash_attn", "flex", "distca", "cudnn")
 
 
 def rel(got, want):
@@ -96,7 +96,7 @@ def path_check(device, report):
             get_backend(name, device, torch.bfloat16)
         except BackendUnavailable:
             continue
-        head_dim = 64 if name == "distca" else 16   # the smallest head dim distca's CUDA kernels are built for
+        head_dim = 64 if name in ("distca", "cudnn") else 16   # the smallest head dim distca's CUDA kernels are built for
         data = doc_data(lengths, 3, head_dim=head_dim)
         planner = StepPlanner(model={"heads": 4, "kv_heads": 2, "head_dim": head_dim}, policy="minbytes", granularity=16,
                               backend=name, device=device)
@@ -131,13 +131,24 @@ def distca_check(device, report, require: bool):
     # CPU (the dry run): fewer rows, shorter documents: its float64 truth runs on the CPU.
     rows, lengths = (3000, None) if device.type == "cuda" else (500, (1, 2, 3, 5, 7, 13, 31, 63, 64, 65, 131))
     ok = True
-    for dtype in dtypes:
-        for head_dim in (64, 128):
-            for seed in (0, 1):
-                case = check_distca_kernels(device, dtype, head_dim, seed, rows, hq=HQ, hkv=HKV,
-                                            **({"lengths": lengths} if lengths else {}))
-                report["distca"].append(case)
-                ok &= case["ok"]
+    kernels = ["distca"]
+    if device.type == "cuda":
+        try:
+            get_backend("cudnn", device, torch.bfloat16)
+            kernels.append("cudnn")
+        except BackendUnavailable as e:
+            report["unavailable"]["cudnn (section 3)"] = str(e)
+    for kernel in kernels:
+        for dtype in dtypes:
+            for head_dim in (64, 128):
+                for seed in (0, 1):
+                    case = check_distca_kernels(device, dtype, head_dim, seed, rows, hq=HQ, hkv=HKV, kernel=kernel,
+                                                **({"lengths": lengths} if lengths else {}))
+                    report["distca"].append(case)
+                    ok &= case["ok"]
+                    if not case["ok"]:
+                        print(f"check_torch_cuda: {kernel} {case['dtype']} D {head_dim} seed {seed}: "
+                              f"{ {k: r for k, r in case['results'].items() if not r['ok']} }")
     return ok
 
 
@@ -210,11 +221,11 @@ def main():
         print(f"| {k['backend']} | {k['server']} | {', '.join(f'{e:.2e}' for e in k['errors'])} | {k['ok']} |")
     for p in report["path"]:
         print(f"| path {p['backend']} | 1 rank | {', '.join(f'{e:.2e}' for e in p['errors'])} | {p['ok']} |")
-    print("\n| distca | D | seed | tasks | worst error / bound (O, LSE, dQ, dK, dV) | ok |\n|---|---|---|---|---|---|")
+    print("\n| kernel | dtype | D | seed | tasks | worst error / bound (O, LSE, dQ, dK, dV) | ok |\n|---|---|---|---|---|---|---|")
     for c in report["distca"]:
         worst = ", ".join(f"{c['results'][n]['worst_ratio']:.2f}" for n in ("O", "LSE", "dQ", "dK", "dV"))
         off = {n: r for n, r in c["results"].items() if not r["ok"]}
-        print(f"| {c['dtype']} | {c['head_dim']} | {c['seed']} | {c['tasks']} | {worst} | {c['ok']}"
+        print(f"| {c['kernel']} | {c['dtype']} | {c['head_dim']} | {c['seed']} | {c['tasks']} | {worst} | {c['ok']}"
               f"{'' if c['ok'] else ' ' + json.dumps(off)} |")
     print("\n| backend | shard | fwd TFLOP/s | bwd TFLOP/s |\n|---|---|---|---|")
     for s in report["speed"]:

@@ -13,8 +13,10 @@
 
 #include "distca/core/cuda_status.h"
 #include "distca/kernels/cuda.h"
+#include "distca/kernels/cudnn.h"
 #include "launch.h"
 #include "schedule.h"
+#include "scratch.h"
 
 namespace distca::kernels {
 namespace {
@@ -23,6 +25,7 @@ using cuda::BwdItem;
 using cuda::BwdKernelParams;
 using cuda::FwdItem;
 using cuda::FwdKernelParams;
+using cuda::Scratch;
 
 static_assert(cuda::FwdShape<128>::kBlockM == kCudaFwdBlockM && cuda::FwdShape<128>::kBlockN == kCudaFwdBlockN);
 static_assert(cuda::BwdShape<128>::kBlockN == kCudaBwdBlockN && cuda::BwdShape<128>::kBlockM == kCudaBwdBlockM);
@@ -37,39 +40,6 @@ Status check_grid(int64_t items, int64_t heads) {
   return Status::ok();
 }
 
-// Stream-ordered device memory, released (on the stream) when the call ends.
-class Scratch {
- public:
-  explicit Scratch(cudaStream_t stream) : stream_(stream) {}
-  ~Scratch() {
-    for (void* p : blocks_) (void)cudaFreeAsync(p, stream_);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-
-  template <typename T>
-  Result<T*> alloc(int64_t count) {
-    void* p = nullptr;
-    DISTCA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&p, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T), stream_));
-    blocks_.push_back(p);
-    return static_cast<T*>(p);
-  }
-  // A copy of `items` in device memory. The source is pageable: cudaMemcpyAsync has staged it
-  // when it returns, so `items` may go.
-  template <typename Item>
-  Result<const Item*> upload(const std::vector<Item>& items) {
-    Result<Item*> device = alloc<Item>(static_cast<int64_t>(items.size()));
-    if (!device.is_ok()) return device.status();
-    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device.value(), items.data(), items.size() * sizeof(Item), cudaMemcpyHostToDevice,
-                                    stream_));
-    return static_cast<const Item*>(device.value());
-  }
-
- private:
-  cudaStream_t stream_;
-  std::vector<void*> blocks_;
-};
-
 }  // namespace
 
 bool cuda_kernels_built() { return true; }
@@ -78,12 +48,13 @@ std::string cuda_kernels_archs() { return DISTCA_CUDA_ARCHS_STRING; }
 struct CudaAttention::State {
   int device = 0;
   std::string name;
+  std::unique_ptr<CudnnAttention> cudnn;  // set when the kernel is cuDNN's: every call goes there
 };
 
 CudaAttention::CudaAttention(std::unique_ptr<State> state) : state_(std::move(state)) {}
 CudaAttention::~CudaAttention() = default;
 
-Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device) {
+Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device, CudaKernel kernel) {
   int count = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
     return not_found(fmt::format("no CUDA device: {}", e != cudaSuccess ? cudaGetErrorString(e) : "the driver sees none"));
@@ -102,13 +73,21 @@ Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device) {
   auto state = std::make_unique<State>();
   state->device = device;
   state->name = fmt::format("{} (sm_{}{})", prop.name, prop.major, prop.minor);
+  if (kernel == CudaKernel::kCudnn) {
+    Result<std::unique_ptr<CudnnAttention>> cudnn = CudnnAttention::create(device);
+    if (!cudnn.is_ok()) return cudnn.status();
+    state->cudnn = std::move(cudnn).value();
+  }
   return std::unique_ptr<CudaAttention>(new CudaAttention(std::move(state)));
 }
 
 int CudaAttention::device() const { return state_->device; }
 std::string CudaAttention::device_name() const { return state_->name; }
+CudaKernel CudaAttention::kernel() const { return state_->cudnn ? CudaKernel::kCudnn : CudaKernel::kDistca; }
+CudnnGraphStats CudaAttention::graph_stats() const { return state_->cudnn ? state_->cudnn->graph_stats() : CudnnGraphStats{}; }
 
 Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
+  if (state_->cudnn) return state_->cudnn->forward(a, stream_ptr);
   if (Status st = validate(a); !st.is_ok()) return st;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   const AttnDims& d = a.dims;
@@ -142,6 +121,7 @@ Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
 }
 
 Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
+  if (state_->cudnn) return state_->cudnn->backward(a, stream_ptr);
   if (Status st = validate(a); !st.is_ok()) return st;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   const AttnDims& d = a.dims;

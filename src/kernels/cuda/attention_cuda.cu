@@ -4,6 +4,7 @@
 // schedule, memory) is in attention_cuda.cc.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -72,6 +73,19 @@ template <typename Elt>
 __global__ void to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     dst[i] = to_float(src[i], Elt{});
+  }
+}
+
+// acc[dst_row + r] += src[src_row + r] for each span (blockIdx.y) of rows of row_elems elements;
+// spans may add into the same rows (tasks sharing K/V rows), hence the atomics.
+template <typename Elt>
+__global__ void add_rows_kernel(const uint16_t* src, float* acc, const int64_t* spans, int64_t row_elems) {
+  const int64_t* s = spans + 3 * blockIdx.y;
+  const uint16_t* from = src + s[0] * row_elems;
+  float* to = acc + s[1] * row_elems;
+  const int64_t n = s[2] * row_elems;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    atomicAdd(to + i, to_float(from[i], Elt{}));
   }
 }
 
@@ -154,6 +168,20 @@ cudaError_t launch_from_f32(const float* src, uint16_t* dst, int64_t n, bool is_
     from_f32_kernel<Fp16><<<grid_for(n), 256, 0, stream>>>(src, dst, n);
   }
   return cudaGetLastError();
+}
+
+cudaError_t launch_add_rows(const uint16_t* src, float* acc, const int64_t* spans, int64_t num_spans, int64_t max_rows,
+                            int64_t row_elems, bool is_bf16, cudaStream_t stream) {
+  for (int64_t first = 0; first < num_spans; first += 65535) {  // gridDim.y is at most 65535
+    const dim3 grid(std::min(grid_for(max_rows * row_elems), 1024u), static_cast<unsigned>(std::min<int64_t>(num_spans - first, 65535)));
+    if (is_bf16) {
+      add_rows_kernel<Bf16><<<grid, 256, 0, stream>>>(src, acc, spans + 3 * first, row_elems);
+    } else {
+      add_rows_kernel<Fp16><<<grid, 256, 0, stream>>>(src, acc, spans + 3 * first, row_elems);
+    }
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream) {

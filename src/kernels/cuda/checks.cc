@@ -34,6 +34,14 @@ Status check_common(const AttnDims& dims, std::span<const AttnTask> tasks) {
 
 const char* cuda_dtype_name(CudaDType dtype) { return dtype == CudaDType::kBf16 ? "bfloat16" : "float16"; }
 
+const char* cuda_kernel_name(CudaKernel kernel) { return kernel == CudaKernel::kCudnn ? "cudnn" : "distca"; }
+
+Result<CudaKernel> parse_cuda_kernel(std::string_view name) {
+  if (name == "distca") return CudaKernel::kDistca;
+  if (name == "cudnn") return CudaKernel::kCudnn;
+  return invalid_argument(fmt::format("unknown CUDA kernel '{}': expected distca or cudnn", name));
+}
+
 Status validate(const CudaFwdArgs& a) {
   if (Status st = check_common(a.dims, a.tasks); !st.is_ok()) return st;
   if (a.dims.num_q_rows > 0 && (!a.q || !a.o || !a.lse)) return invalid_argument("q, o and lse must be non-null");

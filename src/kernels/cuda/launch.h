@@ -25,6 +25,11 @@ cudaError_t launch_delta(const uint16_t* d_o, const uint16_t* o, const float* d_
                          int head_dim, bool is_bf16, cudaStream_t stream);
 // out[i] = round(acc[i] * scale), or acc[i] *= scale in place when out is null.
 cudaError_t launch_finalize(float* acc, uint16_t* out, float scale, int64_t n, bool is_bf16, cudaStream_t stream);
+// For each of num_spans spans {src_row, dst_row, rows} (device int64 triples): acc rows
+// [dst_row, dst_row + rows) += src rows [src_row, ...) in fp32 (atomics: spans may overlap).
+// max_rows bounds every span's rows (it sizes the grid).
+cudaError_t launch_add_rows(const uint16_t* src, float* acc, const int64_t* spans, int64_t num_spans, int64_t max_rows,
+                            int64_t row_elems, bool is_bf16, cudaStream_t stream);
 cudaError_t launch_from_f32(const float* src, uint16_t* dst, int64_t n, bool is_bf16, cudaStream_t stream);
 cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream);
 

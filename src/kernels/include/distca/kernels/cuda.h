@@ -27,6 +27,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "distca/core/status.h"
 #include "distca/kernels/attention.h"
@@ -35,6 +36,19 @@ namespace distca::kernels {
 
 enum class CudaDType { kBf16, kFp16 };
 const char* cuda_dtype_name(CudaDType dtype);
+
+// Which implementation a CudaAttention runs: distca's own kernels (this file's), or cuDNN's fused
+// attention (CudnnAttention, cudnn.h) behind the same contract.
+enum class CudaKernel { kDistca, kCudnn };
+const char* cuda_kernel_name(CudaKernel kernel);  // "distca" or "cudnn"
+Result<CudaKernel> parse_cuda_kernel(std::string_view name);
+
+// The cuDNN kernel's graph cache (CudnnAttention::graph_stats; all zero for distca's kernels).
+struct CudnnGraphStats {
+  int64_t graphs_built = 0;     // distinct bucketed shapes compiled so far
+  double build_seconds = 0.0;   // wall time spent building them
+  int64_t calls = 0;            // cuDNN graph executions
+};
 
 struct CudaFwdArgs {
   AttnDims dims;
@@ -86,9 +100,10 @@ Status validate(const CudaBwdArgs& a);
 
 class CudaAttention {
  public:
-  // On `device` (-1: the current one). Fails when the build has no CUDA kernels, when there is no
-  // such device, or when its compute capability is below 8.0.
-  static Result<std::unique_ptr<CudaAttention>> create(int device = -1);
+  // On `device` (-1: the current one), running `kernel`. Fails when the build lacks that kernel
+  // (no nvcc, or no cuDNN for kCudnn), when there is no such device, or when its compute capability
+  // is below 8.0.
+  static Result<std::unique_ptr<CudaAttention>> create(int device = -1, CudaKernel kernel = CudaKernel::kDistca);
   ~CudaAttention();
   CudaAttention(const CudaAttention&) = delete;
   CudaAttention& operator=(const CudaAttention&) = delete;
@@ -98,6 +113,8 @@ class CudaAttention {
 
   int device() const;
   std::string device_name() const;  // e.g. "NVIDIA H100 80GB HBM3 (sm_90)"
+  CudaKernel kernel() const;
+  CudnnGraphStats graph_stats() const;
 
  private:
   struct State;

@@ -1,5 +1,7 @@
 // CudaServerKernel: the attention server's compute on a GPU (kernels::CudaAttention) behind the
-// runtime's ServerKernel, whose buffers are host fp32 (the Dispatcher's server layout).
+// runtime's ServerKernel, whose buffers are host fp32 (the Dispatcher's server layout). The kernel
+// is distca's own or cuDNN's fused attention (kernels::CudaKernel::kCudnn, kernels/cudnn.h): the
+// staging below is the same for both.
 //
 // Each call stages its inputs: host fp32 -> device fp32 (cudaMemcpyAsync) -> the storage dtype
 // (bf16 or fp16, kernels::cuda_convert_from_f32); runs the kernel; and brings the outputs back:
@@ -28,10 +30,12 @@ namespace distca::runtime {
 
 class CudaServerKernel final : public ServerKernel {
  public:
-  // On `device` (-1: the current one), storing Q/K/V/O/dO/dQ as `dtype`. Fails with a Status
-  // (never a crash) when there is no CUDA device, no such device, or the build has no kernels.
+  // On `device` (-1: the current one), storing Q/K/V/O/dO/dQ as `dtype`, running `kernel`. Fails
+  // with a Status (never a crash) when there is no CUDA device, no such device, or the build lacks
+  // the kernel.
   static Result<std::unique_ptr<CudaServerKernel>> create(int device = -1,
-                                                          kernels::CudaDType dtype = kernels::CudaDType::kBf16);
+                                                          kernels::CudaDType dtype = kernels::CudaDType::kBf16,
+                                                          kernels::CudaKernel kernel = kernels::CudaKernel::kDistca);
   ~CudaServerKernel() override;
   CudaServerKernel(const CudaServerKernel&) = delete;
   CudaServerKernel& operator=(const CudaServerKernel&) = delete;
@@ -42,6 +46,7 @@ class CudaServerKernel final : public ServerKernel {
   int device() const;
   std::string device_name() const;  // e.g. "NVIDIA H100 80GB HBM3 (sm_90)"
   kernels::CudaDType dtype() const;
+  kernels::CudaKernel kernel() const;
   int64_t device_bytes() const;     // device memory held by the staging buffers
 
  private:

@@ -1,0 +1,350 @@
+// CudnnAttention (distca/kernels/cudnn.h): the calls planned by cudnn_plan.h, each one cuDNN SDPA
+// graph (cudnn-frontend) over a ragged batch whose sequences are the tasks. Graphs are cached by
+// their bucketed key; per-call device memory (the offsets, the workspace, the dK/dV scratch) comes
+// from the stream-ordered pool (scratch.h), as CudaAttention's does.
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <cudnn_frontend.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "cudnn_plan.h"
+#include "distca/core/cuda_status.h"
+#include "distca/kernels/cudnn.h"
+#include "launch.h"
+#include "scratch.h"
+
+namespace distca::kernels {
+namespace {
+
+namespace fe = cudnn_frontend;
+using cuda::Scratch;
+using cudnn::Call;
+using cudnn::GraphKey;
+using cudnn::Plan;
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+// Tensor uids of the graphs (the variant pack binds pointers to them).
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV,
+  kSeqQ, kSeqKv, kQOff, kKvOff, kStatsOff, kDkvOff,
+};
+
+Status fe_status(fe::error_t e, const char* what) {
+  if (e.is_good()) return Status::ok();
+  return internal_error(fmt::format("cuDNN {} failed: {}", what, e.get_message()));
+}
+
+Status cudnn_status(cudnnStatus_t s, const char* what) {
+  if (s == CUDNN_STATUS_SUCCESS) return Status::ok();
+  return internal_error(fmt::format("{} failed: {}", what, cudnnGetErrorString(s)));
+}
+
+struct Built {
+  std::shared_ptr<fe::graph::Graph> graph;
+  int64_t workspace = 0;
+};
+
+Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(k.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const int64_t b = k.batch;
+  auto index = [&](const char* name, int64_t uid, int64_t n) {
+    return g->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim({n, 1, 1, 1})
+                         .set_stride({1, 1, 1, 1}).set_data_type(fe::DataType_t::INT32));
+  };
+  // [b, h, s, d] over packed THD rows: a token's heads are adjacent, its own offset per sequence.
+  auto shape = [&](const TensorPtr& t, int64_t h, int64_t s, int64_t d, const TensorPtr& offsets) {
+    t->set_dim({b, h, s, d}).set_stride({s * h * d, d, h * d, 1}).set_ragged_offset(offsets);
+  };
+  auto input = [&](const char* name, int64_t uid, int64_t h, int64_t s, const TensorPtr& offsets) {
+    TensorPtr t = g->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid));
+    shape(t, h, s, k.d, offsets);
+    return t;
+  };
+  // LSE [Tq, Hq] fp32: [b, h, s, 1] with the token stride h.
+  auto stats_shape = [&](const TensorPtr& t, const TensorPtr& offsets) {
+    t->set_dim({b, k.h_q, k.s_q, 1}).set_stride({k.s_q * k.h_q, 1, k.h_q, 1}).set_data_type(fe::DataType_t::FLOAT)
+        .set_ragged_offset(offsets);
+  };
+  const TensorPtr q_off = index("q_offsets", kQOff, b + 1), kv_off = index("kv_offsets", kKvOff, b + 1),
+                  stats_off = index("stats_offsets", kStatsOff, b + 1);
+  const TensorPtr seq_q = index("seq_q", kSeqQ, b), seq_kv = index("seq_kv", kSeqKv, b);
+  const TensorPtr q = input("Q", kQ, k.h_q, k.s_q, q_off), kk = input("K", kK, k.h_kv, k.s_kv, kv_off),
+                  v = input("V", kV, k.h_kv, k.s_kv, kv_off);
+  if (!k.backward) {
+    fe::graph::SDPA_attributes opts;
+    opts.set_name("distca_sdpa").set_generate_stats(true).set_attn_scale(k.scale).set_padding_mask(true)
+        .set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+    if (k.causal) opts.set_causal_mask_bottom_right(true);
+    auto [o, stats] = g->sdpa(q, kk, v, opts);
+    o->set_output(true).set_uid(kO);
+    shape(o, k.h_q, k.s_q, k.d, q_off);
+    stats->set_output(true).set_uid(kStats);
+    stats_shape(stats, stats_off);
+  } else {
+    const TensorPtr dkv_off = index("dkv_offsets", kDkvOff, b + 1);
+    const TensorPtr o = input("O", kO, k.h_q, k.s_q, q_off), d_o = input("dO", kDO, k.h_q, k.s_q, q_off);
+    TensorPtr stats = g->tensor(fe::graph::Tensor_attributes().set_name("Stats").set_uid(kStats));
+    stats_shape(stats, stats_off);
+    fe::graph::SDPA_backward_attributes opts;
+    opts.set_name("distca_sdpa_backward").set_attn_scale(k.scale).set_padding_mask(true).set_seq_len_q(seq_q)
+        .set_seq_len_kv(seq_kv).set_max_total_seq_len_q(k.total_q).set_max_total_seq_len_kv(k.total_kv);
+    if (k.causal) opts.set_causal_mask_bottom_right(true);
+    auto [dq, dk, dv] = g->sdpa_backward(q, kk, v, o, d_o, stats, opts);
+    dq->set_output(true).set_uid(kDQ);
+    shape(dq, k.h_q, k.s_q, k.d, q_off);
+    dk->set_output(true).set_uid(kDK);
+    shape(dk, k.h_kv, k.s_kv, k.d, dkv_off);
+    dv->set_output(true).set_uid(kDV);
+    shape(dv, k.h_kv, k.s_kv, k.d, dkv_off);
+  }
+  DISTCA_RETURN_IF_ERROR(fe_status(g->validate(), "graph validation"));
+  DISTCA_RETURN_IF_ERROR(fe_status(g->build_operation_graph(handle), "operation graph"));
+  DISTCA_RETURN_IF_ERROR(fe_status(g->create_execution_plans({fe::HeurMode_t::A}), "execution plans"));
+  DISTCA_RETURN_IF_ERROR(fe_status(g->check_support(handle), "support check"));
+  DISTCA_RETURN_IF_ERROR(fe_status(g->build_plans(handle), "plan build"));
+  Built built;
+  built.graph = std::move(g);
+  DISTCA_RETURN_IF_ERROR(fe_status(built.graph->get_workspace_size(built.workspace), "workspace size"));
+  return built;
+}
+
+std::string key_text(const GraphKey& k) {
+  return fmt::format("{} {} {} batch {} s_q {} s_kv {} heads {}/{} d {}", k.backward ? "backward" : "forward",
+                     k.causal ? "causal" : "non-causal", k.bf16 ? "bf16" : "fp16", k.batch, k.s_q, k.s_kv, k.h_q, k.h_kv,
+                     k.d);
+}
+
+}  // namespace
+
+bool cudnn_built() { return true; }
+
+std::string cudnn_version() {
+  const size_t v = cudnnGetVersion();  // e.g. 91900
+  return fmt::format("cuDNN {}.{}.{} (frontend {}.{}.{})", v / 10000, v / 100 % 100, v % 100,
+                     CUDNN_FRONTEND_MAJOR_VERSION, CUDNN_FRONTEND_MINOR_VERSION, CUDNN_FRONTEND_PATCH_VERSION);
+}
+
+struct CudnnAttention::State {
+  int device = 0;
+  std::string name;
+  cudnnHandle_t handle = nullptr;
+  bool exact_batch = false;
+  mutable std::mutex mutex;  // the handle, the cache and the stats
+  std::unordered_map<GraphKey, Built, cudnn::GraphKeyHash> graphs;
+  CudnnGraphStats stats;
+
+  ~State() {
+    if (handle) (void)cudnnDestroy(handle);
+  }
+
+  Result<const Built*> graph(const GraphKey& key) {
+    if (auto it = graphs.find(key); it != graphs.end()) return &it->second;
+    const auto start = std::chrono::steady_clock::now();
+    Result<Built> built = build_graph(handle, key);
+    if (!built.is_ok()) {
+      return Status(built.status().code(), fmt::format("{} (graph: {})", built.status().message(), key_text(key)));
+    }
+    stats.build_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++stats.graphs_built;
+    return &graphs.emplace(key, std::move(built).value()).first->second;
+  }
+
+  // Runs one planned call: `ptrs` binds the data tensors; the call's lengths and offsets are uploaded.
+  Status run(const Call& call, std::unordered_map<int64_t, void*> ptrs, Scratch& scratch) {
+    Result<const Built*> built = graph(call.key);
+    if (!built.is_ok()) return built.status();
+    std::vector<int32_t> ints;
+    for (const auto* part : {&call.seq_q, &call.seq_kv, &call.q_off, &call.kv_off, &call.stats_off, &call.dkv_off}) {
+      ints.insert(ints.end(), part->begin(), part->end());
+    }
+    Result<const int32_t*> device_ints = scratch.upload(ints);
+    if (!device_ints.is_ok()) return device_ints.status();
+    auto* at = const_cast<int32_t*>(device_ints.value());
+    const int64_t b = call.key.batch;
+    ptrs[kSeqQ] = at;
+    ptrs[kSeqKv] = at + b;
+    ptrs[kQOff] = at + 2 * b;
+    ptrs[kKvOff] = at + 3 * b + 1;
+    ptrs[kStatsOff] = at + 4 * b + 2;
+    if (call.key.backward) ptrs[kDkvOff] = at + 5 * b + 3;
+    void* workspace = nullptr;
+    if (built.value()->workspace > 0) {
+      Result<char*> ws = scratch.alloc<char>(built.value()->workspace);
+      if (!ws.is_ok()) return ws.status();
+      workspace = ws.value();
+    }
+    ++stats.calls;
+    return fe_status(built.value()->graph->execute(handle, ptrs, workspace), "SDPA execution");
+  }
+};
+
+CudnnAttention::CudnnAttention(std::unique_ptr<State> state) : state_(std::move(state)) {}
+CudnnAttention::~CudnnAttention() = default;
+
+Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int device) {
+  int count = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
+    return not_found(fmt::format("no CUDA device: {}", e != cudaSuccess ? cudaGetErrorString(e) : "the driver sees none"));
+  }
+  if (device < 0) DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  if (device >= count) return invalid_argument(fmt::format("CUDA device {} does not exist ({} found)", device, count));
+  cudaDeviceProp prop{};
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  if (prop.major < 8) {
+    return invalid_argument(fmt::format("{} has compute capability {}.{}; cuDNN's fused attention needs 8.0 or newer",
+                                        prop.name, prop.major, prop.minor));
+  }
+  CudaDeviceScope scope(device);
+  if (!scope.status().is_ok()) return scope.status();
+  auto state = std::make_unique<State>();
+  state->device = device;
+  state->name = fmt::format("{} (sm_{}{})", prop.name, prop.major, prop.minor);
+  DISTCA_RETURN_IF_ERROR(cudnn_status(cudnnCreate(&state->handle), "cudnnCreate"));
+  const char* exact = std::getenv("DISTCA_CUDNN_EXACT_BATCH");
+  state->exact_batch = exact && std::strcmp(exact, "1") == 0;
+  return std::unique_ptr<CudnnAttention>(new CudnnAttention(std::move(state)));
+}
+
+int CudnnAttention::device() const { return state_->device; }
+std::string CudnnAttention::device_name() const { return state_->name; }
+CudnnGraphStats CudnnAttention::graph_stats() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->stats;
+}
+
+Status CudnnAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
+  DISTCA_RETURN_IF_ERROR(validate(a));
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const AttnDims& d = a.dims;
+  const bool bf16 = a.dtype == CudaDType::kBf16;
+  cudnn::PlanOptions options;
+  options.bf16 = bf16;
+  options.scale = softmax_scale(d, a.scale);
+  options.exact_batch = state_->exact_batch;
+  Result<Plan> plan = cudnn::plan_calls(d, a.tasks, options);
+  if (!plan.is_ok()) return plan.status();
+  std::lock_guard lock(state_->mutex);
+  CudaDeviceScope scope(state_->device);
+  if (!scope.status().is_ok()) return scope.status();
+  auto* o = static_cast<uint16_t*>(a.o);
+  for (const auto& [begin, end] : plan.value().empty_q_rows) {
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_fill_rows(o, a.lse, begin, end, d.num_q_heads * d.head_dim,
+                                                       static_cast<int>(d.num_q_heads), stream));
+  }
+  if (plan.value().calls.empty()) return Status::ok();
+  DISTCA_RETURN_IF_ERROR(cudnn_status(cudnnSetStream(state_->handle, stream), "cudnnSetStream"));
+  Scratch scratch(stream);
+  for (const Call& call : plan.value().calls) {
+    DISTCA_RETURN_IF_ERROR(state_->run(call,
+                                       {{kQ, const_cast<void*>(a.q)}, {kK, const_cast<void*>(a.k)},
+                                        {kV, const_cast<void*>(a.v)}, {kO, a.o}, {kStats, a.lse}},
+                                       scratch));
+  }
+  return Status::ok();
+}
+
+Status CudnnAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
+  DISTCA_RETURN_IF_ERROR(validate(a));
+  if (a.d_lse) {
+    return invalid_argument("the cudnn kernel takes no d_lse (cuDNN's backward has no LSE gradient input): pass the "
+                            "merged O and LSE, or use the distca kernel");
+  }
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const AttnDims& d = a.dims;
+  const bool bf16 = a.dtype == CudaDType::kBf16;
+  const int64_t q_row = d.num_q_heads * d.head_dim, kv_row = d.num_kv_heads * d.head_dim;
+  const int64_t kv_elems = d.num_kv_rows * kv_row;
+  cudnn::PlanOptions options;
+  options.backward = true;
+  options.bf16 = bf16;
+  options.scale = softmax_scale(d, a.scale);
+  options.dkv_fp32 = a.dkv_fp32;
+  options.exact_batch = state_->exact_batch;
+  Result<Plan> planned = cudnn::plan_calls(d, a.tasks, options);
+  if (!planned.is_ok()) return planned.status();
+  const Plan& plan = planned.value();
+  std::lock_guard lock(state_->mutex);
+  CudaDeviceScope scope(state_->device);
+  if (!scope.status().is_ok()) return scope.status();
+  // Rows no call writes get 0: dQ of empty query rows, dK/dV of unread rows (in place) or all of
+  // the fp32 sums (through scratch).
+  for (const auto& [begin, end] : plan.empty_q_rows) {
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<uint16_t*>(a.dq) + begin * q_row, 0,
+                                                static_cast<size_t>((end - begin) * q_row) * 2, stream));
+  }
+  for (const auto& [begin, end] : plan.empty_kv_rows) {
+    for (void* out : {a.dk, a.dv}) {
+      DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<uint16_t*>(out) + begin * kv_row, 0,
+                                                  static_cast<size_t>((end - begin) * kv_row) * 2, stream));
+    }
+  }
+  Scratch scratch(stream);
+  void* dk_rows = a.dk;
+  void* dv_rows = a.dv;
+  if (plan.kv_scratch) {
+    Result<uint16_t*> k_rows = scratch.alloc<uint16_t>(plan.kv_scratch_rows * kv_row),
+                      v_rows = scratch.alloc<uint16_t>(plan.kv_scratch_rows * kv_row);
+    if (!k_rows.is_ok()) return k_rows.status();
+    if (!v_rows.is_ok()) return v_rows.status();
+    dk_rows = k_rows.value();
+    dv_rows = v_rows.value();
+  }
+  if (!plan.calls.empty()) DISTCA_RETURN_IF_ERROR(cudnn_status(cudnnSetStream(state_->handle, stream), "cudnnSetStream"));
+  for (const Call& call : plan.calls) {
+    DISTCA_RETURN_IF_ERROR(state_->run(
+        call,
+        {{kQ, const_cast<void*>(a.q)}, {kK, const_cast<void*>(a.k)}, {kV, const_cast<void*>(a.v)},
+         {kO, const_cast<void*>(a.o)}, {kDO, const_cast<void*>(a.d_o)}, {kStats, const_cast<float*>(a.lse)},
+         {kDQ, a.dq}, {kDK, dk_rows}, {kDV, dv_rows}},
+        scratch));
+  }
+  if (!plan.kv_scratch || kv_elems == 0) return Status::ok();
+  // The fp32 sums of the tasks' dK/dV rows: the caller's buffers when it wants fp32, else scratch
+  // rounded once into them.
+  float* k_acc = a.dkv_fp32 ? static_cast<float*>(a.dk) : nullptr;
+  float* v_acc = a.dkv_fp32 ? static_cast<float*>(a.dv) : nullptr;
+  if (!a.dkv_fp32) {
+    Result<float*> k = scratch.alloc<float>(kv_elems), v = scratch.alloc<float>(kv_elems);
+    if (!k.is_ok()) return k.status();
+    if (!v.is_ok()) return v.status();
+    k_acc = k.value();
+    v_acc = v.value();
+  }
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(k_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(v_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+  std::vector<int64_t> spans;
+  int64_t max_rows = 0;
+  for (const cudnn::AddSpan& s : plan.add_spans) {
+    spans.insert(spans.end(), {s.src_row, s.dst_row, s.rows});
+    max_rows = std::max(max_rows, s.rows);
+  }
+  if (!spans.empty()) {
+    Result<const int64_t*> device_spans = scratch.upload(spans);
+    if (!device_spans.is_ok()) return device_spans.status();
+    const auto n = static_cast<int64_t>(plan.add_spans.size());
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_add_rows(static_cast<const uint16_t*>(dk_rows), k_acc, device_spans.value(), n,
+                                                      max_rows, kv_row, bf16, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_add_rows(static_cast<const uint16_t*>(dv_rows), v_acc, device_spans.value(), n,
+                                                      max_rows, kv_row, bf16, stream));
+  }
+  if (!a.dkv_fp32) {
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_finalize(k_acc, static_cast<uint16_t*>(a.dk), 1.f, kv_elems, bf16, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_finalize(v_acc, static_cast<uint16_t*>(a.dv), 1.f, kv_elems, bf16, stream));
+  }
+  return Status::ok();
+}
+
+}  // namespace distca::kernels

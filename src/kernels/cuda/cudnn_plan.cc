@@ -1,0 +1,148 @@
+// CudnnAttention's calls from a task list (cudnn_plan.h): plain C++, tested in every build.
+#include "cudnn_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+namespace distca::kernels::cudnn {
+namespace {
+
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+// The parts of [0, n) that no range covers.
+Ranges complement(Ranges ranges, int64_t n) {
+  std::sort(ranges.begin(), ranges.end());
+  Ranges gaps;
+  int64_t at = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin > at) gaps.emplace_back(at, begin);
+    at = std::max(at, end);
+  }
+  if (at < n) gaps.emplace_back(at, n);
+  return gaps;
+}
+
+bool has_work(const AttnTask& t) { return t.q_len > 0 && t.kv_len > 0; }
+
+}  // namespace
+
+size_t GraphKeyHash::operator()(const GraphKey& k) const {
+  size_t h = 0;
+  auto mix = [&h](int64_t v) { h ^= std::hash<int64_t>{}(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
+  mix(k.backward | (k.causal << 1) | (k.bf16 << 2));
+  for (int64_t v : {k.batch, k.s_q, k.s_kv, k.total_q, k.total_kv, k.h_q, k.h_kv, k.d}) mix(v);
+  mix(std::bit_cast<int32_t>(k.scale));
+  return h;
+}
+
+int64_t bucket(int64_t n, int64_t floor) {
+  int64_t b = std::max<int64_t>(floor, 1);
+  while (b < n) b *= 2;
+  return b;
+}
+
+bool kv_ranges_overlap(std::span<const AttnTask> tasks) {
+  Ranges ranges;
+  for (const AttnTask& t : tasks) {
+    if (has_work(t)) ranges.emplace_back(t.kv_offset, t.kv_offset + t.kv_len);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) return true;
+  }
+  return false;
+}
+
+Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, const PlanOptions& options) {
+  Plan plan;
+  const int64_t q_row = dims.num_q_heads * dims.head_dim, kv_row = dims.num_kv_heads * dims.head_dim;
+  Ranges q_ranges, kv_ranges;
+  for (const AttnTask& t : tasks) {
+    if (!has_work(t)) continue;
+    q_ranges.emplace_back(t.q_offset, t.q_offset + t.q_len);
+    kv_ranges.emplace_back(t.kv_offset, t.kv_offset + t.kv_len);
+  }
+  plan.empty_q_rows = complement(q_ranges, dims.num_q_rows);
+  plan.kv_scratch = options.backward && (options.dkv_fp32 || kv_ranges_overlap(tasks));
+  if (options.backward && !plan.kv_scratch) plan.empty_kv_rows = complement(kv_ranges, dims.num_kv_rows);
+
+  // cuDNN's ragged offsets are int32 elements: every row end must fit.
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (dims.num_q_rows * q_row > kMax || dims.num_kv_rows * kv_row > kMax) {
+    return invalid_argument(fmt::format(
+        "cuDNN's ragged offsets are int32: {} query rows x {} and {} key rows x {} elements exceed 2^31-1; "
+        "split the task list", dims.num_q_rows, q_row, dims.num_kv_rows, kv_row));
+  }
+  int64_t scratch_rows = 0;
+  for (const bool causal : {true, false}) {
+    std::vector<int> picked;
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      if (has_work(tasks[i]) && tasks[i].is_causal == causal) picked.push_back(static_cast<int>(i));
+    }
+    if (picked.empty()) continue;
+    std::sort(picked.begin(), picked.end(), [&](int a, int b) { return tasks[a].q_offset < tasks[b].q_offset; });
+    Call call;
+    call.tasks = picked;
+    GraphKey& key = call.key;
+    key.backward = options.backward;
+    key.causal = causal;
+    key.bf16 = options.bf16;
+    key.h_q = dims.num_q_heads;
+    key.h_kv = dims.num_kv_heads;
+    key.d = dims.head_dim;
+    key.scale = options.scale;
+    const auto n = static_cast<int64_t>(picked.size());
+    key.batch = options.exact_batch ? n : bucket(n);
+    int64_t max_q = 0, max_kv = 0, q_end = 0, kv_end = 0, dkv_end = 0;
+    for (int i : picked) {
+      const AttnTask& t = tasks[i];
+      max_q = std::max(max_q, t.q_len);
+      max_kv = std::max(max_kv, t.kv_len);
+      call.seq_q.push_back(static_cast<int32_t>(t.q_len));
+      call.seq_kv.push_back(static_cast<int32_t>(t.kv_len));
+      call.q_off.push_back(static_cast<int32_t>(t.q_offset * q_row));
+      call.stats_off.push_back(static_cast<int32_t>(t.q_offset * dims.num_q_heads));
+      call.kv_off.push_back(static_cast<int32_t>(t.kv_offset * kv_row));
+      q_end = std::max(q_end, t.q_offset + t.q_len);
+      kv_end = std::max(kv_end, t.kv_offset + t.kv_len);
+      if (options.backward) {
+        int64_t dkv_row = t.kv_offset;
+        if (plan.kv_scratch) {
+          dkv_row = scratch_rows;
+          plan.add_spans.push_back({scratch_rows, t.kv_offset, t.kv_len});
+          scratch_rows += t.kv_len;
+          if (scratch_rows * kv_row > kMax) {
+            return invalid_argument(fmt::format(
+                "cuDNN's ragged offsets are int32: the backward's dK/dV scratch of {} rows x {} elements exceeds "
+                "2^31-1; split the task list", scratch_rows, kv_row));
+          }
+        }
+        call.dkv_off.push_back(static_cast<int32_t>(dkv_row * kv_row));
+        dkv_end = std::max(dkv_end, dkv_row + t.kv_len);
+      }
+    }
+    key.s_q = bucket(max_q, 64);
+    key.s_kv = bucket(max_kv, 64);
+    if (options.backward) {
+      key.total_q = bucket(q_end, 64);
+      key.total_kv = bucket(dkv_end, 64);
+    }
+    // Empty slots: length 0, offsets at the end of what the real slots address (non-decreasing).
+    call.seq_q.resize(key.batch, 0);
+    call.seq_kv.resize(key.batch, 0);
+    call.q_off.resize(key.batch + 1, static_cast<int32_t>(q_end * q_row));
+    call.stats_off.resize(key.batch + 1, static_cast<int32_t>(q_end * dims.num_q_heads));
+    call.kv_off.resize(key.batch + 1, static_cast<int32_t>(kv_end * kv_row));
+    if (options.backward) call.dkv_off.resize(key.batch + 1, static_cast<int32_t>(dkv_end * kv_row));
+    plan.calls.push_back(std::move(call));
+  }
+  plan.kv_scratch_rows = scratch_rows;
+  return plan;
+}
+
+}  // namespace distca::kernels::cudnn

@@ -1,0 +1,92 @@
+// The host side of CudnnAttention (distca/kernels/cudnn.h): how a task list becomes cuDNN calls.
+// Plain C++ (no CUDA, no cuDNN), built in every build, so graph keys, shape buckets, task grouping
+// and the dK/dV scratch layout are tested on any machine.
+//
+// cuDNN's fused attention takes a batch of sequences with ragged offsets (THD): sequence b reads
+// Q rows from its own offset and K/V rows from its own offset, with its own lengths under a padding
+// mask. A CA task is exactly one such sequence, so a task list is one batch per mask kind (bottom-
+// right causal, non-causal). cuDNN compiles a graph per shape; a plan changes every step, so the
+// graph's shape is bucketed: the batch, the longest query and key lengths and the packed totals
+// round up to powers of two, and the slots past the real tasks get length 0.
+//
+// Tasks that share K/V rows (shards of one document) read them through overlapping offsets, which
+// the forward allows. The backward writes dK/dV per task, so when any two tasks overlap (or the
+// caller wants fp32 sums) each task writes its own rows of a scratch buffer, which one kernel adds
+// into the fp32 sums afterwards; otherwise cuDNN writes dK/dV in place.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "distca/core/status.h"
+#include "distca/kernels/attention.h"
+
+namespace distca::kernels::cudnn {
+
+// What a built graph depends on: calls with equal keys share one graph.
+struct GraphKey {
+  bool backward = false;
+  bool causal = true;
+  bool bf16 = true;
+  int64_t batch = 0;       // sequence slots (tasks, bucketed)
+  int64_t s_q = 0;         // longest query length, bucketed
+  int64_t s_kv = 0;        // longest key length, bucketed
+  int64_t total_q = 0;     // Q rows of the packed tensor, bucketed (backward workspace bound)
+  int64_t total_kv = 0;    // rows of the dK/dV tensor written, bucketed (backward workspace bound)
+  int64_t h_q = 0, h_kv = 0, d = 0;
+  float scale = 0.f;
+  bool operator==(const GraphKey&) const = default;
+};
+struct GraphKeyHash {
+  size_t operator()(const GraphKey& k) const;
+};
+
+// The next power of two >= n, and at least `floor`.
+int64_t bucket(int64_t n, int64_t floor = 1);
+
+// One cuDNN call: the tasks of one mask kind, in slots 0..tasks.size()-1; the rest of the
+// key.batch slots are empty (length 0). Offsets are in elements of each tensor (int32, as cuDNN's
+// ragged offsets), key.batch + 1 of them, non-decreasing past the real tasks.
+struct Call {
+  GraphKey key;
+  std::vector<int> tasks;  // indices into the task list
+  std::vector<int32_t> seq_q, seq_kv;                      // key.batch each
+  std::vector<int32_t> q_off, kv_off, stats_off, dkv_off;  // key.batch + 1 each (dkv_off: backward)
+};
+
+// A span of dK/dV rows to add: scratch rows [src_row, src_row + rows) into rows [dst_row, ...).
+struct AddSpan {
+  int64_t src_row = 0, dst_row = 0, rows = 0;
+};
+
+struct Plan {
+  std::vector<Call> calls;
+  // Q rows no call writes (uncovered, or a task with no keys): O = 0, LSE = -inf; dQ = 0.
+  std::vector<std::pair<int64_t, int64_t>> empty_q_rows;
+  // Backward: dK/dV through scratch (kv_scratch_rows rows) added into fp32 sums by add_spans;
+  // otherwise in place, with empty_kv_rows (rows no task reads) zeroed.
+  bool kv_scratch = false;
+  int64_t kv_scratch_rows = 0;
+  std::vector<AddSpan> add_spans;
+  std::vector<std::pair<int64_t, int64_t>> empty_kv_rows;
+};
+
+struct PlanOptions {
+  bool backward = false;
+  bool bf16 = true;
+  float scale = 0.f;       // the softmax scale (resolved)
+  bool dkv_fp32 = false;   // backward: the caller wants dK/dV as fp32 sums
+  bool exact_batch = false;  // no empty slots: key.batch = the task count (DISTCA_CUDNN_EXACT_BATCH=1)
+};
+
+// Plans the calls of one pass. The dims and tasks must have passed validate(); fails (a Status)
+// when an offset does not fit cuDNN's int32 ragged offsets.
+Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, const PlanOptions& options);
+
+// True when two tasks with keys read a common K/V row.
+bool kv_ranges_overlap(std::span<const AttnTask> tasks);
+
+}  // namespace distca::kernels::cudnn
