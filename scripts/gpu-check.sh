@@ -179,6 +179,10 @@ if [ -f "$pkg/distca/__init__.py" ]; then
   # distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
   step cuda-attention 200 "$python" python/bench/bench_cuda_attention.py --tokens 8192,16384,32768,65536 \
     --shards 128,1024 --repeats 5 --json "$out/cuda-attention.json"
+  # The measured kernel table `auto` uses on this device (commit it as
+  # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
+  [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
+    "$out/cuda-attention.json" --out "$out/kernel-table.json"
   step torch-kernels 90 "$python" python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
     --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
   # The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
@@ -230,6 +234,7 @@ report["profiles"] = [str(p.relative_to(out)) for p in profiles]
 report["cuda_attention"] = load("cuda-attention.json")
 report["torch_cuda"] = load("torch-cuda.json")
 report["torch_kernels"] = load("torch-kernels.json")
+report["kernel_table"] = load("kernel-table.json")
 train = load("train-cuda.json")
 if train and "summary" in train:
     summary = train["summary"]
@@ -245,7 +250,8 @@ for name, title in (("probe", "what the device offers"), ("configure-cuda", "con
                     ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_EXACT_BATCH=1"), ("memcheck", "compute-sanitizer memcheck"),
                     ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
                     ("torch-cuda", "distca.torch on CUDA"),
-                    ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
+                    ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
+                    ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
                     ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
                     ("megatron-cuda", "Megatron Core adapter"), ("torchtitan-cuda", "TorchTitan adapter")):
     log = out / f"{name}.log"

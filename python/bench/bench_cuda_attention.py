@@ -90,6 +90,17 @@ def ratios(rows: list) -> list:
     return out
 
 
+def cudnn_stats(torch, device) -> dict:
+    """The cuDNN kernel's graph cache so far (graphs built, build seconds, calls): the native object
+    the `cudnn` rows share; zeros where the build has no cuDNN."""
+    from distca import _distca
+    from distca.torch import ops
+    if not _distca.cudnn_built():
+        return {"graphs_built": 0, "build_seconds": 0.0, "calls": 0}
+    return dict(ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device(),
+                                "cudnn").graph_stats)
+
+
 def vs_sdpa_cudnn(rows: list) -> list:
     """Per shape: each task-list kernel's TFLOP/s over sdpa-cudnn's on the same shape."""
     out = []
@@ -476,8 +487,11 @@ def main(argv=None) -> int:
             for name in names:
                 try:
                     forward, backward, outputs = make_runner(name, torch, *x, task_rows, scale)
+                    calls_before = cudnn_stats(torch, device)["calls"] if name == "cudnn" else 0
                     forward()
                     backward()
+                    if name == "cudnn":   # cuDNN calls (so graphs, at worst) one step's forward + backward needs
+                        plan_case["cudnn_calls_per_layer"] = cudnn_stats(torch, device)["calls"] - calls_before
                 except (Unavailable, RuntimeError, TypeError, NotImplementedError) as e:
                     unavailable[f"{name} ({layout})"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
                     torch.cuda.empty_cache()
@@ -491,6 +505,18 @@ def main(argv=None) -> int:
                 del forward, backward, outputs
                 torch.cuda.empty_cache()
             del x
+        graphs = cudnn_stats(torch, device)
+        cudnn_row = next((r for r in rows if r["layout"] == "plan" and r["backend"] == "cudnn"), None)
+        if cudnn_row is not None and graphs["graphs_built"] > 0:
+            # Graph building against a 32-layer step's attention: at worst every call of the step
+            # needs a new graph (a new bucket); each costs the run's mean build time.
+            per_graph = graphs["build_seconds"] / graphs["graphs_built"]
+            step = 32 * (cudnn_row["fwd"]["seconds"] + cudnn_row["bwd"]["seconds"])
+            worst = plan_case.get("cudnn_calls_per_layer", 0) * per_graph
+            plan_case["cudnn_graph_build"] = {"mean_build_seconds_per_graph": per_graph,
+                                              "attention_seconds_32_layers": step,
+                                              "worst_case_build_seconds_per_step": worst,
+                                              "worst_case_fraction_of_step": worst / step}
         base = next((r for r in rows if r["layout"] == "equal-work" and r["backend"] == "sdpa-cudnn"), None)
         plan_case["vs_sdpa_cudnn_equal_work"] = {
             r["backend"]: {p: r[p]["tflops"] / base[p]["tflops"] for p in ("fwd", "bwd")}
@@ -504,7 +530,8 @@ def main(argv=None) -> int:
               "timing": "CUDA events per call; median of repeats, spread = [min, max]",
               "varlen_shards": "each shard with its own copy of its key prefix (the copy and the dK/dV sum not timed)",
               "checks": checks, "rows": rows, "ratios": ratios(rows), "plan_case": plan_case,
-              "vs_sdpa_cudnn": vs_sdpa_cudnn(rows), "unavailable": unavailable}
+              "vs_sdpa_cudnn": vs_sdpa_cudnn(rows), "cudnn_graphs": cudnn_stats(torch, device),
+              "unavailable": unavailable}
     print(f"{report['device']}, Hq {hq}, Hkv {hkv}, D {d}, {args.dtype}; TFLOP/s, medians of {args.repeats} "
           f"(spread min-max)")
     print(f"{'layout':7s} {'tokens':>6s} {'shard':>5s} {'backend':11s} {'fwd':>18s} {'bwd':>18s}")
@@ -523,6 +550,11 @@ def main(argv=None) -> int:
     if plan_case:
         print(f"plan case: server {plan_case['server']} of {plan_case['ranks']}, {plan_case['tasks']} tasks, "
               f"{plan_case['pairs']} pairs = a {plan_case['equal_work_tokens']}-token document")
+        build = plan_case.get("cudnn_graph_build")
+        if build:
+            print(f"plan case: cuDNN graphs {build['mean_build_seconds_per_graph'] * 1e3:.0f} ms each; a step needing "
+                  f"{plan_case['cudnn_calls_per_layer']} new ones: {100 * build['worst_case_fraction_of_step']:.1f} % of "
+                  f"32 layers' attention ({build['attention_seconds_32_layers'] * 1e3:.0f} ms)")
         for name, r in plan_case.get("vs_sdpa_cudnn_equal_work", {}).items():
             print(f"plan case: {name} on the task list / sdpa-cudnn on the equal-work document: forward "
                   f"{r['fwd']:.2f}x, backward {r['bwd']:.2f}x")

@@ -26,10 +26,13 @@ group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `fle
 (distca's own kernels, src/kernels, through the custom operators distca::attention_fwd/_bwd of
 distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
 CPU: float32 and bfloat16, head dims 32, 64, 128, 256; CUDA: bfloat16 and float16, head dims 64
-and 128, on the current stream). `auto` picks the best that runs on the device (on CUDA, as an
-H100 measured them: varlen, then distca, then sdpa; on CPU, distca where its avx512 or avx2 build
-runs, else sdpa: as measured per build). A named backend that cannot run
-raises BackendUnavailable with the reason.
+and 128, on the current stream), `cudnn` (cuDNN's fused attention on the same task list through
+the same operators; CUDA, builds that found cuDNN). `auto` picks the best that runs on the device:
+on CUDA, per task list by the device's measured kernel table (distca.torch.kernel_table: the
+fastest kernel per kind of list, `long` or `shards`) where one exists, else as an H100 measured
+them: varlen, then distca, then sdpa; on CPU, distca where its avx512 or avx2 build runs, else
+sdpa: as measured per build. A StepPlanner's layouts say which (`StepLayout.backend_note`). A
+named backend that cannot run raises BackendUnavailable with the reason.
 """
 from __future__ import annotations
 
@@ -711,6 +714,66 @@ def _first_that_runs(order, device, dtype, head_dim: Optional[int]) -> Optional[
     return None
 
 
+class AutoKernel(ServerKernel):
+    """`auto` on a device with a measured kernel table (distca.torch.kernel_table): each call's
+    task list goes to the kernel the table names fastest for its kind (`long` or `shards`); a kind
+    the table lacks, or a kernel that cannot run here, goes to the default order's choice."""
+    name = "auto"
+
+    def __init__(self, choices: dict, default: ServerKernel, source: str):
+        self.choices, self.default, self.source = choices, default, source
+
+    def unavailable(self, device, dtype):
+        return self.default.unavailable(device, dtype)
+
+    def pick(self, tasks: ServerTasks) -> ServerKernel:
+        if "kernel_kind" not in tasks.cache:
+            from .kernel_table import classify
+            tasks.cache["kernel_kind"] = classify(DistcaKernel.task_array(tasks))
+        return self.choices.get(tasks.cache["kernel_kind"], self.default)
+
+    def forward(self, q, k, v, tasks, scale):
+        return self.pick(tasks).forward(q, k, v, tasks, scale)
+
+    def backward(self, do, q, k, v, o, lse, tasks, scale):
+        return self.pick(tasks).backward(do, q, k, v, o, lse, tasks, scale)
+
+
+def _table_auto(device: torch.device, dtype: torch.dtype, head_dim: Optional[int]) -> Optional[AutoKernel]:
+    """`auto` from the device's measured kernel table, or None where it has none."""
+    from .kernel_table import find_table
+    path, table = find_table(torch.cuda.get_device_name(device))
+    if table is None:
+        return None
+    default = _first_that_runs(_auto_order(device), device, dtype, head_dim)
+    if default is None:
+        return None
+    choices = {}
+    for kind, entry in table["kinds"].items():
+        kernel = _BACKENDS[entry["fastest"]]()
+        if kernel.unavailable(device, dtype) is not None:
+            continue
+        if isinstance(kernel, DistcaKernel):
+            if head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
+                continue
+            kernel.fallback = default   # head dims it is not built for, known only at the call
+        choices[kind] = kernel
+    return AutoKernel(choices, default, str(path))
+
+
+def describe_auto(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> str:
+    """What `auto` runs on `device` with `dtype`, and why: the measured table's choice per kind of
+    task list, or the default order's first kernel that runs."""
+    kernel = get_backend("auto", device, dtype, head_dim)
+    if isinstance(kernel, AutoKernel):
+        picks = ", ".join(f"{kind} -> {k.name}" for kind, k in sorted(kernel.choices.items()))
+        return f"auto: per task list from the measured table {kernel.source} ({picks}; otherwise {kernel.default.name})"
+    why = ""
+    if device.type == "cuda":
+        why = f"; no measured kernel table for {torch.cuda.get_device_name(device)}, so the default order"
+    return f"auto: {kernel.name}{why} ({', '.join(_auto_order(device))})"
+
+
 def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: torch.dtype,
                 head_dim: Optional[int] = None) -> ServerKernel:
     """The server kernel `name` for tensors on `device` of `dtype` (and `head_dim`, where known);
@@ -727,6 +790,9 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     if name == "auto":
+        table_kernel = _table_auto(device, dtype, head_dim) if device.type == "cuda" else None
+        if table_kernel is not None:
+            return table_kernel
         kernel = _first_that_runs(_auto_order(device), device, dtype, head_dim)
         if kernel is None:
             raise BackendUnavailable(f"no server kernel runs on {device} with {dtype}")

@@ -41,7 +41,7 @@ import distca
 from distca import _distca
 
 from .buffers import ExchangeBuffers
-from .backends import ServerTasks, TaskGroup, get_backend
+from .backends import ServerTasks, TaskGroup, describe_auto, get_backend
 
 # Planners constructed in this process per tuple of their group's (global) ranks: a planner's
 # ordinal among those over the same ranks, the same on every rank when every rank constructs its
@@ -119,6 +119,7 @@ class StepLayout:
     layout_ms: float               # the layouts and device tensors, this rank
     buffers: Any = None            # the planner's ExchangeBuffers (static_buffers), or None
     planner_id: int = 0            # StepPlanner.planner_id of the planner that made it
+    backend_note: str = ""         # what `auto` runs here and why (backends.describe_auto), else ""
 
     @property
     def hash(self) -> int:
@@ -134,7 +135,8 @@ class StepLayout:
     def __repr__(self) -> str:
         return (f"<distca.torch.StepLayout step {self.serial} of planner {self.planner_id:016x}: "
                 f"rank {self.rank}/{self.world_size}, "
-                f"{self.num_local_rows} rows, {len(self.parts)} nano-batch(es), plan {self.plan.hash:016x}>")
+                f"{self.num_local_rows} rows, {len(self.parts)} nano-batch(es), plan {self.plan.hash:016x}"
+                f"{'; ' + self.backend_note if self.backend_note else ''}>")
 
 
 _MODEL_SHAPE_KEYS = {"heads": "num_q_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim"}
@@ -682,8 +684,11 @@ class StepPlanner:
         self.pingpong = (self.device.type == "cuda") if pingpong == "auto" else bool(pingpong)
         self.backward = backward
         self.backend = backend
-        get_backend(backend, self.device, torch.float32 if self.device.type == "cpu" else torch.bfloat16,
-                    head_dim=self.model.head_dim)
+        default_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        get_backend(backend, self.device, default_dtype, head_dim=self.model.head_dim)
+        # What `auto` runs (the measured table's choice per kind of task list, or the default order's).
+        self.backend_note = (describe_auto(self.device, default_dtype, self.model.head_dim)
+                             if backend == "auto" else "")
         self.check_inputs = check_inputs
         ranks = dist.get_process_group_ranks(self.group)
         self.control_group = self.group if backend_name == "gloo" else dist.new_group(ranks, backend="gloo")
@@ -768,6 +773,7 @@ class StepPlanner:
         layout.group, layout.control_group, layout.model = self.group, self.control_group, self.model
         layout.backward, layout.backend, layout.check_inputs = self.backward, self.backend, self.check_inputs
         layout.plan_ms, layout.buffers = plan_ms, self.buffers
+        layout.backend_note = self.backend_note
         return layout
 
     def close(self) -> None:
