@@ -176,6 +176,9 @@ fi
 export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
 if [ -f "$pkg/distca/__init__.py" ]; then
   step torch-cuda 150 "$python" python/tests/gpu/check_torch_cuda.py --require-distca --json "$out/torch-cuda.json"
+  # The whole multi-rank path on the one GPU: 2 and 4 processes, kernels on CUDA, the exchange over gloo
+  # through host memory (StepPlanner host_staging), against whole-document attention.
+  step torch-multirank 150 "$python" python/tests/gpu/check_torch_multirank.py --json "$out/torch-multirank.json"
   # distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
   step cuda-attention 200 "$python" python/bench/bench_cuda_attention.py --tokens 8192,16384,32768,65536 \
     --shards 128,1024 --repeats 5 --json "$out/cuda-attention.json"
@@ -235,6 +238,7 @@ report["cuda_attention"] = load("cuda-attention.json")
 report["torch_cuda"] = load("torch-cuda.json")
 report["torch_kernels"] = load("torch-kernels.json")
 report["kernel_table"] = load("kernel-table.json")
+report["torch_multirank"] = load("torch-multirank.json")
 train = load("train-cuda.json")
 if train and "summary" in train:
     summary = train["summary"]
@@ -251,7 +255,8 @@ for name, title in (("probe", "what the device offers"), ("configure-cuda", "con
                     ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
                     ("torch-cuda", "distca.torch on CUDA"),
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
-                    ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
+                    ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"),
+                    ("torch-multirank", "distca.torch on 2 and 4 processes sharing the GPU (check_torch_multirank.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
                     ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
                     ("megatron-cuda", "Megatron Core adapter"), ("torchtitan-cuda", "TorchTitan adapter")):
     log = out / f"{name}.log"

@@ -52,18 +52,24 @@ def _unpack(packed: torch.Tensor, specs: list) -> list:
 
 class _Exchange:
     """all_to_all_single of dim 0, posted asynchronously; wait() returns the received tensor
-    (a view of `buffers`' slot when given, else a new tensor)."""
+    (a view of `buffers`' slot when given, else a new tensor). With `stage` (a layout's
+    host_staging: CUDA tensors over gloo, for testing) it moves host copies and copies the result
+    back to the device in wait()."""
 
     def __init__(self, x: torch.Tensor, send_splits: list, recv_splits: list, group,
-                 buffers: Optional[ExchangeBuffers] = None, slot: tuple = ()):
+                 buffers: Optional[ExchangeBuffers] = None, slot: tuple = (), stage: bool = False):
         rows, row_shape = sum(recv_splits), tuple(x.shape[1:])
         self.out = buffers.get(slot, rows, row_shape, x.dtype) if buffers is not None else x.new_empty((rows,) + row_shape)
-        work = dist.all_to_all_single(self.out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True)
+        self.host = torch.empty((rows,) + row_shape, dtype=x.dtype) if stage else None
+        work = dist.all_to_all_single(self.host if stage else self.out, x.contiguous().cpu() if stage else x.contiguous(),
+                                      recv_splits, send_splits, group=group, async_op=True)
         assert work is not None
         self.work = work
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
+        if self.host is not None:
+            self.out.copy_(self.host)
         return self.out
 
 
@@ -151,18 +157,18 @@ class CADAttention(torch.autograd.Function):
         hq, d = q.shape[1], q.shape[2]
         kv = torch.stack((k, v), dim=1)                                       # [T, 2, Hkv, D]
         # 1. Dispatch every nano-batch's Q and K/V (posted, not waited for).
-        pool = layout.buffers
+        pool, stage = layout.buffers, layout.host_staging
         dispatch = [(_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group,
-                               pool, ("fwd", i, "q")),
+                               pool, ("fwd", i, "q"), stage),
                      _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group,
-                               pool, ("fwd", i, "kv")))
+                               pool, ("fwd", i, "kv"), stage))
                     for i, p in enumerate(layout.parts)]
         # 2. Serve each nano-batch as its rows arrive; post its results back at once.
         returns, saved = [], []
         for i, (p, (xq, xkv)) in enumerate(zip(layout.parts, dispatch)):
             o_send, lse_send, state = _server_forward(p, xq.wait(), xkv.wait(), kernel, scale)
             returns.append(_Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group,
-                                     pool, ("fwd_return", i)))
+                                     pool, ("fwd_return", i), stage))
             saved.append(state if layout.backward == "stateful" else None)
         # 3. Owner: copy and merge each nano-batch's results as they come back.
         out = q.new_zeros(q.shape)
@@ -195,16 +201,16 @@ class CADAttention(torch.autograd.Function):
             kv = torch.stack((k, v), dim=1)
         # 1. Dispatch dO with the merged O and LSE (stateless: Q and K/V again), every nano-batch.
         dispatch = []
-        pool = layout.buffers
+        pool, stage = layout.buffers, layout.host_staging
         for i, p in enumerate(layout.parts):
             rows = _pack(dout.index_select(0, p.q_send_index), out.index_select(0, p.q_send_index),
                          lse.index_select(0, p.q_send_index))
-            xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group, pool, ("bwd", i, "dout"))
+            xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group, pool, ("bwd", i, "dout"), stage)
             if stateless:
                 xs = (_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group,
-                                pool, ("bwd", i, "q")),
+                                pool, ("bwd", i, "q"), stage),
                       _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group,
-                                pool, ("bwd", i, "kv")))
+                                pool, ("bwd", i, "kv"), stage))
             else:
                 xs = None
             dispatch.append((xq, xs))
@@ -225,9 +231,9 @@ class CADAttention(torch.autograd.Function):
             dq_send = dq_var.new_empty((p.num_q_recv, hq, d)).index_copy_(0, p.q_gather, dq_var)
             dkv_send = torch.zeros((p.num_kv_recv, 2, hkv, d), dtype=torch.float32, device=out.device)
             dkv_send.index_add_(0, p.kv_gather, torch.stack((dk_var.float(), dv_var.float()), dim=1))
-            returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group, pool, ("bwd_return", i, "dq")),
+            returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group, pool, ("bwd_return", i, "dq"), stage),
                             _Exchange(dkv_send, p.kv_recv_splits, p.kv_send_splits, group, pool,
-                                      ("bwd_return", i, "dkv"))))
+                                      ("bwd_return", i, "dkv"), stage)))
         ctx.server_state = None
         # 3. Owner: sum each row's entries (fp32).
         dq = torch.zeros(out.shape, dtype=torch.float32, device=out.device)

@@ -120,6 +120,7 @@ class StepLayout:
     buffers: Any = None            # the planner's ExchangeBuffers (static_buffers), or None
     planner_id: int = 0            # StepPlanner.planner_id of the planner that made it
     backend_note: str = ""         # what `auto` runs here and why (backends.describe_auto), else ""
+    host_staging: bool = False     # the exchanges go through host memory (CUDA tensors over gloo; testing)
 
     @property
     def hash(self) -> int:
@@ -625,6 +626,9 @@ class StepPlanner:
     static_buffers: receive the exchanges into buffers allocated once (at `buffer_capacity` bytes
       per slot, or grown to the largest step seen) and reused by every layer and step, so the
       exchanges allocate nothing in steady state (planner.buffers counts the allocations).
+    host_staging: for testing only: CUDA tensors over a gloo group, each exchange copied to host
+      memory, moved by gloo and copied back (slow, synchronous copies). Several processes can then
+      share one GPU, which NCCL refuses; the kernels still run on the GPU.
 
     Every rank constructs its planners in the same order and makes the same calls (plan,
     plan_async, cad_attention) in the same order; planner_id, the same on every rank, names the
@@ -638,7 +642,7 @@ class StepPlanner:
                  backward: str = "stateful", backend: str = "auto", device: Union[str, torch.device, None] = None,
                  check_inputs: bool = True, prefetch: bool = False, profile: Optional[str] = None,
                  static_buffers: bool = False, buffer_capacity: int = 0,
-                 throughput: Union[str, Mapping[str, Any], None] = "auto"):
+                 throughput: Union[str, Mapping[str, Any], None] = "auto", host_staging: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("StepPlanner needs torch.distributed initialised (dist.init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -662,8 +666,15 @@ class StepPlanner:
         self.device = torch.device(device)
         if backend_name == "nccl" and self.device.type != "cuda":
             raise ValueError(f"the group uses NCCL, which moves CUDA tensors; device {self.device} is not one")
-        if backend_name == "gloo" and self.device.type == "cuda":
-            raise ValueError("the group uses gloo; use an NCCL group for CUDA tensors")
+        if not isinstance(host_staging, bool):
+            raise TypeError(f"host_staging must be a bool, got {type(host_staging).__name__}")
+        if host_staging and not (backend_name == "gloo" and self.device.type == "cuda"):
+            raise ValueError(f"host_staging is for CUDA tensors over a gloo group; this is {backend_name} with "
+                             f"{self.device.type} tensors")
+        if backend_name == "gloo" and self.device.type == "cuda" and not host_staging:
+            raise ValueError("the group uses gloo; use an NCCL group for CUDA tensors (or, for testing, "
+                             "host_staging=True: the exchanges through host memory)")
+        self.host_staging = host_staging
         if throughput == "auto":
             throughput = "cpu" if self.device.type == "cpu" else None
         self.options: dict[str, Any] = dict(policy=policy, tolerance=tolerance, granularity=granularity,
@@ -696,7 +707,7 @@ class StepPlanner:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "distca-plan") if prefetch else None
         self._config_digest = hashlib.sha256(json.dumps(
             [self.options, self._plan_model, self.model.__dict__, self.pingpong, backward,
-             backend if isinstance(backend, str) else type(backend).__name__, check_inputs, prefetch],
+             backend if isinstance(backend, str) else type(backend).__name__, check_inputs, prefetch, host_staging],
             sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.buffers = ExchangeBuffers(self.device, int(buffer_capacity)) if static_buffers else None
         self.current: Optional[StepLayout] = None
@@ -773,7 +784,7 @@ class StepPlanner:
         layout.group, layout.control_group, layout.model = self.group, self.control_group, self.model
         layout.backward, layout.backend, layout.check_inputs = self.backward, self.backend, self.check_inputs
         layout.plan_ms, layout.buffers = plan_ms, self.buffers
-        layout.backend_note = self.backend_note
+        layout.backend_note, layout.host_staging = self.backend_note, self.host_staging
         return layout
 
     def close(self) -> None:
