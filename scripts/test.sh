@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
 # Quick start (2): installs dependencies, builds, installs the Python package, and runs the whole
-# test suite: ctest (C++) and pytest (the Python package).
+# test suite: ctest (C++) and pytest (the Python package), then the aarch64 kernels under qemu and
+# the parsers under libFuzzer. Each part prints how long it took; the last line sums them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
-scripts/build.sh
-scripts/install-python.sh
-ctest --test-dir build --output-on-failure -j "$(nproc)"
+start=$SECONDS
+timings=()
+part() {  # part NAME COMMAND...: runs it and records its wall time
+  local name="$1" t0=$SECONDS
+  shift
+  "$@"
+  timings+=("$name $((SECONDS - t0)) s")
+  echo "test.sh: $name took $((SECONDS - t0)) s"
+}
+part install-deps scripts/install-deps.sh
+part build scripts/build.sh
+part install-python scripts/install-python.sh
+part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
 # The Python package's tests (pytest), after the C++ suite: they compare with the distca binary.
-.venv/bin/python -m pytest -q -p no:cacheprovider python/tests
+part pytest .venv/bin/python -m pytest -q -p no:cacheprovider python/tests
 # The CPU kernels' aarch64 build (NEON) against the reference under qemu-user (about 2 minutes).
-scripts/test-aarch64.sh --quick
+part aarch64 scripts/test-aarch64.sh --quick
 # The file parsers under libFuzzer for a fixed time (about a minute, after its own clang build in build-fuzz/).
-scripts/fuzz.sh
+part fuzz scripts/fuzz.sh
+echo "test.sh: all passed in $((SECONDS - start)) s ($(IFS=,; echo "${timings[*]}" | sed 's/,/, /g'))"

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
+#include <nvrtc.h>
 #include <fmt/format.h>
 
 #include <chrono>
@@ -22,6 +23,22 @@
 #include "distca/kernels/cudnn.h"
 #include "launch.h"
 #include "scratch.h"
+
+// cudnn-frontend's experimental engines (an sm_100 RMSNorm, not attention) compile kernels at run
+// time with NVRTC. SDPA never reaches them, and linking libnvrtc (110 MB) would map it into every
+// process of distca's, including those run under a memory limit; so its seven entry points are
+// defined here, hidden in this library, answering that NVRTC is not available.
+extern "C" {
+nvrtcResult nvrtcCreateProgram(nvrtcProgram*, const char*, const char*, int, const char* const*, const char* const*) {
+  return NVRTC_ERROR_INTERNAL_ERROR;
+}
+nvrtcResult nvrtcDestroyProgram(nvrtcProgram*) { return NVRTC_ERROR_INTERNAL_ERROR; }
+nvrtcResult nvrtcCompileProgram(nvrtcProgram, int, const char* const*) { return NVRTC_ERROR_INTERNAL_ERROR; }
+nvrtcResult nvrtcGetCUBINSize(nvrtcProgram, size_t*) { return NVRTC_ERROR_INTERNAL_ERROR; }
+nvrtcResult nvrtcGetCUBIN(nvrtcProgram, char*) { return NVRTC_ERROR_INTERNAL_ERROR; }
+nvrtcResult nvrtcGetProgramLogSize(nvrtcProgram, size_t*) { return NVRTC_ERROR_INTERNAL_ERROR; }
+nvrtcResult nvrtcGetProgramLog(nvrtcProgram, char*) { return NVRTC_ERROR_INTERNAL_ERROR; }
+}
 
 namespace distca::kernels {
 namespace {
