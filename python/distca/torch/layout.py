@@ -20,6 +20,10 @@ header on the planner's gloo control group: an all_gather of [call, planner_id, 
 (int64). Every call's first collective has that one shape, so ranks in different calls, or with
 bad input on one rank, all see every header and raise the same InputError instead of waiting in
 mismatched collectives.
+
+This module holds StepPlanner and its planning; the layout itself (StepLayout, rank_layout) is in
+step_layout, the nano-batch split (split_tasks) in nanobatch, and the call header (call_header,
+InputError, agree) in agreement. Every name of those is re-exported here.
 """
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ import os
 import time
 import weakref
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -38,10 +41,14 @@ import torch
 import torch.distributed as dist
 
 import distca
-from distca import _distca
 
 from .buffers import ExchangeBuffers
-from .backends import ServerTasks, TaskGroup, describe_auto, get_backend
+from .backends import describe_auto, get_backend
+from .agreement import (CALL_CAD_ATTENTION, CALL_PLAN, CALL_PLAN_ASYNC, _CALL_NAMES, InputError,  # noqa: F401
+                        _by_value, _describe, _error_message, _one_line, _ranks_text, agree, call_header)
+from .nanobatch import _checked_tasks, _row_groups, _task_pairs, split_tasks  # noqa: F401
+from .step_layout import (ModelShape, PartLayout, StepLayout, _checked_rows, _device_tensor,  # noqa: F401
+                          _part_layout, rank_layout)
 
 # Planners constructed in this process per tuple of their group's (global) ranks: a planner's
 # ordinal among those over the same ranks, the same on every rank when every rank constructs its
@@ -50,94 +57,6 @@ _PLANNER_COUNTS: dict = {}
 # Weak references to this process's planners, oldest first: a rank whose cad_attention gets no
 # planner's layout agrees over the newest live planner's control group.
 _PLANNERS: list = []
-
-# The calls that start with a call header (see the module docstring), by code.
-CALL_PLAN, CALL_PLAN_ASYNC, CALL_CAD_ATTENTION = 1, 2, 3
-_CALL_NAMES = {CALL_PLAN: "StepPlanner.plan", CALL_PLAN_ASYNC: "StepPlanner.plan_async",
-               CALL_CAD_ATTENTION: "cad_attention"}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The attention shape cad_attention checks its inputs against."""
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-@dataclass
-class PartLayout:
-    """One nano-batch's exchange on this rank (see distca.RankLayout for the arrays' meaning);
-    index arrays are int64 device tensors, split sizes Python lists."""
-    q_send_index: torch.Tensor     # (entries) local row of each Q entry, grouped by server
-    kv_send_index: torch.Tensor    # (kv entries) local row of each K/V entry, grouped by server
-    q_send_splits: list
-    q_recv_splits: list
-    kv_send_splits: list
-    kv_recv_splits: list
-    q_gather: torch.Tensor         # (server Q rows) varlen row -> row of the received Q
-    kv_gather: torch.Tensor        # (server K rows) varlen row -> row of the received K/V
-    copy_entries: torch.Tensor
-    copy_rows: torch.Tensor
-    merge_entries: torch.Tensor
-    merge_rows: torch.Tensor       # (merge entries) local row of each partial result
-    merged_rows: torch.Tensor      # (split rows) the distinct rows of merge_rows
-    merge_slot: torch.Tensor       # (merge entries) index of each entry's row in merged_rows
-    tasks: ServerTasks
-    num_tasks: int
-
-    @property
-    def num_q_recv(self) -> int:
-        return sum(self.q_recv_splits)
-
-    @property
-    def num_kv_recv(self) -> int:
-        return sum(self.kv_recv_splits)
-
-
-@dataclass
-class StepLayout:
-    """One step's CAD layout on this rank: made by StepPlanner.plan, passed to cad_attention in
-    every layer of the step (forward and backward). (planner_id, serial) names the step, the same
-    on every rank; rank_layout alone leaves both 0 (no planner's step)."""
-    serial: int                    # the planner's plan/plan_async call that made it, from 1
-    rank: int
-    world_size: int
-    group: Any
-    control_group: Any
-    device: torch.device
-    model: Optional[ModelShape]   # None until StepPlanner sets it (rank_layout alone)
-    num_local_rows: int
-    positions: torch.Tensor        # (T) int64: each local row's position in its document (RoPE)
-    local_cu_seqlens: torch.Tensor  # (pieces + 1) int64: this rank's pieces, end to end
-    parts: list                    # one PartLayout, or two with ping-pong
-    plan: "distca.Plan"
-    backward: str                  # stateful | stateless
-    backend: str
-    check_inputs: bool
-    plan_ms: float                 # gather + C++ planning + hash check, this rank
-    layout_ms: float               # the layouts and device tensors, this rank
-    buffers: Any = None            # the planner's ExchangeBuffers (static_buffers), or None
-    planner_id: int = 0            # StepPlanner.planner_id of the planner that made it
-    backend_note: str = ""         # what `auto` runs here and why (backends.describe_auto), else ""
-    host_staging: bool = False     # the exchanges go through host memory (CUDA tensors over gloo; testing)
-
-    @property
-    def hash(self) -> int:
-        return self.plan.hash
-
-    @property
-    def is_pingpong(self) -> bool:
-        return len(self.parts) == 2
-
-    def server_kernel(self, dtype: torch.dtype, name: Optional[str] = None):
-        return get_backend(name or self.backend, self.device, dtype)
-
-    def __repr__(self) -> str:
-        return (f"<distca.torch.StepLayout step {self.serial} of planner {self.planner_id:016x}: "
-                f"rank {self.rank}/{self.world_size}, "
-                f"{self.num_local_rows} rows, {len(self.parts)} nano-batch(es), plan {self.plan.hash:016x}"
-                f"{'; ' + self.backend_note if self.backend_note else ''}>")
 
 
 _MODEL_SHAPE_KEYS = {"heads": "num_q_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim"}
@@ -180,17 +99,6 @@ def _planner_model(model: Union[str, Mapping[str, Any]]) -> Union[str, dict]:
         d.setdefault("hidden", hidden)
         d.setdefault("ffn_hidden", 4 * hidden)
     return d
-
-
-def _describe(x: Any) -> str:
-    """A value for a message: its type, and its repr when that is short."""
-    if x is None:
-        return "None"
-    try:
-        text = repr(x)
-    except Exception:  # noqa: BLE001 (a repr that raises: the type alone)
-        text = ""
-    return f"{type(x).__name__} {text}" if 0 < len(text) <= 40 else f"a {type(x).__name__}"
 
 
 def _as_int_list(x: Any, what: str) -> list:
@@ -279,295 +187,6 @@ def _global_batch(gathered: list) -> tuple:
             rows.append((doc, begin, end, rank))
     batch = distca.batch_from_pieces(lengths, np.asarray(rows, dtype=np.int64).reshape(-1, 4))
     return batch, rows
-
-
-def split_tasks(tasks: np.ndarray, num_ranks: int) -> tuple:
-    """The plan's tasks in two nano-batches, each server's causal pairs balanced between them.
-    Tasks whose query rows overlap (a row's key splits, which may come from tasks of different
-    query ranges) stay together, so a row is merged, and its dQ summed, within one nano-batch.
-    Greedy, largest group first: a group goes to the side where the busiest of its servers ends
-    up lighter (ties: the lighter side overall). Returns two index arrays into `tasks` (each in
-    plan order), or one (all tasks) when there are fewer than two such groups."""
-    num_ranks = _checked_tasks(tasks, num_ranks)
-    group_of = _row_groups(tasks)
-    num_groups = int(group_of.max()) + 1 if len(group_of) else 0
-    if num_groups < 2:
-        return (np.arange(len(tasks)),)
-    pairs = _task_pairs(tasks)
-    # Each group's cost per server it uses, as flat lists (groups in order).
-    key = group_of * num_ranks + tasks["server"].astype(np.int64)
-    cells, inverse = np.unique(key, return_inverse=True)
-    cost = np.bincount(inverse, weights=pairs).tolist()
-    servers = (cells % num_ranks).tolist()
-    bounds = np.searchsorted(cells // num_ranks, np.arange(num_groups + 1)).tolist()
-    totals_by_group = np.bincount(group_of, weights=pairs, minlength=num_groups)
-    order = np.lexsort((np.arange(num_groups), -totals_by_group)).tolist()
-    loads = ([0.0] * num_ranks, [0.0] * num_ranks)
-    totals = [0.0, 0.0]
-    side_of = np.zeros(num_groups, dtype=np.int64)
-    for g in order:
-        cells_g = range(bounds[g], bounds[g + 1])
-        after = [max(loads[side][servers[c]] + cost[c] for c in cells_g) for side in (0, 1)]
-        side = 0 if (after[0], totals[0]) <= (after[1], totals[1]) else 1
-        for c in cells_g:
-            loads[side][servers[c]] += cost[c]
-        totals[side] += totals_by_group[g]
-        side_of[g] = side
-    part_of = side_of[group_of]
-    a, b = np.flatnonzero(part_of == 0), np.flatnonzero(part_of == 1)
-    return (a, b) if len(a) and len(b) else (np.arange(len(tasks)),)
-
-
-def _checked_tasks(tasks: Any, num_ranks: Any) -> int:
-    """split_tasks' arguments checked (TypeError / ValueError naming the first fault) -> num_ranks."""
-    num_ranks = distca._integer(num_ranks, "num_ranks", 32)
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
-    names: tuple = distca.TASK_DTYPE.names or ()
-    if not isinstance(tasks, np.ndarray) or tasks.dtype.names is None or tasks.ndim != 1:
-        got = f"an array of {tasks.dtype}, shape {tasks.shape}" if isinstance(tasks, np.ndarray) else _describe(tasks)
-        raise TypeError(f"tasks must be a one-dimensional array of distca.TASK_DTYPE (Plan.tasks), got {got}")
-    for name in names:
-        if name not in tasks.dtype.names:
-            raise ValueError(f"tasks: no field {name!r} (distca.TASK_DTYPE: {', '.join(names)})")
-        if tasks.dtype[name].kind not in "iu":
-            raise TypeError(f"tasks: field {name!r} must hold integers, got {tasks.dtype[name]}")
-    if len(tasks):
-        doc, q0, q1, k0, k1, server = (tasks[f].astype(np.int64) for f in names)
-        bad = np.flatnonzero((server < 0) | (server >= num_ranks))
-        if bad.size:
-            raise ValueError(f"tasks[{bad[0]}]: server {server[bad[0]]} outside [0, {num_ranks}) "
-                             f"(num_ranks {num_ranks})")
-        bad = np.flatnonzero((doc < 0) | (q0 < 0) | (q1 <= q0) | (k0 < 0) | (k1 < k0))
-        if bad.size:
-            i = bad[0]
-            raise ValueError(f"tasks[{i}]: need doc >= 0, 0 <= q0 < q1 and 0 <= k0 <= k1, got doc {doc[i]}, "
-                             f"q [{q0[i]}, {q1[i]}), kv [{k0[i]}, {k1[i]})")
-    return num_ranks
-
-
-def _row_groups(tasks: np.ndarray) -> np.ndarray:
-    """(tasks) the group of each task: tasks whose query ranges overlap, transitively, within a
-    document share one; groups numbered in (doc, q0) order."""
-    if len(tasks) == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.lexsort((tasks["q0"], tasks["doc"]))
-    doc, q0, q1 = (tasks[f][order].astype(np.int64) for f in ("doc", "q0", "q1"))
-    # Within a document (sorted by q0), a task starts a new group when it begins at or after the
-    # furthest query end so far; documents are offset apart so one running maximum serves all.
-    offset = doc * (int(q1.max()) + 1)
-    reach = np.maximum.accumulate(offset + q1)
-    starts = np.ones(len(order), dtype=bool)
-    starts[1:] = (doc[1:] != doc[:-1]) | (offset[1:] + q0[1:] >= reach[:-1])
-    group_of = np.empty(len(order), dtype=np.int64)
-    group_of[order] = np.cumsum(starts) - 1
-    return group_of
-
-
-def _task_pairs(tasks: np.ndarray) -> np.ndarray:
-    """(query, key) pairs of each task: causal tasks (k1 == q1) count the triangle."""
-    q0, q1, k0, k1 = (tasks[f].astype(np.float64) for f in ("q0", "q1", "k0", "k1"))
-    causal = k1 == q1
-    full = (q1 - q0) * (k1 - k0)
-    tri = (q1 - q0) * (q0 - k0) + (q1 - q0) * (q1 - q0 + 1) / 2
-    return np.where(causal, tri, full)
-
-
-def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    return t.to(device, non_blocking=True) if device.type != "cpu" else t
-
-
-def _part_layout(d: dict, device: torch.device, num_tasks: int) -> PartLayout:
-    dev = lambda a: _device_tensor(a, device)  # noqa: E731
-    groups = []
-    for name, q_offset, k_offset, is_causal in (("causal", 0, 0, True),
-                                                ("noncausal", d["causal_q_rows"], d["causal_kv_rows"], False)):
-        g = d[name]
-        cu_q, cu_k = np.asarray(g["cu_seqlens_q"], np.int64), np.asarray(g["cu_seqlens_k"], np.int64)
-        groups.append(TaskGroup(is_causal, int(q_offset), int(k_offset), cu_q, cu_k, int(g["max_seqlen_q"]),
-                                int(g["max_seqlen_k"]), torch.from_numpy(cu_q.astype(np.int32)).to(device),
-                                torch.from_numpy(cu_k.astype(np.int32)).to(device)))
-    merge_rows = np.asarray(d["merge_rows"], np.int64)
-    merged_rows, merge_slot = np.unique(merge_rows, return_inverse=True)
-    tasks = ServerTasks((groups[0], groups[1]), len(d["q_gather"]), len(d["kv_gather"]), device)
-    return PartLayout(
-        q_send_index=dev(d["q_send_index"]), kv_send_index=dev(d["kv_send_index"]),
-        q_send_splits=[int(x) for x in d["q_send_splits"]], q_recv_splits=[int(x) for x in d["q_recv_splits"]],
-        kv_send_splits=[int(x) for x in d["kv_send_splits"]], kv_recv_splits=[int(x) for x in d["kv_recv_splits"]],
-        q_gather=dev(d["q_gather"]), kv_gather=dev(d["kv_gather"]),
-        copy_entries=dev(d["copy_entries"]), copy_rows=dev(d["copy_rows"]),
-        merge_entries=dev(d["merge_entries"]), merge_rows=dev(merge_rows),
-        merged_rows=dev(merged_rows), merge_slot=dev(merge_slot), tasks=tasks, num_tasks=num_tasks)
-
-
-def _checked_rows(rows: Any, batch: Any, rank: int) -> np.ndarray:
-    """rank_layout's rows checked against the batch -> this rank's (begin, end) rows, (n, 2) int64."""
-    def refused() -> TypeError:
-        return TypeError(f"rows must be the batch's pieces, (doc, begin, end, rank) rows of integers "
-                         f"(batch.to_dict()['pieces']), got {_describe(rows)}")
-    if isinstance(rows, np.ndarray):
-        if rows.dtype.kind not in "iu" or rows.ndim != 2 or rows.shape[1] != 4:
-            raise refused()
-        mine = rows[rows[:, 3] == rank, :3]
-    else:
-        if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, SequenceABC):
-            raise refused()
-        try:
-            listed = [(doc, begin, end) for doc, begin, end, r in rows if r == rank]
-        except (TypeError, ValueError):
-            raise refused() from None
-        mine = np.asarray(listed) if listed else np.zeros((0, 3), dtype=np.int64)
-        if mine.dtype.kind not in "iu" or mine.ndim != 2:
-            raise refused()
-    want = batch.to_dict()["pieces"]
-    if not np.array_equal(mine, want[want[:, 3] == rank, :3]):
-        raise ValueError(f"rows: rank {rank}'s rows are not the batch's pieces of rank {rank}: pass the batch's "
-                         f"pieces (batch.to_dict()['pieces'])")
-    return mine[:, 1:].astype(np.int64)
-
-
-def rank_layout(plan: "distca.Plan", batch: Any, rows: Any, rank: int, device: Union[str, torch.device], *,
-                pingpong: bool) -> StepLayout:
-    """Rank `rank`'s StepLayout of a plan: what StepPlanner.plan builds after planning, without a
-    process group (group fields None; StepPlanner fills them, and the step's identity: a layout
-    of rank_layout alone names no planner's step, and making one takes nothing from any planner).
-    rows: the batch's pieces as (doc, begin, end, rank). Local (no collective). Timed into
-    layout_ms. Bad arguments raise TypeError / ValueError naming them."""
-    start = time.perf_counter()
-    if not isinstance(plan, (distca.Plan, distca.LoadedPlan)):
-        raise TypeError(f"plan must be a distca.Plan (distca.plan) or a loaded plan (distca.load_plan), "
-                        f"got {_describe(plan)}")
-    if not isinstance(batch, distca.Batch):
-        raise TypeError(f"batch must be a distca.Batch (plan.batch), got {_describe(batch)}")
-    if batch.num_ranks != plan.num_ranks:
-        raise ValueError(f"batch has {batch.num_ranks} ranks, the plan {plan.num_ranks}: pass the plan's batch")
-    rank = distca._integer(rank, "rank", 32)
-    if not 0 <= rank < batch.num_ranks:
-        raise ValueError(f"rank {rank} outside the batch's {batch.num_ranks} ranks")
-    if not isinstance(pingpong, bool):
-        raise TypeError(f"pingpong must be a bool, got {_describe(pingpong)}")
-    try:
-        device = torch.device(device)
-    except (TypeError, RuntimeError) as e:
-        raise TypeError(f"device must be a torch.device or a device name, got {_describe(device)}") from e
-    mine = _checked_rows(rows, batch, rank)
-    tasks = plan.tasks
-    parts_index = split_tasks(tasks, batch.num_ranks) if pingpong else (np.arange(len(tasks)),)
-    matrix = np.ascontiguousarray(tasks).view(np.int64).reshape(-1, 6)
-    parts = []
-    for index in parts_index:
-        d = _distca.partial_layout(batch, matrix[index], rank)
-        parts.append(_part_layout(d, device, len(index)))
-    positions = np.concatenate([np.zeros(0, np.int64)] + [np.arange(b, e, dtype=np.int64) for b, e in mine])
-    cu = np.concatenate([[0], np.cumsum(mine[:, 1] - mine[:, 0])]).astype(np.int64)
-    layout = StepLayout(
-        serial=0, rank=rank, world_size=batch.num_ranks, group=None, control_group=None,
-        device=device, model=None, num_local_rows=int(len(positions)), positions=_device_tensor(positions, device),
-        local_cu_seqlens=_device_tensor(cu, device), parts=parts, plan=plan, backward="stateful", backend="auto",
-        check_inputs=True, plan_ms=0.0, layout_ms=0.0)
-    layout.layout_ms = (time.perf_counter() - start) * 1e3
-    return layout
-
-
-class InputError(ValueError):
-    """Bad input found on some rank, raised on every rank of the group with the same message."""
-
-
-def agree(control_group: Any, message: Optional[str], what: str) -> None:
-    """Collective: raises InputError on every rank when any rank has a message (the lowest such
-    rank's, prefixed with its rank), so a bad input on one rank cannot leave the others waiting in
-    the next collective. One small all-reduce when every rank is fine."""
-    flag = torch.tensor([0 if message is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group)
-    if flag.item() == 0:
-        return
-    messages: list = [None] * dist.get_world_size(control_group)
-    dist.all_gather_object(messages, message, group=control_group)
-    rank, first = next((r, m) for r, m in enumerate(messages) if m is not None)
-    raise InputError(f"{what}: rank {rank}: {first}")
-
-
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).split())
-
-
-def _error_message(e: BaseException) -> str:
-    """An exception of a local check as one line (TypeError and ValueError say what they are)."""
-    text = _one_line(e)
-    return text if isinstance(e, (TypeError, ValueError)) and text else f"{type(e).__name__}: {text}"
-
-
-def _ranks_text(ranks: list) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def _by_value(values: list) -> dict:
-    """value -> the ranks holding it, in order of first appearance."""
-    out: dict = {}
-    for rank, value in enumerate(values):
-        out.setdefault(value, []).append(rank)
-    return out
-
-
-def call_header(control_group: Any, call: int, planner_id: int, serial: int, message: Optional[str],
-                details: Any = None) -> None:
-    """Collective, the first of every public collective call (see the module docstring): an
-    all_gather of [call, planner_id, serial, error] (int64) over the planner's control group, in
-    the caller's thread. Raises the same one-line InputError on every rank when
-      1. the ranks are in different calls (it names each call and its ranks);
-      2. any rank has a message, its local check's finding (the lowest such rank's);
-      3. the ranks name different planners (plan: planners made with other settings or in another
-         order, told apart by `details`, (config digest, ordinal), gathered then; cad_attention:
-         layouts of different planners);
-      4. the ranks are at different steps of one planner (cad_attention: a stale layout).
-    One all_gather of 4 int64 per rank when every rank is fine; a failing header adds at most one
-    all_gather_object. Ranks in different calls cannot deadlock here: every call's first
-    collective has this one shape and op."""
-    what = _CALL_NAMES[call]
-    header = torch.tensor([call, planner_id, serial, 0 if message is None else 1], dtype=torch.int64)
-    world = dist.get_world_size(control_group)
-    gathered = [torch.empty_like(header) for _ in range(world)]
-    dist.all_gather(gathered, header, group=control_group)
-    rows = [g.tolist() for g in gathered]
-    # 1. Different calls: nothing else in the headers is comparable.
-    calls = _by_value([r[0] for r in rows])
-    if len(calls) > 1:
-        where = [f"{_ranks_text(ranks)} {('is' if len(ranks) == 1 else 'are') + ' ' if i == 0 else ''}in "
-                 f"{_CALL_NAMES.get(c, f'call {c}')}" for i, (c, ranks) in enumerate(calls.items())]
-        raise InputError(f"{', '.join(where)}: every rank must make the same calls in the same order")
-    # 2. Bad input somewhere: every rank gathers the messages.
-    bad = [r for r, row in enumerate(rows) if row[3]]
-    if bad:
-        messages: list = [None] * world
-        dist.all_gather_object(messages, None if message is None else _one_line(message), group=control_group)
-        also = f" (bad input on {_ranks_text(bad[1:])} too)" if len(bad) > 1 else ""
-        raise InputError(f"{what}: rank {bad[0]}: {messages[bad[0]]}{also}")
-    # 3. Different planners.
-    ids = _by_value([r[1] for r in rows])
-    if len(ids) > 1:
-        if call == CALL_CAD_ATTENTION:
-            groups = "; ".join(f"{_ranks_text(ranks)} one planner's" for ranks in ids.values())
-            raise InputError(f"cad_attention: the ranks passed layouts of different planners ({groups}): every "
-                             f"rank must pass the layout of the same StepPlanner.plan call")
-        infos: list = [None] * world
-        dist.all_gather_object(infos, details, group=control_group)
-        if len({repr(i[0]) if i else None for i in infos}) > 1:
-            raise InputError(f"{what}: the ranks' planners differ in their settings (policy, tolerance, granularity, "
-                             f"model, pingpong, backward, backend, check_inputs or prefetch): construct them alike")
-        order = ", ".join(f"rank {r}: #{i[1] if i else '?'}" for r, i in enumerate(infos))
-        raise InputError(f"{what}: the ranks call different planners over these ranks (the planner's place among "
-                         f"those constructed over them, {order}): construct them in the same order on every rank")
-    # 4. One planner, different steps.
-    serials = [r[2] for r in rows]
-    if len(set(serials)) > 1:
-        if call == CALL_CAD_ATTENTION:
-            stale = [r for r, s in enumerate(serials) if s != max(serials)]
-            raise InputError(f"cad_attention: {_ranks_text(stale)} passed the layout of an earlier step than the "
-                             f"others: every rank must pass the layout of the same StepPlanner.plan call")
-        steps = ", ".join(f"rank {r}: {s}" for r, s in enumerate(serials))
-        raise InputError(f"{what}: the ranks are at different calls of the planner ({steps}): every rank must make "
-                         f"the same calls in the same order")
 
 
 def _latest_planner() -> Optional["StepPlanner"]:

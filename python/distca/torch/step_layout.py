@@ -1,0 +1,201 @@
+"""A step's exchange layout on one rank, as device tensors: StepLayout (what cad_attention takes in
+every layer of the step), its nano-batches' PartLayouts and the ModelShape it checks inputs
+against, and rank_layout, which builds it from a plan without any process group (StepPlanner.plan
+calls it after planning; distca.torch.layout).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+import distca
+from distca import _distca
+
+from .agreement import _describe
+from .backends import ServerTasks, TaskGroup, get_backend
+from .nanobatch import split_tasks
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention shape cad_attention checks its inputs against."""
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class PartLayout:
+    """One nano-batch's exchange on this rank (see distca.RankLayout for the arrays' meaning);
+    index arrays are int64 device tensors, split sizes Python lists."""
+    q_send_index: torch.Tensor     # (entries) local row of each Q entry, grouped by server
+    kv_send_index: torch.Tensor    # (kv entries) local row of each K/V entry, grouped by server
+    q_send_splits: list
+    q_recv_splits: list
+    kv_send_splits: list
+    kv_recv_splits: list
+    q_gather: torch.Tensor         # (server Q rows) varlen row -> row of the received Q
+    kv_gather: torch.Tensor        # (server K rows) varlen row -> row of the received K/V
+    copy_entries: torch.Tensor
+    copy_rows: torch.Tensor
+    merge_entries: torch.Tensor
+    merge_rows: torch.Tensor       # (merge entries) local row of each partial result
+    merged_rows: torch.Tensor      # (split rows) the distinct rows of merge_rows
+    merge_slot: torch.Tensor       # (merge entries) index of each entry's row in merged_rows
+    tasks: ServerTasks
+    num_tasks: int
+
+    @property
+    def num_q_recv(self) -> int:
+        return sum(self.q_recv_splits)
+
+    @property
+    def num_kv_recv(self) -> int:
+        return sum(self.kv_recv_splits)
+
+
+@dataclass
+class StepLayout:
+    """One step's CAD layout on this rank: made by StepPlanner.plan, passed to cad_attention in
+    every layer of the step (forward and backward). (planner_id, serial) names the step, the same
+    on every rank; rank_layout alone leaves both 0 (no planner's step)."""
+    serial: int                    # the planner's plan/plan_async call that made it, from 1
+    rank: int
+    world_size: int
+    group: Any
+    control_group: Any
+    device: torch.device
+    model: Optional[ModelShape]   # None until StepPlanner sets it (rank_layout alone)
+    num_local_rows: int
+    positions: torch.Tensor        # (T) int64: each local row's position in its document (RoPE)
+    local_cu_seqlens: torch.Tensor  # (pieces + 1) int64: this rank's pieces, end to end
+    parts: list                    # one PartLayout, or two with ping-pong
+    plan: "distca.Plan"
+    backward: str                  # stateful | stateless
+    backend: str
+    check_inputs: bool
+    plan_ms: float                 # gather + C++ planning + hash check, this rank
+    layout_ms: float               # the layouts and device tensors, this rank
+    buffers: Any = None            # the planner's ExchangeBuffers (static_buffers), or None
+    planner_id: int = 0            # StepPlanner.planner_id of the planner that made it
+    backend_note: str = ""         # what `auto` runs here and why (backends.describe_auto), else ""
+    host_staging: bool = False     # the exchanges go through host memory (CUDA tensors over gloo; testing)
+
+    @property
+    def hash(self) -> int:
+        return self.plan.hash
+
+    @property
+    def is_pingpong(self) -> bool:
+        return len(self.parts) == 2
+
+    def server_kernel(self, dtype: torch.dtype, name: Optional[str] = None):
+        return get_backend(name or self.backend, self.device, dtype)
+
+    def __repr__(self) -> str:
+        return (f"<distca.torch.StepLayout step {self.serial} of planner {self.planner_id:016x}: "
+                f"rank {self.rank}/{self.world_size}, "
+                f"{self.num_local_rows} rows, {len(self.parts)} nano-batch(es), plan {self.plan.hash:016x}"
+                f"{'; ' + self.backend_note if self.backend_note else ''}>")
+
+
+def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t.to(device, non_blocking=True) if device.type != "cpu" else t
+
+
+def _part_layout(d: dict, device: torch.device, num_tasks: int) -> PartLayout:
+    dev = lambda a: _device_tensor(a, device)  # noqa: E731
+    groups = []
+    for name, q_offset, k_offset, is_causal in (("causal", 0, 0, True),
+                                                ("noncausal", d["causal_q_rows"], d["causal_kv_rows"], False)):
+        g = d[name]
+        cu_q, cu_k = np.asarray(g["cu_seqlens_q"], np.int64), np.asarray(g["cu_seqlens_k"], np.int64)
+        groups.append(TaskGroup(is_causal, int(q_offset), int(k_offset), cu_q, cu_k, int(g["max_seqlen_q"]),
+                                int(g["max_seqlen_k"]), torch.from_numpy(cu_q.astype(np.int32)).to(device),
+                                torch.from_numpy(cu_k.astype(np.int32)).to(device)))
+    merge_rows = np.asarray(d["merge_rows"], np.int64)
+    merged_rows, merge_slot = np.unique(merge_rows, return_inverse=True)
+    tasks = ServerTasks((groups[0], groups[1]), len(d["q_gather"]), len(d["kv_gather"]), device)
+    return PartLayout(
+        q_send_index=dev(d["q_send_index"]), kv_send_index=dev(d["kv_send_index"]),
+        q_send_splits=[int(x) for x in d["q_send_splits"]], q_recv_splits=[int(x) for x in d["q_recv_splits"]],
+        kv_send_splits=[int(x) for x in d["kv_send_splits"]], kv_recv_splits=[int(x) for x in d["kv_recv_splits"]],
+        q_gather=dev(d["q_gather"]), kv_gather=dev(d["kv_gather"]),
+        copy_entries=dev(d["copy_entries"]), copy_rows=dev(d["copy_rows"]),
+        merge_entries=dev(d["merge_entries"]), merge_rows=dev(merge_rows),
+        merged_rows=dev(merged_rows), merge_slot=dev(merge_slot), tasks=tasks, num_tasks=num_tasks)
+
+
+def _checked_rows(rows: Any, batch: Any, rank: int) -> np.ndarray:
+    """rank_layout's rows checked against the batch -> this rank's (begin, end) rows, (n, 2) int64."""
+    def refused() -> TypeError:
+        return TypeError(f"rows must be the batch's pieces, (doc, begin, end, rank) rows of integers "
+                         f"(batch.to_dict()['pieces']), got {_describe(rows)}")
+    if isinstance(rows, np.ndarray):
+        if rows.dtype.kind not in "iu" or rows.ndim != 2 or rows.shape[1] != 4:
+            raise refused()
+        mine = rows[rows[:, 3] == rank, :3]
+    else:
+        if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, SequenceABC):
+            raise refused()
+        try:
+            listed = [(doc, begin, end) for doc, begin, end, r in rows if r == rank]
+        except (TypeError, ValueError):
+            raise refused() from None
+        mine = np.asarray(listed) if listed else np.zeros((0, 3), dtype=np.int64)
+        if mine.dtype.kind not in "iu" or mine.ndim != 2:
+            raise refused()
+    want = batch.to_dict()["pieces"]
+    if not np.array_equal(mine, want[want[:, 3] == rank, :3]):
+        raise ValueError(f"rows: rank {rank}'s rows are not the batch's pieces of rank {rank}: pass the batch's "
+                         f"pieces (batch.to_dict()['pieces'])")
+    return mine[:, 1:].astype(np.int64)
+
+
+def rank_layout(plan: "distca.Plan", batch: Any, rows: Any, rank: int, device: Union[str, torch.device], *,
+                pingpong: bool) -> StepLayout:
+    """Rank `rank`'s StepLayout of a plan: what StepPlanner.plan builds after planning, without a
+    process group (group fields None; StepPlanner fills them, and the step's identity: a layout
+    of rank_layout alone names no planner's step, and making one takes nothing from any planner).
+    rows: the batch's pieces as (doc, begin, end, rank). Local (no collective). Timed into
+    layout_ms. Bad arguments raise TypeError / ValueError naming them."""
+    start = time.perf_counter()
+    if not isinstance(plan, (distca.Plan, distca.LoadedPlan)):
+        raise TypeError(f"plan must be a distca.Plan (distca.plan) or a loaded plan (distca.load_plan), "
+                        f"got {_describe(plan)}")
+    if not isinstance(batch, distca.Batch):
+        raise TypeError(f"batch must be a distca.Batch (plan.batch), got {_describe(batch)}")
+    if batch.num_ranks != plan.num_ranks:
+        raise ValueError(f"batch has {batch.num_ranks} ranks, the plan {plan.num_ranks}: pass the plan's batch")
+    rank = distca._integer(rank, "rank", 32)
+    if not 0 <= rank < batch.num_ranks:
+        raise ValueError(f"rank {rank} outside the batch's {batch.num_ranks} ranks")
+    if not isinstance(pingpong, bool):
+        raise TypeError(f"pingpong must be a bool, got {_describe(pingpong)}")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"device must be a torch.device or a device name, got {_describe(device)}") from e
+    mine = _checked_rows(rows, batch, rank)
+    tasks = plan.tasks
+    parts_index = split_tasks(tasks, batch.num_ranks) if pingpong else (np.arange(len(tasks)),)
+    matrix = np.ascontiguousarray(tasks).view(np.int64).reshape(-1, 6)
+    parts = []
+    for index in parts_index:
+        d = _distca.partial_layout(batch, matrix[index], rank)
+        parts.append(_part_layout(d, device, len(index)))
+    positions = np.concatenate([np.zeros(0, np.int64)] + [np.arange(b, e, dtype=np.int64) for b, e in mine])
+    cu = np.concatenate([[0], np.cumsum(mine[:, 1] - mine[:, 0])]).astype(np.int64)
+    layout = StepLayout(
+        serial=0, rank=rank, world_size=batch.num_ranks, group=None, control_group=None,
+        device=device, model=None, num_local_rows=int(len(positions)), positions=_device_tensor(positions, device),
+        local_cu_seqlens=_device_tensor(cu, device), parts=parts, plan=plan, backward="stateful", backend="auto",
+        check_inputs=True, plan_ms=0.0, layout_ms=0.0)
+    layout.layout_ms = (time.perf_counter() - start) * 1e3
+    return layout

@@ -1,0 +1,118 @@
+"""The trainer's checkpoints (distca.torch.train): what a save holds (every backend's model and
+AdamW state, by name), rank 0's save, and the checks on --resume against this run's flags, ranks
+and tensors; the format itself is distca.torch.checkpoint's (JSON and raw bytes, nothing
+unpickled).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from . import checkpoint
+from .train_config import CHECKPOINT_FORMAT, CHECKPOINT_META, Config, RunError, UsageError, _agree
+
+
+def _checkpoint_meta(cfg: Config, world: int, steps_done: int) -> dict:
+    return {"format": CHECKPOINT_FORMAT, "version": checkpoint.VERSION, "steps_done": steps_done,
+            "backends": list(cfg.backends), "ranks": world, "context": cfg.context, "model": cfg.model.to_dict(),
+            **cfg.data_identity}
+
+
+def _state_tensors(backends: list) -> dict:
+    """Every backend's model parameters and AdamW state, by name."""
+    out: dict = {}
+    for b in backends:
+        for name, t in b.model.state_dict().items():
+            out[f"{b.name}/model/{name}"] = t
+        for index, state in b.optimizer.state_dict()["state"].items():
+            for key, t in state.items():
+                if not isinstance(t, torch.Tensor):
+                    t = torch.tensor(t)
+                out[f"{b.name}/optim/{index}/{key}"] = t
+    return out
+
+
+def _expected_tensors(backends: list) -> dict:
+    """{name: (dtype, shape)} of what a checkpoint of these backends holds after a step: each
+    parameter, and AdamW's step, exp_avg and exp_avg_sq of each (by index, as state_dict numbers them)."""
+    out: dict = {}
+    for b in backends:
+        for name, t in b.model.state_dict().items():
+            out[f"{b.name}/model/{name}"] = (t.dtype, list(t.shape))
+        params = [q for group in b.optimizer.param_groups for q in group["params"]]
+        for index, q in enumerate(params):
+            out[f"{b.name}/optim/{index}/step"] = (torch.float32, [])
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{b.name}/optim/{index}/{key}"] = (q.dtype, list(q.shape))
+    return out
+
+
+def save_checkpoint(path: str, backends: list, steps_done: int, cfg: Config, world: int, rank: int,
+                    ctl_group) -> None:
+    """Rank 0 writes the (replicated) state as a new folder renamed into place, so a crash leaves
+    the last good checkpoint; a failure there ends every rank with its message."""
+    error = None
+    if rank == 0:
+        try:
+            checkpoint.save(path, _checkpoint_meta(cfg, world, steps_done), _state_tensors(backends))
+        except (OSError, checkpoint.CheckpointError) as e:
+            error = f"--checkpoint {path}: the save after step {steps_done} failed ({e})"
+    _agree(error, ctl_group, RunError)
+    cfg.saved_step = steps_done
+
+
+def check_resume(path: str, cfg: Config, world: int) -> int:
+    """The checkpoint's header against this run -> steps done; UsageError naming the field."""
+    meta_path = os.path.join(path, CHECKPOINT_META)
+    try:
+        meta = checkpoint.read_header(path)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(str(e)) from None
+    want = _checkpoint_meta(cfg, world, 0)
+    for key in ("backends", "ranks", "context", "model", *cfg.data_identity):
+        if meta.get(key) != want[key]:
+            raise UsageError(f"{meta_path}: field \"{key}\" is {json.dumps(meta.get(key))}, this run has "
+                             f"{json.dumps(want[key])}: resume with the same flags, ranks and data")
+    extra = set(meta) - set(want) - {"tensors"}
+    if extra:
+        raise UsageError(f"{meta_path}: unknown field \"{sorted(extra)[0]}\" (or data flags that differ from this run's)")
+    done = meta.get("steps_done")
+    if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done <= 100_000_000:
+        raise UsageError(f"{meta_path}: field \"steps_done\" must be an integer 0..100000000, got {done!r}")
+    if done >= cfg.args.steps:
+        raise UsageError(f"--resume {path} is at step {done}: give --steps above {done} to continue")
+    return done
+
+
+def load_checkpoint(path: str, backends: list) -> None:
+    """The checkpoint's tensors into every backend's model and optimizer; UsageError when a tensor
+    is missing, extra, or of another shape or dtype than this run's."""
+    try:
+        tensors = checkpoint.load(path, checkpoint.read_header(path))
+    except checkpoint.CheckpointError as e:
+        raise UsageError(str(e)) from None
+    want = _expected_tensors(backends)
+    where = os.path.join(path, CHECKPOINT_META)
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        name = (missing or extra)[0]
+        raise UsageError(f"{where}: tensor {name} is {'missing' if missing else 'not one of this run'} "
+                         f"({len(missing)} missing, {len(extra)} extra)")
+    for name, (dtype, shape) in want.items():
+        got = tensors[name]
+        if list(got.shape) != shape or got.dtype != dtype:
+            raise UsageError(f"{where}: tensor {name} is {got.dtype} {list(got.shape)}, this run has {dtype} {shape}")
+    for b in backends:
+        prefix = f"{b.name}/model/"
+        b.model.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
+        optim = b.optimizer.state_dict()
+        prefix = f"{b.name}/optim/"
+        state: dict = {}
+        for k, v in tensors.items():
+            if k.startswith(prefix):
+                index, key = k[len(prefix):].split("/", 1)
+                state.setdefault(int(index), {})[key] = v
+        optim["state"] = state
+        b.optimizer.load_state_dict(optim)
