@@ -9,7 +9,7 @@
 
 #include "distca/core/file.h"
 #include "distca/plan/bounds.h"
-#include "distca/plan/model.h"
+#include "distca/plan/model_shape.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
 #include "distca/plan/workload.h"

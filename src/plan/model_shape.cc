@@ -1,4 +1,4 @@
-#include "distca/plan/model.h"
+#include "distca/plan/model_shape.h"
 
 #include <fmt/format.h>
 

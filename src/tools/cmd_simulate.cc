@@ -14,7 +14,7 @@
 
 #include "distca/core/progress.h"
 #include "distca/core/file.h"
-#include "distca/plan/model.h"
+#include "distca/plan/model_shape.h"
 #include "distca/plan/planner.h"
 #include "distca/sim/sim_request.h"
 #include "distca/sim/simulate.h"

@@ -3,7 +3,7 @@
 
 #include "distca/plan/batch.h"
 #include "distca/plan/cost.h"
-#include "distca/plan/model.h"
+#include "distca/plan/model_shape.h"
 
 namespace distca::plan::testing {
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "distca/plan/model.h"
+#include "distca/plan/model_shape.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/workload.h"
 #include "distca/sim/auto_tolerance.h"

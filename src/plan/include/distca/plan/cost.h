@@ -8,7 +8,7 @@
 
 #include "distca/core/check.h"
 #include "distca/core/status.h"
-#include "distca/plan/model.h"
+#include "distca/plan/model_shape.h"
 
 namespace distca::plan {
 

@@ -40,7 +40,7 @@
 
 #include "distca/core/progress.h"
 #include "distca/core/status.h"
-#include "distca/plan/model.h"
+#include "distca/plan/model_shape.h"
 #include "distca/plan/plan.h"
 #include "distca/plan/workload.h"
 #include "distca/sim/profile.h"
