@@ -2,8 +2,8 @@
 # Installs the distca Python package into .venv (Debian's Python 3, with its NumPy, pytest and mypy
 # visible: --system-site-packages; Debian refuses system-wide pip installs), and PyTorch from PyPI
 # for distca.torch (Debian's 1.13 is too old: distca.torch needs >= 2.10). pip builds the native
-# module with scikit-build-core and pybind11 from PyPI, in build/python/ (kept, so a second install
-# recompiles only what changed). PyTorch is downloaded once: a .venv that already has torch >= 2.10
+# module with scikit-build-core and pybind11 from PyPI, in build/ beside the C++ build (so the
+# libraries compile once, and a second install recompiles only what changed). PyTorch is downloaded once: a .venv that already has torch >= 2.10
 # is left as it is. Prints the versions installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,15 @@ torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split
   echo "install-python.sh: installing megatron-core and torchtitan failed (log above, also in build/pip-frameworks.log)" >&2
   exit 1
 }
-.venv/bin/python -m pip install --quiet --disable-pip-version-check . >build/pip-install.log 2>&1 || {
+# The package's module is built in build/, the tree scripts/build.sh made: its libraries are compiled
+# once for the binary, the tests and the module (a separate tree compiled them again: about 3
+# minutes here). So pip builds without isolation (its build tools in .venv) and keeps build/'s
+# tests and benches configured.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "scikit-build-core>=0.10" "pybind11>=2.10" \
+    >build/pip-install.log 2>&1 &&
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --config-settings=build-dir=build \
+    --config-settings=cmake.define.DISTCA_BUILD_TESTS=ON --config-settings=cmake.define.DISTCA_BUILD_BENCH=ON . \
+    >>build/pip-install.log 2>&1 || {
   cat build/pip-install.log
   echo "install-python.sh: pip install . failed (log above, also in build/pip-install.log)" >&2
   exit 1
