@@ -17,8 +17,9 @@ part install-deps scripts/install-deps.sh
 part build scripts/build.sh
 part install-python scripts/install-python.sh
 part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
-# The Python package's tests (pytest), after the C++ suite: they compare with the distca binary.
-part pytest .venv/bin/python -m pytest -q -p no:cacheprovider python/tests
+# The Python package's tests (pytest, on every core: pytest-xdist), after the C++ suite: they compare
+# with the distca binary.
+part pytest .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" python/tests
 # The CPU kernels' aarch64 build (NEON) against the reference under qemu-user (about 2 minutes).
 part aarch64 scripts/test-aarch64.sh --quick
 # The file parsers under libFuzzer for a fixed time (about a minute, after its own clang build in build-fuzz/).
