@@ -16,6 +16,7 @@
 #include "distca/kernels/cudnn.h"
 #include "launch.h"
 #include "schedule.h"
+#include "device.h"
 #include "scratch.h"
 
 namespace distca::kernels {
@@ -55,24 +56,15 @@ CudaAttention::CudaAttention(std::unique_ptr<State> state) : state_(std::move(st
 CudaAttention::~CudaAttention() = default;
 
 Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device, CudaKernel kernel) {
-  int count = 0;
-  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
-    return not_found(fmt::format("no CUDA device: {}", e != cudaSuccess ? cudaGetErrorString(e) : "the driver sees none"));
-  }
-  if (device < 0) DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  if (device >= count) return invalid_argument(fmt::format("CUDA device {} does not exist ({} found)", device, count));
-  cudaDeviceProp prop{};
-  DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
-  if (prop.major < 8) {
-    return invalid_argument(fmt::format("{} has compute capability {}.{}; distca's CUDA kernels need 8.0 or newer",
-                                        prop.name, prop.major, prop.minor));
-  }
+  Result<cuda::DeviceInfo> opened = cuda::open_device(device, "distca's CUDA kernels need");
+  if (!opened.is_ok()) return opened.status();
+  device = opened.value().device;
   CudaDeviceScope scope(device);
   if (!scope.status().is_ok()) return scope.status();
   DISTCA_CUDA_RETURN_IF_ERROR(cuda::allow_tile_smem());
   auto state = std::make_unique<State>();
   state->device = device;
-  state->name = fmt::format("{} (sm_{}{})", prop.name, prop.major, prop.minor);
+  state->name = opened.value().name;
   if (kernel == CudaKernel::kCudnn) {
     Result<std::unique_ptr<CudnnAttention>> cudnn = CudnnAttention::create(device);
     if (!cudnn.is_ok()) return cudnn.status();

@@ -22,6 +22,7 @@
 #include "distca/core/cuda_status.h"
 #include "distca/kernels/cudnn.h"
 #include "launch.h"
+#include "device.h"
 #include "scratch.h"
 
 // cudnn-frontend's experimental engines (an sm_100 RMSNorm, not attention) compile kernels at run
@@ -212,23 +213,14 @@ CudnnAttention::CudnnAttention(std::unique_ptr<State> state) : state_(std::move(
 CudnnAttention::~CudnnAttention() = default;
 
 Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int device) {
-  int count = 0;
-  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
-    return not_found(fmt::format("no CUDA device: {}", e != cudaSuccess ? cudaGetErrorString(e) : "the driver sees none"));
-  }
-  if (device < 0) DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  if (device >= count) return invalid_argument(fmt::format("CUDA device {} does not exist ({} found)", device, count));
-  cudaDeviceProp prop{};
-  DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
-  if (prop.major < 8) {
-    return invalid_argument(fmt::format("{} has compute capability {}.{}; cuDNN's fused attention needs 8.0 or newer",
-                                        prop.name, prop.major, prop.minor));
-  }
+  Result<cuda::DeviceInfo> opened = cuda::open_device(device, "cuDNN's fused attention needs");
+  if (!opened.is_ok()) return opened.status();
+  device = opened.value().device;
   CudaDeviceScope scope(device);
   if (!scope.status().is_ok()) return scope.status();
   auto state = std::make_unique<State>();
   state->device = device;
-  state->name = fmt::format("{} (sm_{}{})", prop.name, prop.major, prop.minor);
+  state->name = opened.value().name;
   DISTCA_RETURN_IF_ERROR(cudnn_status(cudnnCreate(&state->handle), "cudnnCreate"));
   const char* exact = std::getenv("DISTCA_CUDNN_EXACT_BATCH");
   state->exact_batch = exact && std::strcmp(exact, "1") == 0;
