@@ -16,6 +16,7 @@
 #include "distca/comm/local_comm.h"
 #include "distca/runtime/pipeline_schedule.h"
 #include "pipeline_util.h"
+#include "soak.h"
 
 namespace distca::model {
 namespace {
@@ -67,7 +68,8 @@ void expect_same(const Curve& got, const Curve& want, const std::string& what) {
 
 TEST(Pipeline, EveryLayoutAndScheduleReproducesTheOneRankCurveAndGradients) {
   constexpr int64_t T = 64;
-  constexpr int kSteps = 10;
+  // 6 steps (10 with DISTCA_TEST_LONG=1): each layout's curve must match from the first step.
+  const int kSteps = distca::testing::soak<int>(6, 10);
   for (auto [pp, dp] : {std::pair{2, 1}, {3, 1}, {4, 1}, {2, 2}}) {
     for (int M : {1, 2, 2 * pp + 1}) {
       // The same model on one rank, each micro-batch D x T tokens.
