@@ -2,9 +2,10 @@
 # Fuzzes every file parser for a fixed time (libFuzzer, AddressSanitizer, UndefinedBehaviorSanitizer):
 #   1. configures build-fuzz/ with clang (-O1, line tables, sanitizers on all library code) and
 #      builds only the fuzz targets of tests/fuzz and the layers they link;
-#   2. per target, replays tests/fuzz/crashes/<name>/ (inputs that once crashed: each must now
-#      pass), then fuzzes for --seconds over the committed corpus tests/fuzz/corpus/<name>/ (read
-#      only; new inputs go to build-fuzz/fuzz/<name>/corpus/, kept between runs);
+#   2. per target (one per core at a time), replays tests/fuzz/crashes/<name>/ (inputs that once
+#      crashed: each must now pass), then fuzzes for --seconds over the committed corpus
+#      tests/fuzz/corpus/<name>/ (read only; new inputs go to build-fuzz/fuzz/<name>/corpus/, kept
+#      between runs);
 #   3. prints per target the executions, coverage and features, and exits 1 if any target
 #      crashed, leaked, timed out or ran out of memory, naming the reproducer.
 # A reproducer runs again with: build-fuzz/tests/fuzz/fuzz_<name> <file>.
@@ -80,16 +81,17 @@ echo "fuzz.sh: configure and build took $((SECONDS - start)) s"
 symbolizer="$(dirname "$(readlink -f "$(command -v clang++)")")/llvm-symbolizer"
 if [ -x "$symbolizer" ]; then export ASAN_SYMBOLIZER_PATH="$symbolizer"; fi
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1}"
-failed=()
-summary=()
-for t in "${targets[@]}"; do
-  bin="$build/tests/fuzz/fuzz_$t"
-  work="$build/fuzz/$t"
+# One target per core at a time (each fuzzes for the whole --seconds on a core of its own; libFuzzer
+# runs one process on one thread): 6 targets take 3 x --seconds on 2 cores instead of 6 x.
+# fuzz_one writes its summary line to $work/summary and its status to $work/status.
+fuzz_one() {
+  local t="$1" bin="$build/tests/fuzz/fuzz_$1" work="$build/fuzz/$1"
   mkdir -p "$work/corpus" "$work/artifacts"
-  log="$work/fuzz.log"
+  local log="$work/fuzz.log" status=0 f
   : >"$log"
+  : >"$work/summary"
   # Past crashes: libFuzzer runs each file given as an argument once.
-  crashes=()
+  local crashes=()
   if [ -d "tests/fuzz/crashes/$t" ]; then
     while IFS= read -r -d '' f; do crashes+=("$f"); done < <(find "tests/fuzz/crashes/$t" -type f ! -name '.*' -print0 | sort -z)
   fi
@@ -100,13 +102,14 @@ for t in "${targets[@]}"; do
       cat "$work/regress-one.log" >>"$work/regress.log"
       tail -n 40 "$work/regress-one.log"
       echo "fuzz.sh: $t: the past crash $f crashes again (log above, all in $work/regress.log)" >&2
-      failed+=("$t")
-      summary+=("$(printf '%-12s REGRESSION: %s crashes again' "$t" "$f")")
+      status=1
+      printf '%-12s REGRESSION: %s crashes again\n' "$t" "$f" >>"$work/summary"
     fi
   done
-  rc=0
+  local rc=0
   "$bin" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -max_len=65536 -print_final_stats=1 \
       -artifact_prefix="$work/artifacts/" "$work/corpus" "tests/fuzz/corpus/$t" >"$log" 2>&1 || rc=$?
+  local execs rate cov ft line reproducer
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -n 1)
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -n 1 | cut -d' ' -f2)
@@ -118,14 +121,42 @@ for t in "${targets[@]}"; do
     tail -n 60 "$log"
     echo "fuzz.sh: $t FAILED (exit $rc); reproducer: ${reproducer:-none written, see $log}" >&2
     echo "fuzz.sh: rerun it with: $bin ${reproducer:-<file>}; minimise it with: $bin -minimize_crash=1 -runs=10000 ${reproducer:-<file>}" >&2
-    failed+=("$t")
+    status=1
     line="$line  FAILED: ${reproducer:-$log}"
   fi
-  summary+=("$line")
+  echo "$line" >>"$work/summary"
   echo "fuzz.sh: $line"
+  echo "$status" >"$work/status"
+}
+
+jobs_max=$(nproc)
+running=0
+for t in "${targets[@]}"; do
+  if [ "$running" -ge "$jobs_max" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  mkdir -p "$build/fuzz/$t"
+  rm -f "$build/fuzz/$t/status" "$build/fuzz/$t/summary"
+  fuzz_one "$t" &
+  running=$((running + 1))
+done
+wait
+
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+  work="$build/fuzz/$t"
+  # A target whose job died before writing its status failed.
+  if [ "$(cat "$work/status" 2>/dev/null)" != 0 ]; then failed+=("$t"); fi
+  if [ -f "$work/summary" ]; then
+    while IFS= read -r line; do summary+=("$line"); done <"$work/summary"
+  else
+    summary+=("$(printf '%-12s FAILED: its job ended before writing a summary' "$t")")
+  fi
 done
 
-echo "fuzz.sh: summary ($seconds s per target; logs in $build/fuzz/<target>/fuzz.log)"
+echo "fuzz.sh: summary ($seconds s per target, $jobs_max at a time; logs in $build/fuzz/<target>/fuzz.log)"
 printf '  %s\n' "${summary[@]}"
 echo "fuzz.sh: total $((SECONDS - start)) s"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -34,4 +34,23 @@ readelf -h build-aarch64/kernels_cpu_test_aarch64 | grep -q "AArch64" || {
   echo "test-aarch64.sh: build-aarch64/kernels_cpu_test_aarch64 is not an aarch64 binary" >&2
   exit 1
 }
-qemu-aarch64 build-aarch64/kernels_cpu_test_aarch64 --gtest_brief=1 --gtest_filter="$filter"
+# The tests in one shard per core (GoogleTest's sharding: each test runs in exactly one shard), so
+# the emulation takes every core; each shard's output is printed when it ends.
+shards=$(nproc)
+pids=()
+for ((i = 0; i < shards; ++i)); do
+  GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i qemu-aarch64 build-aarch64/kernels_cpu_test_aarch64 --gtest_brief=1 \
+      --gtest_filter="$filter" >"build-aarch64/shard-$i.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for ((i = 0; i < shards; ++i)); do
+  rc=0
+  wait "${pids[$i]}" || rc=$?
+  sed "s/^/[shard $i] /" "build-aarch64/shard-$i.log"
+  if [ "$rc" -ne 0 ]; then
+    echo "test-aarch64.sh: shard $i of $shards failed (exit $rc; log build-aarch64/shard-$i.log)" >&2
+    failed=1
+  fi
+done
+exit "$failed"
