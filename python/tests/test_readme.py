@@ -1,0 +1,143 @@
+"""The README is a guide a newcomer can follow: it opens with exactly the two quick-start commands
+(scripts/demo.sh, scripts/test.sh, which CI runs), the demo's main job runs as demo.sh runs it, the
+README stays short and holds no run history, and every relative link in the README, docs/ and
+reports/ reaches a file (and, with an #anchor, a heading of that file)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+CLI = Path(os.environ.get("DISTCA_BIN") or REPO / "build" / "src" / "tools" / "distca")
+MAX_LINES = 250
+
+
+def _fenced_blocks(text: str) -> list[list[str]]:
+    blocks, current = [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current = []
+            else:
+                blocks.append(current)
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def quick_start_commands(text: str) -> list[str]:
+    """The commands of the first fenced block after the 'Quick start' heading (comments dropped)."""
+    start = re.search(r"^## Quick start.*$", text, re.M)
+    assert start, "README.md has no '## Quick start' heading"
+    blocks = _fenced_blocks(text[start.end():])
+    assert blocks, "the quick start has no fenced block of commands"
+    return [line.split("#", 1)[0].strip() for line in blocks[0] if line.split("#", 1)[0].strip()]
+
+
+def test_the_quick_start_is_two_commands_that_exist_and_ci_runs_the_second():
+    text = README.read_text()
+    commands = quick_start_commands(text)
+    assert commands == ["scripts/demo.sh", "scripts/test.sh"], commands
+    for c in commands:
+        path = REPO / c
+        assert path.is_file() and os.access(path, os.X_OK), f"{c} is not an executable file"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^exec scripts/test\.sh\s*$", ci, re.M), ".ci/run must run the README's test command"
+    # A newcomer finds the quick start, the layout and the guides on the first screen (60 lines).
+    first_screen = "\n".join(text.splitlines()[:60])
+    for anchor in ("#quick-start", "#layout", "docs/"):
+        assert anchor in first_screen, f"the first screen of README.md does not point to {anchor}"
+
+
+def test_the_readme_is_short_and_holds_no_run_history():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines (at most {MAX_LINES})"
+    # Run logs name the commits they ran on ("on 8efbc47"); history lives in git, not here.
+    hashes = [(i + 1, m.group(0)) for i, line in enumerate(lines)
+              for m in re.finditer(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", line)]
+    assert not hashes, f"README.md names commits (run history belongs in reports/ and git): {hashes}"
+
+
+def demo_command() -> list[str]:
+    """The command scripts/demo.sh ends with (its `exec mpirun ...`), as words."""
+    text = (REPO / "scripts" / "demo.sh").read_text().replace("\\\n", " ")
+    line = next((l for l in text.splitlines() if l.strip().startswith("exec mpirun")), None)
+    assert line, "scripts/demo.sh no longer ends in `exec mpirun ...`"
+    words = shlex.split(line.strip())[1:]
+    assert words[-1] == "$@", words
+    return words[:-1]
+
+
+def test_the_demo_runs_its_main_job_as_demo_sh_does(tmp_path):
+    """demo.sh's last command, as it stands in the script, for 1 step: both backends train and the
+    run ends with the speedup line the README shows (demo.sh's other commands are the install and
+    build scripts that scripts/test.sh runs first)."""
+    if not CLI.is_file():
+        pytest.skip(f"{CLI} is not built")
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed")
+    words = demo_command()
+    assert words[0] == "mpirun" and "./build/src/tools/distca" in words, words
+    words = [str(CLI) if w == "./build/src/tools/distca" else w for w in words]
+    words = [str(tmp_path / "demo.json") if w == "build/train-demo.json" else w for w in words]
+    p = subprocess.run(words + ["--steps", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert re.search(r"speedup of CAD over colocated \(same run, same data\): [0-9.]+x", p.stdout), p.stdout[-3000:]
+    assert (tmp_path / "demo.json").is_file()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    anchors, seen, fenced = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m and not fenced:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+            seen[slug] = n + 1
+    return anchors
+
+
+def _markdown_files() -> list[Path]:
+    return [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "reports").rglob("*.md"))]
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_reaches_its_file_and_heading(path):
+    broken = []
+    fenced = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced:
+            continue
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = path if not file else (path.parent / file).resolve()
+            if not dest.exists():
+                broken.append(f"{path.name}:{number}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{path.name}:{number}: {target} (no heading #{anchor} in {dest.name})")
+    assert not broken, "\n".join(broken)
