@@ -1,15 +1,16 @@
-"""Every module of the distca package imports alone, each in a fresh interpreter (so no module
-leans on another having been imported first, and no import cycle hides behind the usual order),
-and no module file is over 600 lines (the package is split by idea, not grown by accretion)."""
-import concurrent.futures
-import functools
+"""Every module of the distca package imports alone, each in a fresh state (so no module leans on
+another having been imported first, and no import cycle hides behind the usual order), and no
+module file is over 600 lines (the package is split by idea, not grown by accretion).
+
+"Alone" is `python -c "import M"` after only the third-party libraries: one fresh interpreter per
+group imports NumPy (and PyTorch for distca.torch) and forks a child per module (import_alone.py),
+so the suite pays for one PyTorch import instead of one per module."""
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from import_alone import ImportChecker
 
 PACKAGE = Path(__file__).resolve().parents[1] / "distca"
 MAX_LINES = 600
@@ -31,18 +32,23 @@ def _needs_torch(module: str) -> bool:
     return module == "distca.torch" or module.startswith("distca.torch.")
 
 
-@functools.lru_cache(maxsize=None)
-def _imports() -> dict:
-    """module -> (exit status, output) of `python -c "import module"`, one fresh interpreter each,
-    several at a time (each waits mostly on importing PyTorch)."""
-    wanted = [m for m in MODULES if HAS_TORCH or not _needs_torch(m)]
+# What each group's interpreter imports before any distca module: all the third-party libraries its
+# modules import at the top (the adapters import their frameworks only when used).
+PRELOAD = {"planner": ["numpy"], "torch": ["numpy", "torch"]}
 
-    def run(module: str):
-        p = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=240)
-        return module, (p.returncode, p.stdout + p.stderr)
 
-    with concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2))) as pool:
-        return dict(pool.map(run, wanted))
+@pytest.fixture(scope="module")
+def checker():
+    """group -> its ImportChecker, started on first use (one interpreter a group per test process)."""
+    started = {}
+
+    def get(group: str) -> ImportChecker:
+        if group not in started:
+            started[group] = ImportChecker("distca", PRELOAD[group])
+        return started[group]
+    yield get
+    for c in started.values():
+        c.close()
 
 
 def test_the_package_has_its_modules():
@@ -50,13 +56,51 @@ def test_the_package_has_its_modules():
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_each_module_imports_alone(module):
-    # The adapters import their frameworks (Megatron Core, TorchTitan) only when used, so they
-    # import here without them, like every other module.
+def test_each_module_imports_alone(module, checker):
     if _needs_torch(module) and not HAS_TORCH:
         pytest.skip("PyTorch is not installed: distca.torch needs it")
-    code, output = _imports()[module]
-    assert code == 0, f"python -c 'import {module}' exited {code}:\n{output[-4000:]}"
+    group = "torch" if _needs_torch(module) else "planner"
+    code, output = checker(group).check(module)
+    assert code == 0, f"import {module} alone (after importing {PRELOAD[group]}) exited {code}:\n{output[-4000:]}"
+
+
+def test_the_checker_finds_modules_that_do_not_import_alone(tmp_path):
+    """import_alone.py itself, on a package made here: a module that imports alone passes; one in a
+    cycle that works only when its partner is imported first fails, although its partner was checked
+    just before it (each child starts afresh); so do one that reads an attribute another import
+    sets, and one with a missing import; and a hung import is killed at the timeout. The server
+    itself refuses preloaded libraries that import the package, and reports its own failure."""
+    pkg = tmp_path / "cyclic"
+    pkg.mkdir()
+    files = {
+        "__init__.py": "",
+        # a -> b -> a: importing a first works (b finds what it needs of a: nothing); b first fails,
+        # as a, imported from b's first line, reads b.X before b has set it.
+        "a.py": "from cyclic import b\nY = b.X + 1\n",
+        "b.py": "from cyclic import a\nX = 1\n",
+        "leans.py": "import cyclic\nZ = cyclic.a.Y\n",            # works only after cyclic.a
+        "missing.py": "import cyclic_no_such_module\n",
+        "hangs.py": "import time\nwhile True:\n    time.sleep(1)\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    c = ImportChecker("cyclic", ["json"], paths=[str(tmp_path)], timeout=3)
+    try:
+        got = {m: c.check(f"cyclic.{m}") for m in ("a", "b", "leans", "missing", "hangs")}
+        again = c.check("cyclic.a")          # after the failures: still a fresh start
+    finally:
+        c.close()
+    assert got["a"] == again == (0, ""), (got["a"], again)
+    assert got["b"][0] == 1 and "partially initialized module 'cyclic.b'" in got["b"][1], got["b"]
+    assert got["leans"][0] == 1 and "has no attribute 'a'" in got["leans"][1], got["leans"]
+    assert got["missing"][0] == 1 and "No module named 'cyclic_no_such_module'" in got["missing"][1], got["missing"]
+    assert got["hangs"][0] != 0 and "killed" in got["hangs"][1], got["hangs"]
+    # A server whose preloaded libraries pull in the package under test refuses to start; one whose
+    # libraries do not import says why.
+    with pytest.raises(AssertionError, match=r"loaded modules of cyclic before any check: \['cyclic'"):
+        ImportChecker("cyclic", ["cyclic.a"], paths=[str(tmp_path)])
+    with pytest.raises(AssertionError, match="gave no answer(.|\n)*No module named 'cyclic_no_such_module'"):
+        ImportChecker("cyclic", ["cyclic_no_such_module"], paths=[str(tmp_path)])
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))

@@ -14,12 +14,15 @@ import torch.distributed as dist  # noqa: E402
 
 import distca  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
+from sizes import soak  # noqa: E402
 from torch_cases import (  # noqa: E402
     COST_MODEL, HKV, HQ, D, MODEL, doc_data, local_rows, random_batch, sdpa_whole_documents, whole_document)
 
 # Random batches per world size: four ranks share this machine's two cores, so they get fewer
-# (every policy, ping-pong on and off, spanning and whole documents in each).
-NUM_BATCHES = {2: 120, 4: 40}
+# (every policy, ping-pong on and off, spanning and whole documents in each). The quick sizes are
+# the soak's first batches (the same seeds); each has every kind of batch the counts below ask for
+# (6 and 2 second-layer batches).
+NUM_BATCHES = soak({2: 60, 4: 20}, {2: 120, 4: 40})
 TOLERANCE = 1e-5
 POLICIES = ("none", "distca", "minmax", "minbytes")
 
