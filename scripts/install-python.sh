@@ -5,12 +5,25 @@
 # module with scikit-build-core and pybind11 from PyPI, in build/ beside the C++ build (so the
 # libraries compile once, and a second install recompiles only what changed). PyTorch is downloaded once: a .venv that already has torch >= 2.10
 # is left as it is. Prints the versions installed.
+#   scripts/install-python.sh               all of it
+#   scripts/install-python.sh --venv-only   only the virtual environment
+#   scripts/install-python.sh --deps-only   the environment and the packages from PyPI, not distca
+#                                           (scripts/test.sh runs this beside the C++ build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=all
+case "${1:-}" in
+  "") ;;
+  --venv-only) mode=venv ;;
+  --deps-only) mode=deps ;;
+  -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "install-python.sh: unknown argument '$1' (known: --venv-only, --deps-only, --help)" >&2; exit 2 ;;
+esac
 mkdir -p build
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
+[ "$mode" = venv ] && exit 0
 if ! .venv/bin/python - 2>/dev/null <<'PY'
 import sys, torch
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -44,8 +57,16 @@ torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split
 # pytest-xdist: scripts/test.sh runs the Python tests on every core (289 s instead of 389 s here).
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "scikit-build-core>=0.10" "pybind11>=2.10" \
     "pytest-xdist==3.6.1" \
-    >build/pip-install.log 2>&1 &&
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --config-settings=build-dir=build \
+    >build/pip-install.log 2>&1 || {
+  cat build/pip-install.log
+  echo "install-python.sh: pip install of the build tools failed (log above, also in build/pip-install.log)" >&2
+  exit 1
+}
+if [ "$mode" = deps ]; then
+  echo "install-python.sh: the packages from PyPI are in .venv (--deps-only: distca itself not installed)"
+  exit 0
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --config-settings=build-dir=build \
     --config-settings=cmake.define.DISTCA_BUILD_TESTS=ON --config-settings=cmake.define.DISTCA_BUILD_BENCH=ON . \
     >>build/pip-install.log 2>&1 || {
   cat build/pip-install.log

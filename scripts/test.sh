@@ -29,8 +29,24 @@ part() {  # part NAME COMMAND...: runs it and records its wall time
   echo "test.sh: $name took $((SECONDS - t0)) s"
 }
 part install-deps scripts/install-deps.sh
+# The packages from PyPI (PyTorch's 3 GB: network and disk more than CPU) install beside the C++
+# build; the virtual environment is made first, so that the build's fetch of cudnn-frontend finds
+# it whole. distca's own module is built after both, from build/.
+scripts/install-python.sh --venv-only
+mkdir -p build
+scripts/install-python.sh --deps-only >build/install-python-deps.log 2>&1 &
+deps_pid=$!
+trap 'kill "$deps_pid" 2>/dev/null || true' EXIT  # a failed build leaves no pip behind
+python_package() {  # waits for the PyPI packages, then installs distca
+  if ! wait "$deps_pid"; then
+    cat build/install-python-deps.log
+    echo "test.sh: installing the Python packages from PyPI failed (log above, also in build/install-python-deps.log)" >&2
+    return 1
+  fi
+  scripts/install-python.sh
+}
 part build scripts/build.sh
-part install-python scripts/install-python.sh
+part install-python python_package
 part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
 # The Python package's tests (pytest, on every core: pytest-xdist), after the C++ suite: they compare
 # with the distca binary.
