@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 
 usage() {
   cat <<'EOF'
-usage: scripts/fuzz.sh [--seconds N] [--targets a,b,...] [--help]
+usage: scripts/fuzz.sh [--seconds N] [--targets a,b,...] [--build-only] [--help]
 
 Builds the libFuzzer targets in build-fuzz/ (clang, -O1, ASan + UBSan) and runs each one:
 first over tests/fuzz/crashes/<name>/ (past crashes, each run once), then for N seconds over
@@ -23,11 +23,13 @@ reproducer's path (under build-fuzz/fuzz/<name>/).
 
   --seconds N     fuzzing time per target (default 10)
   --targets LIST  comma-separated targets (default: all of batch,doc_lengths,profile,plan,checkpoint,data)
+  --build-only    configure and build, fuzz nothing
   --help          this text
 EOF
 }
 
 seconds=10
+build_only=0
 all_targets=(batch doc_lengths profile plan checkpoint data)
 targets=("${all_targets[@]}")
 while [ $# -gt 0 ]; do
@@ -40,6 +42,7 @@ while [ $# -gt 0 ]; do
       [ $# -ge 2 ] || { echo "fuzz.sh: --targets needs a value" >&2; exit 2; }
       IFS=, read -r -a targets <<<"$2"; shift 2 ;;
     --targets=*) IFS=, read -r -a targets <<<"${1#*=}"; shift ;;
+    --build-only) build_only=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "fuzz.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
@@ -76,6 +79,7 @@ if ! CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja \
 fi
 cmake --build "$build" --target distca_fuzz -j "$(nproc)"
 echo "fuzz.sh: configure and build took $((SECONDS - start)) s"
+if [ "$build_only" = 1 ]; then exit 0; fi
 
 # 2. Run. Stack traces name file:line through llvm-symbolizer (llvm-14's, beside clang).
 symbolizer="$(dirname "$(readlink -f "$(command -v clang++)")")/llvm-symbolizer"

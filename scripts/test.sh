@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quick start (2): installs dependencies, builds, installs the Python package, and runs the whole
-# test suite: ctest (C++) and pytest (the Python package), then the aarch64 kernels under qemu and
-# the parsers under libFuzzer. Each part prints how long it took; the last line sums them.
+# test suite: ctest (C++) and pytest (the Python package), with the aarch64 kernels under qemu beside
+# them, then the parsers under libFuzzer. Each part prints how long it took; the last line sums them
+# (the aarch64+fuzz-build part is what was left of that background work when pytest ended).
 #   scripts/test.sh          the suite (what CI runs)
 #   scripts/test.sh --long   the soak sizes: more steps and random cases in the matrix tests
 #                            (DISTCA_TEST_LONG=1), every aarch64 kernel test, 60 s of fuzzing a parser
@@ -15,11 +16,17 @@ case "${1:-}" in
     export DISTCA_TEST_LONG=1
     aarch64_args=()
     fuzz_args=(--seconds 60) ;;
-  -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "test.sh: unknown argument '$1' (known: --long, --help)" >&2; exit 2 ;;
 esac
 if [ $# -gt 1 ]; then echo "test.sh: one argument at most, got $#" >&2; exit 2; fi
 start=$SECONDS
+kill_tree() {  # a process and everything it started (none: nothing)
+  local child
+  [ -n "$1" ] || return 0
+  for child in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
 timings=()
 part() {  # part NAME COMMAND...: runs it and records its wall time
   local name="$1" t0=$SECONDS
@@ -36,9 +43,12 @@ scripts/install-python.sh --venv-only
 mkdir -p build
 scripts/install-python.sh --deps-only >build/install-python-deps.log 2>&1 &
 deps_pid=$!
-trap 'kill "$deps_pid" 2>/dev/null || true' EXIT  # a failed build leaves no pip behind
+trap 'kill_tree "$deps_pid"' EXIT  # a failed part leaves nothing running
 python_package() {  # waits for the PyPI packages, then installs distca
-  if ! wait "$deps_pid"; then
+  local rc=0
+  wait "$deps_pid" || rc=$?
+  deps_pid=""  # reaped: its number may be reused
+  if [ "$rc" -ne 0 ]; then
     cat build/install-python-deps.log
     echo "test.sh: installing the Python packages from PyPI failed (log above, also in build/install-python-deps.log)" >&2
     return 1
@@ -47,12 +57,33 @@ python_package() {  # waits for the PyPI packages, then installs distca
 }
 part build scripts/build.sh
 part install-python python_package
+# Work that counts work, not time, runs at the lowest priority beside ctest and pytest, on the CPU
+# time they leave idle (ranks waiting on each other, test hosts waiting on timeouts): the aarch64
+# kernels' build and tests (qemu-user, a shard per core) and the fuzz targets' clang build. At nice
+# 19 it takes next to nothing from a test that is running. Fuzzing itself runs for a fixed time, so
+# it runs last, alone.
+background_log=build/test-background.log
+(
+  nice -n 19 scripts/test-aarch64.sh "${aarch64_args[@]}" && echo "test.sh: aarch64 passed" &&
+    nice -n 19 scripts/fuzz.sh --build-only
+) >"$background_log" 2>&1 &
+background_pid=$!
+trap 'kill_tree "$deps_pid"; kill_tree "$background_pid"' EXIT
 part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
 # The Python package's tests (pytest, on every core: pytest-xdist), after the C++ suite: they compare
 # with the distca binary.
 part pytest .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" python/tests
-# The CPU kernels' aarch64 build (NEON) against the reference under qemu-user, a shard per core.
-part aarch64 scripts/test-aarch64.sh "${aarch64_args[@]}"
-# The file parsers under libFuzzer for a fixed time, a target per core (after its own clang build in build-fuzz/).
+background() {  # what is left of the background work, then its output
+  local rc=0
+  wait "$background_pid" || rc=$?
+  background_pid=""
+  cat "$background_log"
+  if [ "$rc" -ne 0 ]; then
+    echo "test.sh: the aarch64 tests or the fuzz build failed (exit $rc; log above, also in $background_log)" >&2
+  fi
+  return "$rc"
+}
+part aarch64+fuzz-build background
+# The file parsers under libFuzzer for a fixed time, a target per core.
 part fuzz scripts/fuzz.sh "${fuzz_args[@]}"
 echo "test.sh: all passed in $((SECONDS - start)) s ($(IFS=,; echo "${timings[*]}" | sed 's/,/, /g'))"
