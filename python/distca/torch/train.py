@@ -64,7 +64,7 @@ from .train_config import (BACKENDS, CHECKPOINT_FORMAT, CHECKPOINT_META, MAX_BUC
                            _env_rank, _same_settings, _settings, _tolerance_arg, build_parser, parse_args, say)
 from .train_report import (PER_RANK, _write_report, gather_record, print_summary, rows_served_remotely,  # noqa: F401
                            si, step_line, summarise, write_json)
-from .train_checkpoint import (_checkpoint_meta, _expected_tensors, _state_tensors, check_resume,  # noqa: F401
+from .train_checkpoint import (step_on_disk, _checkpoint_meta, _expected_tensors, _state_tensors, check_resume,  # noqa: F401
                                load_checkpoint, save_checkpoint)
 
 
@@ -342,9 +342,13 @@ def main(argv: Optional[list] = None) -> int:
         say(f"{PROG}: error: {e}")
         return 1
     except KeyboardInterrupt:
-        # The last checkpoint written is whole: a save renames a complete folder into place.
-        last = (f"; {cfg.args.checkpoint} holds the checkpoint of step {cfg.saved_step}, saved whole"
-                if cfg.saved_step is not None else "; no checkpoint was saved" if cfg.args.checkpoint else "")
+        # The last checkpoint written is whole: a save renames a complete folder into place. Its
+        # step is read back from it (the interrupt may have landed after a rename, before the run
+        # noted the step).
+        step = step_on_disk(cfg.args.checkpoint) if cfg.args.checkpoint else None
+        step = cfg.saved_step if step is None else step
+        last = (f"; {cfg.args.checkpoint} holds the checkpoint of step {step}, saved whole"
+                if step is not None else "; no checkpoint was saved" if cfg.args.checkpoint else "")
         say(f"{PROG}: interrupted{last}")
         created = False        # no teardown: a collective cut short by the interrupt may never end
         return 130

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import torch
 
@@ -61,6 +62,17 @@ def save_checkpoint(path: str, backends: list, steps_done: int, cfg: Config, wor
             error = f"--checkpoint {path}: the save after step {steps_done} failed ({e})"
     _agree(error, ctl_group, RunError)
     cfg.saved_step = steps_done
+
+
+def step_on_disk(path: str) -> Optional[int]:
+    """The step of the whole checkpoint at `path`, or None where there is none to read. After a
+    Ctrl-C this is the truth to report: an interrupt can land after a save's rename and before the
+    run notes the step (the signal is held only across the renames)."""
+    try:
+        step = checkpoint.read_header(path).get("steps_done")
+    except checkpoint.CheckpointError:
+        return None
+    return step if isinstance(step, int) else None
 
 
 def check_resume(path: str, cfg: Config, world: int) -> int:
