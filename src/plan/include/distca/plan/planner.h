@@ -1,4 +1,4 @@
-// Planners (balancing policies) behind one interface (DESIGN.md §5).
+// Planners (balancing policies) behind one interface (docs/design.md §5).
 //   none    colocated attention: each rank attends its own pieces (the baseline)
 //   distca  the paper's communication-aware greedy scheduler, reproduced faithfully
 //   minmax  ours: max load <= (1 + eps) * mean whenever the shards allow it, fewest bytes
