@@ -141,3 +141,16 @@ def test_every_relative_link_reaches_its_file_and_heading(path):
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{path.name}:{number}: {target} (no heading #{anchor} in {dest.name})")
     assert not broken, "\n".join(broken)
+
+
+def test_source_comments_cite_the_design_in_the_repository():
+    """Comments cite docs/design.md, not a DESIGN.md outside the repository."""
+    outside = []
+    for folder in ("src", "tests", "python", "bench", "scripts", "examples"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix not in (".h", ".cc", ".cu", ".cuh", ".py", ".pyi", ".sh", ".txt") or not path.is_file():
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if re.search(r"(?<!docs/)DESIGN\.md", line) and path.name != "test_readme.py":
+                    outside.append(f"{path.relative_to(REPO)}:{number}")
+    assert not outside, f"cite docs/design.md instead: {outside}"
