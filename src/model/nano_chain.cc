@@ -13,6 +13,47 @@ runtime::Stage attention_stage(StagedAttention* att, int64_t layer, const char* 
           fmt::format("L{} {} return", layer, dir)};
 }
 
+// The layer's attention tensors as the nano-batch's dispatcher sees them: B's begin `rows`
+// rows before its slice (in A's rows of the one workspace), its dK/dV in the context buffers.
+Model<float>::AttentionIo dispatch_io(NanoPass& p, int64_t l) {
+  Model<float>::AttentionIo io = p.model->attention_io(l);
+  if (p.context && p.context_reader) {
+    const ContextRows& c = *p.context;
+    for (float** t : {&io.q, &io.o, &io.d_o, &io.dq}) *t -= c.rows * c.q_row;
+    for (float** t : {&io.k, &io.v}) *t -= c.rows * c.kv_row;
+    io.lse -= c.rows * c.lse_row;
+    io.dk = p.context->dk.data();
+    io.dv = p.context->dv.data();
+  }
+  return io;
+}
+
+// After the backward return of a positional split: B copies its own rows' dK/dV into its slice
+// (the context rows' stay for A); A adds the context rows' to its last rows.
+Status finish_backward_return(StagedAttention* att, NanoPass& p, int64_t l) {
+  DISTCA_RETURN_IF_ERROR(att->finish_return());
+  if (!p.context) return Status::ok();
+  ContextRows& c = *p.context;
+  const Model<float>::AttentionIo io = p.model->attention_io(l);
+  const int64_t own = p.model->rows() * c.kv_row, ctx = c.rows * c.kv_row;
+  std::vector<float>& layer_dk = c.layer_dk.at(static_cast<size_t>(l));
+  std::vector<float>& layer_dv = c.layer_dv.at(static_cast<size_t>(l));
+  if (p.context_reader) {
+    std::copy(c.dk.begin() + ctx, c.dk.begin() + ctx + own, io.dk);
+    std::copy(c.dv.begin() + ctx, c.dv.begin() + ctx + own, io.dv);
+    layer_dk.assign(c.dk.begin(), c.dk.begin() + ctx);
+    layer_dv.assign(c.dv.begin(), c.dv.begin() + ctx);
+  } else {
+    if (static_cast<int64_t>(layer_dk.size()) != ctx) return internal_error("ping-pong: A's backward return came before B's");
+    float* dk = io.dk + own - ctx;
+    float* dv = io.dv + own - ctx;
+    for (int64_t i = 0; i < ctx; ++i) dk[i] += layer_dk[i], dv[i] += layer_dv[i];
+    layer_dk.clear();
+    layer_dv.clear();
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 std::vector<runtime::Stage> forward_stages(NanoPass& p) {
@@ -31,7 +72,7 @@ std::vector<runtime::Stage> forward_stages(NanoPass& p) {
       return Status::ok();
     };
     auto start = [&p, l, first] {
-      const auto io = p.model->attention_io(l);
+      const auto io = dispatch_io(p, l);
       return p.attention->start_forward(static_cast<int>(first + l), {io.q, io.k, io.v, io.o, io.lse});
     };
     StagedAttention* att = p.attention;
@@ -63,7 +104,7 @@ std::vector<runtime::Stage> backward_stages(NanoPass& p) {
       return m.backward_post_attention(*p.state, l);
     };
     auto start = [&p, l, first] {
-      const auto io = p.model->attention_io(l);
+      const auto io = dispatch_io(p, l);
       return p.attention->start_backward(static_cast<int>(first + l),
                                          {io.q, io.k, io.v, io.o, io.lse, io.d_o, io.dq, io.dk, io.dv});
     };
@@ -71,6 +112,7 @@ std::vector<runtime::Stage> backward_stages(NanoPass& p) {
     out.push_back({compute, start, [att] { return att->finish_dispatch(); }, fmt::format("L{} bwd linear", first + l),
                    fmt::format("L{} bwd dispatch", first + l)});
     out.push_back(attention_stage(att, first + l, "bwd"));
+    out.back().finish_comm = [att, &p, l] { return finish_backward_return(att, p, l); };
   }
   out.push_back({[&p]() -> Status {
                    DISTCA_RETURN_IF_ERROR(p.model->backward_pre_attention(*p.state, 0));

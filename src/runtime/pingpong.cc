@@ -12,23 +12,11 @@
 
 namespace distca::runtime {
 
-Result<NanoBatches> split_nano_batches(const plan::Batch& batch) {
-  DISTCA_RETURN_IF_ERROR(batch.validate());
-  const int32_t num_docs = batch.num_docs();
-  std::vector<int32_t> order(num_docs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int32_t a, int32_t b) { return batch.doc_lengths[a] > batch.doc_lengths[b]; });
-  std::vector<int> nano_of(num_docs, 0);
-  std::array<int64_t, 2> pairs{0, 0}, tokens{0, 0};
-  for (int32_t doc : order) {
-    const int64_t len = batch.doc_lengths[doc];
-    const int n = std::tie(pairs[1], tokens[1]) < std::tie(pairs[0], tokens[0]) ? 1 : 0;
-    nano_of[doc] = n;
-    pairs[n] += plan::causal_pairs(0, len);
-    tokens[n] += len;
-  }
+namespace {
 
+// The two nano-batches of a document assignment (nano_of[doc] is 0 or 1).
+Result<NanoBatches> build_nano_batches(const plan::Batch& batch, const std::vector<int>& nano_of) {
+  const int32_t num_docs = batch.num_docs();
   // Piece rows in the micro-batch's linear layout.
   std::vector<int64_t> piece_row(batch.pieces.size());
   std::vector<int64_t> rank_rows(batch.num_ranks, 0);
@@ -63,6 +51,271 @@ Result<NanoBatches> split_nano_batches(const plan::Batch& batch) {
     b.tokens_per_rank = most;
     b.index();
     DISTCA_RETURN_IF_ERROR(b.validate());
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<NanoBatches> split_nano_batches(const plan::Batch& batch) {
+  DISTCA_RETURN_IF_ERROR(batch.validate());
+  const int32_t num_docs = batch.num_docs();
+  std::vector<int32_t> order(num_docs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return batch.doc_lengths[a] > batch.doc_lengths[b]; });
+  std::vector<int> nano_of(num_docs, 0);
+  std::array<int64_t, 2> pairs{0, 0}, tokens{0, 0};
+  for (int32_t doc : order) {
+    const int64_t len = batch.doc_lengths[doc];
+    const int n = std::tie(pairs[1], tokens[1]) < std::tie(pairs[0], tokens[0]) ? 1 : 0;
+    nano_of[doc] = n;
+    pairs[n] += plan::causal_pairs(0, len);
+    tokens[n] += len;
+  }
+  return build_nano_batches(batch, nano_of);
+}
+
+namespace {
+
+// One document's candidate split positions and what each puts in nano-batch A.
+struct DocSplits {
+  std::vector<int64_t> positions;                         // ascending; 0 (all in B) .. length (all in A)
+  std::vector<std::vector<std::pair<int, double>>> a;     // per position: A's work per cell
+  std::vector<std::pair<int, double>> total;              // the document's work per cell
+  std::vector<double> twice_rows;                         // per position: K/V rows a server gets twice
+};
+
+// The 2R cells of a document's work: its attention seconds on each server (from the plan) and
+// its linear work on each rank (tokens priced at `per_token`), for a split at each candidate
+// position: the task boundaries no task straddles, at most kMaxPositions of them.
+DocSplits doc_splits(const plan::Batch& batch, int32_t doc, const std::vector<const plan::Task*>& tasks,
+                     const plan::CostModel& cost, double per_token) {
+  constexpr size_t kMaxPositions = 33;
+  const int R = batch.num_ranks;
+  const int64_t len = batch.doc_lengths[doc];
+  std::vector<int64_t> bounds{0, len};
+  for (const plan::Task* t : tasks) bounds.push_back(t->q0);
+  std::sort(bounds.begin(), bounds.end());
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  std::erase_if(bounds, [&](int64_t p) {
+    return std::any_of(tasks.begin(), tasks.end(), [p](const plan::Task* t) { return t->q0 < p && p < t->q1; });
+  });
+  DocSplits d;
+  if (bounds.size() > kMaxPositions) {  // evenly spaced, both ends kept
+    for (size_t i = 0; i < kMaxPositions; ++i) d.positions.push_back(bounds[i * (bounds.size() - 1) / (kMaxPositions - 1)]);
+    d.positions.erase(std::unique(d.positions.begin(), d.positions.end()), d.positions.end());
+  } else {
+    d.positions = bounds;
+  }
+  auto add = [](std::vector<std::pair<int, double>>& v, int cell, double w) {
+    for (auto& [c, x] : v) {
+      if (c == cell) { x += w; return; }
+    }
+    v.emplace_back(cell, w);
+  };
+  for (const plan::Task* t : tasks) add(d.total, t->server, cost.task_seconds(t->q_len(), t->pairs(), t->k1 - t->k0));
+  for (int32_t i : batch.doc_pieces[doc]) {
+    const plan::Piece& pc = batch.pieces[i];
+    add(d.total, R + pc.rank, per_token * static_cast<double>(pc.length()));
+  }
+  for (int64_t p : d.positions) {
+    std::vector<std::pair<int, double>> a;
+    // Per server, the key hull of its A tasks and of its B tasks: their overlap, less the rows
+    // the server holds itself, is what it would receive twice.
+    std::vector<std::array<int64_t, 4>> hull(static_cast<size_t>(R), {len, 0, len, 0});
+    for (const plan::Task* t : tasks) {
+      const bool in_a = t->q1 <= p;
+      if (in_a) add(a, t->server, cost.task_seconds(t->q_len(), t->pairs(), t->k1 - t->k0));
+      auto& h = hull[t->server];
+      const int o = in_a ? 0 : 2;
+      h[o] = std::min(h[o], t->k0);
+      h[o + 1] = std::max(h[o + 1], t->k1);
+    }
+    double twice = 0;
+    for (int s = 0; s < R; ++s) {
+      const int64_t lo = std::max(hull[s][0], hull[s][2]), hi = std::min(hull[s][1], hull[s][3]);
+      if (lo >= hi) continue;
+      int64_t own = 0;
+      for (int32_t i : batch.doc_pieces[doc]) {
+        const plan::Piece& pc = batch.pieces[i];
+        if (pc.rank == s) own += std::max<int64_t>(0, std::min(hi, pc.end) - std::max(lo, pc.begin));
+      }
+      twice += static_cast<double>(hi - lo - own);
+    }
+    for (int32_t i : batch.doc_pieces[doc]) {
+      const plan::Piece& pc = batch.pieces[i];
+      const int64_t in_a = std::max<int64_t>(0, std::min(p, pc.end) - pc.begin);
+      if (in_a > 0) add(a, R + pc.rank, per_token * static_cast<double>(in_a));
+    }
+    d.a.push_back(std::move(a));
+    d.twice_rows.push_back(twice);
+  }
+  return d;
+}
+
+// The nano-batches of split positions (doc d's queries [0, split[d]) in A, the rest in B).
+Result<NanoBatches> build_positional(const plan::Batch& batch, const std::vector<int64_t>& split) {
+  const int R = batch.num_ranks;
+  std::vector<int64_t> piece_row(batch.pieces.size());
+  std::vector<int64_t> rank_rows(R, 0);
+  for (size_t i = 0; i < batch.pieces.size(); ++i) {
+    piece_row[i] = rank_rows[batch.pieces[i].rank];
+    rank_rows[batch.pieces[i].rank] += batch.pieces[i].length();
+  }
+  NanoBatches out;
+  std::array<std::vector<int32_t>, 2> new_id;
+  for (int n = 0; n < 2; ++n) {
+    new_id[n].assign(batch.num_docs(), -1);
+    out.batches[n].num_ranks = R;
+    out.rows[n].assign(R, {});
+  }
+  for (int32_t doc = 0; doc < batch.num_docs(); ++doc) {
+    const int64_t len = batch.doc_lengths[doc], p = split[doc];
+    if (p > 0) {
+      new_id[0][doc] = static_cast<int32_t>(out.docs[0].size());
+      out.docs[0].push_back(doc);
+      out.batches[0].doc_lengths.push_back(p);
+    }
+    if (p < len) {
+      new_id[1][doc] = static_cast<int32_t>(out.docs[1].size());
+      out.docs[1].push_back(doc);
+      out.batches[1].doc_lengths.push_back(len);
+    }
+  }
+  out.context_rows.assign(R, 0);
+  // Per rank: A's own pieces, then its context pieces (prefixes of split documents); B's layout
+  // starts with the same context pieces, then its own.
+  std::vector<std::vector<size_t>> by_rank(R);
+  for (size_t i = 0; i < batch.pieces.size(); ++i) by_rank[batch.pieces[i].rank].push_back(i);
+  for (int r = 0; r < R; ++r) {
+    std::vector<plan::Piece> context;
+    std::vector<int64_t> context_rows;
+    for (size_t i : by_rank[r]) {
+      const plan::Piece& pc = batch.pieces[i];
+      const int64_t p = split[pc.doc], len = batch.doc_lengths[pc.doc];
+      const int64_t a_end = std::min(p, pc.end);
+      if (a_end > pc.begin) {
+        plan::Piece a{new_id[0][pc.doc], pc.begin, a_end, pc.rank};
+        if (p < len) {
+          context.push_back(a);
+          for (int64_t t = pc.begin; t < a_end; ++t) context_rows.push_back(piece_row[i] + t - pc.begin);
+        } else {
+          out.batches[0].pieces.push_back(a);
+          for (int64_t t = pc.begin; t < a_end; ++t) out.rows[0][r].push_back(piece_row[i] + t - pc.begin);
+        }
+      }
+    }
+    for (const plan::Piece& c : context) out.batches[0].pieces.push_back(c);
+    out.rows[0][r].insert(out.rows[0][r].end(), context_rows.begin(), context_rows.end());
+    out.context_rows[r] = static_cast<int64_t>(context_rows.size());
+    for (const plan::Piece& c : context) {
+      out.batches[1].pieces.push_back(plan::Piece{new_id[1][out.docs[0][c.doc]], c.begin, c.end, c.rank});
+    }
+    for (size_t i : by_rank[r]) {
+      const plan::Piece& pc = batch.pieces[i];
+      const int64_t b_begin = std::max(split[pc.doc], pc.begin);
+      if (b_begin >= pc.end) continue;
+      out.batches[1].pieces.push_back(plan::Piece{new_id[1][pc.doc], b_begin, pc.end, pc.rank});
+      for (int64_t t = b_begin; t < pc.end; ++t) out.rows[1][r].push_back(piece_row[i] + t - pc.begin);
+    }
+  }
+  for (int n = 0; n < 2; ++n) {
+    plan::Batch& b = out.batches[n];
+    int64_t most = 1;
+    for (int r = 0; r < R; ++r) {
+      most = std::max<int64_t>(most, static_cast<int64_t>(out.rows[n][r].size()) + (n == 1 ? out.context_rows[r] : 0));
+    }
+    b.tokens_per_rank = most;
+    b.index();
+    DISTCA_RETURN_IF_ERROR(b.validate());
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<NanoSplit> split_plan(const plan::Batch& batch, const plan::Plan& plan, const plan::CostModel& cost) {
+  DISTCA_RETURN_IF_ERROR(batch.validate());
+  const int32_t num_docs = batch.num_docs();
+  const int R = batch.num_ranks;
+  std::vector<std::vector<const plan::Task*>> tasks_of(num_docs);
+  double attention_total = 0;
+  for (const plan::Task& t : plan.tasks) {
+    if (t.doc < 0 || t.doc >= num_docs || t.server < 0 || t.server >= R) {
+      return invalid_argument(fmt::format("split_plan: the plan names document {} on server {}, but the batch has {} "
+                                          "documents on {} ranks", t.doc, t.server, num_docs, R));
+    }
+    tasks_of[t.doc].push_back(&t);
+    attention_total += cost.task_seconds(t.q_len(), t.pairs(), t.k1 - t.k0);
+  }
+  int64_t token_total = 0;
+  for (const plan::Piece& p : batch.pieces) token_total += p.length();
+  // All tokens weigh what all attention weighs: both halves of each tick of the schedule count.
+  const double per_token = token_total > 0 && attention_total > 0 ? attention_total / static_cast<double>(token_total) : 1.0;
+  std::vector<DocSplits> docs(num_docs);
+  std::vector<double> weight(num_docs, 0.0);
+  for (int32_t d = 0; d < num_docs; ++d) {
+    docs[d] = doc_splits(batch, d, tasks_of[d], cost, per_token);
+    for (const auto& cell_w : docs[d].total) weight[d] += cell_w.second;
+  }
+  // K/V rows received twice, at most 4 % of the rows the plan's forward dispatch moves.
+  const plan::TokenBytes& tb = cost.token_bytes();
+  const int64_t fwd_bytes = plan.traffic.phases[static_cast<int>(plan::Phase::kFwdDispatch)].total_bytes;
+  const double budget_rows = tb.kv > 0 ? 0.04 * static_cast<double>(fwd_bytes) / static_cast<double>(tb.kv) : 0.0;
+
+  // diff[cell] = A's work - B's. A split putting a of a document's c in A moves the cell to
+  // diff + 2a - c: pick the position with the least sum of squares.
+  std::vector<double> diff(static_cast<size_t>(2 * R), 0.0);
+  std::vector<int> choice(num_docs, -1);
+  double twice = 0;
+  auto apply = [&](int32_t d, int k, double sign) {
+    for (const auto& [cell, c] : docs[d].total) diff[cell] -= sign * c;
+    for (const auto& [cell, a] : docs[d].a[k]) diff[cell] += sign * 2 * a;
+    twice += sign * docs[d].twice_rows[k];
+  };
+  auto choose = [&](int32_t d) {
+    int best = -1;
+    double best_score = 0;
+    for (size_t k = 0; k < docs[d].positions.size(); ++k) {
+      if (docs[d].twice_rows[k] > 0 && twice + docs[d].twice_rows[k] > budget_rows) continue;
+      apply(d, static_cast<int>(k), 1.0);
+      double score = 0;
+      for (const auto& cell_c : docs[d].total) score += diff[cell_c.first] * diff[cell_c.first];
+      apply(d, static_cast<int>(k), -1.0);
+      for (const auto& cell_c : docs[d].total) score -= diff[cell_c.first] * diff[cell_c.first];
+      if (best < 0 || score < best_score) best = static_cast<int>(k), best_score = score;
+    }
+    return best;  // position 0 (all in B) never receives anything twice, so there is one
+  };
+  std::vector<int32_t> order(num_docs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return weight[a] > weight[b]; });
+  for (int pass = 0; pass < 3; ++pass) {  // the greedy pass, then two revisits
+    for (int32_t d : order) {
+      if (choice[d] >= 0) apply(d, choice[d], -1.0);
+      choice[d] = choose(d);
+      apply(d, choice[d], 1.0);
+    }
+  }
+  std::vector<int64_t> split(num_docs);
+  for (int32_t d = 0; d < num_docs; ++d) split[d] = docs[d].positions[choice[d]];
+
+  NanoSplit out;
+  DISTCA_ASSIGN_OR_RETURN(out.nano, build_positional(batch, split));
+  std::array<std::vector<int32_t>, 2> new_id;
+  for (int n = 0; n < 2; ++n) {
+    new_id[n].assign(num_docs, -1);
+    for (size_t i = 0; i < out.nano.docs[n].size(); ++i) new_id[n][out.nano.docs[n][i]] = static_cast<int32_t>(i);
+  }
+  std::array<std::vector<plan::Task>, 2> tasks;
+  for (plan::Task t : plan.tasks) {
+    const int n = t.q1 <= split[t.doc] ? 0 : 1;
+    t.doc = new_id[n][t.doc];
+    tasks[n].push_back(t);
+  }
+  for (int n = 0; n < 2; ++n) {
+    out.plans[n] = plan::finalize_plan(plan.policy, plan.tolerance, out.nano.batches[n], cost, std::move(tasks[n]));
   }
   return out;
 }
@@ -125,28 +378,36 @@ Status check_schedule(const std::vector<ScheduleOp>& schedule, int stages) {
 
 }  // namespace
 
-std::vector<ScheduleOp> sequential_schedule(int stages) {
+std::vector<ScheduleOp> sequential_schedule(int stages, int b_leads_from) {
+  const int turn = b_leads_from < 0 || b_leads_from > stages ? stages : b_leads_from;
   std::vector<ScheduleOp> out;
-  for (int n = 0; n < 2; ++n) {
-    for (int i = 0; i < stages; ++i) {
+  auto chain = [&](int n, int from, int to) {
+    for (int i = from; i < to; ++i) {
       for (OpKind k : {OpKind::kCompute, OpKind::kStart, OpKind::kFinish}) out.push_back({k, n, i});
     }
-  }
+  };
+  chain(0, 0, turn);
+  chain(1, 0, turn);
+  chain(1, turn, stages);
+  chain(0, turn, stages);
   return out;
 }
 
-std::vector<ScheduleOp> pingpong_schedule(int stages) {
+std::vector<ScheduleOp> pingpong_schedule(int stages, int b_leads_from) {
+  const int turn = b_leads_from < 0 || b_leads_from > stages ? stages : b_leads_from;
   std::vector<ScheduleOp> out;
   for (int i = 0; i < stages; ++i) {
-    for (int n = 0; n < 2; ++n) {
+    const int first = i < turn ? 0 : 1;
+    for (int n : {first, 1 - first}) {
       if (i > 0) out.push_back({OpKind::kFinish, n, i - 1});
       out.push_back({OpKind::kCompute, n, i});
       out.push_back({OpKind::kStart, n, i});
     }
   }
   if (stages > 0) {
-    out.push_back({OpKind::kFinish, 0, stages - 1});
-    out.push_back({OpKind::kFinish, 1, stages - 1});
+    const int first = stages - 1 < turn ? 0 : 1;
+    out.push_back({OpKind::kFinish, first, stages - 1});
+    out.push_back({OpKind::kFinish, 1 - first, stages - 1});
   }
   return out;
 }
@@ -204,12 +465,12 @@ Result<ScheduleTiming> run_schedule(const std::vector<ScheduleOp>& schedule, std
   return t;
 }
 
-Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b) {
-  return run_schedule(sequential_schedule(static_cast<int>(a.size())), a, b);
+Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b, int b_leads_from) {
+  return run_schedule(sequential_schedule(static_cast<int>(a.size()), b_leads_from), a, b);
 }
 
-Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b) {
-  return run_schedule(pingpong_schedule(static_cast<int>(a.size())), a, b);
+Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b, int b_leads_from) {
+  return run_schedule(pingpong_schedule(static_cast<int>(a.size()), b_leads_from), a, b);
 }
 
 ProgressThread::ProgressThread(std::function<Status()> poll, std::chrono::microseconds interval)

@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 
 #include "distca/comm/local_comm.h"
+#include "distca/plan/model_shape.h"
+#include "distca/plan/workload.h"
 #include "distca/runtime/pingpong.h"
 #include "harness.h"
 
@@ -60,6 +62,145 @@ TEST(NanoBatches, OneDocumentLeavesAnEmptyHalf) {
   ASSERT_TRUE(split.is_ok()) << split.status().to_string();
   EXPECT_EQ(split.value().batches[1].num_docs(), 0);
   EXPECT_TRUE(split.value().rows[1][0].empty());
+}
+
+// One plan, split at positions in its documents (split_plan): the nano-batches hold exactly the
+// plan's tasks, B's layout begins with A's last rows, and together they move the plan's bytes.
+TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
+  struct Case {
+    std::string what;
+    plan::Batch batch;
+  };
+  std::vector<Case> cases;
+  // The demo's shape: one long document on one rank, short ones on the other.
+  cases.push_back({"one long document", plan::pack_documents({6144, 700, 1200, 300, 2500, 900, 544}, 2, 6144).value()});
+  cases.push_back({"mixed, 4 ranks", plan::pack_documents({500, 20, 300, 1, 77, 260, 90, 9, 400, 33, 1800, 96}, 4, 900).value()});
+  for (const char* workload : {"pretrain", "prolong"}) {
+    for (int ranks : {2, 4, 8}) {
+      plan::SamplingOptions so;
+      so.seed = static_cast<uint64_t>(ranks);
+      auto dist = plan::builtin_distribution(workload);
+      ASSERT_TRUE(dist.is_ok());
+      auto b = plan::sample_batch(dist.value(), so, ranks, 16384);
+      ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+      cases.push_back({fmt::format("{}, {} ranks", workload, ranks), b.value()});
+    }
+  }
+  int split_documents = 0;
+  for (const Case& c : cases) {
+    const plan::Batch& b = c.batch;
+    auto whole = testing::make_plan(b, "distca", 128);
+    ASSERT_TRUE(whole.is_ok()) << c.what << ": " << whole.status().to_string();
+    const plan::CostModel cost(plan::model_preset("llama-8b").value(), plan::ThroughputProfile{});
+    auto split = split_plan(b, whole.value(), cost);
+    ASSERT_TRUE(split.is_ok()) << c.what << ": " << split.status().to_string();
+    const NanoSplit& s = split.value();
+    ASSERT_EQ(s.nano.context_rows.size(), static_cast<size_t>(b.num_ranks));
+    // The tasks: the plan's, each in one nano-batch, in the micro-batch's numbering.
+    std::vector<plan::Task> got;
+    for (int n = 0; n < 2; ++n) {
+      ASSERT_TRUE(s.nano.batches[n].validate().is_ok()) << c.what;
+      for (plan::Task t : s.plans[n].tasks) {
+        t.doc = s.nano.docs[n].at(t.doc);
+        got.push_back(t);
+      }
+    }
+    auto key = [](const plan::Task& t) { return std::tie(t.doc, t.q0, t.q1, t.k0, t.k1, t.server); };
+    std::vector<plan::Task> want = whole.value().tasks;
+    std::sort(got.begin(), got.end(), [&](auto& x, auto& y) { return key(x) < key(y); });
+    std::sort(want.begin(), want.end(), [&](auto& x, auto& y) { return key(x) < key(y); });
+    EXPECT_EQ(got, want) << c.what;
+    // A's documents are prefixes: A's tasks end at or before where B's begin.
+    for (size_t i = 0; i < s.nano.docs[0].size(); ++i) {
+      const int32_t doc = s.nano.docs[0][i];
+      const int64_t at = s.nano.batches[0].doc_lengths[i];
+      EXPECT_LE(at, b.doc_lengths[doc]);
+      if (at < b.doc_lengths[doc]) ++split_documents;
+      for (const plan::Task& t : s.plans[1].tasks) {
+        if (s.nano.docs[1][t.doc] == doc) EXPECT_GE(t.q0, at) << c.what << ": doc " << doc;
+      }
+    }
+    // Rows: each rank's split exactly between the two; B's layout starts with A's last rows.
+    for (int r = 0; r < b.num_ranks; ++r) {
+      std::vector<int64_t> all = s.nano.rows[0][r];
+      all.insert(all.end(), s.nano.rows[1][r].begin(), s.nano.rows[1][r].end());
+      std::sort(all.begin(), all.end());
+      for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], static_cast<int64_t>(i)) << c.what;
+      const int64_t ctx = s.nano.context_rows[r];
+      ASSERT_LE(ctx, static_cast<int64_t>(s.nano.rows[0][r].size()));
+      int64_t b_rows = 0;
+      for (const plan::Piece& p : s.nano.batches[1].pieces) b_rows += p.rank == r ? p.length() : 0;
+      EXPECT_EQ(b_rows, ctx + static_cast<int64_t>(s.nano.rows[1][r].size())) << c.what << ", rank " << r;
+    }
+    // Bytes: at most 1.05x the plan's, every phase together (two planned halves moved ~1.9x).
+    int64_t split_bytes = 0;
+    for (int n = 0; n < 2; ++n) split_bytes += s.plans[n].traffic.all_phases_bytes[0] + s.plans[n].traffic.all_phases_bytes[1];
+    const int64_t whole_bytes = whole.value().traffic.all_phases_bytes[0] + whole.value().traffic.all_phases_bytes[1];
+    EXPECT_LE(static_cast<double>(split_bytes), 1.05 * static_cast<double>(whole_bytes)) << c.what;
+    // Work on both sides: each nano-batch has between a fifth and four fifths of the attention
+    // and of the tokens (the positions are the plan's task boundaries: small documents move whole).
+    double attention[2] = {0, 0};
+    int64_t tokens[2] = {0, 0};
+    for (int n = 0; n < 2; ++n) {
+      for (double x : s.plans[n].server_seconds) attention[n] += x;
+      for (const auto& rows : s.nano.rows[n]) tokens[n] += static_cast<int64_t>(rows.size());
+    }
+    const double share = attention[0] / (attention[0] + attention[1]);
+    const double token_share = static_cast<double>(tokens[0]) / static_cast<double>(tokens[0] + tokens[1]);
+    std::printf("%s: A holds %.2f of the attention, %.2f of the tokens; bytes %.4fx the plan's\n", c.what.c_str(), share,
+                token_share, static_cast<double>(split_bytes) / static_cast<double>(whole_bytes));
+    EXPECT_GT(share, 0.2) << c.what;
+    EXPECT_LT(share, 0.8) << c.what;
+    EXPECT_GT(token_share, 0.2) << c.what;
+    EXPECT_LT(token_share, 0.8) << c.what;
+  }
+  EXPECT_GT(split_documents, 0);  // the long documents are cut, not only moved whole
+}
+
+TEST(SplitPlan, AMismatchedPlanIsRefused) {
+  const plan::Batch b = plan::pack_documents({300, 200}, 2, 256).value();
+  plan::Plan p = testing::make_plan(b, "distca").value();
+  p.tasks.front().doc = 7;
+  auto s = split_plan(b, p, plan::CostModel(plan::model_preset("llama-8b").value(), plan::ThroughputProfile{}));
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.status().message().find("document 7"), std::string::npos) << s.status().to_string();
+}
+
+// From stage b_leads_from on, B computes first; every communication is still in flight over the
+// other nano-batch's compute but the one at the turn; the sequential order runs B's later
+// stages before A's.
+TEST(PingPong, BLeadsFromTheTurn) {
+  const auto ops = pingpong_schedule(4, 2);
+  std::vector<std::pair<int, int>> computes;
+  for (const ScheduleOp& op : ops) {
+    if (op.kind == OpKind::kCompute) computes.emplace_back(op.nano, op.stage);
+  }
+  const std::vector<std::pair<int, int>> want = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {1, 2}, {0, 2}, {1, 3}, {0, 3}};
+  EXPECT_EQ(computes, want);
+  // The exchanges no compute runs under: B's just before the turn (B waits for it at once), and
+  // the last one.
+  auto unhidden = [](const std::vector<ScheduleOp>& schedule) {
+    std::vector<std::pair<int, int>> out;
+    for (size_t i = 0; i < schedule.size(); ++i) {
+      if (schedule[i].kind != OpKind::kStart) continue;
+      bool covered = false;
+      for (size_t j = i + 1; j < schedule.size(); ++j) {
+        if (schedule[j].kind == OpKind::kFinish && schedule[j].nano == schedule[i].nano && schedule[j].stage == schedule[i].stage) break;
+        covered |= schedule[j].kind == OpKind::kCompute;
+      }
+      if (!covered) out.emplace_back(schedule[i].nano, schedule[i].stage);
+    }
+    return out;
+  };
+  EXPECT_EQ(unhidden(ops), (std::vector<std::pair<int, int>>{{1, 1}, {0, 3}}));
+  EXPECT_EQ(unhidden(pingpong_schedule(4)), (std::vector<std::pair<int, int>>{{1, 3}}));
+  std::vector<std::pair<int, int>> seq;
+  for (const ScheduleOp& op : sequential_schedule(4, 2)) {
+    if (op.kind == OpKind::kCompute) seq.emplace_back(op.nano, op.stage);
+  }
+  const std::vector<std::pair<int, int>> want_seq = {{0, 0}, {0, 1}, {1, 0}, {1, 1}, {1, 2}, {1, 3}, {0, 2}, {0, 3}};
+  EXPECT_EQ(seq, want_seq);
+  EXPECT_EQ(pingpong_schedule(4, -1), pingpong_schedule(4));
 }
 
 // Ping-pong forward + backward of both nano-batches through dispatchers gives bit-identical

@@ -20,6 +20,21 @@
 
 namespace distca::model {
 
+// A positional split (runtime::split_plan): nano-batch B's attention layout begins with `rows`
+// rows that are A's last (the prefixes of the documents the two share): B's passes read their
+// K/V from A's rows just before B's slice, and B's backward return leaves their dK/dV here,
+// which A adds to its own once its return is in (B's backward runs first).
+struct ContextRows {
+  int64_t rows = 0;      // this rank's context rows
+  int64_t q_row = 0;     // floats per row of Q/O/dO/dQ, K/V/dK/dV and LSE on this rank
+  int64_t kv_row = 0;
+  int64_t lse_row = 0;
+  std::vector<float> dk, dv;  // B's backward return: [rows + B's own rows, kv_row]
+  // [stage layer] the context rows' dK/dV B returned, until A adds them (the sequential
+  // schedule runs all of B's backward before A's).
+  std::vector<std::vector<float>> layer_dk, layer_dv;
+};
+
 // What a nano-batch's chain works on. The stages capture this object: it must outlive them.
 struct NanoPass {
   Model<float>* model = nullptr;  // a row slice holding this nano-batch's rows
@@ -30,6 +45,9 @@ struct NanoPass {
   const float* dx_in = nullptr;  // a stage without the head: the gradient of its output
   double loss_scale = 0;
   double loss = 0;  // out: the forward's summed loss (0 without the head)
+  // A positional split: B reads the context rows (context_reader), A adds their dK/dV.
+  ContextRows* context = nullptr;
+  bool context_reader = false;
 };
 
 std::vector<runtime::Stage> forward_stages(NanoPass& pass);

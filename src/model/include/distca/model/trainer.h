@@ -19,6 +19,7 @@
 #include "distca/model/data.h"
 #include "distca/model/dispatch_attention.h"
 #include "distca/model/model.h"
+#include "distca/model/nano_chain.h"
 #include "distca/model/tensor_parallel.h"
 #include "distca/plan/planner.h"
 
@@ -35,6 +36,12 @@ struct TrainOptions {
   std::vector<std::string> backends = {"cad"};  // "colocated" and/or "cad", in run order
   std::string policy = std::string(plan::kDefaultPlanner);  // the CAD planner
   plan::BackwardMode backward_mode = plan::BackwardMode::kStateful;
+  // The dtype CAD's dK/dV partial sums cross ranks in, summed in fp32 at the owner. fp32 by
+  // default: this trainer is fp32 throughout and checks that CAD equals colocated to 1e-5 (fp32
+  // rounding); bf16 (the paper's) halves those bytes and moved the demo's losses by 6.4e-6
+  // relative at most over 50 steps, too close to that check to be the default here
+  // (reports/cpu/2026-11-27-grad-return).
+  plan::GradReturn grad_return = plan::GradReturn::kFp32;
   int tp = 1;                     // tensor-parallel ranks per model replica (see tensor_parallel.h)
   // Ping-pong inside the step: "on" splits every step into two nano-batches (whole documents,
   // balanced by causal pairs), each planned on its own, whose layers alternate so that one's
@@ -193,6 +200,7 @@ class Trainer {
   int64_t step_ = 0;
   plan::Batch last_batch_;
   std::vector<StepData> validation_;
+  ContextRows context_;  // ping-pong: the rows nano-batch B reads of A's (positional split)
   std::array<std::array<std::vector<int32_t>, 3>, 2> nano_ids_;  // ping-pong: tokens, targets, positions per nano-batch
 };
 

@@ -21,23 +21,43 @@
 
 #include "distca/core/status.h"
 #include "distca/plan/batch.h"
+#include "distca/plan/cost.h"
+#include "distca/plan/plan.h"
 
 namespace distca::runtime {
 
 struct NanoBatches {
   std::array<plan::Batch, 2> batches;
-  // [nano][rank] rows of the micro-batch's linear layout that form the nano-batch's, in order.
+  // [nano][rank] rows of the micro-batch's linear layout that form the nano-batch's own rows (its
+  // linear work), in its layout's order.
   std::array<std::vector<std::vector<int64_t>>, 2> rows;
   // [nano] the micro-batch document of each of the nano-batch's documents.
   std::array<std::vector<int32_t>, 2> docs;
+  // split_plan: [rank] how many rows nano-batch B's layout begins with that are not its own: the
+  // last rows of A's (the prefixes of the documents split between the two), whose K/V B's
+  // attention reads and whose dK/dV it returns. Empty for a split by whole documents.
+  std::vector<int64_t> context_rows;
 };
 
-// Splits whole documents (a document's queries need its whole prefix, so it is never cut)
-// between two nano-batches, longest first, each to the one with fewer causal pairs so far
-// (ties: fewer tokens): both halves carry about half the attention work, and planning each
-// half with a balancing policy balances both. Pieces keep their ranks, so a document that
-// spans ranks spans the same ranks in its nano-batch.
 Result<NanoBatches> split_nano_batches(const plan::Batch& batch);
+
+// One plan, split: the micro-batch is planned once and its plan's tasks divided between the two
+// nano-batches at a position in each document: the queries before it in A, from it on in B (a
+// document may go whole to either). A is the prefix, so B's tasks read K/V rows that A's linear
+// stage made first in the forward (B's layout begins with them: context_rows), and in the
+// backward B's attention must run first, its dK/dV for those rows added to A's before A's
+// linear backward (runtime::pingpong_schedule's `b_leads_from`). The positions come from the
+// plan's task boundaries (no task is cut), chosen greedily, heaviest document first, then
+// revisited twice, so that every server's attention seconds and every rank's tokens (the linear
+// work) are as close as they get to half of the plan's in each nano-batch, while the K/V a
+// server would receive twice (a document's prefix for tasks on both sides) stays within 4 % of
+// the plan's forward dispatch. The two plans hold exactly the whole plan's tasks.
+// nano.batches[1] is empty (and plans[1]) when no split leaves work on both sides.
+struct NanoSplit {
+  NanoBatches nano;
+  std::array<plan::Plan, 2> plans;  // nano.batches[n]'s plan, in its document numbering
+};
+Result<NanoSplit> split_plan(const plan::Batch& batch, const plan::Plan& plan, const plan::CostModel& cost);
 
 struct Stage {
   std::function<Status()> compute;
@@ -57,14 +77,18 @@ struct ScheduleOp {
   int stage;  // index in its chain
   bool operator==(const ScheduleOp&) const = default;
 };
-// Chain a whole (compute, start, finish of each stage), then chain b.
-std::vector<ScheduleOp> sequential_schedule(int stages);
+// Chain a whole (compute, start, finish of each stage), then chain b. With b_leads_from = k <
+// stages: a's stages [0, k), b's [0, k), then b's [k, stages), a's [k, stages) (a positional
+// split: B's backward before A's).
+std::vector<ScheduleOp> sequential_schedule(int stages, int b_leads_from = -1);
 // The interleaving (stages >= 1): compute A(i), start A(i); finish B(i-1), compute B(i),
 // start B(i); finish A(i), compute A(i+1), ...; so A's communication i is in flight while B
 // computes stage i, and B's while A computes stage i + 1. With a chain of linear and attention
 // stages per layer this is the paper's four ticks: A's linear work under B's return, B's linear
 // work under A's dispatch, A's attention under B's dispatch, B's attention under A's return.
-std::vector<ScheduleOp> pingpong_schedule(int stages);
+// With b_leads_from = k < stages, the two swap roles from stage k on: B computes stage i first,
+// then A (B's communication k - 1 is the one exposed at the turn).
+std::vector<ScheduleOp> pingpong_schedule(int stages, int b_leads_from = -1);
 
 // Per compute operation of a schedule, in order: the communications in flight while it runs
 // (started, not yet finished), as (nano, stage).
@@ -92,8 +116,8 @@ struct ScheduleTiming {
 // compute every stage once, after its predecessor's communication finished.
 Result<ScheduleTiming> run_schedule(const std::vector<ScheduleOp>& schedule, std::vector<Stage>& a,
                                     std::vector<Stage>& b);
-Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b);
-Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b);
+Result<ScheduleTiming> run_sequential(std::vector<Stage>& a, std::vector<Stage>& b, int b_leads_from = -1);
+Result<ScheduleTiming> run_pingpong(std::vector<Stage>& a, std::vector<Stage>& b, int b_leads_from = -1);
 
 // While it lives, a thread that calls `poll` (Communicator::progress) every `interval`: the
 // transfers of a communicator that moves data only inside its own calls (MPI) advance while this
