@@ -107,12 +107,25 @@ class MpiWork final : public Work {
   bool is_done_ = false;
 };
 
+// Open MPI over TCP moves a message past its 64 KB eager limit only inside MPI calls (a
+// rendezvous, then fragments as the socket drains), so nothing of a ping-pong exchange moves
+// while the rank computes. Messages up to 4 MB sent eagerly into 4 MB socket buffers go to the
+// kernel in the posting call, which sends them on its own (ping-pong over a shaped link: see
+// docs/multihost.md). Defaults only: an OMPI_MCA_* of the user's (or mpirun --mca) wins.
+void tcp_eager_defaults() {
+  for (const char* name : {"OMPI_MCA_btl_tcp_eager_limit", "OMPI_MCA_btl_tcp_rndv_eager_limit",
+                           "OMPI_MCA_btl_tcp_max_send_size", "OMPI_MCA_btl_tcp_sndbuf", "OMPI_MCA_btl_tcp_rcvbuf"}) {
+    setenv(name, "4194304", /*overwrite=*/0);
+  }
+}
+
 }  // namespace
 
 Result<std::unique_ptr<MpiComm>> MpiComm::create(int* argc, char*** argv) {
   int is_initialized = 0;
   DISTCA_MPI_CHECK(MPI_Initialized(&is_initialized));
   if (!is_initialized) {
+    tcp_eager_defaults();
     int provided = 0;
     DISTCA_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided));
   }
