@@ -144,7 +144,7 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                     link.bytes_per_second / 1e6, o.latency_us, wire / 1e6, ops, o.ratio, linear));
   }
   std::array<std::vector<double>, kVariants> seconds;
-  std::vector<double> hidden, comm_seq, linear_seq, bytes_seq;
+  std::vector<double> hidden, comm_seq, linear_seq, bytes_seq, bytes_whole;
   std::array<std::vector<double>, kVariants> reduce;
   nlohmann::json steps = nlohmann::json::array();
   for (int s = 0; s < o.steps; ++s) {
@@ -167,6 +167,7 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
     comm_seq.push_back(r[kSequential].comm_seconds);
     linear_seq.push_back(r[kSequential].linear_seconds);
     bytes_seq.push_back(static_cast<double>(r[kSequential].attention_bytes));
+    bytes_whole.push_back(static_cast<double>(r[kWhole].attention_bytes));
     j["sequential_comm_seconds"] = r[kSequential].comm_seconds;
     j["sequential_linear_seconds"] = r[kSequential].linear_seconds;
     std::string line = fmt::format("step {}/{}: sequential {:.3f} s, ping-pong {:.3f} s", s + 1, o.steps,
@@ -206,6 +207,11 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
   report["sequential_linear_seconds"] = to_json(spread_of(linear_seq));
   // Bytes the attention exchanges sent per step, all ranks together (the same every step).
   report["sequential_attention_bytes"] = to_json(spread_of(bytes_seq));
+  // The whole step's one plan: ping-pong splits it, so the two nano-batches move as much.
+  report["whole_attention_bytes"] = to_json(spread_of(bytes_whole));
+  double ratio_max = 0;
+  for (size_t i = 0; i < bytes_seq.size(); ++i) ratio_max = std::max(ratio_max, bytes_whole[i] > 0 ? bytes_seq[i] / bytes_whole[i] : 0.0);
+  report["pingpong_over_whole_bytes_max"] = ratio_max;
   const double seq = spread_of(seconds[kSequential]).median, pp = spread_of(seconds[kPingPong]).median;
   const double whole = spread_of(seconds[kWhole]).median;
   report["pingpong_over_whole"] = whole > 0 ? pp / whole : 0.0;
@@ -284,6 +290,9 @@ void print_step_report(const nlohmann::json& j) {
   }
   fmt::print("ping-pong / whole step: {:.3f}; ping-pong / sequential: {:.3f} (same run, same batches)\n",
              j["pingpong_over_whole"].get<double>(), j["pingpong_over_sequential"].get<double>());
+  fmt::print("attention bytes per step: nano-batches {:.4g} MB, whole step {:.4g} MB (at most {:.3f}x, one plan split)\n",
+             j["sequential_attention_bytes"]["median"].get<double>() / 1e6,
+             j["whole_attention_bytes"]["median"].get<double>() / 1e6, j["pingpong_over_whole_bytes_max"].get<double>());
 }
 
 }  // namespace distca::tools

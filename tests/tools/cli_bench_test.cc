@@ -196,6 +196,10 @@ TEST(Cli, BenchStepMeasuresPingPongInTheRealStep) {
     measurable += sz < ss;
   }
   EXPECT_EQ(j["hidden_fraction_measured_steps"].get<size_t>(), measurable);
+  // One plan split: the nano-batches move the whole step's bytes (issue 54: at most 1.05x).
+  EXPECT_GT(j["whole_attention_bytes"]["median"].get<double>(), 0.0);
+  EXPECT_GT(j["pingpong_over_whole_bytes_max"].get<double>(), 0.0);
+  EXPECT_LE(j["pingpong_over_whole_bytes_max"].get<double>(), 1.05);
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
            {"--ranks 1", "bench step needs 2 or more ranks"},
            {"--link off --ratio 2", "--link off runs none"},
