@@ -201,7 +201,7 @@ Result<Sample> run_once(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, bo
 // Every byte the dispatchers sent since their stats were reset is the plan's count.
 Status check_traffic(int rank, std::array<Nano, 2>& nanos, const runtime::HeadShape& heads, plan::BackwardMode mode) {
   for (Nano& x : nanos) {
-    const plan::Traffic t = plan::count_traffic(x.batch, plan::token_bytes(heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 4),
+    const plan::Traffic t = plan::count_traffic(x.batch, plan::token_bytes(heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 4, plan::GradReturn::kFp32),
                                                 x.plan.tasks, mode);
     for (int p = 0; p < plan::kNumPhases; ++p) {
       const runtime::PhaseStats& st = x.d->stats(static_cast<plan::Phase>(p));
@@ -406,7 +406,7 @@ Result<json> run_dispatch_bench(comm::Communicator& c, const DispatchBenchOption
 
   const int64_t h = o.q_heads * o.head_dim;
   const int64_t hk = o.kv_heads * o.head_dim;
-  const plan::TokenBytes tb = plan::token_bytes(o.q_heads, o.kv_heads, o.head_dim, 4);
+  const plan::TokenBytes tb = plan::token_bytes(o.q_heads, o.kv_heads, o.head_dim, 4, plan::GradReturn::kFp32);
   std::array<Nano, 2> nanos;
   json nano_json = json::array();
   int64_t bytes_fwd = 0, bytes_bwd_stateless = 0, bytes_bwd_stateful = 0;

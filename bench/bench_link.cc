@@ -115,7 +115,7 @@ Result<json> run_link_bench(comm::Communicator& c, const LinkBenchOptions& o,
   DISTCA_ASSIGN_OR_RETURN(plan::Plan p, planner(batch, cost, plan::PlannerOptions{}));
   const plan::BackwardMode mode =
       o.backward_mode == "stateful" ? plan::BackwardMode::kStateful : plan::BackwardMode::kStateless;
-  const plan::TokenBytes tb = plan::token_bytes(o.q_heads, o.kv_heads, o.head_dim, o.dtype_bytes);
+  const plan::TokenBytes tb = plan::token_bytes(o.q_heads, o.kv_heads, o.head_dim, o.dtype_bytes, plan::GradReturn::kFp32);
   const plan::Traffic traffic = plan::count_traffic(batch, tb, p.tasks, mode);
 
   std::array<Exchange, plan::kNumPhases> ex;

@@ -12,7 +12,7 @@ namespace {
 using Clock = SteadyClock;
 }  // namespace
 
-plan::ModelShape model_shape(const ModelConfig& c) {
+plan::ModelShape model_shape(const ModelConfig& c, plan::GradReturn grad_return) {
   plan::ModelShape m;
   m.name = "train";
   m.num_layers = static_cast<int>(c.num_layers);
@@ -23,6 +23,7 @@ plan::ModelShape model_shape(const ModelConfig& c) {
   m.ffn_hidden = static_cast<int>(c.ffn_dim);
   m.dtype_bytes = 4;
   m.tp = 1;
+  m.grad_return = grad_return;
   return m;
 }
 
@@ -37,7 +38,7 @@ Result<std::unique_ptr<DispatchAttention>> DispatchAttention::create(comm::Commu
   if (options.threads < 1 || options.threads > 1024) {
     return invalid_argument(fmt::format("attention threads must be 1..1024, got {}", options.threads));
   }
-  DISTCA_RETURN_IF_ERROR(model_shape(config).validate());
+  DISTCA_RETURN_IF_ERROR(model_shape(config, options.grad_return).validate());
   return std::unique_ptr<DispatchAttention>(new DispatchAttention(comm, config, std::move(options), fn));
 }
 
@@ -47,20 +48,32 @@ DispatchAttention::DispatchAttention(comm::Communicator& comm, const ModelConfig
       config_(config),
       options_(std::move(options)),
       planner_(planner),
-      cost_(model_shape(config), plan::cpu_throughput_profile()) {
+      cost_(model_shape(config, options_.grad_return), plan::cpu_throughput_profile()) {
   servers_.resize(static_cast<size_t>(config.num_layers));
 }
 
-Status DispatchAttention::begin_step(const plan::Batch& batch) {
+Result<plan::Plan> DispatchAttention::plan_step(const plan::Batch& batch) {
   const auto begin = Clock::now();
   plan::PlannerOptions po;
   po.tolerance = options_.tolerance;
   po.granularity = options_.granularity;
-  DISTCA_ASSIGN_OR_RETURN(plan_, planner_(batch, cost_, po));
+  Result<plan::Plan> p = planner_(batch, cost_, po);
   planning_seconds += seconds_since(begin);
+  return p;
+}
+
+Status DispatchAttention::begin_step(const plan::Batch& batch) {
+  DISTCA_ASSIGN_OR_RETURN(plan::Plan p, plan_step(batch));
+  return begin_step(batch, std::move(p));
+}
+
+Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part) {
+  plan_ = std::move(plan);
   runtime::DispatchOptions d;
+  d.is_part = is_part;
   d.backward_mode = options_.backward_mode;
   d.num_threads = options_.threads;
+  d.grad_return = options_.grad_return;
   dispatcher_.reset();
   const auto check = Clock::now();
   DISTCA_ASSIGN_OR_RETURN(dispatcher_, runtime::Dispatcher::create(

@@ -236,6 +236,7 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
       DispatchAttentionOptions d;
       d.policy = "none";
       d.backward_mode = po.train.backward_mode;
+      d.grad_return = po.train.grad_return;
       d.threads = po.train.threads;
       d.tolerance = po.train.tolerance;
       d.granularity = po.train.granularity;
@@ -307,7 +308,7 @@ Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(const st
   plan::PlannerOptions opt;
   opt.tolerance = options_.train.tolerance;
   opt.granularity = options_.train.granularity;
-  const plan::CostModel cost(model_shape(options_.train.model), plan::cpu_throughput_profile());
+  const plan::CostModel cost(model_shape(options_.train.model, options_.train.grad_return), plan::cpu_throughput_profile());
   DISTCA_ASSIGN_OR_RETURN(plan::Plan p, fn(pool.batch, cost, opt));
   TickPlan record{is_backward, nano, {}, pool.batch, p.tasks};
   for (int r = 0; r < pp_; ++r) record.micro_batch.push_back(tick[r].micro_batch);
@@ -316,6 +317,7 @@ Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(const st
   const auto setup = Clock::now();
   runtime::DispatchOptions dopt;
   dopt.backward_mode = plan::BackwardMode::kStateless;
+  dopt.grad_return = options_.train.grad_return;
   dopt.num_threads = options_.train.threads;
   const ModelConfig& c = state_.config;  // this TP rank's heads
   DISTCA_ASSIGN_OR_RETURN(auto dispatcher, runtime::Dispatcher::create(servers, pool.batch, p,

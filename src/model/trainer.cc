@@ -36,6 +36,9 @@ Status TrainOptions::validate() const {
     }
   }
   DISTCA_RETURN_IF_ERROR(plan::find_planner(policy).status());
+  if (grad_return != plan::GradReturn::kFp32 && grad_return != plan::GradReturn::kBf16) {
+    return invalid_argument(fmt::format("--grad-return must be bf16 or fp32, got value {}", static_cast<int>(grad_return)));
+  }
   if (tp < 1 || tp > 1024) return invalid_argument(fmt::format("--tp must be 1..1024, got {}", tp));
   if (tp > 1) {
     DISTCA_RETURN_IF_ERROR(tensor_parallel_shard(model, tp).status());
@@ -74,6 +77,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"backends", backends},
           {"policy", policy},
           {"backward_mode", plan::backward_mode_name(backward_mode)},
+          {"grad_return", plan::grad_return_name(grad_return)},
           {"tp", tp},
           {"pingpong", pingpong},
           {"progress", progress},
@@ -205,6 +209,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     DispatchAttentionOptions d;
     d.policy = name == "colocated" ? "none" : o.policy;
     d.backward_mode = o.backward_mode;
+    d.grad_return = o.grad_return;
     d.threads = o.threads;
     d.tolerance = o.tolerance;
     d.granularity = o.granularity;
@@ -347,8 +352,13 @@ Result<Trainer::Pass> Trainer::whole_pass(Run& run, const StepData& data) {
 }
 
 Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
-  DISTCA_ASSIGN_OR_RETURN(runtime::NanoBatches nb, runtime::split_nano_batches(data.batch));
-  // A step of one document has nothing to put in the second nano-batch: it runs whole.
+  // One plan for the micro-batch, its tasks split between the nano-batches (runtime::split_plan):
+  // together they move the whole step's bytes.
+  DispatchAttention& planner = *run.nano[0];
+  DISTCA_ASSIGN_OR_RETURN(plan::Plan whole, planner.plan_step(data.batch));
+  DISTCA_ASSIGN_OR_RETURN(runtime::NanoSplit split, runtime::split_plan(data.batch, whole, planner.cost()));
+  const runtime::NanoBatches& nb = split.nano;
+  // A step no split leaves work on both sides of (one short document) runs whole.
   if (nb.batches[0].num_docs() == 0 || nb.batches[1].num_docs() == 0) return whole_pass(run, data);
   const int rank = groups_.me.dp;
   Pass out;
@@ -356,7 +366,7 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   for (int n = 0; n < 2; ++n) {
     DispatchAttention& att = *run.nano[n];
     att.times = {};
-    DISTCA_RETURN_IF_ERROR(att.begin_step(nb.batches[n]));
+    DISTCA_RETURN_IF_ERROR(att.begin_step(nb.batches[n], std::move(split.plans[n]), /*is_part=*/n == 1));
     if (groups_.map.tp > 1) {
       const auto t0 = Clock::now();
       DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, att.plan().hash,
@@ -388,16 +398,36 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
     passes[n] = NanoPass{slices[n].get(), &run.state, run.nano[n].get(), StepTokens{ids[0], ids[1], ids[2]},
                          nullptr, nullptr, scale, 0};
   }
+  // B's layout begins with A's last rows (the prefixes of the documents the split shares): B
+  // reads their K/V, and its backward runs first so that A adds their dK/dV before its own
+  // linear backward. Every rank knows whether any rank has such rows: the same schedule on all.
+  const bool shares_rows = std::any_of(nb.context_rows.begin(), nb.context_rows.end(), [](int64_t r) { return r > 0; });
+  if (shares_rows) {
+    const ModelConfig& c = slices[1]->config();
+    context_ = ContextRows{nb.context_rows[rank], c.q_width(), c.kv_width(), c.num_q_heads, {}, {}};
+    const auto floats = static_cast<size_t>((context_.rows + slices[1]->max_tokens()) * context_.kv_row);
+    context_.dk.resize(floats);
+    context_.dv.resize(floats);
+    context_.layer_dk.assign(static_cast<size_t>(slices[1]->num_stage_layers()), {});
+    context_.layer_dv.assign(static_cast<size_t>(slices[1]->num_stage_layers()), {});
+    for (int n = 0; n < 2; ++n) {
+      passes[n].context = &context_;
+      passes[n].context_reader = n == 1;
+    }
+  }
   std::array<std::vector<runtime::Stage>, 2> chains;
+  const int forward_count = static_cast<int>(forward_stages(passes[0]).size());
   for (int n = 0; n < 2; ++n) chains[n] = joined(forward_stages(passes[n]), backward_stages(passes[n]));
+  // The joined chain's stage forward_count is the first backward attention: B leads from there.
+  const int b_leads_from = shares_rows ? forward_count : -1;
   run.state.grads.fill(0.0f);  // both nano-batches add theirs
   const auto t0 = Clock::now();
   std::optional<runtime::ProgressThread> progress;
   if (options_.progress == "thread") {
     progress.emplace([this] { return attention_comm().progress(); }, std::chrono::microseconds(50));
   }
-  DISTCA_RETURN_IF_ERROR((options_.pingpong == "sequential" ? runtime::run_sequential(chains[0], chains[1])
-                                                              : runtime::run_pingpong(chains[0], chains[1]))
+  DISTCA_RETURN_IF_ERROR((options_.pingpong == "sequential" ? runtime::run_sequential(chains[0], chains[1], b_leads_from)
+                                                              : runtime::run_pingpong(chains[0], chains[1], b_leads_from))
                              .status());
   if (progress) DISTCA_RETURN_IF_ERROR(progress->stop());
   DISTCA_RETURN_IF_ERROR(slices[0]->reduce_shared_grads(run.state));
@@ -411,6 +441,7 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
     out.attention_memory += att.buffer_bytes();
     count_plan(att.plan(), out.tasks, out.split_tasks);
   }
+  if (shares_rows) out.attention_memory += static_cast<int64_t>((context_.dk.size() + context_.dv.size()) * sizeof(float));
   out.times.comm -= out.setup;  // the plan checks ran before the passes
   return out;
 }

@@ -60,7 +60,7 @@ double ThroughputProfile::slowest_rate() const {
   return slowest;
 }
 
-TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_bytes) {
+TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_bytes, GradReturn grad_return) {
   const int64_t row = hq * head_dim * dtype_bytes;
   const int64_t lse = 4 * hq;  // fp32 per query head
   TokenBytes b;
@@ -70,16 +70,19 @@ TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_
   b.bwd_q = 3 * row + lse;
   b.bwd_do = row;
   b.bwd_dq = row;
-  b.bwd_dkv = 2 * hkv * head_dim * 4;
+  b.bwd_dkv = 2 * hkv * head_dim * grad_return_bytes(grad_return);
   return b;
+}
+
+TokenBytes token_bytes(const ModelShape& m) {
+  return token_bytes(m.q_heads_per_rank(), m.kv_heads_per_rank(), m.head_dim, m.dtype_bytes, m.grad_return);
 }
 
 CostModel::CostModel(ModelShape model, ThroughputProfile profile)
     : model_(std::move(model)), profile_(std::move(profile)) {
   DISTCA_CHECK(model_.validate().is_ok()) << model_.validate().to_string();
   DISTCA_CHECK(profile_.validate().is_ok()) << profile_.validate().to_string();
-  token_bytes_ = plan::token_bytes(model_.q_heads_per_rank(), model_.kv_heads_per_rank(),
-                             model_.head_dim, model_.dtype_bytes);
+  token_bytes_ = plan::token_bytes(model_);
   const double flops_per_pair = model_.num_layers * (fwd_flops_per_pair() + bwd_flops_per_pair());
   seconds_per_pair_ = flops_per_pair / profile_.flops_per_second;
   slowest_seconds_per_pair_ = flops_per_pair / profile_.slowest_rate();

@@ -27,7 +27,21 @@ Status ModelShape::validate() const {
     return invalid_argument(fmt::format(
         "model '{}': tp {} and {} kv heads: one must divide the other", name, tp, num_kv_heads));
   }
+  if (grad_return != GradReturn::kFp32 && grad_return != GradReturn::kBf16) {
+    return invalid_argument(fmt::format("model '{}': grad_return {} is neither fp32 nor bf16", name,
+                                        static_cast<int>(grad_return)));
+  }
   return Status::ok();
+}
+
+const char* grad_return_name(GradReturn g) { return g == GradReturn::kBf16 ? "bf16" : "fp32"; }
+
+Result<GradReturn> parse_grad_return(std::string_view text) {
+  if (text == "fp32") return GradReturn::kFp32;
+  if (text == "bf16") return GradReturn::kBf16;
+  return invalid_argument(fmt::format("--grad-return must be bf16 or fp32, got '{}' (the dtype of the dK/dV partial "
+                                      "sums on the backward return)",
+                                      text_excerpt(text)));
 }
 
 Result<ModelShape> model_preset(std::string_view name) {

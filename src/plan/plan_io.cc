@@ -27,7 +27,8 @@ json load_json(const LoadSummary& s) {
 json model_json(const ModelShape& m) {
   return {{"name", m.name},          {"layers", m.num_layers},  {"hidden", m.hidden},
           {"heads", m.num_q_heads},  {"kv_heads", m.num_kv_heads}, {"head_dim", m.head_dim},
-          {"ffn_hidden", m.ffn_hidden}, {"dtype_bytes", m.dtype_bytes}, {"tp", m.tp}};
+          {"ffn_hidden", m.ffn_hidden}, {"dtype_bytes", m.dtype_bytes}, {"tp", m.tp},
+          {"grad_return", grad_return_name(m.grad_return)}};
 }
 
 json rate_json(const std::vector<RatePoint>& rates) {
@@ -182,7 +183,9 @@ void names(const json& v, std::string_view path, std::span<const char* const> ex
 }
 
 ModelShape read_model(const json& m) {
-  object(m, "model", {"name", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "dtype_bytes", "tp"});
+  // grad_return is optional: files from before it returned dK/dV in fp32.
+  object(m, "model", {"name", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "dtype_bytes", "tp"},
+         {"grad_return"});
   ModelShape out;
   out.name = string(m["name"], "model.name");
   if (out.name.empty() || out.name.size() > kMaxModelNameChars) {
@@ -201,6 +204,12 @@ ModelShape read_model(const json& m) {
                           {"dtype_bytes", &out.dtype_bytes, 4}, {"tp", &out.tp, 1024}};
   for (const Field& f : fields) *f.value = static_cast<int>(json_int(m[f.key], at("model", f.key), 1, f.hi));
   if (out.dtype_bytes == 3) fail("model.dtype_bytes", "1 (fp8), 2 (bf16) or 4 (fp32)", m["dtype_bytes"]);
+  if (m.contains("grad_return")) {
+    const std::string g = string(m["grad_return"], "model.grad_return");
+    const Result<GradReturn> parsed = parse_grad_return(g);
+    if (!parsed.is_ok()) fail("model.grad_return", "\"bf16\" or \"fp32\"", m["grad_return"]);
+    out.grad_return = parsed.value();
+  }
   check(out.validate(), "");
   return out;
 }

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "distca/core/bf16.h"
 #include "distca/kernels/attention.h"
 
 namespace distca::runtime {
@@ -21,10 +22,13 @@ enum class Combine {
   kMerge,  // LSE merge of partial (O, LSE); the part's fields are exactly {O, LSE}
 };
 
-// One tensor of a message: rows of row_bytes bytes at base (linear or server layout).
+// One tensor of a message: fp32 rows of row_bytes bytes at base (linear or server layout). A
+// bf16 field travels at half that: rounded when packed, widened to fp32 when unpacked.
 struct Dispatcher::Field {
   std::byte* base = nullptr;
   int64_t row_bytes = 0;
+  bool is_bf16 = false;
+  int64_t wire_row_bytes() const { return is_bf16 ? row_bytes / 2 : row_bytes; }
 };
 
 // One part of every message (route.h): its segments, the fields it carries on the owner's side
@@ -48,10 +52,11 @@ namespace {
 
 bool is_to_server(Phase phase) { return phase == Phase::kFwdDispatch || phase == Phase::kBwdDispatch; }
 
+// Bytes a row of every field takes in a message.
 template <typename F>
-int64_t sum_row_bytes(const std::vector<F>& fields) {
+int64_t sum_wire_row_bytes(const std::vector<F>& fields) {
   int64_t b = 0;
-  for (const F& f : fields) b += f.row_bytes;
+  for (const F& f : fields) b += f.wire_row_bytes();
   return b;
 }
 
@@ -73,13 +78,34 @@ void add_floats(std::byte* dst, const std::byte* src, int64_t bytes) {
   }
 }
 
+// n floats to bf16, rounded to nearest, ties to even (core/bf16.h).
+void pack_bf16(const std::byte* src, int64_t n, std::byte* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    float x;
+    std::memcpy(&x, src + i * sizeof(float), sizeof(float));
+    const uint16_t b = bf16::round_bits(x);
+    std::memcpy(out + i * sizeof(uint16_t), &b, sizeof(uint16_t));
+  }
+}
+
+// n bf16 values widened to fp32, added to dst (kAdd) or copied (kCopy).
+void unpack_bf16(Combine how, const std::byte* src, int64_t n, std::byte* dst) {
+  float* d = reinterpret_cast<float*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    bf16 b;
+    std::memcpy(&b.bits, src + i * sizeof(uint16_t), sizeof(uint16_t));
+    d[i] = how == Combine::kAdd ? d[i] + static_cast<float>(b) : static_cast<float>(b);
+  }
+}
+
 // At most Q, O, dO and LSE travel in one part.
 constexpr size_t kMaxFields = 4;
 
 // Puts `rows` rows of every field, read from src[i] (rows contiguous), at row `row` of dst.
+// `is_wire`: src is a received message, whose bf16 fields are half width; else fp32 rows.
 template <typename F>
 void combine_rows(Combine how, const std::vector<F>& dst, int64_t row, int64_t rows,
-                  const std::array<const std::byte*, kMaxFields>& src) {
+                  const std::array<const std::byte*, kMaxFields>& src, bool is_wire) {
   if (how == Combine::kMerge) {
     // dst = {O [rows, Hq, D], LSE [rows, Hq]}; the partial src are fp32 and 4-byte aligned.
     const int64_t heads = dst[1].row_bytes / static_cast<int64_t>(sizeof(float));
@@ -92,7 +118,9 @@ void combine_rows(Combine how, const std::vector<F>& dst, int64_t row, int64_t r
   }
   for (size_t i = 0; i < dst.size(); ++i) {
     std::byte* to = dst[i].base + row * dst[i].row_bytes;
-    if (how == Combine::kAdd) {
+    if (is_wire && dst[i].is_bf16) {
+      unpack_bf16(how, src[i], rows * dst[i].row_bytes / static_cast<int64_t>(sizeof(float)), to);
+    } else if (how == Combine::kAdd) {
       add_floats(to, src[i], rows * dst[i].row_bytes);
     } else {
       std::memcpy(to, src[i], rows * dst[i].row_bytes);
@@ -124,9 +152,13 @@ std::byte* pack(const std::vector<Segment>& segments, bool is_local, const std::
                 std::byte* out) {
   for (const Segment& s : segments) {
     for (const F& f : fields) {
-      const int64_t n = s.rows * f.row_bytes;
-      std::memcpy(out, f.base + row_of(s, is_local) * f.row_bytes, n);
-      out += n;
+      const std::byte* from = f.base + row_of(s, is_local) * f.row_bytes;
+      if (f.is_bf16) {
+        pack_bf16(from, s.rows * f.row_bytes / static_cast<int64_t>(sizeof(float)), out);
+      } else {
+        std::memcpy(out, from, s.rows * f.row_bytes);
+      }
+      out += s.rows * f.wire_row_bytes();
     }
   }
   return out;
@@ -139,9 +171,9 @@ const std::byte* unpack(const std::vector<Segment>& segments, bool is_local, con
   for (const Segment& s : segments) {
     for (size_t i = 0; i < fields.size(); ++i) {
       src[i] = in;
-      in += s.rows * fields[i].row_bytes;
+      in += s.rows * fields[i].wire_row_bytes();
     }
-    combine_rows(how, fields, row_of(s, is_local), s.rows, src);
+    combine_rows(how, fields, row_of(s, is_local), s.rows, src, true);
   }
   return in;
 }
@@ -153,7 +185,7 @@ void copy_own(const std::vector<Segment>& segments, bool from_local, const std::
   std::array<const std::byte*, kMaxFields> from{};
   for (const Segment& s : segments) {
     for (size_t i = 0; i < src.size(); ++i) from[i] = src[i].base + row_of(s, from_local) * src[i].row_bytes;
-    combine_rows(how, dst, row_of(s, !from_local), s.rows, from);
+    combine_rows(how, dst, row_of(s, !from_local), s.rows, from, false);
   }
 }
 
@@ -194,6 +226,10 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::create(comm::Communicator& comm,
                                                        const plan::Plan& plan, HeadShape heads,
                                                        DispatchOptions options) {
   DISTCA_RETURN_IF_ERROR(heads.validate());
+  if (options.grad_return != plan::GradReturn::kFp32 && options.grad_return != plan::GradReturn::kBf16) {
+    return invalid_argument(fmt::format("DispatchOptions::grad_return {} is neither fp32 nor bf16",
+                                        static_cast<int>(options.grad_return)));
+  }
   if (batch.num_ranks != comm.size()) {
     return invalid_argument(fmt::format("the plan is for {} ranks but the communicator has {}",
                                         batch.num_ranks, comm.size()));
@@ -220,7 +256,8 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::create(comm::Communicator& comm,
                                         "{:016x}; every rank must run the same plan",
                                         static_cast<int>(mismatches), root));
   }
-  DISTCA_ASSIGN_OR_RETURN(Route route, build_route(batch, plan.tasks, comm.rank()));
+  DISTCA_ASSIGN_OR_RETURN(Route route, options.is_part ? build_partial_route(batch, plan.tasks, comm.rank())
+                                                        : build_route(batch, plan.tasks, comm.rank()));
   auto d = std::unique_ptr<Dispatcher>(new Dispatcher(comm, std::move(route), heads, options));
   // A plan whose every task is served where all of its rows live moves nothing in any phase;
   // every rank sees the same plan, so all of them skip the exchanges together (no all-to-all
@@ -286,15 +323,18 @@ void Dispatcher::fields(Phase phase, std::array<Part, 3>& parts) const {
         kv.server = {{bytes(s.k), kr}, {bytes(s.v), kr}};
       }
       break;
-    case Phase::kBwdReturn:
+    case Phase::kBwdReturn: {
+      // dK/dV partial sums may travel in bf16; dQ stays fp32 (see dispatcher.h).
+      const bool is_bf16 = options_.grad_return == plan::GradReturn::kBf16;
       q.owner = {{bytes(bwd_.dq), qr}};
       q.server = {{bytes(s.dq), qr}};
       split_q.owner = q.owner, split_q.server = q.server;
       split_q.combine = Combine::kAdd;
-      kv.owner = {{bytes(bwd_.dk), kr}, {bytes(bwd_.dv), kr}};
-      kv.server = {{bytes(s.dk), kr}, {bytes(s.dv), kr}};
+      kv.owner = {{bytes(bwd_.dk), kr, is_bf16}, {bytes(bwd_.dv), kr, is_bf16}};
+      kv.server = {{bytes(s.dk), kr, is_bf16}, {bytes(s.dv), kr, is_bf16}};
       kv.combine = Combine::kAdd;
       break;
+    }
   }
 }
 
@@ -318,8 +358,8 @@ Status Dispatcher::post(Phase phase) {
     x.recv_counts[p] = 0;
     if (p != self) {
       for (const Part& part : x.parts) {
-        x.send_counts[p] += sum_rows(send_segments(part)[p]) * sum_row_bytes(send_fields(part));
-        x.recv_counts[p] += sum_rows(recv_segments(part)[p]) * sum_row_bytes(recv_fields(part));
+        x.send_counts[p] += sum_rows(send_segments(part)[p]) * sum_wire_row_bytes(send_fields(part));
+        x.recv_counts[p] += sum_rows(recv_segments(part)[p]) * sum_wire_row_bytes(recv_fields(part));
       }
     }
     send_total += x.send_counts[p];

@@ -30,7 +30,7 @@ struct StepParts {
 };
 
 TokenBytes step_token_bytes(const ModelShape& model, bool stateless) {
-  TokenBytes tb = token_bytes(model.q_heads_per_rank(), model.kv_heads_per_rank(), model.head_dim, model.dtype_bytes);
+  TokenBytes tb = token_bytes(model);
   if (stateless) tb.bwd_dkv = tb.kv;  // the paper's system returns dK/dV in the activation dtype
   return tb;
 }

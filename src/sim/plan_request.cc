@@ -176,6 +176,7 @@ Status PlanRequest::validate() const {
     return invalid_argument(
         fmt::format("--dtype-bytes must be 1 (fp8), 2 (bf16) or 4 (fp32), got {}", *dtype_bytes));
   }
+  if (grad_return) DISTCA_RETURN_IF_ERROR(parse_grad_return(*grad_return).status());
   return Status::ok();
 }
 
@@ -195,6 +196,9 @@ Result<ModelShape> PlanRequest::model_shape() const {
   set(m.ffn_hidden, ffn_hidden);
   set(m.dtype_bytes, dtype_bytes);
   set(m.tp, tp);
+  if (grad_return) {
+    DISTCA_ASSIGN_OR_RETURN(m.grad_return, parse_grad_return(*grad_return));
+  }
   DISTCA_RETURN_IF_ERROR(m.validate());
   return m;
 }

@@ -52,7 +52,7 @@ Status SimRequest::validate() const {
   // Options whose 0 means "choose for me": only negative values are wrong.
   if (cp < 0) return invalid_argument(fmt::format("--cp must be >= 1, or 0 for context / 64K, got {}", cp));
   if (wlb_cp < 0) return invalid_argument(fmt::format("--wlb-cp must be >= 1, or 0 for WLB-ideal, got {}", wlb_cp));
-  return Status::ok();
+  return plan::parse_grad_return(grad_return).status();
 }
 
 Result<SimOptions> SimRequest::options() const {
@@ -61,6 +61,7 @@ Result<SimOptions> SimRequest::options() const {
   DISTCA_ASSIGN_OR_RETURN(const int64_t tokens, parse_context(context));
   SimOptions o;
   o.model = shape;
+  o.model.grad_return = plan::parse_grad_return(grad_return).value();  // checked by validate
   o.cluster = {gpus, gpus_per_node, tp, pp, cp};
   if (cp == 0 && tp > 0 && pp > 0) o.cluster.cp = auto_cp(tokens, gpus, tp, pp);
   o.context = tokens;
@@ -114,6 +115,7 @@ nlohmann::json simulation_report(const SimOptions& o, const Profile& profile, co
           {"tolerance", o.tolerance},
           {"tolerance_sweep", o.tolerance_sweep},
           {"iterations", o.iterations},
+          {"grad_return", plan::grad_return_name(o.model.grad_return)},
           {"profile", profile.name},
           {"device_memory_bytes", profile.device_memory_bytes > 0 ? nlohmann::json(profile.device_memory_bytes) : nlohmann::json(nullptr)},
           {"speedup", "the baseline's iteration time / the system's, of the mean times with several iterations "

@@ -118,7 +118,8 @@ Result<Planned> plan_batch(const Ctx& c, const plan::Batch& batch, const std::st
   Planned out;
   out.attn_f = server_seconds(c, p.tasks, R, false);
   out.attn_b = server_seconds(c, p.tasks, R, true);
-  // The paper's system returns dK/dV in the activation dtype; ours sums and returns them in fp32.
+  // The paper's system returns dK/dV in the activation dtype; ours in the model's grad_return
+  // (--grad-return), summed at the owner in fp32 either way.
   plan::TokenBytes tb = c.tb;
   if (policy == "distca") tb.bwd_dkv = tb.kv;
   const plan::Traffic t = plan::count_traffic(batch, tb, p.tasks, mode);
@@ -556,7 +557,7 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
   }
   for (const plan::Piece& p : batch.pieces) tokens[p.rank] += static_cast<double>(p.length());
   const plan::Traffic traffic =
-      plan::count_traffic(batch, plan::token_bytes(hq, model.kv_heads_per_rank(), model.head_dim, model.dtype_bytes), tasks, mode);
+      plan::count_traffic(batch, plan::token_bytes(model), tasks, mode);
   int64_t moved = 0;
   for (const auto& ph : traffic.phases) moved += ph.total_bytes;
   StepPrediction out;
@@ -626,7 +627,7 @@ StepPrediction predict_pipeline_step(const Profile& profile, const plan::ModelSh
     out.seconds = t.seconds;
     for (const double busy : t.busy) out.attention = std::max(out.attention, busy);
   } else {
-    const plan::TokenBytes tb = plan::token_bytes(hq, model.kv_heads_per_rank(), model.head_dim, model.dtype_bytes);
+    const plan::TokenBytes tb = plan::token_bytes(model);
     for (const PipelineStepInput::Tick& tick : in.ticks) {
       const int R = tick.pool.num_ranks;
       std::vector<double> work(R, 0.0);
@@ -688,7 +689,7 @@ Result<std::vector<SystemResult>> simulate(const Profile& profile, const SimOpti
                                           c.model.num_q_heads * c.model.head_dim * h + 3.0 * h * c.model.ffn_hidden) / tp;
     c.lin_f = per_token_flops / profile.linear_flops_per_second;
     c.lin_b = 2 * c.lin_f;
-    c.tb = plan::token_bytes(c.hq, c.model.kv_heads_per_rank(), c.head_dim, c.model.dtype_bytes);
+    c.tb = plan::token_bytes(c.model);
     c.link = o.cluster.gpus > o.cluster.gpus_per_node ? profile.inter_node : profile.intra_node;
     c.act_bytes_per_token_layer = 34.0 * h / tp;  // Korthikanti et al. 2022, with flash attention (no scores)
     const double params = c.L * (h * (c.model.num_q_heads + 2.0 * c.model.num_kv_heads) * c.model.head_dim +

@@ -314,6 +314,9 @@ std::function<int()> add_plan_command(CLI::App& app) {
   cmd->add_option("--ffn-hidden", args->request.ffn_hidden, "override: FFN hidden size, 1..2^22");
   cmd->add_option("--dtype-bytes", args->request.dtype_bytes, "override: bytes per activation element: 1, 2 (bf16) or 4");
   cmd->add_option("--tp", args->request.tp, "override: tensor-parallel degree, dividing Hq");
+  cmd->add_option("--grad-return", args->request.grad_return,
+                  "bf16 | fp32: the dtype of the returned dK/dV partial sums the bytes are counted at (default fp32, "
+                  "what the runtime and distca.torch send unless told otherwise)");
   cmd->add_option("--policy", args->request.policy, "none, distca, minmax, minbytes, minlink or all")->capture_default_str();
   cmd->add_option("--tolerance", args->tolerance,
                   "eps in [0, 1]: target max load <= (1 + eps) x mean; auto: of eps = 0.2, 0.1, ..., 0.2/128, the one "

@@ -102,6 +102,8 @@ void print_table(const nlohmann::json& j) {
   fmt::print("attn max/mean: the busiest unit's attention seconds over the mean; GB/GPU: the fullest GPU's peak, activations "
              "+ weights, gradients and optimizer states (1 GB = 1e9 bytes); speedup over X: X's iteration time / the "
              "system's (-: X not simulated)\n");
+  fmt::print("dK/dV return: {} for cad and cad-minmax (--grad-return), the activation dtype for cad-distca; summed in "
+             "fp32 at the owner\n", j["grad_return"].get<std::string>());
   const auto& device = j["device_memory_bytes"];
   fmt::print("profile: {} ({})\n", j["profile"].get<std::string>(),
              device.is_null() ? std::string("no device memory given: memory not checked")
@@ -416,8 +418,9 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
   nlohmann::json records = nlohmann::json::array();
   const auto begin = std::chrono::steady_clock::now();
   if (!a.is_json) {
-    fmt::print("speedup over wlb (WLB-ideal): wlb's iteration time / the system's, mean of {} iteration{} per configuration\n",
-               iterations, iterations == 1 ? "" : "s");
+    fmt::print("speedup over wlb (WLB-ideal): wlb's iteration time / the system's, mean of {} iteration{} per configuration; "
+               "cad and cad-minmax return dK/dV in {}\n",
+               iterations, iterations == 1 ? "" : "s", a.request.grad_return);
     fmt::print("{:<10} {:>5} {:>3} {:>7} {:<9} {:<3} {:>11} {:>8} {:>13} {:>18}  {}\n", "model", "gpus", "pp", "context", "dataset",
                "par", "cad-distca", "cad", "cad-minmax", "paper (cad-distca)", "");
   }
@@ -430,6 +433,7 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
                                      pc.dataset));
     sim::SimOptions o;
     o.model = plan::model_preset(pc.model).value();
+    o.model.grad_return = plan::parse_grad_return(a.request.grad_return).value();  // checked by check_args
     o.cluster.gpus = pc.gpus;
     o.cluster.pp = pc.pp;
     o.cluster.cp = pc.gpus / 8 / pc.pp / pc.sequences;
@@ -462,6 +466,7 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
     over_memory += over.empty() ? 0 : 1;
     records.push_back({{"model", pc.model}, {"gpus", pc.gpus}, {"pp", pc.pp}, {"context", pc.context},
                        {"dataset", pc.dataset}, {"parallelism", pc.parallelism}, {"iterations", iterations},
+                       {"grad_return", a.request.grad_return},
                        {"speedup_over", "wlb"}, {"speedup_cad_distca", s_distca}, {"speedup_cad", s_cad},
                        {"speedup_cad_minmax", s_minmax},
                        {"speedup_cad_distca_over_colocated", r[3].seconds / r[1].seconds},
@@ -617,6 +622,10 @@ std::function<int()> add_simulate_command(CLI::App& app) {
                   "on: each CAD system runs every iteration at the fastest of eps, eps/2, ..., eps/512 (tighter "
                   "balance where the link hides its bytes); off: at eps")
       ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  cmd->add_option("--grad-return", a.request.grad_return,
+                  "bf16 | fp32: the dtype cad and cad-minmax return dK/dV partial sums in, summed in fp32 at the "
+                  "owner (cad-distca, the paper's system, always returns them in the activation dtype, bf16)")
       ->capture_default_str();
   cmd->add_option("--seed", a.request.seed, "sampling seed of the first iteration (iteration i uses seed + i)")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print JSON instead of the table");

@@ -44,6 +44,7 @@ struct TrainArgs {
   uint64_t seed = 1;
   std::string policy = std::string(plan::kDefaultPlanner);
   std::string backward_mode = "stateful";
+  std::string grad_return = "fp32";
   std::string pingpong = "auto";
   std::string progress = "poll";
   int threads = 1;
@@ -65,7 +66,7 @@ struct TrainArgs {
   CLI::Option *attention_opt = nullptr, *policy_opt = nullptr, *workload_opt = nullptr, *seed_opt = nullptr,
               *ranks_opt = nullptr, *skip_opt = nullptr, *backward_opt = nullptr, *granularity_opt = nullptr,
               *tolerance_opt = nullptr, *eval_docs_opt = nullptr, *eval_steps_opt = nullptr, *pp_opt = nullptr,
-              *micro_batches_opt = nullptr, *pingpong_opt = nullptr;
+              *micro_batches_opt = nullptr, *pingpong_opt = nullptr, *grad_return_opt = nullptr;
   bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
 
@@ -113,9 +114,9 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   }
   const bool has_cad = a.is_compare || a.attention == "cad";
   if (!has_cad) {
-    for (const CLI::Option* opt : {a.policy_opt, a.backward_opt, a.granularity_opt, a.tolerance_opt}) {
+    for (const CLI::Option* opt : {a.policy_opt, a.backward_opt, a.granularity_opt, a.tolerance_opt, a.grad_return_opt}) {
       if (a.given(opt)) {
-        return invalid_argument(fmt::format("{} configures the CAD planner, but --attention colocated runs no planner: "
+        return invalid_argument(fmt::format("{} configures CAD, but --attention colocated runs no planner and no exchange: "
                                             "use --attention cad or --compare, or drop {}",
                                             opt->get_name(), opt->get_name()));
       }
@@ -137,6 +138,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   } else {
     return invalid_argument(fmt::format("--backward-mode must be stateful or stateless, got '{}'", a.backward_mode));
   }
+  DISTCA_ASSIGN_OR_RETURN(o.grad_return, plan::parse_grad_return(a.grad_return));
   o.threads = a.threads;
   o.tp = a.tp;
   o.pingpong = a.pingpong;
@@ -271,8 +273,9 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
              t.steps_done() > 0 ? fmt::format(" (resumed after step {})", t.steps_done()) : "");
   print_rank_map(t.rank_map());
   if (std::find(o.backends.begin(), o.backends.end(), "cad") != o.backends.end()) {
-    fmt::print("  cad        planner {}, granularity {}, tolerance {}, {} backward; {} thread(s) per rank\n", o.policy,
-               o.granularity, o.tolerance, plan::backward_mode_name(o.backward_mode), o.threads);
+    fmt::print("  cad        planner {}, granularity {}, tolerance {}, {} backward, dK/dV returned in {}; {} thread(s) per rank\n",
+               o.policy, o.granularity, o.tolerance, plan::backward_mode_name(o.backward_mode),
+               plan::grad_return_name(o.grad_return), o.threads);
   } else {
     fmt::print("  colocated  each rank attends its own documents; {} thread(s) per rank\n", o.threads);
   }
@@ -646,6 +649,11 @@ std::function<int()> add_train_command(CLI::App& app) {
   a.backward_opt = cmd->add_option("--backward-mode", a.backward_mode,
                                    "stateful (servers keep forward state) | stateless (the paper's)")
                        ->capture_default_str();
+  a.grad_return_opt = cmd->add_option("--grad-return", a.grad_return,
+                                      "bf16 | fp32: the dtype CAD's dK/dV partial sums cross ranks in on the backward "
+                                      "return, summed in fp32 at the owner (bf16: half those bytes, one rounding per "
+                                      "partial, as the paper)")
+                          ->capture_default_str();
   a.pingpong_opt = cmd->add_option("--pingpong", a.pingpong,
                                    "on | off: split each step into two nano-batches whose attention dispatch and return "
                                    "overlap the other's compute (default: on for cad, off for colocated; with --pp each micro-batch splits in "

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -144,6 +145,74 @@ TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
       EXPECT_EQ(s["backends"]["cad"]["loss_steps"], steps / 2);
     }
   }
+}
+
+// A bf16 return of CAD's dK/dV partial sums (the paper's) stays on the fp32 return's loss curve
+// and sends exactly its plan's bytes: what the same plan sends with an fp32 return less half of
+// the dK/dV (2 bytes an element instead of 4). The plan's own count (the planner's cost model)
+// names the same backward-return bytes.
+TEST(Train, Bf16GradReturnStaysOnTheFp32CurveAndSendsThePlansBytes) {
+  const int64_t steps = 6;
+  TrainOptions o = tiny(steps);
+  o.context = 1024;
+  o.workload = "skewed";
+  o.granularity = 32;
+  o.pingpong = "off";  // one plan per step: last_plan is the step's whole plan
+  struct Step {
+    double loss = 0;
+    int64_t sent = 0;           // all ranks, all layers and phases (StepRecord::attention_bytes)
+    int64_t want = 0;           // the plan's count at this run's return dtype
+    int64_t want_fp32 = 0;      // the same plan's count with an fp32 return
+    int64_t dkv_elements = 0;   // dK/dV elements returned across ranks, all layers
+    int64_t plan_return = 0, want_return = 0;  // one layer's backward return: the plan's, counted here
+  };
+  std::array<std::vector<Step>, 2> runs;  // fp32, bf16
+  const ModelConfig& m = o.model;
+  for (int i = 0; i < 2; ++i) {
+    o.grad_return = i == 0 ? plan::GradReturn::kFp32 : plan::GradReturn::kBf16;
+    const auto statuses = comm::LocalWorld::run(2, [&](comm::Communicator& c) -> Status {
+      DISTCA_ASSIGN_OR_RETURN(auto t, Trainer::create(c, o));
+      for (int64_t s = 0; s < steps; ++s) {
+        DISTCA_ASSIGN_OR_RETURN(auto records, t->step());
+        if (c.rank() != 0) continue;
+        const plan::Plan& p = t->last_plan(0);
+        auto count = [&](plan::GradReturn g) {
+          const plan::TokenBytes tb = plan::token_bytes(m.num_q_heads, m.num_kv_heads, m.head_dim, 4, g);
+          return plan::count_traffic(t->last_batch(), tb, p.tasks, o.backward_mode);
+        };
+        const plan::Traffic mine = count(o.grad_return), fp32 = count(plan::GradReturn::kFp32);
+        Step step{records[0].loss, records[0].attention_bytes};
+        for (int ph = 0; ph < plan::kNumPhases; ++ph) {
+          step.want += m.num_layers * mine.phases[ph].total_bytes;
+          step.want_fp32 += m.num_layers * fp32.phases[ph].total_bytes;
+        }
+        // K/V rows go out in the forward dispatch and their dK/dV come back, 2 x Hkv x D each.
+        const int64_t kv_row = 2 * m.num_kv_heads * m.head_dim;
+        step.dkv_elements = m.num_layers * mine.forward.kv_bytes / (kv_row * 4) * kv_row;
+        const auto ret = static_cast<int>(plan::Phase::kBwdReturn);
+        step.plan_return = p.traffic.phases[ret].total_bytes;
+        step.want_return = mine.phases[ret].total_bytes;
+        runs[i].push_back(step);
+      }
+      return Status::ok();
+    });
+    for (const Status& s : statuses) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+  int64_t returned = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    SCOPED_TRACE(fmt::format("step {}", s + 1));
+    const Step& fp32 = runs[0][s];
+    const Step& bf16 = runs[1][s];
+    EXPECT_LE(std::abs(bf16.loss - fp32.loss), 1e-3 * std::abs(fp32.loss));
+    for (const Step* r : {&fp32, &bf16}) {
+      EXPECT_EQ(r->sent, r->want);
+      EXPECT_EQ(r->plan_return, r->want_return);
+    }
+    EXPECT_EQ(fp32.sent, fp32.want_fp32);
+    EXPECT_EQ(bf16.want_fp32 - bf16.sent, bf16.dkv_elements * 2);
+    returned += bf16.dkv_elements;
+  }
+  EXPECT_GT(returned, 0);  // the plans did return dK/dV across ranks
 }
 
 TEST(Train, ShortRunsSummarizeTheirLossOverHalfTheSteps) {

@@ -60,6 +60,23 @@ TEST(CostModel, TokenBytesFollowTheShape) {
   EXPECT_DOUBLE_EQ(tp4.fwd_flops_per_pair(), cost.fwd_flops_per_pair() / 4);
 }
 
+// A bf16 return prices dK/dV at 2 bytes an element (for a bf16 model, as K/V themselves) and
+// leaves every other tensor as it was.
+TEST(CostModel, Bf16GradReturnHalvesOnlyTheDkDvBytes) {
+  ModelShape m = model_preset("llama-8b").value();
+  const TokenBytes fp32 = CostModel(m, ThroughputProfile{}).token_bytes();
+  m.grad_return = GradReturn::kBf16;
+  const TokenBytes bf16 = CostModel(m, ThroughputProfile{}).token_bytes();
+  EXPECT_EQ(bf16.bwd_dkv, fp32.bwd_dkv / 2);
+  EXPECT_EQ(bf16.bwd_dkv, bf16.kv);
+  TokenBytes rest = bf16;
+  rest.bwd_dkv = fp32.bwd_dkv;
+  EXPECT_EQ(rest, fp32);
+  EXPECT_EQ(token_bytes(m), bf16);
+  m.grad_return = static_cast<GradReturn>(3);
+  EXPECT_NE(m.validate().message().find("neither fp32 nor bf16"), std::string::npos) << m.validate().message();
+}
+
 TEST(CostModel, SecondsScaleWithPairsAndPenaliseShortShards) {
   CostModel cost = testing::tiny_cost(/*overhead=*/1e-6, /*tile=*/128);
   // 1 layer x (fwd 4*D*Hq = 32 + bwd 80) FLOPs per pair at 1 GFLOP/s.

@@ -31,6 +31,29 @@ TEST(PlanIo, RoundTripKeepsTasksAndHash) {
   EXPECT_EQ(back.plan.traffic.forward.total_bytes, f.plan.traffic.forward.total_bytes);
 }
 
+// The file names the return its bytes were counted at; a file without it (written before the
+// option) counts fp32, and a value other than bf16 or fp32 is refused.
+TEST(PlanIo, GradReturnRoundTripsAndDefaultsToFp32) {
+  Fixture f;
+  ModelShape m = f.cost.model();
+  m.grad_return = GradReturn::kBf16;
+  const CostModel bf16_cost(m, f.cost.profile());
+  const Plan bf16_plan = finalize_plan(f.plan.policy, f.plan.tolerance, f.batch, bf16_cost, f.plan.tasks);
+  ASSERT_LT(bf16_plan.traffic.phases[3].total_bytes, f.plan.traffic.phases[3].total_bytes);
+  nlohmann::json j = plan_to_json(bf16_plan, f.batch, bf16_cost);
+  EXPECT_EQ(j["model"]["grad_return"], "bf16");
+  LoadedPlan back = plan_from_json(nlohmann::json::parse(j.dump())).value();
+  EXPECT_EQ(back.model.grad_return, GradReturn::kBf16);
+  EXPECT_EQ(back.plan.traffic.phases[3].total_bytes, bf16_plan.traffic.phases[3].total_bytes);
+  nlohmann::json old = plan_to_json(f.plan, f.batch, f.cost);
+  old["model"].erase("grad_return");
+  EXPECT_EQ(plan_from_json(old).value().model.grad_return, GradReturn::kFp32);
+  j["model"]["grad_return"] = "fp16";
+  EXPECT_NE(plan_from_json(j).status().message().find("model.grad_return must be \"bf16\" or \"fp32\""),
+            std::string::npos)
+      << plan_from_json(j).status().message();
+}
+
 TEST(PlanIo, RefusesOtherFormatsVersionsAndEditedFiles) {
   Fixture f;
   nlohmann::json j = plan_to_json(f.plan, f.batch, f.cost);

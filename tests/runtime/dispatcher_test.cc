@@ -182,7 +182,7 @@ TEST(Dispatcher, EdgeCases) {
 TEST(Dispatcher, StatelessAndStatefulBytesDifferOnlyInTheBackwardDispatch) {
   const plan::Batch batch = random_batch(9, 4, 256);
   const plan::Plan plan = must_plan(batch, "minmax");
-  const plan::TokenBytes tb = plan::token_bytes(4, 2, 32, 4);
+  const plan::TokenBytes tb = plan::token_bytes(4, 2, 32, 4, plan::GradReturn::kFp32);
   const auto stateless = plan::count_traffic(batch, tb, plan.tasks, BackwardMode::kStateless);
   const auto stateful = plan::count_traffic(batch, tb, plan.tasks, BackwardMode::kStateful);
   const auto bwd = static_cast<int>(plan::Phase::kBwdDispatch);

@@ -219,7 +219,7 @@ inline Status check_against_colocated(comm::Communicator& base, const plan::Batc
   DISTCA_RETURN_IF_ERROR(compare("dV", rank, out.dv, gather(dv, rows, kw), rows, kw, tol));
 
   // Bytes: the dispatcher's own count, and what crossed the link per peer, against the plan's.
-  const plan::Traffic want = plan::count_traffic(batch, plan::token_bytes(hq, hkv, d, 4), plan.tasks, c.mode);
+  const plan::Traffic want = plan::count_traffic(batch, plan::token_bytes(hq, hkv, d, 4, plan::GradReturn::kFp32), plan.tasks, c.mode);
   std::vector<int64_t> want_to(batch.num_ranks, 0);
   for (int p = 0; p < plan::kNumPhases; ++p) {
     const auto phase = static_cast<plan::Phase>(p);

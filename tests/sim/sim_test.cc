@@ -8,6 +8,7 @@
 
 #include "distca/core/file.h"
 #include "distca/sim/profile.h"
+#include "distca/sim/sim_request.h"
 #include "distca/sim/simulate.h"
 #include "distca/sim/timing.h"
 
@@ -176,7 +177,7 @@ TEST(Simulate, WlbOnOneCpGroupExposesTheKvAllGatherAndReduceScatter) {
   EXPECT_EQ(r.cp, 8);
   plan::ModelShape m = o.model;
   m.tp = 8;
-  const double kv = static_cast<double>(plan::token_bytes(m.q_heads_per_rank(), m.kv_heads_per_rank(), m.head_dim, m.dtype_bytes).kv);
+  const double kv = static_cast<double>(plan::token_bytes(m).kv);
   const double tokens = 4.0 * o.context;  // 4 replicas x one sequence
   const double per_layer = collective_seconds(Collective::kAllGather, tokens * kv, 8, p.inter_node) +
                            collective_seconds(Collective::kReduceScatter, tokens * kv, 8, p.inter_node);
@@ -400,6 +401,31 @@ TEST(Simulate, MessagesNameTheSimulatorsOwnFlags) {
   r = simulate(default_h200_profile(), o, {"cad"});
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("--gpus-per-node must be in [1, 1000000], got 0"), std::string::npos) << r.status().message();
+}
+
+// --grad-return bf16 halves what cad and cad-minmax return as dK/dV; cad-distca, the paper's
+// system, returns them in the activation dtype either way, so it does not change at all.
+TEST(Simulate, Bf16GradReturnMovesFewerBytesForOurSystemsOnly) {
+  SimOptions o = small(1);
+  const std::vector<std::string> systems = {"cad-distca", "cad", "cad-minmax"};
+  auto fp32 = simulate(default_h200_profile(), o, systems);
+  o.model.grad_return = plan::GradReturn::kBf16;
+  auto bf16 = simulate(default_h200_profile(), o, systems);
+  ASSERT_TRUE(fp32.is_ok() && bf16.is_ok());
+  EXPECT_EQ(bf16.value()[0].seconds, fp32.value()[0].seconds);
+  EXPECT_EQ(bf16.value()[0].bytes, fp32.value()[0].bytes);
+  for (size_t k = 1; k < systems.size(); ++k) {
+    SCOPED_TRACE(systems[k]);
+    EXPECT_LT(bf16.value()[k].bytes, fp32.value()[k].bytes);
+  }
+  // The request: bf16 unless told, and a clear error for anything else.
+  SimRequest request;
+  EXPECT_EQ(request.options().value().model.grad_return, plan::GradReturn::kBf16);
+  request.grad_return = "fp32";
+  EXPECT_EQ(request.options().value().model.grad_return, plan::GradReturn::kFp32);
+  request.grad_return = "fp16";
+  EXPECT_NE(request.validate().message().find("--grad-return must be bf16 or fp32"), std::string::npos)
+      << request.validate().message();
 }
 
 TEST(Simulate, BadOptionsAreRefused) {

@@ -167,6 +167,7 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"negative seed", "--seed -1", "--seed must be >= 0"},
       {"zero gpus per node", "--gpus-per-node 0", "--gpus-per-node"},
       {"odd dtype bytes", "--dtype-bytes 3", "--dtype-bytes"},
+      {"unknown grad return", "--grad-return fp8", "--grad-return must be bf16 or fp32, got 'fp8'"},
       {"too many layers", "--layers 5000", "--layers must be in [1, 1024]"},
       {"zero heads", "--heads 0", "--heads"},
       {"negative budget", "--max-rank-bytes -1", "--max-rank-bytes"},

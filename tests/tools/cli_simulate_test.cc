@@ -56,6 +56,7 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   ASSERT_EQ(j["systems"].size(), 5u);
   EXPECT_EQ(j["iterations"], 1);
   EXPECT_EQ(j["device_memory_bytes"], 141e9);
+  EXPECT_EQ(j["grad_return"], "bf16");  // the default, as the paper's system returns dK/dV
   for (const auto& s : j["systems"]) {
     for (const char* field : {"seconds", "linear_seconds", "attention_seconds", "comm_seconds", "idle_seconds",
                               "speedup_over_wlb", "speedup_over_colocated", "attention_imbalance", "memory_bytes_per_gpu",
@@ -74,7 +75,7 @@ TEST(Cli, SimulateJsonAndPaperRecordsHaveTheDocumentedFields) {
   ASSERT_GT(records.size(), 10u);
   for (const auto& rec : records) {
     for (const char* field : {"model", "gpus", "context", "dataset", "parallelism", "speedup_cad_distca", "speedup_cad", "speedup_cad_minmax",
-                              "paper_low", "paper_high", "fits_memory", "memory_bytes_per_gpu"}) {
+                              "paper_low", "paper_high", "fits_memory", "memory_bytes_per_gpu", "grad_return"}) {
       EXPECT_TRUE(rec.contains(field)) << field;
     }
     EXPECT_EQ(rec["speedup_over"], "wlb");
@@ -284,6 +285,8 @@ TEST(Cli, SimulateBadInputGetsOneLineErrorExitTwo) {
       {"negative tolerance", "--tolerance -0.1", "--tolerance must be in [0, 1], got -0.1"},
       {"paper tolerance above one", "--paper --tolerance 2", "--tolerance must be in [0, 1], got 2"},
       {"bad sweep", "--tolerance-sweep maybe", "--tolerance-sweep"},
+      {"unknown grad return", "--grad-return fp16", "--grad-return must be bf16 or fp32, got 'fp16'"},
+      {"paper unknown grad return", "--paper --grad-return half", "--grad-return must be bf16 or fp32, got 'half'"},
       // --paper sets the configuration itself: what it would ignore is refused, by name.
       {"paper with model and gpus", "--paper --model llama-34b --gpus 8", "set --model, --gpus themselves"},
       {"paper with workload", "--paper --workload prolong", "set --workload themselves"},

@@ -231,6 +231,8 @@ TEST(Cli, TrainBadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"unknown workload", "--workload web", "web"},
       {"unknown policy", "--policy best", "best"},
       {"unknown backward mode", "--backward-mode sometimes", "--backward-mode"},
+      {"unknown grad return", "--grad-return fp16", "--grad-return must be bf16 or fp32"},
+      {"grad return without cad", "--attention colocated --grad-return bf16", "--grad-return"},
       {"save without a path", "--save-every 2", "--checkpoint"},
       {"zero ranks", "--ranks 0", "--ranks"},
       {"missing data", "--data /nonexistent/corpus.jsonl", "/nonexistent/corpus.jsonl"},

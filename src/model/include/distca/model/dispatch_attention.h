@@ -21,9 +21,12 @@ struct DispatchAttentionOptions {
   int threads = 1;                // CPU attention threads per rank
   double tolerance = 0.05;        // planner eps
   int64_t granularity = 128;      // planner shard granularity in tokens
+  // The dtype of the dK/dV partial sums on the backward return (runtime::DispatchOptions); the
+  // planner counts the plan's bytes at it.
+  plan::GradReturn grad_return = plan::GradReturn::kFp32;
 };
 
-plan::ModelShape model_shape(const ModelConfig& config);
+plan::ModelShape model_shape(const ModelConfig& config, plan::GradReturn grad_return = plan::GradReturn::kFp32);
 
 // A backend whose passes also run in stages, for a caller that overlaps them with other work
 // (ping-pong; see runtime::Dispatcher): start_* packs and posts the dispatch, finish_dispatch
@@ -47,7 +50,14 @@ class DispatchAttention final : public StagedAttention {
   static Result<std::unique_ptr<DispatchAttention>> create(comm::Communicator& comm, const ModelConfig& config,
                                                            DispatchAttentionOptions options);
   std::string name() const override { return options_.policy == "none" ? "colocated" : "cad"; }
-  Status begin_step(const plan::Batch& batch) override;
+  Status begin_step(const plan::Batch& batch) override;  // plan_step, then begin_step with its plan
+  // The step's plan under this backend's policy and options (its seconds go to planning_seconds).
+  Result<plan::Plan> plan_step(const plan::Batch& batch);
+  // A step with a plan made elsewhere (ping-pong: a nano-batch's share of the micro-batch's plan,
+  // is_part: covering part of the batch's queries, runtime::split_plan).
+  Status begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part = false);
+  const ModelConfig& config() const { return config_; }
+  const plan::CostModel& cost() const { return cost_; }
   Status forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) override;
   Status backward(int layer, const float* q, const float* k, const float* v, const float* o, const float* lse,
                   const float* d_o, float* dq, float* dk, float* dv) override;

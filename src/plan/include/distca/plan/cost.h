@@ -57,14 +57,17 @@ struct TokenBytes {
   int64_t bwd_q = 0;          // Q, O, dO and LSE (backward dispatch, query side, stateless)
   int64_t bwd_do = 0;         // dO alone (backward dispatch, query side, stateful)
   int64_t bwd_dq = 0;         // dQ (backward return, query side)
-  int64_t bwd_dkv = 0;        // dK and dV in fp32, summed at the owner (backward return)
+  int64_t bwd_dkv = 0;        // dK and dV in the grad-return dtype, summed at the owner in fp32 (backward return)
   bool operator==(const TokenBytes&) const = default;
 };
 
 // Bytes per token of every tensor the runtime moves, for hq query heads and hkv key/value heads
-// of head_dim elements of dtype_bytes each. LSE and the returned dK/dV are fp32. The cost model
-// and the runtime both take their sizes from here.
-TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_bytes);
+// of head_dim elements of dtype_bytes each. LSE is fp32; the returned dK/dV are fp32 or bf16
+// (grad_return); dQ travels in the activation dtype. The cost model, the simulator and the
+// runtime all take their sizes from here.
+TokenBytes token_bytes(int64_t hq, int64_t hkv, int64_t head_dim, int64_t dtype_bytes, GradReturn grad_return);
+// The same for one rank of a model (heads divided by its tp).
+TokenBytes token_bytes(const ModelShape& model);
 
 class CostModel {
  public:

@@ -2,8 +2,11 @@
 // Forward: Q/K/V rows go from their owners to the servers the plan names (one all-to-all-v;
 // K/V once per (document, server)), each server runs the fused kernel over its tasks, and O
 // and LSE come back into the linear layout. Backward is the mirror: dO (and, stateless, Q, O,
-// LSE, K, V again) to the servers, dQ and fp32 dK/dV back; dK/dV of a row used by several
-// tasks are summed in fp32 on the server, then at the owner in rank order of the servers.
+// LSE, K, V again) to the servers, dQ and dK/dV back; dK/dV of a row used by several tasks are
+// summed in fp32 on the server, then at the owner in rank order of the servers. dK/dV travel in
+// DispatchOptions::grad_return: fp32, or bf16 (each server's partial sum rounded to nearest
+// even, the paper's choice: half the bytes), widened and summed in fp32 at the owner. dQ keeps
+// the activation dtype (fp32): the paper rounds only the dK/dV partial sums.
 //
 // Key-range splits (route.h): a query row in several tasks gets one partial (O, LSE) from each;
 // the owner folds them by the LSE merge (kernels::lse_merge) and sums their dQ in fp32, in a
@@ -18,8 +21,9 @@
 // start_return (pack, post the return), finish_comm (wait, unpack into the linear layout).
 // One exchange is in flight per dispatcher; two nano-batches use two dispatchers.
 //
-// Bytes sent per phase are exactly plan::count_traffic's with plan::token_bytes(Hq, Hkv, D, 4).
-// fp32 throughout. Thread safety: one call at a time per object.
+// Bytes sent per phase are exactly plan::count_traffic's with plan::token_bytes(Hq, Hkv, D, 4,
+// grad_return). fp32 throughout but on the wire of a bf16 return. Thread safety: one call at a
+// time per object.
 #pragma once
 
 #include <array>
@@ -82,6 +86,12 @@ struct DispatchOptions {
   int num_threads = 0;          // CpuAttention threads; <= 0: one per hardware thread
   std::optional<float> scale;   // softmax scale; default 1 / sqrt(D)
   ServerKernel* kernel = nullptr;  // not owned; nullptr: a CpuAttention of num_threads
+  // The dtype dK/dV partial sums cross ranks in on the backward return. Rows a rank serves
+  // itself never travel and are summed unrounded.
+  plan::GradReturn grad_return = plan::GradReturn::kFp32;
+  // The plan's tasks cover part of the batch's queries (a nano-batch of runtime::split_plan,
+  // whose layout also holds rows it reads only as K/V): checked for shape, not coverage.
+  bool is_part = false;
 };
 
 struct PhaseStats {

@@ -38,6 +38,9 @@ struct PlanRequest {
   std::optional<plan::ThroughputProfile> throughput;
   std::string model = "llama-8b";             // a preset, or "custom" with every shape flag
   std::optional<int> layers, hidden, heads, kv_heads, head_dim, ffn_hidden, dtype_bytes, tp;
+  // "fp32" or "bf16": the dK/dV return the plan's bytes are counted at; unset: fp32, what the
+  // runtime and distca.torch send by default.
+  std::optional<std::string> grad_return;
   int gpus_per_node = 8;
 
   int64_t granularity_or_default() const { return granularity.value_or(128); }
