@@ -147,8 +147,10 @@ TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
     }
     const double share = attention[0] / (attention[0] + attention[1]);
     const double token_share = static_cast<double>(tokens[0]) / static_cast<double>(tokens[0] + tokens[1]);
-    std::printf("%s: A holds %.2f of the attention, %.2f of the tokens; bytes %.4fx the plan's\n", c.what.c_str(), share,
-                token_share, static_cast<double>(split_bytes) / static_cast<double>(whole_bytes));
+    const int64_t a_bytes = s.plans[0].traffic.all_phases_bytes[0] + s.plans[0].traffic.all_phases_bytes[1];
+    std::printf("%s: A holds %.2f of the attention, %.2f of the tokens, %.2f of the bytes; bytes %.4fx the plan's\n",
+                c.what.c_str(), share, token_share, split_bytes > 0 ? static_cast<double>(a_bytes) / static_cast<double>(split_bytes) : 0.0,
+                static_cast<double>(split_bytes) / static_cast<double>(whole_bytes));
     EXPECT_GT(share, 0.2) << c.what;
     EXPECT_LT(share, 0.8) << c.what;
     EXPECT_GT(token_share, 0.2) << c.what;
