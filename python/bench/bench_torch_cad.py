@@ -141,7 +141,7 @@ def measure_planning(batch: Any, policy: str, repeats: int) -> list[dict]:
         plan_ms.append(plan.plan_ms)
         tasks, attention = len(plan.tasks), float(np.max(plan.server_seconds))
         start = time.perf_counter()
-        split_tasks(plan.tasks, batch.num_ranks)  # what ping-pong adds to every rank's layout
+        split_tasks(plan.tasks, batch, tolerance=plan.tolerance)  # what ping-pong adds to every rank's layout
         split_ms.append((time.perf_counter() - start) * 1e3)
         for pingpong in (False, True):
             per_rank = {}

@@ -210,17 +210,21 @@ def test_cad_attention_without_any_planner_raises_at_once():
         cad_attention(q, k, v, None)
 
 
-SPLIT_TASKS_ERRORS = [
-    (lambda t: ([1, 2, 3], 3), TypeError, r"tasks must be a one-dimensional array of distca.TASK_DTYPE"),
-    (lambda t: (np.zeros(3), 3), TypeError, r"tasks must be a one-dimensional array of distca.TASK_DTYPE"),
-    (lambda t: (t.view(np.int64).reshape(-1, 6), 3), TypeError, r"got an array of int64, shape"),
-    (lambda t: (t[["doc", "q0", "q1"]], 3), ValueError, r"tasks: no field 'k0'"),
-    (lambda t: (t, 0), ValueError, r"num_ranks must be at least 1, got 0"),
-    (lambda t: (t, True), TypeError, r"num_ranks must be an integer, got True"),
-    (lambda t: (t, "3"), TypeError, r"num_ranks must be an integer, got '3'"),
-    (lambda t: (t, 1), ValueError, r"tasks\[\d+\]: server 1 outside \[0, 1\)"),
-    (lambda t: (np.array([(0, 5, 2, 0, 2, 0)] * 3, dtype=distca.TASK_DTYPE), 3), ValueError,
-     r"tasks\[0\]: need doc >= 0, 0 <= q0 < q1"),
+SPLIT_TASKS_ERRORS = [   # make(tasks, batch) -> (args, kwargs) of split_tasks
+    (lambda t, b: (([1, 2, 3], b), {}), TypeError, r"tasks must be a one-dimensional array of distca.TASK_DTYPE"),
+    (lambda t, b: ((np.zeros(3), b), {}), TypeError, r"tasks must be a one-dimensional array of distca.TASK_DTYPE"),
+    (lambda t, b: ((t.view(np.int64).reshape(-1, 6), b), {}), TypeError, r"got an array of int64, shape"),
+    (lambda t, b: ((t[["doc", "q0", "q1"]], b), {}), ValueError, r"tasks: no field 'k0'"),
+    (lambda t, b: ((t, 3), {}), TypeError, r"batch must be a distca.Batch \(the plan's batch, Plan.batch\), got int 3"),
+    (lambda t, b: ((t, distca.pack([8], 1, 8)), {}), ValueError,
+     r"tasks\[\d+\]: server 1 outside \[0, 1\) \(the batch's 1 ranks\)"),
+    (lambda t, b: ((np.array([(0, 5, 2, 0, 2, 0)] * 3, dtype=distca.TASK_DTYPE), b), {}), ValueError,
+     r"tasks\[0\]: need 0 <= doc < 7 \(the batch's documents\), 0 <= q0 < q1"),
+    (lambda t, b: ((np.array([(0, 0, 900, 0, 900, 0)], dtype=distca.TASK_DTYPE), b), {}), ValueError,
+     r"tasks\[0\]: rows past the end of document 0 \(700 tokens\)"),
+    (lambda t, b: ((t, b), {"tolerance": 2}), ValueError, r"tolerance must be in \[0, 1\]"),
+    (lambda t, b: ((t, b), {"tolerance": "x"}), TypeError, r"tolerance must be a number"),
+    (lambda t, b: ((t, b), {"kv_budget": -0.1}), ValueError, r"kv_budget must be in \[0, 1\]"),
 ]
 
 
@@ -228,8 +232,9 @@ SPLIT_TASKS_ERRORS = [
 def test_split_tasks_refuses_bad_input_in_one_line(make, error, match):
     from distca.torch import split_tasks
     plan, _ = _plan_and_rows()
+    args, kwargs = make(plan.tasks, plan.batch)
     with pytest.raises(error, match=match) as raised:
-        split_tasks(*make(plan.tasks))
+        split_tasks(*args, **kwargs)
     assert raised.type is error and "\n" not in str(raised.value)
 
 

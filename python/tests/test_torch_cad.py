@@ -55,7 +55,7 @@ def matrix_worker(rank, world, num_batches, seed):
     rng = np.random.default_rng(seed)
     worst = {}
     counts = {"cases": 0, "merged_entries": 0, "spanning_batches": 0, "pingpong_split": 0, "pingpong_identical": 0,
-              "pingpong_max_diff": 0.0, "multi_layer": 0}
+              "pingpong_cuts": 0, "pingpong_max_diff": 0.0, "multi_layer": 0}
     for b in range(num_batches):
         spanning = b % 2 == 1
         lengths, ranks = random_batch(rng, world, spanning)
@@ -86,6 +86,7 @@ def matrix_worker(rank, world, num_batches, seed):
             off, on = results["sdpa", False], results["sdpa", True]
             diff = _max_rel(list(zip(on, [x.double() for x in off])))
             counts["pingpong_identical"] += int(all(torch.equal(a, c) for a, c in zip(on[:2], off[:2])))
+            counts["pingpong_cuts"] += layouts[True].split.num_cuts if layouts[True].split is not None else 0
             counts["pingpong_max_diff"] = max(counts["pingpong_max_diff"], max(diff))
             if b % 10 == 0 and policy == "minbytes":
                 # One layout serves several layers: a second layer's inputs through the same layout.
@@ -114,10 +115,13 @@ def test_cad_attention_equals_whole_document_attention(world):
     assert counts["merged_entries"] > 0, "no plan split a row's keys: the LSE merge went untested"
     assert counts["spanning_batches"] >= num_batches // 4, counts
     assert counts["pingpong_split"] >= num_batches * len(POLICIES) // 2, counts
-    # Ping-pong runs exactly the plan's tasks: O, dQ, dK and dV up to fp32 rounding (a K/V row's
-    # contributions from the two nano-batches are summed in another order; the CPU sdpa kernel's
-    # LSE merge of a cut causal task is batched with other tasks of its shape).
-    assert counts["pingpong_identical"] >= num_batches * len(POLICIES) * 9 // 10, counts
+    # Ping-pong computes the plan's pairs, a few tasks cut in two at a query row (nanobatch.py):
+    # O, dQ, dK and dV equal up to fp32 rounding (a cut task's rows see their keys in other
+    # blocks; a K/V row's contributions from the two nano-batches are summed in another order; a
+    # key-split row's parts may be merged over both nano-batches). Plans with no cut mostly give
+    # bit-identical O and dQ.
+    assert counts["pingpong_cuts"] > 0, counts
+    assert counts["pingpong_identical"] >= num_batches * len(POLICIES) // 4, counts
     assert counts["pingpong_max_diff"] <= 1e-6, counts
     assert counts["multi_layer"] == num_batches // 10
 
@@ -239,23 +243,6 @@ def test_named_backend_that_cannot_run_says_why():
     with pytest.raises(BackendUnavailable, match="must be one of"):
         get_backend("fast", torch.device("cpu"), torch.float32)
     assert get_backend("auto", torch.device("cpu"), torch.float16).name == "sdpa"   # distca takes fp32/bf16
-
-
-def test_split_tasks_keeps_each_rows_tasks_together_and_balances_servers():
-    from distca.torch import split_tasks
-    for batch in ([[2048, 64], [128] * 8], [[194, 90], [284]], [[1024, 512], [64] * 4, [900]]):
-        plan = distca.plan(batch, policy="minbytes", granularity=16, model=COST_MODEL)
-        tasks = plan.tasks
-        parts = split_tasks(tasks, plan.num_ranks)
-        assert len(parts) == 2, batch
-        a, b = parts
-        assert len(np.intersect1d(a, b)) == 0 and len(a) + len(b) == len(tasks)
-        rows = lambda idx: {(int(tasks["doc"][i]), r) for i in idx  # noqa: E731
-                            for r in range(int(tasks["q0"][i]), int(tasks["q1"][i]))}
-        assert not rows(a) & rows(b), f"{batch}: a row has tasks in both nano-batches"
-        pairs = [np.bincount(tasks["server"][p], weights=(tasks["q1"][p] - tasks["q0"][p]).astype(float),
-                             minlength=plan.num_ranks) for p in (a, b)]
-        assert all(x.sum() > 0 for x in pairs), batch
 
 
 def _server_tasks_with_key_splits():

@@ -229,6 +229,8 @@ def test_the_tensor_format_round_trips_and_checks_every_field(tmp_path):
     (["--bucket-mb", "nan"], "--bucket-mb must be"),
     (["--json", ""], "--json needs a file name"),
     (["--checkpoint", ""], "--checkpoint needs a folder name"),
+    (["--grad-return", "fp16"], "argument --grad-return: invalid choice: 'fp16'"),
+    (["--attention", "colocated", "--grad-return", "bf16"], "--grad-return would be ignored with --attention colocated"),
 ])
 def test_bad_numbers_and_names_one_line_exit_2(argv, message, capsys):
     _refused(TINY + argv, capsys, contains=message)
@@ -355,3 +357,9 @@ def test_ctrl_c_leaves_a_whole_checkpoint_and_one_line(tmp_path):
                  tmp_path)
     assert [r["code"] for r in out] == [0], out
     assert sorted(os.listdir(tmp_path)) == ["ck"]          # a stale scratch folder of ours is cleaned
+
+
+def test_grad_return_flag_reaches_the_config():
+    from distca.torch.train_config import parse_args
+    assert parse_args(TINY + ["--grad-return", "bf16"]).grad_return == "bf16"
+    assert parse_args(TINY).grad_return == "fp32"

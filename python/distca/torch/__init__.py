@@ -21,11 +21,13 @@ except ImportError as e:  # pragma: no cover (the package's own install brings t
 
 from .attention import CADAttention, ExchangeBuffers, cad_attention
 from .backends import BackendUnavailable, ServerKernel, backend_names, get_backend
-from .layout import InputError, ModelShape, PlannedStep, StepLayout, StepPlanner, rank_layout, split_tasks
+from .layout import (InputError, ModelShape, NanoSplit, PlannedStep, StepLayout, StepPlanner, exchange_bytes,
+                     rank_layout, split_plan, split_tasks)
 from .spawn import run_ranks
 
 __all__ = [
-    "StepPlanner", "StepLayout", "PlannedStep", "ModelShape", "InputError", "rank_layout", "split_tasks",
+    "StepPlanner", "StepLayout", "PlannedStep", "ModelShape", "InputError", "rank_layout", "split_tasks", "split_plan",
+    "NanoSplit", "exchange_bytes",
     "cad_attention", "CADAttention", "ExchangeBuffers",
     "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "run_ranks",
 ]

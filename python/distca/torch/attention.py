@@ -4,13 +4,20 @@ One autograd.Function whose forward and backward are the CAD data path (docs/des
 nano-batch:
   forward   owner: gather Q rows and K/V rows (K/V once per (document, server))  -> all-to-all
             server: lay the rows out per task, run the server kernel (O, LSE)      -> all-to-all back
-            owner: copy rows computed whole, merge key-split rows by the LSE rule
+            owner: copy rows computed whole, merge key-split rows by the LSE rule (over both
+            nano-batches: a row's key splits may be in either)
   backward  owner: dO with the merged O and LSE (stateless: Q and K/V again)      -> all-to-all
             server: kernel backward with the merged O/LSE (exact for key-split rows); dK/dV summed
-            over the tasks sharing a row (fp32)                                    -> all-to-all back
-            owner: dQ and dK/dV summed over the entries of each row (fp32)
+            over the tasks sharing a row (fp32), sent in the layout's grad_return
+            dtype (fp32, or bf16: half the bytes, the paper's choice)            -> all-to-all back
+            owner: dQ and dK/dV summed over the entries of each row (fp32; the rows it served
+            itself unrounded)
 With two nano-batches (ping-pong) every all-to-all is posted asynchronously and waited for only
-when its result is needed: one nano-batch's exchanges run while the other computes.
+when its result is needed: the second nano-batch's dispatch runs while the first computes, the
+first one's return while the second computes. The one that moves more goes second in the forward
+and first in the backward (_forward_order). (Posting the second dispatch only once the first has
+arrived, so that the two never share the link, measured 5-10 % slower over a shaped link between
+two network-namespace hosts: reports/cpu/2026-11-27-bench-link-torch.)
 
 Rows travel as bytes: O and LSE (or dO, O and LSE) of a row are packed into one uint8 row, so each
 phase is one all_to_all_single per nano-batch and tensor kind.
@@ -32,6 +39,8 @@ from .layout import CALL_CAD_ATTENTION, InputError, PartLayout, StepLayout, _err
 # The dtypes cad_attention takes: every CPU and CUDA backend's forward and backward run them
 # (float64's backward does not run on the CPU kernels).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes dK/dV partial sums may travel in on the backward return (StepPlanner's grad_return).
+GRAD_RETURN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -71,6 +80,35 @@ class _Exchange:
         if self.host is not None:
             self.out.copy_(self.host)
         return self.out
+
+
+def _forward_order(layout: StepLayout, hq: int, hkv: int) -> list:
+    """The order the forward runs the nano-batches in; the backward runs the reverse. A
+    nano-batch's exchanges can run only during the other's compute: the second one's dispatch
+    during the first's compute, the first one's return during the second's. So the nano-batch
+    that moves more (the forward dispatches Q and K/V, larger than the O it returns) goes second
+    in the forward, and first in the backward, where its larger return (dQ, dK/dV) is the one
+    hidden. On two ranks the travelling rows are often all one nano-batch's (nanobatch.py keeps
+    the tasks sharing K/V rows together). By the split's rows, the same on every rank."""
+    split = layout.split
+    if len(layout.parts) < 2 or split is None or len(split.travel_rows) != len(layout.parts):
+        return list(range(len(layout.parts)))
+    dispatched = [q_rows * hq + kv_rows * 2 * hkv for q_rows, kv_rows in split.travel_rows]
+    return sorted(range(len(layout.parts)), key=lambda i: (dispatched[i], i))
+
+
+def _owner_dkv(received: torch.Tensor, sent: torch.Tensor, part: PartLayout, rank: int) -> torch.Tensor:
+    """The dK/dV partial sums an owner adds up, in fp32: as received, except the rows this rank
+    served itself, which never crossed a link and are taken unrounded from what it sent (as the
+    C++ runtime does: only the partial sums that travel are rounded by a bf16 return)."""
+    if received.dtype == torch.float32:
+        return received
+    out = received.float()
+    mine = part.kv_send_splits[rank]
+    if mine:
+        at_owner, at_server = sum(part.kv_send_splits[:rank]), sum(part.kv_recv_splits[:rank])
+        out[at_owner:at_owner + mine] = sent[at_server:at_server + mine]
+    return out
 
 
 def _check(q, k, v, layout: StepLayout, scale, backend, return_lse) -> Optional[str]:
@@ -126,24 +164,31 @@ def _server_forward(part: PartLayout, q_recv, kv_recv, kernel, scale):
     return o_send, lse_send, (q_var, k_var, v_var)
 
 
-def _merge(part: PartLayout, o_ret, lse_ret, out, lse_out) -> None:
-    """Owner: rows computed whole are copied; partial results of key-split rows are merged by the
-    LSE rule in fp32: lse = log sum_m exp(lse_m), o = sum_m exp(lse_m - lse) o_m."""
+def _copy(part: PartLayout, o_ret, lse_ret, out, lse_out) -> None:
+    """Owner: rows computed whole by one task are copied from a nano-batch's return."""
     out.index_copy_(0, part.copy_rows, o_ret.index_select(0, part.copy_entries))
     lse_out.index_copy_(0, part.copy_rows, lse_ret.index_select(0, part.copy_entries))
-    if part.merge_entries.numel() == 0:
+
+
+def _merge(layout: StepLayout, part_o: list, part_lse: list, out, lse_out) -> None:
+    """Owner: the partial results of key-split rows, from every nano-batch (a row's key splits may
+    be in both), merged by the LSE rule in fp32: lse = log sum_m exp(lse_m), o = sum_m
+    exp(lse_m - lse) o_m. part_o / part_lse: each part's merge entries, in part order."""
+    rows = layout.merged_rows
+    if rows.numel() == 0:
         return
-    part_lse = lse_ret.index_select(0, part.merge_entries)                    # [E, Hq]
-    part_o = o_ret.index_select(0, part.merge_entries).float()                # [E, Hq, D]
-    rows, slot = part.merged_rows, part.merge_slot
-    shift = part_lse.new_full((rows.numel(), part_lse.shape[1]), float("-inf"))
-    shift.scatter_reduce_(0, slot[:, None].expand_as(part_lse), part_lse, "amax", include_self=True)
+    slot = torch.cat([p.merge_slot for p in layout.parts]) if len(layout.parts) > 1 else layout.parts[0].merge_slot
+    # part_o / part_lse are in part order, as the slots
+    plse = torch.cat(part_lse) if len(part_lse) > 1 else part_lse[0]                 # [E, Hq]
+    po = (torch.cat(part_o) if len(part_o) > 1 else part_o[0]).float()              # [E, Hq, D]
+    shift = plse.new_full((rows.numel(), plse.shape[1]), float("-inf"))
+    shift.scatter_reduce_(0, slot[:, None].expand_as(plse), plse, "amax", include_self=True)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    weight = torch.exp(part_lse - shift.index_select(0, slot))
+    weight = torch.exp(plse - shift.index_select(0, slot))
     total = torch.zeros_like(shift).index_add_(0, slot, weight)
     merged_lse = shift + torch.log(total)
     weight = weight / total.index_select(0, slot)
-    merged_o = part_o.new_zeros((rows.numel(),) + tuple(part_o.shape[1:])).index_add_(0, slot, weight[..., None] * part_o)
+    merged_o = po.new_zeros((rows.numel(),) + tuple(po.shape[1:])).index_add_(0, slot, weight[..., None] * po)
     out.index_copy_(0, rows, merged_o.to(out.dtype))
     lse_out.index_copy_(0, rows, merged_lse)
 
@@ -158,24 +203,34 @@ class CADAttention(torch.autograd.Function):
         kv = torch.stack((k, v), dim=1)                                       # [T, 2, Hkv, D]
         # 1. Dispatch every nano-batch's Q and K/V (posted, not waited for).
         pool, stage = layout.buffers, layout.host_staging
-        dispatch = [(_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group,
-                               pool, ("fwd", i, "q"), stage),
-                     _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group,
-                               pool, ("fwd", i, "kv"), stage))
-                    for i, p in enumerate(layout.parts)]
+        order = _forward_order(layout, hq, k.shape[1])
+        dispatch = {i: (_Exchange(q.index_select(0, layout.parts[i].q_send_index), layout.parts[i].q_send_splits,
+                                  layout.parts[i].q_recv_splits, group, pool, ("fwd", i, "q"), stage),
+                        _Exchange(kv.index_select(0, layout.parts[i].kv_send_index), layout.parts[i].kv_send_splits,
+                                  layout.parts[i].kv_recv_splits, group, pool, ("fwd", i, "kv"), stage))
+                    for i in order}
         # 2. Serve each nano-batch as its rows arrive; post its results back at once.
-        returns, saved = [], []
-        for i, (p, (xq, xkv)) in enumerate(zip(layout.parts, dispatch)):
+        returns: dict = {}
+        saved: list = [None] * len(layout.parts)
+        for i in order:
+            p, (xq, xkv) = layout.parts[i], dispatch[i]
             o_send, lse_send, state = _server_forward(p, xq.wait(), xkv.wait(), kernel, scale)
-            returns.append(_Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group,
-                                     pool, ("fwd_return", i), stage))
-            saved.append(state if layout.backward == "stateful" else None)
-        # 3. Owner: copy and merge each nano-batch's results as they come back.
+            returns[i] = _Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group,
+                                   pool, ("fwd_return", i), stage)
+            saved[i] = state if layout.backward == "stateful" else None
+        # 3. Owner: copy each nano-batch's whole rows as they come back, then merge the key-split
+        #    rows' partial results of both (in part order, as the layout's merge slots).
         out = q.new_zeros(q.shape)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        for p, x in zip(layout.parts, returns):
-            o_ret, lse_ret = _unpack(x.wait(), [((hq, d), q.dtype), ((hq,), torch.float32)])
-            _merge(p, o_ret, lse_ret, out, lse)
+        part_o, part_lse = [None] * len(layout.parts), [None] * len(layout.parts)
+        for i in order:
+            p = layout.parts[i]
+            o_ret, lse_ret = _unpack(returns[i].wait(), [((hq, d), q.dtype), ((hq,), torch.float32)])
+            _copy(p, o_ret, lse_ret, out, lse)
+            part_o[i] = o_ret.index_select(0, p.merge_entries)
+            part_lse[i] = lse_ret.index_select(0, p.merge_entries)
+        _merge(layout, part_o, part_lse, out, lse)
+        ctx.order = order
         ctx.layout, ctx.kernel, ctx.scale, ctx.server_state, ctx.num_kv_heads = layout, kernel, scale, saved, k.shape[1]
         if layout.backward == "stateless":
             ctx.save_for_backward(out, lse, q, k, v)
@@ -196,13 +251,16 @@ class CADAttention(torch.autograd.Function):
         hq, d = out.shape[1], out.shape[2]
         hkv = ctx.num_kv_heads
         stateless = layout.backward == "stateless"
+        wire = GRAD_RETURN_DTYPES[layout.grad_return]
         if stateless:
             q, k, v = inputs
             kv = torch.stack((k, v), dim=1)
         # 1. Dispatch dO with the merged O and LSE (stateless: Q and K/V again), every nano-batch.
         dispatch = []
         pool, stage = layout.buffers, layout.host_staging
-        for i, p in enumerate(layout.parts):
+        order = ctx.order[::-1]   # the reverse of the forward's (_forward_order)
+        for i in order:
+            p = layout.parts[i]
             rows = _pack(dout.index_select(0, p.q_send_index), out.index_select(0, p.q_send_index),
                          lse.index_select(0, p.q_send_index))
             xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group, pool, ("bwd", i, "dout"), stage)
@@ -216,7 +274,8 @@ class CADAttention(torch.autograd.Function):
             dispatch.append((xq, xs))
         # 2. Server: kernel backward per nano-batch; dQ back like O, dK/dV summed per received row.
         returns = []
-        for i, (p, (xq, xs)) in enumerate(zip(layout.parts, dispatch)):
+        for i, (xq, xs) in zip(order, dispatch):
+            p = layout.parts[i]
             do_recv, o_recv, lse_recv = _unpack(xq.wait(), [((hq, d), out.dtype), ((hq, d), out.dtype),
                                                             ((hq,), torch.float32)])
             if stateless:
@@ -232,15 +291,17 @@ class CADAttention(torch.autograd.Function):
             dkv_send = torch.zeros((p.num_kv_recv, 2, hkv, d), dtype=torch.float32, device=out.device)
             dkv_send.index_add_(0, p.kv_gather, torch.stack((dk_var.float(), dv_var.float()), dim=1))
             returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group, pool, ("bwd_return", i, "dq"), stage),
-                            _Exchange(dkv_send, p.kv_recv_splits, p.kv_send_splits, group, pool,
-                                      ("bwd_return", i, "dkv"), stage)))
+                            _Exchange(dkv_send.to(wire), p.kv_recv_splits, p.kv_send_splits, group, pool,
+                                      ("bwd_return", i, "dkv"), stage),
+                            dkv_send))
         ctx.server_state = None
         # 3. Owner: sum each row's entries (fp32).
         dq = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
         dkv = torch.zeros((out.shape[0], 2, hkv, d), dtype=torch.float32, device=out.device)
-        for p, (xdq, xdkv) in zip(layout.parts, returns):
+        for i, (xdq, xdkv, dkv_sent) in zip(order, returns):
+            p = layout.parts[i]
             dq.index_add_(0, p.q_send_index, xdq.wait().float())
-            dkv.index_add_(0, p.kv_send_index, xdkv.wait())
+            dkv.index_add_(0, p.kv_send_index, _owner_dkv(xdkv.wait(), dkv_sent, p, layout.rank))
         dtype = out.dtype
         return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None
 

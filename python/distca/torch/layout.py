@@ -8,8 +8,8 @@
 rank: the hash is checked), and builds this rank's exchange layout as device tensors: gather and
 scatter indices, split sizes, the server's task groups, merge maps, and each row's absolute
 position in its document (for RoPE). With ping-pong the plan's tasks are split into two
-nano-batches, each with its own layout (the plan is not remade: both halves run exactly the
-plan's tasks).
+nano-batches, each with its own layout (the plan is not remade: both halves run the plan's tasks,
+a few of them cut in two at a query row; distca.torch.nanobatch).
 
 Identity and agreement. A layout is named by (planner_id, serial): planner_id is the same on
 every rank (a hash of the planner's settings, its group's ranks and its ordinal among this
@@ -46,9 +46,9 @@ from .buffers import ExchangeBuffers
 from .backends import describe_auto, get_backend
 from .agreement import (CALL_CAD_ATTENTION, CALL_PLAN, CALL_PLAN_ASYNC, _CALL_NAMES, InputError,  # noqa: F401
                         _by_value, _describe, _error_message, _one_line, _ranks_text, agree, call_header)
-from .nanobatch import _checked_tasks, _row_groups, _task_pairs, split_tasks  # noqa: F401
-from .step_layout import (ModelShape, PartLayout, StepLayout, _checked_rows, _device_tensor,  # noqa: F401
-                          _part_layout, rank_layout)
+from .nanobatch import NanoSplit, _kv_atoms, _row_groups, _task_pairs, split_plan, split_tasks  # noqa: F401
+from .step_layout import (PHASES, ModelShape, PartLayout, StepLayout, _checked_rows, _device_tensor,  # noqa: F401
+                          _part_layout, exchange_bytes, rank_layout)
 
 # Planners constructed in this process per tuple of their group's (global) ranks: a planner's
 # ordinal among those over the same ranks, the same on every rank when every rank constructs its
@@ -59,6 +59,7 @@ _PLANNER_COUNTS: dict = {}
 _PLANNERS: list = []
 
 
+GRAD_RETURNS = ("fp32", "bf16")   # StepPlanner's grad_return (attention.GRAD_RETURN_DTYPES)
 _MODEL_SHAPE_KEYS = {"heads": "num_q_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim"}
 
 
@@ -232,6 +233,10 @@ class StepPlanner:
       CPU), True or False: split each step's tasks into two nano-batches.
     backward: "stateful" (servers keep Q/K/V from the forward) or "stateless" (the backward sends
       them again: less memory on servers, more bytes).
+    grad_return: the dtype the servers' dK/dV partial sums travel in on the backward return:
+      "fp32" (default, for every input dtype) or "bf16" (each travelling partial sum rounded to
+      bf16, half that phase's dK/dV bytes, summed in fp32 at the owner as the paper does; the rows
+      a rank serves itself are not rounded).
     backend: the server kernel cad_attention uses by default ("auto", "reference", "sdpa",
       "varlen", "flash_attn").
     check_inputs: cad_attention checks its arguments (shapes, dtypes, devices, scale, backend)
@@ -258,7 +263,8 @@ class StepPlanner:
                  cost_model: Union[str, Mapping[str, Any], None] = None, policy: str = "minlink",
                  tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
                  max_rank_bytes: Union[int, str, None] = None, pingpong: Union[str, bool] = "auto",
-                 backward: str = "stateful", backend: str = "auto", device: Union[str, torch.device, None] = None,
+                 backward: str = "stateful", grad_return: str = "fp32", backend: str = "auto",
+                 device: Union[str, torch.device, None] = None,
                  check_inputs: bool = True, prefetch: bool = False, profile: Optional[str] = None,
                  static_buffers: bool = False, buffer_capacity: int = 0,
                  throughput: Union[str, Mapping[str, Any], None] = "auto", host_staging: bool = False):
@@ -277,6 +283,9 @@ class StepPlanner:
             raise ValueError(f"pingpong must be 'auto', True or False, got {pingpong!r}")
         if backward not in ("stateful", "stateless"):
             raise ValueError(f"backward must be 'stateful' or 'stateless', got {backward!r}")
+        if not isinstance(grad_return, str) or grad_return not in GRAD_RETURNS:
+            raise ValueError(f"grad_return must be 'fp32' or 'bf16' (the dtype dK/dV partial sums travel in), "
+                             f"got {grad_return!r}")
         if not isinstance(check_inputs, bool) or not isinstance(prefetch, bool):
             raise TypeError("check_inputs and prefetch must be bools")
         backend_name = dist.get_backend(self.group)
@@ -313,6 +322,7 @@ class StepPlanner:
                              f"give the bytes of one exchange slot, or 0 to grow each slot to the largest step")
         self.pingpong = (self.device.type == "cuda") if pingpong == "auto" else bool(pingpong)
         self.backward = backward
+        self.grad_return = grad_return
         self.backend = backend
         default_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         get_backend(backend, self.device, default_dtype, head_dim=self.model.head_dim)
@@ -325,7 +335,7 @@ class StepPlanner:
         self._plan_group = dist.new_group(ranks, backend="gloo") if prefetch else self.control_group
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "distca-plan") if prefetch else None
         self._config_digest = hashlib.sha256(json.dumps(
-            [self.options, self._plan_model, self.model.__dict__, self.pingpong, backward,
+            [self.options, self._plan_model, self.model.__dict__, self.pingpong, backward, grad_return,
              backend if isinstance(backend, str) else type(backend).__name__, check_inputs, prefetch, host_staging],
             sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.buffers = ExchangeBuffers(self.device, int(buffer_capacity)) if static_buffers else None
@@ -402,6 +412,7 @@ class StepPlanner:
         layout.serial, layout.planner_id = serial, self.planner_id
         layout.group, layout.control_group, layout.model = self.group, self.control_group, self.model
         layout.backward, layout.backend, layout.check_inputs = self.backward, self.backend, self.check_inputs
+        layout.grad_return = self.grad_return
         layout.plan_ms, layout.buffers = plan_ms, self.buffers
         layout.backend_note, layout.host_staging = self.backend_note, self.host_staging
         return layout

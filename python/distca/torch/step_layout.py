@@ -18,7 +18,7 @@ from distca import _distca
 
 from .agreement import _describe
 from .backends import ServerTasks, TaskGroup, get_backend
-from .nanobatch import split_tasks
+from .nanobatch import NanoSplit, split_plan
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,7 @@ class PartLayout:
     copy_rows: torch.Tensor
     merge_entries: torch.Tensor
     merge_rows: torch.Tensor       # (merge entries) local row of each partial result
-    merged_rows: torch.Tensor      # (split rows) the distinct rows of merge_rows
-    merge_slot: torch.Tensor       # (merge entries) index of each entry's row in merged_rows
+    merge_slot: torch.Tensor       # (merge entries) each entry's row in the step's merged_rows
     tasks: ServerTasks
     num_tasks: int
 
@@ -75,6 +74,7 @@ class StepLayout:
     positions: torch.Tensor        # (T) int64: each local row's position in its document (RoPE)
     local_cu_seqlens: torch.Tensor  # (pieces + 1) int64: this rank's pieces, end to end
     parts: list                    # one PartLayout, or two with ping-pong
+    merged_rows: torch.Tensor      # (split rows) the distinct rows of every part's merge_rows
     plan: "distca.Plan"
     backward: str                  # stateful | stateless
     backend: str
@@ -85,6 +85,8 @@ class StepLayout:
     planner_id: int = 0            # StepPlanner.planner_id of the planner that made it
     backend_note: str = ""         # what `auto` runs here and why (backends.describe_auto), else ""
     host_staging: bool = False     # the exchanges go through host memory (CUDA tensors over gloo; testing)
+    grad_return: str = "fp32"      # the dtype dK/dV partial sums travel in on the backward return (fp32 | bf16)
+    split: Optional[NanoSplit] = None  # ping-pong's split of the plan (cuts, duplicated K/V rows), or None
 
     @property
     def hash(self) -> int:
@@ -109,7 +111,7 @@ def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True) if device.type != "cpu" else t
 
 
-def _part_layout(d: dict, device: torch.device, num_tasks: int) -> PartLayout:
+def _part_layout(d: dict, device: torch.device, num_tasks: int, merge_slot: np.ndarray) -> PartLayout:
     dev = lambda a: _device_tensor(a, device)  # noqa: E731
     groups = []
     for name, q_offset, k_offset, is_causal in (("causal", 0, 0, True),
@@ -119,8 +121,6 @@ def _part_layout(d: dict, device: torch.device, num_tasks: int) -> PartLayout:
         groups.append(TaskGroup(is_causal, int(q_offset), int(k_offset), cu_q, cu_k, int(g["max_seqlen_q"]),
                                 int(g["max_seqlen_k"]), torch.from_numpy(cu_q.astype(np.int32)).to(device),
                                 torch.from_numpy(cu_k.astype(np.int32)).to(device)))
-    merge_rows = np.asarray(d["merge_rows"], np.int64)
-    merged_rows, merge_slot = np.unique(merge_rows, return_inverse=True)
     tasks = ServerTasks((groups[0], groups[1]), len(d["q_gather"]), len(d["kv_gather"]), device)
     return PartLayout(
         q_send_index=dev(d["q_send_index"]), kv_send_index=dev(d["kv_send_index"]),
@@ -128,8 +128,8 @@ def _part_layout(d: dict, device: torch.device, num_tasks: int) -> PartLayout:
         kv_send_splits=[int(x) for x in d["kv_send_splits"]], kv_recv_splits=[int(x) for x in d["kv_recv_splits"]],
         q_gather=dev(d["q_gather"]), kv_gather=dev(d["kv_gather"]),
         copy_entries=dev(d["copy_entries"]), copy_rows=dev(d["copy_rows"]),
-        merge_entries=dev(d["merge_entries"]), merge_rows=dev(merge_rows),
-        merged_rows=dev(merged_rows), merge_slot=dev(merge_slot), tasks=tasks, num_tasks=num_tasks)
+        merge_entries=dev(d["merge_entries"]), merge_rows=dev(d["merge_rows"]),
+        merge_slot=dev(merge_slot), tasks=tasks, num_tasks=num_tasks)
 
 
 def _checked_rows(rows: Any, batch: Any, rank: int) -> np.ndarray:
@@ -183,19 +183,58 @@ def rank_layout(plan: "distca.Plan", batch: Any, rows: Any, rank: int, device: U
     except (TypeError, RuntimeError) as e:
         raise TypeError(f"device must be a torch.device or a device name, got {_describe(device)}") from e
     mine = _checked_rows(rows, batch, rank)
-    tasks = plan.tasks
-    parts_index = split_tasks(tasks, batch.num_ranks) if pingpong else (np.arange(len(tasks)),)
-    matrix = np.ascontiguousarray(tasks).view(np.int64).reshape(-1, 6)
-    parts = []
-    for index in parts_index:
-        d = _distca.partial_layout(batch, matrix[index], rank)
-        parts.append(_part_layout(d, device, len(index)))
+    split = split_plan(plan.tasks, batch, tolerance=plan.tolerance) if pingpong else None
+    routes = []
+    for part_tasks in (split.parts if split is not None else (plan.tasks,)):
+        matrix = np.ascontiguousarray(part_tasks).view(np.int64).reshape(-1, 6)
+        routes.append((_distca.partial_layout(batch, matrix, rank), len(part_tasks)))
+    # A row's key splits may be in both nano-batches: its partial results are merged over both,
+    # so every part's merge entries index one list of the step's merged rows.
+    merge_rows = [np.asarray(d["merge_rows"], np.int64) for d, _ in routes]
+    merged_rows, merge_slot = np.unique(np.concatenate(merge_rows), return_inverse=True)
+    bounds = np.cumsum([0] + [len(m) for m in merge_rows])
+    parts = [_part_layout(d, device, n, merge_slot[bounds[i]:bounds[i + 1]]) for i, (d, n) in enumerate(routes)]
     positions = np.concatenate([np.zeros(0, np.int64)] + [np.arange(b, e, dtype=np.int64) for b, e in mine])
     cu = np.concatenate([[0], np.cumsum(mine[:, 1] - mine[:, 0])]).astype(np.int64)
     layout = StepLayout(
         serial=0, rank=rank, world_size=batch.num_ranks, group=None, control_group=None,
         device=device, model=None, num_local_rows=int(len(positions)), positions=_device_tensor(positions, device),
-        local_cu_seqlens=_device_tensor(cu, device), parts=parts, plan=plan, backward="stateful", backend="auto",
-        check_inputs=True, plan_ms=0.0, layout_ms=0.0)
+        local_cu_seqlens=_device_tensor(cu, device), parts=parts, merged_rows=_device_tensor(merged_rows, device),
+        plan=plan, backward="stateful", backend="auto", check_inputs=True, plan_ms=0.0, layout_ms=0.0, split=split)
     layout.layout_ms = (time.perf_counter() - start) * 1e3
     return layout
+
+
+PHASES = ("fwd_dispatch", "fwd_return", "bwd_dispatch", "bwd_return")
+
+
+def exchange_bytes(layout: StepLayout, dtype: torch.dtype, *, model: Optional[ModelShape] = None,
+                   backward: Optional[str] = None, grad_return: Optional[str] = None) -> dict:
+    """The bytes this rank sends to other ranks in one cad_attention call (one layer, forward and
+    backward) with q/k/v of `dtype`, per phase (PHASES) and in all ("total"), summed over the
+    nano-batches; rows a rank sends itself are not counted (they never leave it). model,
+    backward and grad_return default to the layout's. What cad_attention's all_to_all_single
+    calls move: Q and K/V rows (fwd_dispatch), O + LSE per Q entry (fwd_return), dO + O + LSE
+    per Q entry and, stateless, Q and K/V again (bwd_dispatch), dQ per Q entry and dK/dV per K/V
+    entry in the grad_return dtype (bwd_return)."""
+    shape = model or layout.model
+    if shape is None:
+        raise ValueError("exchange_bytes: the layout has no model shape (rank_layout alone): pass model=ModelShape(...)")
+    backward = backward or layout.backward
+    grad = {"fp32": 4, "bf16": 2}[grad_return or layout.grad_return]
+    e = torch.empty((), dtype=dtype).element_size()
+    hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    out = dict.fromkeys(PHASES, 0)
+    for p in layout.parts:
+        q_out = sum(p.q_send_splits) - p.q_send_splits[layout.rank]     # Q entries this rank sends as an owner
+        kv_out = sum(p.kv_send_splits) - p.kv_send_splits[layout.rank]
+        q_back = sum(p.q_recv_splits) - p.q_recv_splits[layout.rank]     # Q entries it returns as a server
+        kv_back = sum(p.kv_recv_splits) - p.kv_recv_splits[layout.rank]
+        out["fwd_dispatch"] += q_out * hq * d * e + kv_out * 2 * hkv * d * e
+        out["fwd_return"] += q_back * (hq * d * e + hq * 4)
+        out["bwd_dispatch"] += q_out * (2 * hq * d * e + hq * 4)
+        if backward == "stateless":
+            out["bwd_dispatch"] += q_out * hq * d * e + kv_out * 2 * hkv * d * e
+        out["bwd_return"] += q_back * hq * d * e + kv_back * 2 * hkv * d * grad
+    out["total"] = sum(out[k] for k in PHASES)
+    return out

@@ -140,8 +140,8 @@ class Backend:
         if name == "cad":
             self.planner = StepPlanner(attention_group, model=shape, cost_model=_cost_model(m), policy=cfg.policy,
                                        tolerance=cfg.tolerance, granularity=cfg.granularity,
-                                       pingpong=cfg.pingpong, backward=cfg.backward, backend=cfg.args.kernel,
-                                       device=device)
+                                       pingpong=cfg.pingpong, backward=cfg.backward, grad_return=cfg.grad_return,
+                                       backend=cfg.args.kernel, device=device)
         else:
             self.planner = StepPlanner(attention_group, model=shape, cost_model=_cost_model(m), policy="none",
                                        pingpong=False, backend=cfg.args.kernel, device=device)
@@ -265,7 +265,8 @@ def run(cfg: Config) -> int:
     if "cad" in cfg.backends:
         cad_planner = backends[cfg.backends.index("cad")].planner
         say(f"  cad        planner {cfg.policy}, tolerance {cfg.tolerance}, granularity {cfg.granularity or 'default'}, "
-            f"{cfg.backward} backward, ping-pong {'on' if cad_planner.pingpong else 'off'}, kernel {backends[0].kernel.name}")
+            f"{cfg.backward} backward, dK/dV return {cfg.grad_return}, ping-pong {'on' if cad_planner.pingpong else 'off'}, "
+            f"kernel {backends[0].kernel.name}")
     if "colocated" in cfg.backends:
         say(f"  colocated  each rank attends its own documents (planner none), kernel {backends[0].kernel.name}")
     say(f"  optimizer  AdamW lr {a.lr} (warm-up {a.warmup} steps, then constant), betas 0.9/0.95, weight decay "

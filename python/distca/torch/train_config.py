@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--granularity", type=int, metavar="G", help="shard granularity in tokens (default: planner's)")
     g.add_argument("--backward", choices=("stateful", "stateless"),
                    help="stateful: servers keep Q/K/V from the forward (default); stateless: sent again")
+    g.add_argument("--grad-return", choices=("fp32", "bf16"),
+                   help="the dtype the servers' dK/dV partial sums travel in, summed in fp32 at the owner "
+                        "(bf16: half those bytes, the paper's choice; default fp32)")
     g.add_argument("--pingpong", choices=("auto", "on", "off"),
                    help="split each step's tasks into two overlapping nano-batches (auto: on CUDA only)")
     g.add_argument("--kernel", choices=backend_names(), default="auto",
@@ -158,6 +161,7 @@ class Config:
     granularity: Optional[int]
     backward: str
     pingpong: Any               # "auto", True or False
+    grad_return: str = "fp32"   # fp32 | bf16: the dK/dV return's dtype
     saved_step: Optional[int] = None   # the step of the last checkpoint this run saved
 
     @property
@@ -181,7 +185,7 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
     backends = BACKENDS if a.compare else (a.attention or "cad",)
     planner_flags = [f for f, v in (("--policy", a.policy), ("--tolerance", a.tolerance),
                                     ("--granularity", a.granularity), ("--backward", a.backward),
-                                    ("--pingpong", a.pingpong)) if v is not None]
+                                    ("--pingpong", a.pingpong), ("--grad-return", a.grad_return)) if v is not None]
     if backends == ("colocated",) and planner_flags:
         raise UsageError(f"{', '.join(planner_flags)} would be ignored with --attention colocated "
                          f"(colocated attention has no planner options)")
@@ -245,7 +249,8 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
                  seed=None if a.data else (1 if a.seed is None else a.seed),
                  policy=a.policy or "minlink", tolerance="auto" if a.tolerance is None else a.tolerance,
                  granularity=a.granularity, backward=a.backward or "stateful",
-                 pingpong={"on": True, "off": False}.get(a.pingpong or "auto", "auto"))
+                 pingpong={"on": True, "off": False}.get(a.pingpong or "auto", "auto"),
+                 grad_return=a.grad_return or "fp32")
     if "cad" in backends:  # the planner's own checks (distca.plan's messages), no collective
         try:
             distca.plan([[16]], model=_cost_model(model), policy=cfg.policy, tolerance=cfg.tolerance,
