@@ -173,6 +173,14 @@ print("hidden: " + (f"{100 * hidden:.0f}% of the attention exchange time the sha
                     if hidden is not None else "not measurable (the shaped link added no attention time)"))
 print(f"ping-pong shaped / unshaped: {report['pingpong']['pingpong_shaped_over_unshaped']:.3f}; without the gradient "
       f"all-reduce: {report['pingpong']['pingpong_shaped_over_unshaped_without_grad_reduce']:.3f} (target 1.15)")
+faster = s["pingpong"] < s["whole"]
+report["pingpong"]["pingpong_over_whole_shaped"] = s["pingpong"] / s["whole"]
+print(f"over the shaped link ping-pong is {'faster' if faster else 'NOT faster'} than the whole step: "
+      f"{s['pingpong']:.3f} s against {s['whole']:.3f} s ({s['pingpong'] / s['whole']:.3f}x)")
+ratio = max(json.load(open(f"{work}/{name}_{k}.json"))["pingpong_over_whole_bytes_max"]
+            for name in ("shaped", "unshaped") for k in range(1, rounds + 1))
+report["pingpong"]["pingpong_over_whole_bytes_max"] = ratio
+print(f"ping-pong's attention bytes per step: at most {ratio:.3f}x the whole step's (one plan split; target 1.05)")
 if out:
     json.dump(report, open(out, "w"), indent=2)
     print(f"wrote {out}")

@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -23,7 +24,11 @@ Status mpi_status(int code, const char* what) {
 }
 #define DISTCA_MPI_CHECK(call) DISTCA_RETURN_IF_ERROR(mpi_status((call), #call))
 
-constexpr int64_t kMaxMessage = int64_t{1} << 30;  // bytes per MPI message (counts are int)
+// Bytes per MPI message: a larger transfer goes as several, in order (MPI does not overtake on
+// one communicator and tag). At most Open MPI's TCP eager limit that tcp_eager_defaults sets, so
+// that every piece goes into the socket buffers in the call that posts it (a 6 MB dispatch as one
+// message took the rendezvous path and moved only inside MPI calls).
+constexpr int64_t kMaxMessage = int64_t{4} << 20;
 
 // MPI is initialized MPI_THREAD_SERIALIZED: one thread in MPI at a time. Every MPI call of this
 // file holds this lock, so that a progress thread (Communicator::progress) may run beside the
@@ -113,10 +118,12 @@ class MpiWork final : public Work {
 // kernel in the posting call, which sends them on its own (ping-pong over a shaped link: see
 // docs/multihost.md). Defaults only: an OMPI_MCA_* of the user's (or mpirun --mca) wins.
 void tcp_eager_defaults() {
-  for (const char* name : {"OMPI_MCA_btl_tcp_eager_limit", "OMPI_MCA_btl_tcp_rndv_eager_limit",
-                           "OMPI_MCA_btl_tcp_max_send_size", "OMPI_MCA_btl_tcp_sndbuf", "OMPI_MCA_btl_tcp_rcvbuf"}) {
-    setenv(name, "4194304", /*overwrite=*/0);
+  // The limits count the message's header too: a message of kMaxMessage bytes must fit.
+  const std::string limit = std::to_string(kMaxMessage + 65536), buffer = std::to_string(kMaxMessage);
+  for (const char* name : {"OMPI_MCA_btl_tcp_eager_limit", "OMPI_MCA_btl_tcp_rndv_eager_limit", "OMPI_MCA_btl_tcp_max_send_size"}) {
+    setenv(name, limit.c_str(), /*overwrite=*/0);
   }
+  for (const char* name : {"OMPI_MCA_btl_tcp_sndbuf", "OMPI_MCA_btl_tcp_rcvbuf"}) setenv(name, buffer.c_str(), /*overwrite=*/0);
 }
 
 }  // namespace
