@@ -30,8 +30,10 @@ AttnDims dims_for(const std::vector<AttnTask>& tasks, int64_t extra_q = 0, int64
 }
 
 // A server's list: each document cut into causal shards over its shared prefix, then non-causal
-// key-range pieces (one with no key) over random K/V rows.
-std::vector<AttnTask> server_tasks(std::mt19937_64& rng, const std::vector<int64_t>& docs, int64_t max_shard) {
+// key-range pieces (one with no key) over random K/V rows. With `scatter`, the shards' query rows
+// lie in random order (so consecutive shards are not adjacent and do not merge).
+std::vector<AttnTask> server_tasks(std::mt19937_64& rng, const std::vector<int64_t>& docs, int64_t max_shard,
+                                   bool scatter = true) {
   std::vector<AttnTask> tasks;
   int64_t q = 0, kv = 0;
   for (int64_t len : docs) {
@@ -42,6 +44,14 @@ std::vector<AttnTask> server_tasks(std::mt19937_64& rng, const std::vector<int64
       a = b;
     }
     kv += len;
+  }
+  if (scatter) {
+    std::shuffle(tasks.begin(), tasks.end(), rng);
+    int64_t at = 0;
+    for (AttnTask& t : tasks) {
+      t.q_offset = at;
+      at += t.q_len;
+    }
   }
   for (int c = 0; c < 3; ++c) {
     const int64_t q_len = std::uniform_int_distribution<int64_t>(1, 70)(rng);
@@ -74,17 +84,18 @@ TEST(CudnnPlan, EachTaskIsOneSlotOfItsMaskKindsCall) {
   for (const Call& call : plan.value().calls) {
     const GraphKey& k = call.key;
     EXPECT_FALSE(k.backward);
-    EXPECT_GE(k.batch, static_cast<int64_t>(call.tasks.size()));
-    EXPECT_EQ(k.batch, bucket(static_cast<int64_t>(call.tasks.size())));
+    EXPECT_LE(call.slots.size(), call.tasks.size()) << "a slot computes one task or a merged run of them";
+    EXPECT_GE(k.batch, static_cast<int64_t>(call.slots.size()));
+    EXPECT_EQ(k.batch, bucket(static_cast<int64_t>(call.slots.size())));
     ASSERT_EQ(call.seq_q.size(), static_cast<size_t>(k.batch));
     ASSERT_EQ(call.q_off.size(), static_cast<size_t>(k.batch + 1));
     ASSERT_EQ(call.kv_off.size(), static_cast<size_t>(k.batch + 1));
     ASSERT_EQ(call.stats_off.size(), static_cast<size_t>(k.batch + 1));
     EXPECT_TRUE(call.dkv_off.empty());
     int64_t max_q = 0, max_kv = 0;
-    for (size_t slot = 0; slot < call.tasks.size(); ++slot) {
-      const AttnTask& t = tasks[call.tasks[slot]];
-      EXPECT_TRUE(seen.insert(call.tasks[slot]).second) << "task " << call.tasks[slot] << " in two slots";
+    for (int i : call.tasks) EXPECT_TRUE(seen.insert(i).second) << "task " << i << " in two calls";
+    for (size_t slot = 0; slot < call.slots.size(); ++slot) {
+      const AttnTask& t = call.slots[slot];
       EXPECT_EQ(t.is_causal, k.causal);
       EXPECT_GT(t.kv_len, 0) << "a task with no key is filled, not computed";
       EXPECT_EQ(call.seq_q[slot], t.q_len);
@@ -98,11 +109,11 @@ TEST(CudnnPlan, EachTaskIsOneSlotOfItsMaskKindsCall) {
     }
     EXPECT_EQ(k.s_q, bucket(max_q, 64));
     EXPECT_EQ(k.s_kv, bucket(max_kv, 64));
-    for (size_t slot = call.tasks.size(); slot < static_cast<size_t>(k.batch); ++slot) {
+    for (size_t slot = call.slots.size(); slot < static_cast<size_t>(k.batch); ++slot) {
       EXPECT_EQ(call.seq_q[slot], 0);
       EXPECT_EQ(call.seq_kv[slot], 0);
     }
-    for (size_t slot = call.tasks.size(); slot < static_cast<size_t>(k.batch + 1); ++slot) {
+    for (size_t slot = call.slots.size(); slot < static_cast<size_t>(k.batch + 1); ++slot) {
       EXPECT_GE(call.q_off[slot], call.q_off[slot - 1]);
       EXPECT_LE(call.q_off[slot], d.num_q_rows * d.num_q_heads * d.head_dim);
     }
@@ -129,7 +140,7 @@ TEST(CudnnPlan, ExactBatchHasNoEmptySlots) {
   const std::vector<AttnTask> tasks = server_tasks(rng, {300, 77}, 50);
   auto plan = plan_calls(dims_for(tasks), tasks, {.exact_batch = true});
   ASSERT_TRUE(plan.is_ok());
-  for (const Call& call : plan.value().calls) EXPECT_EQ(call.key.batch, static_cast<int64_t>(call.tasks.size()));
+  for (const Call& call : plan.value().calls) EXPECT_EQ(call.key.batch, static_cast<int64_t>(call.slots.size()));
 }
 
 TEST(CudnnPlan, ATrainingRunBuildsABoundedNumberOfGraphs) {
@@ -186,13 +197,45 @@ TEST(CudnnPlan, DisjointKeysWriteDkDvInPlaceAndZeroUnreadRows) {
   auto plan = plan_calls(d, tasks, {.backward = true});
   ASSERT_TRUE(plan.is_ok());
   EXPECT_FALSE(plan.value().kv_scratch);
-  EXPECT_TRUE(plan.value().add_spans.empty());
+  for (const Call& call : plan.value().calls) EXPECT_TRUE(call.add_spans.empty());
   const std::vector<std::pair<int64_t, int64_t>> unread{{50, 60}, {90, 95}, {100, 107}};
   EXPECT_EQ(plan.value().empty_kv_rows, unread);
   for (const Call& call : plan.value().calls) {
-    for (size_t slot = 0; slot < call.tasks.size(); ++slot) EXPECT_EQ(call.dkv_off[slot], call.kv_off[slot]);
+    for (size_t slot = 0; slot < call.slots.size(); ++slot) EXPECT_EQ(call.dkv_off[slot], call.kv_off[slot]);
     EXPECT_EQ(call.key.total_q, bucket(d.num_q_rows, 64));
   }
+}
+
+// Emulates a backward through scratch: each call's slots write a slot-specific gradient into their
+// scratch rows (which a call reuses from row 0), then the call's spans add them; the sums must be
+// the per-row sums over the slots that read each row.
+void expect_scratch_sums_exactly(const AttnDims& d, const Plan& plan) {
+  const int64_t kv_row = d.num_kv_heads * d.head_dim;
+  std::vector<double> expect(d.num_kv_rows, 0.0), got(d.num_kv_rows, 0.0);
+  int64_t slot_id = 0;
+  for (const Call& call : plan.calls) {
+    std::vector<double> scratch(plan.kv_scratch_rows, 0.0);  // one element a row is enough for the layout
+    int64_t used = 0;
+    EXPECT_LE(call.key.total_kv * kv_row, kMaxScratchElements) << "a call's scratch past the cap";
+    for (size_t slot = 0; slot < call.slots.size(); ++slot, ++slot_id) {
+      const AttnTask& t = call.slots[slot];
+      const int64_t first = call.dkv_off[slot] / kv_row;
+      ASSERT_LE(first + t.kv_len, plan.kv_scratch_rows);
+      ASSERT_LE(first + t.kv_len, call.key.total_kv);
+      for (int64_t j = 0; j < t.kv_len; ++j) {
+        const double g = 1.0 + static_cast<double>(slot_id) * 1000 + static_cast<double>(j);
+        EXPECT_EQ(scratch[first + j], 0.0) << "two slots of a call share scratch rows";
+        scratch[first + j] = g;
+        expect[t.kv_offset + j] += g;
+      }
+      used = std::max(used, first + t.kv_len);
+    }
+    EXPECT_EQ(call.key.total_kv, bucket(used, 64));
+    for (const AddSpan& s : call.add_spans) {
+      for (int64_t j = 0; j < s.rows; ++j) got[s.dst_row + j] += scratch[s.src_row + j];
+    }
+  }
+  EXPECT_EQ(got, expect);
 }
 
 TEST(CudnnPlan, SharedKeysOrFp32SumsGoThroughScratchThatSumsExactly) {
@@ -206,35 +249,94 @@ TEST(CudnnPlan, SharedKeysOrFp32SumsGoThroughScratchThatSumsExactly) {
     const Plan& plan = planned.value();
     EXPECT_TRUE(plan.kv_scratch);
     EXPECT_TRUE(plan.empty_kv_rows.empty()) << "the sums are zeroed whole";
-    // Emulate the kernels: each slot writes "its" gradient into its scratch rows, then the spans
-    // add them; the result must be the per-row sum over the tasks that read the row.
-    const int64_t row = 1;  // one element a row is enough for the layout
-    std::vector<double> scratch(plan.kv_scratch_rows * row, 0.0), expect(d.num_kv_rows, 0.0), got(d.num_kv_rows, 0.0);
-    int64_t scratch_used = 0;
-    for (const Call& call : plan.calls) {
-      EXPECT_EQ(call.key.total_kv, bucket(plan.kv_scratch_rows, 64));
-      for (size_t slot = 0; slot < call.tasks.size(); ++slot) {
-        const AttnTask& t = tasks[call.tasks[slot]];
-        const int64_t first = call.dkv_off[slot] / (d.num_kv_heads * d.head_dim);
-        ASSERT_LE(first + t.kv_len, plan.kv_scratch_rows);
-        for (int64_t j = 0; j < t.kv_len; ++j) {
-          const double g = 1.0 + call.tasks[slot] * 1000 + j;  // task- and row-specific
-          EXPECT_EQ(scratch[first + j], 0.0) << "two slots share scratch rows";
-          scratch[first + j] = g;
-          expect[t.kv_offset + j] += g;
-        }
-        scratch_used += t.kv_len;
-      }
-    }
-    EXPECT_EQ(scratch_used, plan.kv_scratch_rows);
-    for (const AddSpan& s : plan.add_spans) {
-      for (int64_t j = 0; j < s.rows; ++j) got[s.dst_row + j] += scratch[s.src_row + j];
-    }
-    EXPECT_EQ(got, expect);
+    expect_scratch_sums_exactly(d, plan);
   }
   // Disjoint keys with fp32 sums asked for also go through scratch (cuDNN writes the storage dtype).
   const std::vector<AttnTask> disjoint{{0, 10, 0, 10, true}};
   EXPECT_TRUE(plan_calls(dims_for(disjoint), disjoint, {.backward = true, .dkv_fp32 = true}).value().kv_scratch);
+}
+
+// The keys query row `row` (an absolute Q row inside t) sees: [begin, end) of the K/V rows.
+std::pair<int64_t, int64_t> sees(const AttnTask& t, int64_t row) {
+  const int64_t r = row - t.q_offset;
+  const int64_t end = t.is_causal ? std::clamp<int64_t>(t.kv_len - t.q_len + r + 1, 0, t.kv_len) : t.kv_len;
+  return {t.kv_offset, t.kv_offset + end};
+}
+
+TEST(CudnnPlan, AdjacentPiecesMergeAndEveryQueryRowSeesTheSameKeys) {
+  // 128 shards of one 16K document, in query order: one whole-document sequence, dK/dV in place.
+  std::vector<AttnTask> shards;
+  for (int64_t a = 0; a < 16384; a += 128) shards.push_back({a, 128, 0, a + 128, true});
+  for (bool backward : {false, true}) {
+    auto plan = plan_calls(dims_for(shards), shards, {.backward = backward});
+    ASSERT_TRUE(plan.is_ok());
+    ASSERT_EQ(plan.value().calls.size(), 1u);
+    const Call& call = plan.value().calls[0];
+    ASSERT_EQ(call.slots.size(), 1u);
+    EXPECT_EQ(call.slots[0].q_len, 16384);
+    EXPECT_EQ(call.slots[0].kv_len, 16384);
+    EXPECT_EQ(call.tasks.size(), 128u);
+    EXPECT_FALSE(plan.value().kv_scratch) << "one sequence: nothing to sum";
+  }
+  // Random lists, shards in order and scattered, non-causal pieces over equal keys in runs: every
+  // query row of every slot sees exactly the keys it saw in its own task, and runs did merge.
+  for (int seed = 0; seed < 20; ++seed) {
+    std::mt19937_64 rng(100 + seed);
+    std::vector<AttnTask> tasks = server_tasks(rng, {1, 5, 77, 1023, 300}, 90, seed % 2 == 1);
+    int64_t q = dims_for(tasks).num_q_rows;
+    for (int run = 0; run < 3; ++run) {  // non-causal pieces over the same keys, adjacent queries
+      const int64_t kv_off = 10 * run, kv_len = 40 + run;
+      for (int p = 0; p < 3; ++p) {
+        const int64_t len = 1 + p * 7;
+        tasks.push_back({q, len, kv_off, kv_len, false});
+        q += len;
+      }
+    }
+    const AttnDims d = dims_for(tasks);
+    auto plan = plan_calls(d, tasks, {.backward = true});
+    ASSERT_TRUE(plan.is_ok());
+    std::vector<int> owner(d.num_q_rows, -1);
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      if (tasks[i].q_len > 0 && tasks[i].kv_len > 0) {
+        for (int64_t r = 0; r < tasks[i].q_len; ++r) owner[tasks[i].q_offset + r] = static_cast<int>(i);
+      }
+    }
+    size_t slots = 0, covered = 0;
+    for (const Call& call : plan.value().calls) {
+      slots += call.slots.size();
+      covered += call.tasks.size();
+      for (const AttnTask& s : call.slots) {
+        for (int64_t row = s.q_offset; row < s.q_offset + s.q_len; ++row) {
+          ASSERT_GE(owner[row], 0);
+          EXPECT_EQ(sees(s, row), sees(tasks[owner[row]], row)) << "seed " << seed << " row " << row;
+        }
+      }
+    }
+    int with_work = 0;
+    for (const AttnTask& t : tasks) with_work += t.q_len > 0 && t.kv_len > 0;
+    EXPECT_EQ(covered, static_cast<size_t>(with_work));
+    EXPECT_LE(slots + 6, covered) << "the non-causal runs (and in-order shards) merge";
+    if (seed % 2 == 0) EXPECT_LE(slots, 5u + 2u + 3u) << "in-order shards: one slot a document";
+    if (plan.value().kv_scratch) expect_scratch_sums_exactly(d, plan.value());
+  }
+}
+
+TEST(CudnnPlan, AScratchPastItsCapIsSplitIntoCallsThatReuseIt) {
+  // 128 scattered shards of a 16K document, Hkv 8 x D 128: 1.06M scratch rows in one call would be
+  // 2^31 elements bucketed (dK 16 % off on an H100); under the cap they take more calls.
+  std::vector<AttnTask> shards;
+  for (int64_t a = 0; a < 16384; a += 128) shards.push_back({16384 - 128 - a, 128, 0, a + 128, true});
+  const AttnDims d{16384, 16384, 32, 8, 128};
+  auto planned = plan_calls(d, shards, {.backward = true});
+  ASSERT_TRUE(planned.is_ok()) << planned.status().to_string();
+  const Plan& plan = planned.value();
+  EXPECT_TRUE(plan.kv_scratch);
+  EXPECT_GE(plan.calls.size(), 2u);
+  EXPECT_LE(plan.kv_scratch_rows * 8 * 128, kMaxScratchElements);
+  size_t tasks = 0;
+  for (const Call& call : plan.calls) tasks += call.tasks.size();
+  EXPECT_EQ(tasks, shards.size());
+  expect_scratch_sums_exactly(d, plan);
 }
 
 TEST(CudnnPlan, OffsetsPastInt32AreRefused) {

@@ -59,7 +59,7 @@ def table_from_bench(report: dict) -> dict:
     with each candidate's score (its summed relative time) and the shapes it was scored on."""
     if not isinstance(report, dict) or report.get("format") != "distca-bench-cuda-attention":
         raise ValueError("not a bench_cuda_attention.py report (format distca-bench-cuda-attention)")
-    rows = [r for r in report.get("rows", []) if r.get("backend") in TABLE_BACKENDS and r.get("layout") != "equal-work"
+    rows = [r for r in report.get("rows", []) if r.get("backend") in TABLE_BACKENDS and r.get("layout") not in ("equal-work", "reversed")
             and r.get("fwd") and r.get("bwd")]
     kinds: dict[str, Any] = {}
     for kind in KINDS:

@@ -311,6 +311,23 @@ Status CudnnAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     dk_rows = k_rows.value();
     dv_rows = v_rows.value();
   }
+  // The fp32 sums of the tasks' dK/dV rows: the caller's buffers when it wants fp32, else scratch
+  // rounded once into them. Each call's scratch rows are added right after it (stream order), so
+  // the next call may reuse them.
+  float* k_acc = a.dkv_fp32 ? static_cast<float*>(a.dk) : nullptr;
+  float* v_acc = a.dkv_fp32 ? static_cast<float*>(a.dv) : nullptr;
+  const bool sums = plan.kv_scratch && kv_elems > 0;
+  if (sums) {
+    if (!a.dkv_fp32) {
+      Result<float*> k = scratch.alloc<float>(kv_elems), v = scratch.alloc<float>(kv_elems);
+      if (!k.is_ok()) return k.status();
+      if (!v.is_ok()) return v.status();
+      k_acc = k.value();
+      v_acc = v.value();
+    }
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(k_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(v_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
+  }
   if (!plan.calls.empty()) DISTCA_RETURN_IF_ERROR(cudnn_status(cudnnSetStream(state_->handle, stream), "cudnnSetStream"));
   for (const Call& call : plan.calls) {
     DISTCA_RETURN_IF_ERROR(state_->run(
@@ -319,36 +336,22 @@ Status CudnnAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
          {kO, const_cast<void*>(a.o)}, {kDO, const_cast<void*>(a.d_o)}, {kStats, const_cast<float*>(a.lse)},
          {kDQ, a.dq}, {kDK, dk_rows}, {kDV, dv_rows}},
         scratch));
-  }
-  if (!plan.kv_scratch || kv_elems == 0) return Status::ok();
-  // The fp32 sums of the tasks' dK/dV rows: the caller's buffers when it wants fp32, else scratch
-  // rounded once into them.
-  float* k_acc = a.dkv_fp32 ? static_cast<float*>(a.dk) : nullptr;
-  float* v_acc = a.dkv_fp32 ? static_cast<float*>(a.dv) : nullptr;
-  if (!a.dkv_fp32) {
-    Result<float*> k = scratch.alloc<float>(kv_elems), v = scratch.alloc<float>(kv_elems);
-    if (!k.is_ok()) return k.status();
-    if (!v.is_ok()) return v.status();
-    k_acc = k.value();
-    v_acc = v.value();
-  }
-  DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(k_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
-  DISTCA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(v_acc, 0, static_cast<size_t>(kv_elems) * 4, stream));
-  std::vector<int64_t> spans;
-  int64_t max_rows = 0;
-  for (const cudnn::AddSpan& s : plan.add_spans) {
-    spans.insert(spans.end(), {s.src_row, s.dst_row, s.rows});
-    max_rows = std::max(max_rows, s.rows);
-  }
-  if (!spans.empty()) {
+    if (!sums || call.add_spans.empty()) continue;
+    std::vector<int64_t> spans;
+    int64_t max_rows = 0;
+    for (const cudnn::AddSpan& s : call.add_spans) {
+      spans.insert(spans.end(), {s.src_row, s.dst_row, s.rows});
+      max_rows = std::max(max_rows, s.rows);
+    }
     Result<const int64_t*> device_spans = scratch.upload(spans);
     if (!device_spans.is_ok()) return device_spans.status();
-    const auto n = static_cast<int64_t>(plan.add_spans.size());
+    const auto n = static_cast<int64_t>(call.add_spans.size());
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_add_rows(static_cast<const uint16_t*>(dk_rows), k_acc, device_spans.value(), n,
                                                       max_rows, kv_row, bf16, stream));
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_add_rows(static_cast<const uint16_t*>(dv_rows), v_acc, device_spans.value(), n,
                                                       max_rows, kv_row, bf16, stream));
   }
+  if (!sums) return Status::ok();
   if (!a.dkv_fp32) {
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_finalize(k_acc, static_cast<uint16_t*>(a.dk), 1.f, kv_elems, bf16, stream));
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_finalize(v_acc, static_cast<uint16_t*>(a.dv), 1.f, kv_elems, bf16, stream));

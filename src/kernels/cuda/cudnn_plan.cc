@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <tuple>
 
 namespace distca::kernels::cudnn {
 namespace {
@@ -58,49 +59,76 @@ bool kv_ranges_overlap(std::span<const AttnTask> tasks) {
   return false;
 }
 
+std::vector<std::pair<AttnTask, std::vector<int>>> merge_tasks(std::span<const AttnTask> tasks) {
+  std::vector<int> order;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (has_work(tasks[i])) order.push_back(static_cast<int>(i));
+  }
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const AttnTask &x = tasks[a], &y = tasks[b];
+    return std::tuple(x.is_causal, x.kv_offset, x.q_offset) < std::tuple(y.is_causal, y.kv_offset, y.q_offset);
+  });
+  std::vector<std::pair<AttnTask, std::vector<int>>> merged;
+  for (int i : order) {
+    const AttnTask& t = tasks[i];
+    if (!merged.empty()) {
+      AttnTask& m = merged.back().first;
+      // Bottom-right causal: row r of a sequence with q queries over L keys sees keys up to L - q + r,
+      // so appending t's rows keeps every row's keys exactly when t's keys end t.q_len rows later.
+      const bool follows = m.is_causal == t.is_causal && m.kv_offset == t.kv_offset &&
+                           m.q_offset + m.q_len == t.q_offset &&
+                           (t.is_causal ? t.kv_len == m.kv_len + t.q_len : t.kv_len == m.kv_len);
+      if (follows) {
+        m.q_len += t.q_len;
+        m.kv_len = t.kv_len;
+        merged.back().second.push_back(i);
+        continue;
+      }
+    }
+    merged.push_back({t, {i}});
+  }
+  return merged;
+}
+
 Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, const PlanOptions& options) {
   Plan plan;
   const int64_t q_row = dims.num_q_heads * dims.head_dim, kv_row = dims.num_kv_heads * dims.head_dim;
+  const std::vector<std::pair<AttnTask, std::vector<int>>> merged = merge_tasks(tasks);
   Ranges q_ranges, kv_ranges;
-  for (const AttnTask& t : tasks) {
-    if (!has_work(t)) continue;
+  std::vector<AttnTask> sequences;
+  for (const auto& [t, covered] : merged) {
     q_ranges.emplace_back(t.q_offset, t.q_offset + t.q_len);
     kv_ranges.emplace_back(t.kv_offset, t.kv_offset + t.kv_len);
+    sequences.push_back(t);
   }
   plan.empty_q_rows = complement(q_ranges, dims.num_q_rows);
-  plan.kv_scratch = options.backward && (options.dkv_fp32 || kv_ranges_overlap(tasks));
+  plan.kv_scratch = options.backward && (options.dkv_fp32 || kv_ranges_overlap(sequences));
   if (options.backward && !plan.kv_scratch) plan.empty_kv_rows = complement(kv_ranges, dims.num_kv_rows);
 
-  // cuDNN's ragged offsets are int32 elements: every row end must fit.
+  // cuDNN's ragged offsets are int32 elements: every row end must fit, bucketed as the graph is.
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (dims.num_q_rows * q_row > kMax || dims.num_kv_rows * kv_row > kMax) {
+  if (dims.num_q_rows * q_row > kMax || dims.num_kv_rows * kv_row > kMax ||
+      (options.backward && bucket(dims.num_q_rows, 64) * q_row > kMax)) {
     return invalid_argument(fmt::format(
         "cuDNN's ragged offsets are int32: {} query rows x {} and {} key rows x {} elements exceed 2^31-1; "
         "split the task list", dims.num_q_rows, q_row, dims.num_kv_rows, kv_row));
   }
-  int64_t scratch_rows = 0;
-  for (const bool causal : {true, false}) {
-    std::vector<int> picked;
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      if (has_work(tasks[i]) && tasks[i].is_causal == causal) picked.push_back(static_cast<int>(i));
-    }
-    if (picked.empty()) continue;
-    std::sort(picked.begin(), picked.end(), [&](int a, int b) { return tasks[a].q_offset < tasks[b].q_offset; });
-    Call call;
-    call.tasks = picked;
+  // A call's scratch rows: at most the largest power of two whose rows stay under the cap.
+  int64_t scratch_cap = 64;
+  while (scratch_cap * 2 * kv_row <= kMaxScratchElements) scratch_cap *= 2;
+
+  auto finish = [&](Call& call) {
     GraphKey& key = call.key;
     key.backward = options.backward;
-    key.causal = causal;
     key.bf16 = options.bf16;
     key.h_q = dims.num_q_heads;
     key.h_kv = dims.num_kv_heads;
     key.d = dims.head_dim;
     key.scale = options.scale;
-    const auto n = static_cast<int64_t>(picked.size());
+    const auto n = static_cast<int64_t>(call.slots.size());
     key.batch = options.exact_batch ? n : bucket(n);
-    int64_t max_q = 0, max_kv = 0, q_end = 0, kv_end = 0, dkv_end = 0;
-    for (int i : picked) {
-      const AttnTask& t = tasks[i];
+    int64_t max_q = 0, max_kv = 0, q_end = 0, kv_end = 0, dkv_end = 0, scratch_rows = 0;
+    for (const AttnTask& t : call.slots) {
       max_q = std::max(max_q, t.q_len);
       max_kv = std::max(max_kv, t.kv_len);
       call.seq_q.push_back(static_cast<int32_t>(t.q_len));
@@ -114,23 +142,24 @@ Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, c
         int64_t dkv_row = t.kv_offset;
         if (plan.kv_scratch) {
           dkv_row = scratch_rows;
-          plan.add_spans.push_back({scratch_rows, t.kv_offset, t.kv_len});
+          call.add_spans.push_back({scratch_rows, t.kv_offset, t.kv_len});
           scratch_rows += t.kv_len;
-          if (scratch_rows * kv_row > kMax) {
-            return invalid_argument(fmt::format(
-                "cuDNN's ragged offsets are int32: the backward's dK/dV scratch of {} rows x {} elements exceeds "
-                "2^31-1; split the task list", scratch_rows, kv_row));
-          }
         }
         call.dkv_off.push_back(static_cast<int32_t>(dkv_row * kv_row));
         dkv_end = std::max(dkv_end, dkv_row + t.kv_len);
       }
     }
+    plan.kv_scratch_rows = std::max(plan.kv_scratch_rows, scratch_rows);
     key.s_q = bucket(max_q, 64);
     key.s_kv = bucket(max_kv, 64);
     if (options.backward) {
       key.total_q = bucket(q_end, 64);
       key.total_kv = bucket(dkv_end, 64);
+      if (key.total_kv * kv_row > kMax) {
+        return invalid_argument(fmt::format(
+            "cuDNN's ragged offsets are int32: a sequence's dK/dV of {} rows x {} elements (bucketed) exceeds "
+            "2^31-1; split the task list", key.total_kv, kv_row));
+      }
     }
     // Empty slots: length 0, offsets at the end of what the real slots address (non-decreasing).
     call.seq_q.resize(key.batch, 0);
@@ -140,8 +169,33 @@ Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, c
     call.kv_off.resize(key.batch + 1, static_cast<int32_t>(kv_end * kv_row));
     if (options.backward) call.dkv_off.resize(key.batch + 1, static_cast<int32_t>(dkv_end * kv_row));
     plan.calls.push_back(std::move(call));
+    return Status::ok();
+  };
+
+  for (const bool causal : {true, false}) {
+    std::vector<size_t> picked;
+    for (size_t i = 0; i < merged.size(); ++i) {
+      if (merged[i].first.is_causal == causal) picked.push_back(i);
+    }
+    std::sort(picked.begin(), picked.end(),
+              [&](size_t a, size_t b) { return merged[a].first.q_offset < merged[b].first.q_offset; });
+    Call call;
+    call.key.causal = causal;
+    int64_t scratch_rows = 0;
+    for (size_t i : picked) {
+      const auto& [t, covered] = merged[i];
+      if (plan.kv_scratch && !call.slots.empty() && scratch_rows + t.kv_len > scratch_cap) {
+        DISTCA_RETURN_IF_ERROR(finish(call));
+        call = Call{};
+        call.key.causal = causal;
+        scratch_rows = 0;
+      }
+      call.slots.push_back(t);
+      call.tasks.insert(call.tasks.end(), covered.begin(), covered.end());
+      scratch_rows += t.kv_len;
+    }
+    if (!call.slots.empty()) DISTCA_RETURN_IF_ERROR(finish(call));
   }
-  plan.kv_scratch_rows = scratch_rows;
   return plan;
 }
 

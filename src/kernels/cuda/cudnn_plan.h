@@ -9,10 +9,19 @@
 // graph's shape is bucketed: the batch, the longest query and key lengths and the packed totals
 // round up to powers of two, and the slots past the real tasks get length 0.
 //
-// Tasks that share K/V rows (shards of one document) read them through overlapping offsets, which
-// the forward allows. The backward writes dK/dV per task, so when any two tasks overlap (or the
-// caller wants fp32 sums) each task writes its own rows of a scratch buffer, which one kernel adds
-// into the fp32 sums afterwards; otherwise cuDNN writes dK/dV in place.
+// Pieces of one computation merge into one sequence first: consecutive causal shards of a document
+// (shard j's query rows follow shard i's and its keys end where its queries do) are one causal
+// sequence over the longer prefix, and consecutive non-causal pieces over the same keys are one
+// sequence; each query row sees exactly the keys it saw. So a server holding a run of a
+// document's shards runs them at whole-document speed, and their dK/dV needs no sum.
+//
+// Sequences that still share K/V rows read them through overlapping offsets, which the forward
+// allows. The backward writes dK/dV per sequence, so when any two overlap (or the caller wants fp32
+// sums) each writes its own rows of a scratch buffer, which one kernel adds into the fp32 sums after
+// the call; otherwise cuDNN writes dK/dV in place. A call's scratch is kept under 2^30 elements
+// (bucketed): past that, the tasks go into more calls that reuse it in stream order. (On an H100
+// with cuDNN 9.19, 128 shards of a 16K document, a 2^31-element bucketed scratch, gave dK 16 %
+// off while every smaller case was right.)
 #pragma once
 
 #include <cstddef>
@@ -47,30 +56,35 @@ struct GraphKeyHash {
 // The next power of two >= n, and at least `floor`.
 int64_t bucket(int64_t n, int64_t floor = 1);
 
-// One cuDNN call: the tasks of one mask kind, in slots 0..tasks.size()-1; the rest of the
-// key.batch slots are empty (length 0). Offsets are in elements of each tensor (int32, as cuDNN's
-// ragged offsets), key.batch + 1 of them, non-decreasing past the real tasks.
-struct Call {
-  GraphKey key;
-  std::vector<int> tasks;  // indices into the task list
-  std::vector<int32_t> seq_q, seq_kv;                      // key.batch each
-  std::vector<int32_t> q_off, kv_off, stats_off, dkv_off;  // key.batch + 1 each (dkv_off: backward)
-};
-
 // A span of dK/dV rows to add: scratch rows [src_row, src_row + rows) into rows [dst_row, ...).
 struct AddSpan {
   int64_t src_row = 0, dst_row = 0, rows = 0;
 };
 
+// One cuDNN call: sequences of one mask kind in slots 0..slots.size()-1 (each the merge of one or
+// more tasks); the rest of the key.batch slots are empty (length 0). Offsets are in elements of each
+// tensor (int32, as cuDNN's ragged offsets), key.batch + 1 of them, non-decreasing past the real
+// slots.
+struct Call {
+  GraphKey key;
+  std::vector<int> tasks;        // indices into the task list of every task the call computes
+  std::vector<AttnTask> slots;   // what each slot computes
+  std::vector<int32_t> seq_q, seq_kv;                      // key.batch each
+  std::vector<int32_t> q_off, kv_off, stats_off, dkv_off;  // key.batch + 1 each (dkv_off: backward)
+  std::vector<AddSpan> add_spans;  // backward through scratch: added into the sums after this call
+};
+
+// The most scratch elements one call's bucketed dK (or dV) tensor may have.
+inline constexpr int64_t kMaxScratchElements = int64_t{1} << 30;
+
 struct Plan {
   std::vector<Call> calls;
   // Q rows no call writes (uncovered, or a task with no keys): O = 0, LSE = -inf; dQ = 0.
   std::vector<std::pair<int64_t, int64_t>> empty_q_rows;
-  // Backward: dK/dV through scratch (kv_scratch_rows rows) added into fp32 sums by add_spans;
-  // otherwise in place, with empty_kv_rows (rows no task reads) zeroed.
+  // Backward: dK/dV through scratch (kv_scratch_rows rows, each call's from row 0) added into fp32
+  // sums by each call's add_spans; otherwise in place, with empty_kv_rows (rows no task reads) zeroed.
   bool kv_scratch = false;
   int64_t kv_scratch_rows = 0;
-  std::vector<AddSpan> add_spans;
   std::vector<std::pair<int64_t, int64_t>> empty_kv_rows;
 };
 
@@ -88,5 +102,9 @@ Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, c
 
 // True when two tasks with keys read a common K/V row.
 bool kv_ranges_overlap(std::span<const AttnTask> tasks);
+
+// The tasks with work (queries and keys) merged into sequences as above, each with the indices of
+// the tasks it covers; causal and non-causal never merge.
+std::vector<std::pair<AttnTask, std::vector<int>>> merge_tasks(std::span<const AttnTask> tasks);
 
 }  // namespace distca::kernels::cudnn
