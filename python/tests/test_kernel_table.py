@@ -36,7 +36,7 @@ def test_kinds_follow_the_mean_query_rows_of_the_tasks_that_compute():
     assert kt.classify(np.array([[0, kt.LONG_ROWS - 1, 0, kt.LONG_ROWS, 1]])) == "shards"
 
 
-def test_the_table_names_per_kind_the_least_summed_relative_time():
+def test_the_table_names_per_kind_the_least_mean_relative_time():
     rows = [
         # long: cudnn fastest on both whole documents, distca on the 1024-row shards; cudnn wins overall.
         row("distca", "whole", 16384, None, 4.0, 9.0), row("cudnn", "whole", 16384, None, 2.0, 4.0),
@@ -53,13 +53,34 @@ def test_the_table_names_per_kind_the_least_summed_relative_time():
     table = kt.table_from_bench(report(rows))
     assert table["format"] == kt.FORMAT and table["device"] == "NVIDIA Test GPU"
     assert table["kinds"]["long"]["fastest"] == "cudnn"
-    assert table["kinds"]["long"]["scores"]["cudnn"] == pytest.approx(1 + 1 + 3.6 / 3.0)
+    assert table["kinds"]["long"]["scores"]["cudnn"] == pytest.approx((1 + 1 + 3.6 / 3.0) / 3)
     assert table["kinds"]["shards"]["fastest"] == "distca"
     assert "varlen" not in table["kinds"]["shards"]["scores"]
     # The plan case's list is kinded by its own mean rows per task.
     plan = kt.table_from_bench(report([row("cudnn", "plan", 32768, None, 1.0, 1.0, tasks=512),
                                        row("distca", "plan", 32768, None, 2.0, 2.0, tasks=512)]))
     assert plan["kinds"]["shards"]["fastest"] == "cudnn" and "long" not in plan["kinds"]
+
+
+def test_varlen_is_scored_on_the_layouts_it_can_run_beside_the_task_list_only_ones():
+    # varlen cannot take a real server's list (plan) or out-of-order shards (reversed); it stays a
+    # candidate, scored on the shapes it ran, and wins where it is fastest there.
+    rows = [row("distca", "whole", 16384, None, 4.0, 9.0), row("cudnn", "whole", 16384, None, 2.0, 8.0),
+            row("varlen", "whole", 16384, None, 3.0, 5.0),
+            row("distca", "plan", 30000, None, 4.0, 9.0, tasks=4), row("cudnn", "plan", 30000, None, 2.0, 7.0, tasks=4),
+            row("distca", "shards", 16384, 128, 1.0, 2.0), row("cudnn", "shards", 16384, 128, 0.5, 1.0),
+            row("varlen", "shards", 16384, 128, 0.8, 1.6),
+            row("distca", "reversed", 16384, 128, 1.0, 2.0), row("cudnn", "reversed", 16384, 128, 0.5, 9.0)]
+    table = kt.table_from_bench(report(rows))
+    assert table["kinds"]["long"]["scores"]["varlen"] == pytest.approx(1.0)
+    assert table["kinds"]["long"]["fastest"] == "varlen"
+    assert table["kinds"]["long"]["scores"]["cudnn"] == pytest.approx((10 / 8 + 1) / 2)
+    # shards: cudnn wins in order (merged) but loses on reversed; distca is least on average.
+    assert table["kinds"]["shards"]["scores"]["varlen"] == pytest.approx(2.4 / 1.5)
+    assert table["kinds"]["shards"]["fastest"] == "distca"
+    # A kernel missing a layout it can run is not a candidate.
+    missing = kt.table_from_bench(report([r for r in rows if not (r["backend"] == "cudnn" and r["layout"] == "whole")]))
+    assert "cudnn" not in missing["kinds"]["long"]["scores"]
 
 
 def test_reports_without_candidates_or_of_another_kind_are_refused():

@@ -5,8 +5,10 @@ A server's task list is of one of two kinds (`classify`): `long` (few long tasks
 and long shards, a mean of at least LONG_ROWS query rows per task) or `shards` (many short query
 shards, typically sharing their documents' K/V prefixes). For each kind the table names the
 fastest of distca.torch's task-list kernels (distca, cudnn, varlen) over the bench's shapes of that
-kind: the one whose forward + backward time summed over those shapes, each relative to the fastest
-on that shape, is least (a kernel must have run every shape of the kind to be chosen).
+kind: the one whose forward + backward time, relative to the fastest on each shape and averaged
+over the shapes it can run, is least. A kernel must have run every shape of the kind it can run to
+be chosen; varlen cannot take the task-list-only layouts (`plan`, a real server's list, and
+`reversed`, shards whose query rows are not in order), so it is scored on the others.
 
 Tables ship in distca/torch/kernel_tables/<device>.json (the device's name as torch reports it,
 lower-case, non-alphanumerics as '-'), or come from DISTCA_KERNEL_TABLE (a file). Without one,
@@ -32,6 +34,7 @@ KINDS = ("long", "shards")
 # The bench's backends that are distca.torch backends of the same name (the others time PyTorch's
 # kernels on one document's shards, which no server task list is).
 TABLE_BACKENDS = ("distca", "cudnn", "varlen")
+TASK_LIST_ONLY = ("plan", "reversed")   # layouts only the task-list kernels (distca, cudnn) take
 FORMAT = "distca-kernel-table"
 TABLES = Path(__file__).resolve().parent / "kernel_tables"
 
@@ -48,7 +51,7 @@ def classify(task_array: np.ndarray) -> str:
 def _row_kind(row: dict) -> str:
     if row["layout"] == "whole":
         return "long"
-    if row["layout"] == "shards":
+    if row["layout"] in ("shards", "reversed"):
         return "long" if int(row["shard"]) >= LONG_ROWS else "shards"
     tasks = max(int(row.get("tasks", 1)), 1)
     return "long" if int(row["tokens"]) / tasks >= LONG_ROWS else "shards"
@@ -59,7 +62,7 @@ def table_from_bench(report: dict) -> dict:
     with each candidate's score (its summed relative time) and the shapes it was scored on."""
     if not isinstance(report, dict) or report.get("format") != "distca-bench-cuda-attention":
         raise ValueError("not a bench_cuda_attention.py report (format distca-bench-cuda-attention)")
-    rows = [r for r in report.get("rows", []) if r.get("backend") in TABLE_BACKENDS and r.get("layout") not in ("equal-work", "reversed")
+    rows = [r for r in report.get("rows", []) if r.get("backend") in TABLE_BACKENDS and r.get("layout") != "equal-work"
             and r.get("fwd") and r.get("bwd")]
     kinds: dict[str, Any] = {}
     for kind in KINDS:
@@ -72,8 +75,9 @@ def table_from_bench(report: dict) -> dict:
             continue
         scores: dict[str, float] = {}
         for backend in TABLE_BACKENDS:
-            if all(backend in times for times in shapes.values()):
-                scores[backend] = sum(times[backend] / min(times.values()) for times in shapes.values())
+            runnable = [times for key, times in shapes.items() if backend != "varlen" or key[0] not in TASK_LIST_ONLY]
+            if runnable and all(backend in times for times in runnable):
+                scores[backend] = sum(times[backend] / min(times.values()) for times in runnable) / len(runnable)
         if scores:
             kinds[kind] = {"fastest": min(scores, key=lambda b: scores[b]), "scores": scores,
                            "shapes": [list(k) for k in shapes]}

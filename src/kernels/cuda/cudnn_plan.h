@@ -18,10 +18,10 @@
 // Sequences that still share K/V rows read them through overlapping offsets, which the forward
 // allows. The backward writes dK/dV per sequence, so when any two overlap (or the caller wants fp32
 // sums) each writes its own rows of a scratch buffer, which one kernel adds into the fp32 sums after
-// the call; otherwise cuDNN writes dK/dV in place. A call's scratch is kept under 2^30 elements
-// (bucketed): past that, the tasks go into more calls that reuse it in stream order. (On an H100
-// with cuDNN 9.19, 128 shards of a 16K document, a 2^31-element bucketed scratch, gave dK 16 %
-// off while every smaller case was right.)
+// the call; otherwise cuDNN writes dK/dV in place. The backward's calls each hold sequences with
+// disjoint K/V rows (overlapping ones go to separate calls: cuDNN 9.19's backward was measured wrong
+// on 128 overlapping shards in one call), so a call's scratch is at most the K/V rows; the calls
+// reuse it in stream order.
 #pragma once
 
 #include <cstddef>
@@ -73,9 +73,6 @@ struct Call {
   std::vector<int32_t> q_off, kv_off, stats_off, dkv_off;  // key.batch + 1 each (dkv_off: backward)
   std::vector<AddSpan> add_spans;  // backward through scratch: added into the sums after this call
 };
-
-// The most scratch elements one call's bucketed dK (or dV) tensor may have.
-inline constexpr int64_t kMaxScratchElements = int64_t{1} << 30;
 
 struct Plan {
   std::vector<Call> calls;
