@@ -467,6 +467,7 @@ PYBIND11_MODULE(_distca, m) {
       .def_readwrite("ffn_hidden", &sim::PlanRequest::ffn_hidden)
       .def_readwrite("dtype_bytes", &sim::PlanRequest::dtype_bytes)
       .def_readwrite("tp", &sim::PlanRequest::tp)
+      .def_readwrite("grad_return", &sim::PlanRequest::grad_return)
       .def_readwrite("gpus_per_node", &sim::PlanRequest::gpus_per_node)
       .def("set_throughput",
            [](sim::PlanRequest& r, double flops_per_second, int64_t tile_rows, double task_overhead_seconds,

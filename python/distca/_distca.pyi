@@ -33,6 +33,7 @@ class PlanRequest:
     ffn_hidden: Optional[int]
     dtype_bytes: Optional[int]
     tp: Optional[int]
+    grad_return: Optional[str]
     gpus_per_node: int
     def __init__(self) -> None: ...
     def set_throughput(self, flops_per_second: float, tile_rows: int, task_overhead_seconds: float,

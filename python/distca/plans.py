@@ -294,7 +294,7 @@ _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"
 def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
          model: Union[str, Mapping[str, Any]] = "llama-8b", max_rank_bytes: Union[int, str, None] = None,
          tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None,
-         throughput: Union[str, Mapping[str, Any], None] = None) -> Plan:
+         throughput: Union[str, Mapping[str, Any], None] = None, grad_return: str = "fp32") -> Plan:
     """Plans core attention for one step, as `distca plan --batch ... --json` does.
 
     batch: per-rank document lengths ([[len, ...], ...] or {"ranks": [...]}, each rank at least one
@@ -314,6 +314,8 @@ def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str]
       128-row tiles, 2 us per task), "cpu" (cpu_throughput_profile(): what a CPU server costs,
       so short documents are not priced at a GPU tile's 128 rows), or a dict with
       flops_per_second, tile_rows, task_overhead_seconds.
+    grad_return: "fp32" (the default, what the runtime and distca.torch send) or "bf16": the dtype
+      the dK/dV partial sums return in, which the plan's bytes and link times count (`--grad-return`).
     """
     request = _distca.PlanRequest()
     request.policy = _string(policy, "policy")
@@ -346,6 +348,7 @@ def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str]
                 setattr(request, key, _integer(model[key], f"model['{key}']", 32))
     else:
         raise ValueError(f"model must be a preset name or a dict of shape keys, got {type(model).__name__}")
+    request.grad_return = _string(grad_return, "grad_return")   # checked with the CLI's words
     if throughput is not None:
         t = _throughput(throughput)
         request.set_throughput(t["flops_per_second"], t["tile_rows"], t["task_overhead_seconds"], t["source"])

@@ -211,6 +211,7 @@ def test_plan_with_options_agrees_with_cli(tmp_path):
           "--kv-heads", "2", "--head-dim", "128", "--ffn-hidden", "4096", "--dtype-bytes", "2", "--tp", "2"],
          dict(policy="distca", model=dict(layers=4, hidden=1024, heads=8, kv_heads=2, head_dim=128,
                                           ffn_hidden=4096, dtype_bytes=2, tp=2))),
+        (["--policy", "minlink", "--grad-return", "bf16"], dict(policy="minlink", grad_return="bf16")),
         (["--policy", "minbytes", "--profile", profile_path, "--max-rank-bytes", "auto"],
          dict(policy="minbytes", profile=profile_path, max_rank_bytes="auto")),
     ]
@@ -237,6 +238,7 @@ OPTION_ERRORS = [
     (["--max-rank-bytes", "12abc"], dict(max_rank_bytes="12abc")),
     (["--model", "custom", "--heads", "4"], dict(model={"preset": "custom", "heads": 4})),
     (["--model", "llama-99b"], dict(model="llama-99b")),
+    (["--grad-return", "fp8"], dict(grad_return="fp8")),
 ]
 
 
