@@ -11,8 +11,12 @@
 
 namespace distca::kernels::cuda::emu {
 
-// Runs `body` as block `block` of `num_threads` threads (a multiple of 32). Returns "" or the
-// error (a deadlock: threads waiting at different barriers).
-std::string run_block(int64_t block, int num_threads, const std::function<void()>& body);
+// Runs `body` as block `block` of `num_threads` threads (a multiple of 32), with `shared` (bytes
+// of it) as the block's shared memory for the sm_90a primitives (hopper.cuh: their shared-memory
+// addresses are offsets into it). Returns "" or the error: a deadlock (threads waiting at
+// different barriers, or on an mbarrier phase that cannot complete), or wgmma results a thread
+// never waited for.
+std::string run_block(int64_t block, int num_threads, const std::function<void()>& body, char* shared = nullptr,
+                      int64_t shared_bytes = 0);
 
 }  // namespace distca::kernels::cuda::emu
