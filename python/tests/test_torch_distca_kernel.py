@@ -260,9 +260,9 @@ def test_cudnn_backend_says_why_it_cannot_run_and_refuses_unknown_kernels():
     assert "cudnn" in backend_names()
     with pytest.raises(BackendUnavailable, match="the cudnn backend runs on CUDA devices, not cpu"):
         get_backend("cudnn", torch.device("cpu"), torch.bfloat16)
-    with pytest.raises(ValueError, match="unknown CUDA kernel 'flash': expected distca or cudnn"):
+    with pytest.raises(ValueError, match="unknown CUDA kernel 'flash': expected distca, cudnn or hopper"):
         _distca.CudaAttention(0, "flash")
-    with pytest.raises(ValueError, match="kernel must be one of distca, cudnn"):
+    with pytest.raises(ValueError, match="kernel must be one of distca, cudnn, hopper"):
         ops.cuda_native(0, "flash")
     assert isinstance(_distca.cudnn_built(), bool)
     assert bool(_distca.cudnn_version()) == _distca.cudnn_built()

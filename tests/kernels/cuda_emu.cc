@@ -54,11 +54,13 @@ struct Machine {
   std::map<const uint64_t*, MBarrier> barriers;
   std::map<const uint64_t*, std::vector<TmaCopy>> tma_in_flight;  // applied when their mbarrier is waited on
   int64_t events = 0;  // state changes a spinning thread may be waiting for
+  bool restart = false;  // the next round starts from thread 0 (after an mbarrier arrival)
   std::string error;   // the first misuse a primitive found
 };
 
 constexpr size_t kStackBytes = 256 * 1024;
 Machine* g_machine = nullptr;
+TmaTiming g_tma_timing = TmaTiming::kLatest;
 
 void fiber_main() {
   (*g_machine->body)();
@@ -177,6 +179,10 @@ void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes) {
   --b->pending;
   ++g_machine->events;
   complete_if_done(*b);
+  // The waiters run first (threads from 0 on, a producer among them) before the arriving thread
+  // goes on: an arrival that releases memory still in use shows.
+  g_machine->restart = true;
+  wait_as(State::kRunnable);
 }
 
 void mbar_wait(uint64_t* bar, int parity) {
@@ -205,10 +211,16 @@ void tma_load_2d(void* smem, const TmaDesc& desc, int x, int y, uint64_t* bar) {
     fail("a TMA destination not aligned to its swizzle pattern");
   } else if (box.swizzle != Swizzle::kNone && box.box_x * 2 > static_cast<int>(box.swizzle)) {
     fail("a TMA box row wider than its swizzle width");
-  } else if (barrier_at(bar)) {
-    g_machine->tma_in_flight[bar].push_back({smem, box, x, y});
+  } else if (MBarrier* b = barrier_at(bar)) {
+    if (g_tma_timing == TmaTiming::kEarliest) {
+      apply_tma({smem, box, x, y}, *b);
+    } else {
+      g_machine->tma_in_flight[bar].push_back({smem, box, x, y});
+    }
   }
 }
+
+void set_tma_timing(TmaTiming timing) { g_tma_timing = timing; }
 
 void wgmma_issue(std::function<void()> apply) {
   g_machine->fibers[static_cast<size_t>(g_machine->current)].open_wgmma.push_back(std::move(apply));
@@ -267,6 +279,10 @@ std::string run_block(int64_t block, int num_threads, const std::function<void()
       swapcontext(&m.scheduler, &m.fibers[i].context);
       ran = true;
       only_spun = only_spun && spinning && m.fibers[i].state == State::kSpinning;
+      if (m.restart) {
+        m.restart = false;
+        break;
+      }
     }
     if (all_done) break;
     if (!ran || (only_spun && m.events == events)) {

@@ -50,6 +50,8 @@ struct CudaAttention::State {
   int device = 0;
   std::string name;
   std::unique_ptr<CudnnAttention> cudnn;  // set when the kernel is cuDNN's: every call goes there
+  bool hopper = false;                    // the sm_90a forward (the backward stays the sm_80 one)
+  int num_sms = 0;
 };
 
 CudaAttention::CudaAttention(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -70,12 +72,27 @@ Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device, CudaKer
     if (!cudnn.is_ok()) return cudnn.status();
     state->cudnn = std::move(cudnn).value();
   }
+  if (kernel == CudaKernel::kHopper) {
+    cudaDeviceProp prop{};
+    DISTCA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+    const std::string archs = cuda_kernels_archs();
+    if (prop.major != 9 || prop.minor != 0 || archs.find("90a") == std::string::npos) {
+      return not_found(fmt::format(
+          "the hopper kernel runs on compute capability 9.0 (H100, H200) in a build with sm_90a; this is {} and the "
+          "build has {}",
+          state->name, archs));
+    }
+    state->hopper = true;
+    state->num_sms = prop.multiProcessorCount;
+  }
   return std::unique_ptr<CudaAttention>(new CudaAttention(std::move(state)));
 }
 
 int CudaAttention::device() const { return state_->device; }
 std::string CudaAttention::device_name() const { return state_->name; }
-CudaKernel CudaAttention::kernel() const { return state_->cudnn ? CudaKernel::kCudnn : CudaKernel::kDistca; }
+CudaKernel CudaAttention::kernel() const {
+  return state_->cudnn ? CudaKernel::kCudnn : state_->hopper ? CudaKernel::kHopper : CudaKernel::kDistca;
+}
 CudnnGraphStats CudaAttention::graph_stats() const { return state_->cudnn ? state_->cudnn->graph_stats() : CudnnGraphStats{}; }
 
 Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
@@ -83,7 +100,8 @@ Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
   if (Status st = validate(a); !st.is_ok()) return st;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   const AttnDims& d = a.dims;
-  const std::vector<FwdItem> items = cuda::fwd_schedule(a.tasks, kCudaFwdBlockM);
+  const std::vector<FwdItem> items =
+      cuda::fwd_schedule(a.tasks, state_->hopper ? cuda::kHopperFwdBlockM : kCudaFwdBlockM);
   if (Status st = check_grid(static_cast<int64_t>(items.size()), d.num_q_heads); !st.is_ok()) return st;
   CudaDeviceScope scope(state_->device);
   if (!scope.status().is_ok()) return scope.status();
@@ -96,6 +114,26 @@ Status CudaAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
   Scratch scratch(stream);
   Result<const FwdItem*> device_items = scratch.upload(items);
   if (!device_items.is_ok()) return device_items.status();
+  if (state_->hopper) {
+    cuda::HopperFwdLaunch l;
+    l.q = a.q;
+    l.k = a.k;
+    l.v = a.v;
+    l.o = o;
+    l.lse = a.lse;
+    l.items = device_items.value();
+    l.num_items = static_cast<int64_t>(items.size());
+    l.num_q_rows = d.num_q_rows;
+    l.num_kv_rows = d.num_kv_rows;
+    l.num_q_heads = static_cast<int>(d.num_q_heads);
+    l.num_kv_heads = static_cast<int>(d.num_kv_heads);
+    l.head_dim = static_cast<int>(d.head_dim);
+    l.is_bf16 = a.dtype == CudaDType::kBf16;
+    l.scale_log2 = softmax_scale(d, a.scale) * kLog2e;
+    l.num_sms = state_->num_sms;
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_fwd(l, stream));
+    return Status::ok();
+  }
   FwdKernelParams p;
   p.q = static_cast<const uint16_t*>(a.q);
   p.k = static_cast<const uint16_t*>(a.k);

@@ -34,12 +34,15 @@ Status check_common(const AttnDims& dims, std::span<const AttnTask> tasks) {
 
 const char* cuda_dtype_name(CudaDType dtype) { return dtype == CudaDType::kBf16 ? "bfloat16" : "float16"; }
 
-const char* cuda_kernel_name(CudaKernel kernel) { return kernel == CudaKernel::kCudnn ? "cudnn" : "distca"; }
+const char* cuda_kernel_name(CudaKernel kernel) {
+  return kernel == CudaKernel::kCudnn ? "cudnn" : kernel == CudaKernel::kHopper ? "hopper" : "distca";
+}
 
 Result<CudaKernel> parse_cuda_kernel(std::string_view name) {
   if (name == "distca") return CudaKernel::kDistca;
   if (name == "cudnn") return CudaKernel::kCudnn;
-  return invalid_argument(fmt::format("unknown CUDA kernel '{}': expected distca or cudnn", name));
+  if (name == "hopper") return CudaKernel::kHopper;
+  return invalid_argument(fmt::format("unknown CUDA kernel '{}': expected distca, cudnn or hopper", name));
 }
 
 Status validate(const CudaFwdArgs& a) {

@@ -51,9 +51,9 @@ DISTCA_DEV uint32_t swizzle_address(uint32_t addr, Swizzle s) {
   return addr ^ (((addr >> 7) & mask) << 4);
 }
 
-// A TMA descriptor: on a GPU a CUtensorMap (128 bytes, 64-byte aligned, built on the host by the
+// A TMA descriptor: on a GPU a CUtensorMap (128 bytes, 128-byte aligned, built on the host by the
 // driver); in the emulator, TmaBox below in the same bytes.
-struct alignas(64) TmaDesc {
+struct alignas(128) TmaDesc {
   unsigned char bytes[128];
 };
 
@@ -70,6 +70,11 @@ static_assert(sizeof(TmaBox) <= sizeof(TmaDesc));
 TmaDesc make_tma_desc(const TmaBox& box);  // the emulator's descriptor
 
 namespace emu {
+// When the emulator performs a TMA copy: as late as a GPU may (when a thread waits on its
+// mbarrier: a read before the wait sees stale bytes) or as early (at issue: a stage the producer
+// overwrites while a consumer still reads it shows). A correct kernel gives the same under both.
+enum class TmaTiming { kLatest, kEarliest };
+void set_tma_timing(TmaTiming timing);  // for the following run_block calls (default kLatest)
 char* shared_base();             // the block's shared memory (run_block's `shared`)
 void yield_spinning();           // a spin-wait's turn: lets the other threads run
 void mbar_init(uint64_t* bar, int arrivals);
@@ -89,6 +94,25 @@ DISTCA_DEV uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 #else
   return static_cast<uint32_t>(static_cast<const char*>(p) - emu::shared_base());
+#endif
+}
+
+// This thread's warpgroup, as a value the compiler knows is the same across the warp (so code
+// branching on it is not divergent, and wgmma inside needs no serialisation).
+DISTCA_DEV int warpgroup_index() {
+#if defined(__CUDACC__)
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+#else
+  return thread_index() / 128;
+#endif
+}
+
+// The 128 threads of this thread's warpgroup wait for each other (named barrier 1 + warpgroup).
+DISTCA_DEV void warpgroup_sync() {
+#if defined(__CUDACC__)
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x / 128)) : "memory");
+#else
+  emu::sync_warpgroup();
 #endif
 }
 

@@ -31,6 +31,27 @@ cudaError_t launch_finalize(float* acc, uint16_t* out, float scale, int64_t n, b
 cudaError_t launch_add_rows(const uint16_t* src, float* acc, const int64_t* spans, int64_t num_spans, int64_t max_rows,
                             int64_t row_elems, bool is_bf16, cudaStream_t stream);
 cudaError_t launch_from_f32(const float* src, uint16_t* dst, int64_t n, bool is_bf16, cudaStream_t stream);
+
+// The sm_90a forward (attention_hopper.cu, hopper_fwd.cuh): items from fwd_schedule(tasks,
+// kHopperFwdBlockM),
+// a persistent grid of at most num_sms blocks. Only for a device of compute capability 9.0 and a
+// build with sm_90a.
+inline constexpr int kHopperFwdBlockM = 128;
+struct HopperFwdLaunch {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  uint16_t* o = nullptr;
+  float* lse = nullptr;
+  const FwdItem* items = nullptr;  // device memory
+  int64_t num_items = 0;
+  int64_t num_q_rows = 0, num_kv_rows = 0;
+  int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+  bool is_bf16 = true;
+  float scale_log2 = 0;
+  int num_sms = 0;
+};
+cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream);
 cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream);
 
 }  // namespace distca::kernels::cuda

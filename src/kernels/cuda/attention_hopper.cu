@@ -1,0 +1,96 @@
+// The sm_90a forward kernel (hopper_fwd.cuh) and its launcher. The TMA descriptors are built here
+// on the host by the driver's cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion
+// so that the static CUDA runtime stays the only CUDA library linked. The grid is persistent: one
+// block per SM walks the (item, head) pairs in the schedule's heaviest-first order. Compiled for
+// every architecture of the build; the kernel's body exists only in the sm_90a one.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "hopper_fwd.cuh"
+#include "launch.h"
+
+namespace distca::kernels::cuda {
+namespace {
+
+static_assert(sizeof(CUtensorMap) == sizeof(TmaDesc) && alignof(CUtensorMap) <= alignof(TmaDesc));
+static_assert(HopperFwdShape<64>::kBlockM == kHopperFwdBlockM && HopperFwdShape<128>::kBlockM == kHopperFwdBlockM);
+
+template <int D, typename Elt>
+__global__ void __launch_bounds__(384, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) char smem_raw[];
+  // The 128-byte swizzle's pattern repeats every 1024 bytes: tiles start on such a boundary.
+  const uint32_t base = smem_address(smem_raw);
+  char* smem = smem_raw + ((1024 - base % 1024) % 1024);
+  const int64_t work_items = p.num_items * p.num_q_heads;
+  for (int64_t work = blockIdx.x; work < work_items; work += gridDim.x) {
+    hopper_fwd_block<D, Elt>(p, smem, work);
+    __syncthreads();  // the next item initialises the barriers again
+  }
+#endif
+}
+
+template <int D, typename Elt>
+cudaError_t launch_one(const HopperFwdParams& p, int64_t work_items, int sms, cudaStream_t stream) {
+  constexpr int kSmem = HopperFwdShape<D>::kSmemBytes + 1024;
+  static const cudaError_t allowed =
+      cudaFuncSetAttribute(hopper_fwd_kernel<D, Elt>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (allowed != cudaSuccess) return allowed;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(work_items, std::max(sms, 1)));
+  hopper_fwd_kernel<D, Elt><<<blocks, HopperFwdShape<D>::kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// A 2-D view [rows, heads x D] of a packed tensor, boxes of 64 elements (128 bytes, the swizzle
+// width) by 128 rows, zeros past the end.
+cudaError_t encode_view(TmaDesc& out, const void* base, int64_t rows, int64_t heads, int head_dim, bool is_bf16) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode),
+                                                           12000, cudaEnableDefault, &found);
+    if (e != cudaSuccess) return e;
+    if (found != cudaDriverEntryPointSuccess || !encode) return cudaErrorNotSupported;
+  }
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(heads * head_dim), static_cast<cuuint64_t>(std::max<int64_t>(rows, 1))};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(heads * head_dim * 2)};
+  const cuuint32_t box[2] = {64, 128};
+  const cuuint32_t element_strides[2] = {1, 1};
+  CUtensorMap map;
+  const CUresult r = encode(&map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                            const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  std::memcpy(out.bytes, &map, sizeof map);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream) {
+  HopperFwdParams p;
+  for (cudaError_t e : {encode_view(p.q_desc, l.q, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16),
+                        encode_view(p.k_desc, l.k, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16),
+                        encode_view(p.v_desc, l.v, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16)}) {
+    if (e != cudaSuccess) return e;
+  }
+  p.o = l.o;
+  p.lse = l.lse;
+  p.items = l.items;
+  p.num_items = l.num_items;
+  p.num_q_heads = l.num_q_heads;
+  p.num_kv_heads = l.num_kv_heads;
+  p.scale_log2 = l.scale_log2;
+  const int64_t work = l.num_items * l.num_q_heads;
+  if (l.head_dim == 64) {
+    return l.is_bf16 ? launch_one<64, Bf16>(p, work, l.num_sms, stream) : launch_one<64, Fp16>(p, work, l.num_sms, stream);
+  }
+  return l.is_bf16 ? launch_one<128, Bf16>(p, work, l.num_sms, stream) : launch_one<128, Fp16>(p, work, l.num_sms, stream);
+}
+
+}  // namespace distca::kernels::cuda
