@@ -186,6 +186,14 @@ if [ -f "$pkg/distca/__init__.py" ]; then
   # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
   [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
     "$out/cuda-attention.json" --out "$out/kernel-table.json"
+  # A short profile of the sm_90a forward (issue 53): tensor-core use, memory throughput, stalls.
+  if command -v ncu >/dev/null 2>&1; then
+    step ncu-hopper 90 ncu --target-processes all --kernel-name regex:hopper_fwd_kernel --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      "$python" python/bench/hopper_profile_case.py --tokens 16384
+  else
+    echo "== gpu-check: ncu-hopper skipped: ncu is not on the device's PATH"
+  fi
   step torch-kernels 90 "$python" python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
     --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
   # The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
@@ -250,12 +258,13 @@ if train and "summary" in train:
 lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
 for name, title in (("probe", "what the device offers"), ("configure-cuda", "configure"), ("build-cuda", "the CUDA build"),
-                    ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel with distca's and cuDNN's kernels)"),
+                    ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel with distca's, cuDNN's and the sm_90a kernels)"),
                     ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_EXACT_BATCH=1"), ("memcheck", "compute-sanitizer memcheck"),
                     ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
                     ("torch-cuda", "distca.torch on CUDA"),
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
                     ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"),
+                    ("ncu-hopper", "Nsight Compute on the sm_90a forward (hopper_fwd_kernel)"),
                     ("torch-multirank", "distca.torch on 2 and 4 processes sharing the GPU (check_torch_multirank.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
                     ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
                     ("megatron-cuda", "Megatron Core adapter"), ("torchtitan-cuda", "TorchTitan adapter")):
