@@ -182,6 +182,10 @@ if [ -f "$pkg/distca/__init__.py" ]; then
   # distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
   step cuda-attention 200 "$python" python/bench/bench_cuda_attention.py --tokens 8192,16384,32768,65536 \
     --shards 128,1024 --repeats 5 --json "$out/cuda-attention.json"
+  # cuDNN's backward runs at half of PyTorch's cuDNN SDPA with GQA 4:1 (2026-11-27): the same
+  # shapes with as many K/V heads as query heads tell whether GQA is the cause.
+  step cuda-attention-mha 60 "$python" python/bench/bench_cuda_attention.py --tokens 16384,32768 --shards 1024 \
+    --kv-heads 32 --plan-ranks 0 --repeats 5 --backends distca,cudnn,sdpa-cudnn --json "$out/cuda-attention-mha.json"
   # The measured kernel table `auto` uses on this device (commit it as
   # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
   [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
@@ -264,6 +268,7 @@ for name, title in (("probe", "what the device offers"), ("configure-cuda", "con
                     ("torch-cuda", "distca.torch on CUDA"),
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
                     ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"),
+                    ("cuda-attention-mha", "the same with K/V heads = query heads (is GQA cuDNN's backward gap?)"),
                     ("ncu-hopper", "Nsight Compute on the sm_90a forward (hopper_fwd_kernel)"),
                     ("torch-multirank", "distca.torch on 2 and 4 processes sharing the GPU (check_torch_multirank.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
                     ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
