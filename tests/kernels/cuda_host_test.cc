@@ -203,6 +203,19 @@ Problem mixed_problem(int64_t head_dim, std::vector<int64_t> docs = {1, 37, 64, 
   return p;
 }
 
+// The fields the sm_80 and sm_90a forward kernels' parameters share.
+template <typename Params>
+void set_forward_outputs(Params& p, const Problem& pr, uint16_t* o, float* lse, const std::vector<cuda::FwdItem>& items,
+                         float scale) {
+  p.o = o;
+  p.lse = lse;
+  p.items = items.data();
+  p.num_items = static_cast<int64_t>(items.size());
+  p.num_q_heads = static_cast<int>(pr.dims.num_q_heads);
+  p.num_kv_heads = static_cast<int>(pr.dims.num_kv_heads);
+  p.scale_log2 = scale * 1.4426950408889634f;
+}
+
 template <int D, typename Elt>
 void emulate_forward(const Problem& pr, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o, float* lse,
                      float scale) {
@@ -216,13 +229,7 @@ void emulate_forward(const Problem& pr, const uint16_t* q, const uint16_t* k, co
   p.q = q;
   p.k = k;
   p.v = v;
-  p.o = o;
-  p.lse = lse;
-  p.items = items.data();
-  p.num_items = static_cast<int64_t>(items.size());
-  p.num_q_heads = static_cast<int>(pr.dims.num_q_heads);
-  p.num_kv_heads = static_cast<int>(pr.dims.num_kv_heads);
-  p.scale_log2 = scale * 1.4426950408889634f;
+  set_forward_outputs(p, pr, o, lse, items, scale);
   Smem smem(cuda::FwdShape<D>::kSmemBytes);
   for (int64_t b = 0; b < p.num_items * p.num_q_heads; ++b) {
     char* s = smem.fresh();
@@ -258,13 +265,7 @@ void emulate_forward_hopper(const Problem& pr, const uint16_t* q, const uint16_t
   p.q_desc = view(q, pr.dims.num_q_rows, pr.dims.num_q_heads);
   p.k_desc = view(k, pr.dims.num_kv_rows, pr.dims.num_kv_heads);
   p.v_desc = view(v, pr.dims.num_kv_rows, pr.dims.num_kv_heads);
-  p.o = o;
-  p.lse = lse;
-  p.items = items.data();
-  p.num_items = static_cast<int64_t>(items.size());
-  p.num_q_heads = static_cast<int>(pr.dims.num_q_heads);
-  p.num_kv_heads = static_cast<int>(pr.dims.num_kv_heads);
-  p.scale_log2 = scale * 1.4426950408889634f;
+  set_forward_outputs(p, pr, o, lse, items, scale);
   Smem smem(Shape::kSmemBytes + 1024);
   for (int64_t work = 0; work < p.num_items * p.num_q_heads; ++work) {
     char* raw = smem.fresh();
