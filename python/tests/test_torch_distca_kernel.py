@@ -254,6 +254,17 @@ def test_unavailable_says_why():
     # The CUDA path's reasons are tested in test_torch_distca_ops.py.
 
 
+def test_hopper_backend_is_named_says_why_it_cannot_run_here_and_is_never_autos_pick():
+    from distca.torch import BackendUnavailable, backend_names, get_backend, kernel_table
+    from distca.torch import backends
+    assert "hopper" in backend_names()
+    with pytest.raises(BackendUnavailable, match="compute capability 9.0, not cpu"):
+        get_backend("hopper", torch.device("cpu"), torch.bfloat16)
+    # Not yet run on a GPU: neither auto's order nor a kernel table may name it.
+    assert all("hopper" not in order for order in backends._AUTO_ORDER.values())
+    assert "hopper" not in kernel_table.TABLE_BACKENDS
+
+
 def test_cudnn_backend_says_why_it_cannot_run_and_refuses_unknown_kernels():
     from distca import _distca
     from distca.torch import BackendUnavailable, backend_names, get_backend, ops

@@ -27,7 +27,9 @@ group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `fle
 distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
 CPU: float32 and bfloat16, head dims 32, 64, 128, 256; CUDA: bfloat16 and float16, head dims 64
 and 128, on the current stream), `cudnn` (cuDNN's fused attention on the same task list through
-the same operators; CUDA, builds that found cuDNN). `auto` picks the best that runs on the device:
+the same operators; CUDA, builds that found cuDNN), `hopper` (distca's sm_90a forward with the
+sm_80 backward; CUDA devices of compute capability 9.0; not yet run on a GPU, never `auto`'s pick).
+`auto` picks the best that runs on the device:
 on CUDA, per task list by the device's measured kernel table (distca.torch.kernel_table: the
 fastest kernel per kind of list, `long` or `shards`) where one exists, else as an H100 measured
 them: varlen, then distca, then sdpa; on CPU, distca where its avx512 or avx2 build runs, else
@@ -46,7 +48,7 @@ from . import ops
 from .server import (BackendUnavailable, ServerKernel, ServerTasks, ShapeBatch, TaskGroup,  # noqa: F401
                      _expand_kv, _fold_kv_grad, causal_shards, default_scale, lse_autograd_backward)
 from .kernels_torch import FlashAttnKernel, FlexKernel, ReferenceKernel, SdpaKernel, VarlenKernel
-from .kernels_distca import CudnnKernel, DistcaKernel
+from .kernels_distca import CudnnKernel, DistcaKernel, HopperKernel
 
 
 _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
@@ -57,6 +59,7 @@ _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
     "flex": FlexKernel,
     "distca": DistcaKernel,
     "cudnn": CudnnKernel,
+    "hopper": HopperKernel,
 }
 # `auto` tries these in order.
 # CUDA: measured on an H100 (reports/gpu/2026-11-25-h100): varlen ahead of distca (distca 0.7-0.8x its
@@ -182,7 +185,7 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
         raise BackendUnavailable(f"backend must be one of {', '.join(backend_names())}, got {name!r}")
     kernel = _BACKENDS[name]()
     reason = kernel.unavailable(device, dtype)
-    if reason is None and name in ("distca", "cudnn") and head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
+    if reason is None and name in ("distca", "cudnn", "hopper") and head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
         reason = (f"the kernels are built for head dims {', '.join(map(str, DistcaKernel.head_dims(device)))} on "
                   f"{device.type}, not {head_dim}")
     if reason is not None:

@@ -147,3 +147,27 @@ class CudnnKernel(DistcaKernel):
             return ("this build of distca has no cuDNN kernel (cuDNN or cudnn-frontend's headers were not found at "
                     "configure time: scripts/cudnn-frontend.sh, then reinstall)")
         return None
+
+
+class HopperKernel(DistcaKernel):
+    """distca's sm_90a forward (TMA, wgmma, a producer warpgroup feeding two consumer warpgroups:
+    src/kernels/cuda/hopper_fwd.cuh) with the sm_80 backward, through the same operators and native
+    object as `distca` with kernel="hopper". CUDA devices of compute capability 9.0 (H100, H200) in a
+    build with sm_90a; bfloat16 and float16, head dims 64 and 128. Checked on the warp emulator, not
+    yet run on a GPU: `auto` never picks it."""
+    name = "hopper"
+    cuda_kernel = "hopper"
+
+    def unavailable(self, device, dtype):
+        if device.type != "cuda":
+            return f"the hopper backend runs on CUDA devices of compute capability 9.0, not {device.type}"
+        reason = ops.unavailable(device, dtype)
+        if reason is not None:
+            return reason
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) != (9, 0):
+            return f"the hopper backend needs compute capability 9.0 (H100, H200); this device has {major}.{minor}"
+        from distca import _distca
+        if "90a" not in _distca.cuda_kernels_archs():
+            return f"this build of distca has no sm_90a kernels (built for {_distca.cuda_kernels_archs() or 'none'})"
+        return None

@@ -43,7 +43,7 @@ from attention_cases import check_distca_kernels  # noqa: E402
 from torch_cases import COST_MODEL, doc_data, local_rows, whole_document  # noqa: E402
 
 HQ, HKV, D = 8, 2, 128
-BACKENDS = ("reference", "sdpa", "varlen", "flash_attn", "flex", "distca", "cudnn")
+BACKENDS = ("reference", "sdpa", "varlen", "flash_attn", "flex", "distca", "cudnn", "hopper")
 
 
 def rel(got, want):
@@ -96,7 +96,7 @@ def path_check(device, report):
             get_backend(name, device, torch.bfloat16)
         except BackendUnavailable:
             continue
-        head_dim = 64 if name in ("distca", "cudnn") else 16   # the smallest head dim distca's CUDA kernels are built for
+        head_dim = 64 if name in ("distca", "cudnn", "hopper") else 16   # the smallest head dim distca's CUDA kernels are built for
         data = doc_data(lengths, 3, head_dim=head_dim)
         planner = StepPlanner(model={"heads": 4, "kv_heads": 2, "head_dim": head_dim}, policy="minbytes", granularity=16,
                               backend=name, device=device)
@@ -133,11 +133,12 @@ def distca_check(device, report, require: bool):
     ok = True
     kernels = ["distca"]
     if device.type == "cuda":
-        try:
-            get_backend("cudnn", device, torch.bfloat16)
-            kernels.append("cudnn")
-        except BackendUnavailable as e:
-            report["unavailable"]["cudnn (section 3)"] = str(e)
+        for name in ("cudnn", "hopper"):
+            try:
+                get_backend(name, device, torch.bfloat16)
+                kernels.append(name)
+            except BackendUnavailable as e:
+                report["unavailable"][f"{name} (section 3)"] = str(e)
     for kernel in kernels:
         for dtype in dtypes:
             for head_dim in (64, 128):

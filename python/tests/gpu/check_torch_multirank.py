@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         print("check_torch_multirank: no GPU: skipped")
         return 0
     from distca.torch.spawn import run_ranks
-    backends = ("distca", "cudnn", "auto") if args.device == "cuda" else ("sdpa", "distca")
+    backends = ("distca", "cudnn", "hopper", "auto") if args.device == "cuda" else ("sdpa", "distca")
     report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "bound": BOUND, "worlds": {}}
     ok = True
