@@ -61,6 +61,7 @@ struct Machine {
 constexpr size_t kStackBytes = 256 * 1024;
 Machine* g_machine = nullptr;
 TmaTiming g_tma_timing = TmaTiming::kLatest;
+Schedule g_schedule = Schedule::kRoundRobin;
 
 void fiber_main() {
   (*g_machine->body)();
@@ -221,6 +222,7 @@ void tma_load_2d(void* smem, const TmaDesc& desc, int x, int y, uint64_t* bar) {
 }
 
 void set_tma_timing(TmaTiming timing) { g_tma_timing = timing; }
+void set_schedule(Schedule schedule) { g_schedule = schedule; }
 
 void wgmma_issue(std::function<void()> apply) {
   g_machine->fibers[static_cast<size_t>(g_machine->current)].open_wgmma.push_back(std::move(apply));
@@ -278,8 +280,9 @@ std::string run_block(int64_t block, int num_threads, const std::function<void()
       m.fibers[i].state = State::kRunnable;
       swapcontext(&m.scheduler, &m.fibers[i].context);
       ran = true;
-      only_spun = only_spun && spinning && m.fibers[i].state == State::kSpinning;
-      if (m.restart) {
+      const bool spun = spinning && m.fibers[i].state == State::kSpinning;
+      only_spun = only_spun && spun;
+      if (m.restart || (g_schedule == Schedule::kLowestFirst && !spun)) {
         m.restart = false;
         break;
       }

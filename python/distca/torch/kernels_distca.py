@@ -150,8 +150,9 @@ class CudnnKernel(DistcaKernel):
 
 
 class HopperKernel(DistcaKernel):
-    """distca's sm_90a forward (TMA, wgmma, a producer warpgroup feeding two consumer warpgroups:
-    src/kernels/cuda/hopper_fwd.cuh) with the sm_80 backward, through the same operators and native
+    """distca's sm_90a kernels (TMA, wgmma, a producer warpgroup feeding the compute warpgroups:
+    src/kernels/cuda/hopper_fwd.cuh, and hopper_bwd.cuh at D 64; the sm_80 backward at D 128),
+    through the same operators and native
     object as `distca` with kernel="hopper". CUDA devices of compute capability 9.0 (H100, H200) in a
     build with sm_90a; bfloat16 and float16, head dims 64 and 128. Checked on the warp emulator, not
     yet run on a GPU: `auto` never picks it."""

@@ -66,7 +66,7 @@ def cpu_native(num_threads: int = 0):
     return native
 
 
-CUDA_KERNELS = ("distca", "cudnn", "hopper")   # hopper: the sm_90a forward, not yet validated on a GPU
+CUDA_KERNELS = ("distca", "cudnn", "hopper")   # hopper: the sm_90a kernels, not yet validated on a GPU
 
 
 def cuda_native(index: int, kernel: str = "distca"):

@@ -30,6 +30,7 @@ using cuda::Scratch;
 
 static_assert(cuda::FwdShape<128>::kBlockM == kCudaFwdBlockM && cuda::FwdShape<128>::kBlockN == kCudaFwdBlockN);
 static_assert(cuda::BwdShape<128>::kBlockN == kCudaBwdBlockN && cuda::BwdShape<128>::kBlockM == kCudaBwdBlockM);
+static_assert(cuda::kHopperBwdBlockN == kCudaBwdBlockN, "the sm_90a backward takes the sm_80 backward's items");
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -191,6 +192,29 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
   if (!items.empty()) {
     Result<const BwdItem*> device_items = scratch.upload(items);
     if (!device_items.is_ok()) return device_items.status();
+    if (state_->hopper && d.head_dim == 64) {  // D 128: the sm_80 backward (attention_hopper.cu says why)
+      cuda::HopperBwdLaunch l;
+      l.q = a.q;
+      l.k = a.k;
+      l.v = a.v;
+      l.d_o = a.d_o;
+      l.lse = a.lse;
+      l.delta = delta.value();
+      l.dq_acc = dq_acc.value();
+      l.dk_acc = dk_acc;
+      l.dv_acc = dv_acc;
+      l.items = device_items.value();
+      l.num_items = static_cast<int64_t>(items.size());
+      l.num_q_rows = d.num_q_rows;
+      l.num_kv_rows = d.num_kv_rows;
+      l.num_q_heads = static_cast<int>(d.num_q_heads);
+      l.num_kv_heads = static_cast<int>(d.num_kv_heads);
+      l.head_dim = static_cast<int>(d.head_dim);
+      l.is_bf16 = is_bf16;
+      l.scale_log2 = scale * kLog2e;
+      l.num_sms = state_->num_sms;
+      DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_bwd(l, stream));
+    } else {
     BwdKernelParams p;
     p.q = static_cast<const uint16_t*>(a.q);
     p.k = static_cast<const uint16_t*>(a.k);
@@ -207,6 +231,7 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     p.num_kv_heads = static_cast<int>(d.num_kv_heads);
     p.scale_log2 = scale * kLog2e;
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_bwd(p, static_cast<int>(d.head_dim), is_bf16, p.num_items * d.num_q_heads, stream));
+    }
   }
   // Round the sums once: dQ and dK carry the softmax scale, dV none.
   if (q_elems > 0) {

@@ -1,4 +1,4 @@
-// The sm_90a forward kernel (hopper_fwd.cuh) and its launcher. The TMA descriptors are built here
+// The sm_90a forward and backward kernels (hopper_fwd.cuh, hopper_bwd.cuh) and their launchers. The TMA descriptors are built here
 // on the host by the driver's cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion
 // so that the static CUDA runtime stays the only CUDA library linked. The grid is persistent: one
 // block per SM walks the (item, head) pairs in the schedule's heaviest-first order. Compiled for
@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "hopper_bwd.cuh"
 #include "hopper_fwd.cuh"
 #include "launch.h"
 
@@ -18,6 +19,7 @@ namespace {
 
 static_assert(sizeof(CUtensorMap) == sizeof(TmaDesc) && alignof(CUtensorMap) <= alignof(TmaDesc));
 static_assert(HopperFwdShape<64>::kBlockM == kHopperFwdBlockM && HopperFwdShape<128>::kBlockM == kHopperFwdBlockM);
+static_assert(HopperBwdShape<64>::kBlockN == kHopperBwdBlockN);
 
 template <int D, typename Elt>
 __global__ void __launch_bounds__(384, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams p) {
@@ -35,6 +37,31 @@ __global__ void __launch_bounds__(384, 1) hopper_fwd_kernel(const __grid_constan
 }
 
 template <int D, typename Elt>
+__global__ void __launch_bounds__(256, 1) hopper_bwd_kernel(const __grid_constant__ HopperBwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) char smem_raw[];
+  const uint32_t base = smem_address(smem_raw);
+  char* smem = smem_raw + ((1024 - base % 1024) % 1024);
+  const int64_t work_items = p.num_items * p.num_q_heads;
+  for (int64_t work = blockIdx.x; work < work_items; work += gridDim.x) {
+    hopper_bwd_block<D, Elt>(p, smem, work);
+    __syncthreads();
+  }
+#endif
+}
+
+template <int D, typename Elt>
+cudaError_t launch_bwd_one(const HopperBwdParams& p, int64_t work_items, int sms, cudaStream_t stream) {
+  constexpr int kSmem = HopperBwdShape<D>::kSmemBytes + 1024;
+  static const cudaError_t allowed =
+      cudaFuncSetAttribute(hopper_bwd_kernel<D, Elt>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (allowed != cudaSuccess) return allowed;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(work_items, std::max(sms, 1)));
+  hopper_bwd_kernel<D, Elt><<<blocks, HopperBwdShape<D>::kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int D, typename Elt>
 cudaError_t launch_one(const HopperFwdParams& p, int64_t work_items, int sms, cudaStream_t stream) {
   constexpr int kSmem = HopperFwdShape<D>::kSmemBytes + 1024;
   static const cudaError_t allowed =
@@ -46,8 +73,9 @@ cudaError_t launch_one(const HopperFwdParams& p, int64_t work_items, int sms, cu
 }
 
 // A 2-D view [rows, heads x D] of a packed tensor, boxes of 64 elements (128 bytes, the swizzle
-// width) by 128 rows, zeros past the end.
-cudaError_t encode_view(TmaDesc& out, const void* base, int64_t rows, int64_t heads, int head_dim, bool is_bf16) {
+// width) by box_rows rows, zeros past the end.
+cudaError_t encode_view(TmaDesc& out, const void* base, int64_t rows, int64_t heads, int head_dim, bool is_bf16,
+                        uint32_t box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     cudaDriverEntryPointQueryResult found{};
@@ -58,7 +86,7 @@ cudaError_t encode_view(TmaDesc& out, const void* base, int64_t rows, int64_t he
   }
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(heads * head_dim), static_cast<cuuint64_t>(std::max<int64_t>(rows, 1))};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(heads * head_dim * 2)};
-  const cuuint32_t box[2] = {64, 128};
+  const cuuint32_t box[2] = {64, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
   CUtensorMap map;
   const CUresult r = encode(&map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
@@ -74,9 +102,9 @@ cudaError_t encode_view(TmaDesc& out, const void* base, int64_t rows, int64_t he
 
 cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream) {
   HopperFwdParams p;
-  for (cudaError_t e : {encode_view(p.q_desc, l.q, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16),
-                        encode_view(p.k_desc, l.k, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16),
-                        encode_view(p.v_desc, l.v, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16)}) {
+  for (cudaError_t e : {encode_view(p.q_desc, l.q, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16, 128),
+                        encode_view(p.k_desc, l.k, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 128),
+                        encode_view(p.v_desc, l.v, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 128)}) {
     if (e != cudaSuccess) return e;
   }
   p.o = l.o;
@@ -91,6 +119,32 @@ cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream) {
     return l.is_bf16 ? launch_one<64, Bf16>(p, work, l.num_sms, stream) : launch_one<64, Fp16>(p, work, l.num_sms, stream);
   }
   return l.is_bf16 ? launch_one<128, Bf16>(p, work, l.num_sms, stream) : launch_one<128, Fp16>(p, work, l.num_sms, stream);
+}
+
+cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
+  HopperBwdParams p;
+  for (cudaError_t e : {encode_view(p.q_desc, l.q, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16, 64),
+                        encode_view(p.do_desc, l.d_o, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16, 64),
+                        encode_view(p.k_desc, l.k, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 64),
+                        encode_view(p.v_desc, l.v, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 64)}) {
+    if (e != cudaSuccess) return e;
+  }
+  p.lse = l.lse;
+  p.delta = l.delta;
+  p.dq_acc = l.dq_acc;
+  p.dk_acc = l.dk_acc;
+  p.dv_acc = l.dv_acc;
+  p.items = l.items;
+  p.num_items = l.num_items;
+  p.num_q_heads = l.num_q_heads;
+  p.num_kv_heads = l.num_kv_heads;
+  p.scale_log2 = l.scale_log2;
+  // D 64 only: at D 128 one warpgroup's dK and dV (128 fp32 registers) with S and dP need more than
+  // 255 registers (ptxas spills); CudaAttention runs the sm_80 backward there.
+  if (l.head_dim != 64) return cudaErrorInvalidValue;
+  const int64_t work = l.num_items * l.num_q_heads;
+  return l.is_bf16 ? launch_bwd_one<64, Bf16>(p, work, l.num_sms, stream)
+                   : launch_bwd_one<64, Fp16>(p, work, l.num_sms, stream);
 }
 
 }  // namespace distca::kernels::cuda

@@ -75,6 +75,11 @@ namespace emu {
 // overwrites while a consumer still reads it shows). A correct kernel gives the same under both.
 enum class TmaTiming { kLatest, kEarliest };
 void set_tma_timing(TmaTiming timing);  // for the following run_block calls (default kLatest)
+// Which thread runs next: in turn (round robin), or the lowest-numbered one that can, after any
+// progress (so one warp runs as far ahead of the others as it may: a missing barrier between
+// threads that write shared memory and a wgmma that reads it shows).
+enum class Schedule { kRoundRobin, kLowestFirst };
+void set_schedule(Schedule schedule);   // for the following run_block calls (default kRoundRobin)
 char* shared_base();             // the block's shared memory (run_block's `shared`)
 void yield_spinning();           // a spin-wait's turn: lets the other threads run
 void mbar_init(uint64_t* bar, int arrivals);
@@ -164,6 +169,14 @@ DISTCA_DEV void mbarrier_wait(uint64_t* bar, int parity) {
       : "memory");
 #else
   emu::mbar_wait(bar, parity);
+#endif
+}
+
+// Makes this thread's ordinary shared-memory stores visible to the async proxy (wgmma and TMA read
+// through it); then a barrier among the threads that wrote.
+DISTCA_DEV void fence_proxy_async() {
+#if defined(__CUDACC__)
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 
@@ -337,11 +350,11 @@ DISTCA_WGMMA_RS_N128(Fp16, "f16")
 
 #endif
 
+// Orders this thread's earlier register and shared-memory accesses before its next wgmma (not a
+// barrier among threads: shared memory other threads wrote needs warpgroup_sync as well).
 DISTCA_DEV void wgmma_fence() {
 #if defined(__CUDACC__)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#else
-  emu::sync_warpgroup();
 #endif
 }
 DISTCA_DEV void wgmma_commit() {
@@ -369,7 +382,6 @@ DISTCA_DEV void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, in
   wgmma_ss_dev<TransB>(d, desc_a, desc_b, scale_d, tag);
 #else
   (void)tag;
-  emu::sync_warpgroup();
   const emu::SmemDesc a = emu::decode_smem_desc(desc_a);
   emu::wgmma_queue<N, Elt>(d, [a](int m, int k) { return emu::operand_at<Elt>(a, m, k, false); }, desc_b,
                            TransB != 0, scale_d != 0);
@@ -385,7 +397,6 @@ DISTCA_DEV void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t des
   wgmma_rs_dev<TransB>(d, a, desc_b, scale_d, tag);
 #else
   (void)tag;
-  emu::sync_warpgroup();
   // The warp's A tile, read from the lanes' registers now (they must not change before the wait).
   auto tile = std::make_shared<std::array<float, 256>>();
   const int w = (thread_index() % 128) / 32;

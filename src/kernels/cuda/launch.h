@@ -52,6 +52,30 @@ struct HopperFwdLaunch {
   int num_sms = 0;
 };
 cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream);
+
+// The sm_90a backward (hopper_bwd.cuh), head dim 64: items from bwd_schedule(tasks,
+// kHopperBwdBlockN), the sm_80 backward's inputs and fp32 sums (lse, delta, zeroed dq_acc, dk_acc,
+// dv_acc), a persistent grid.
+inline constexpr int kHopperBwdBlockN = 64;
+struct HopperBwdLaunch {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* d_o = nullptr;
+  const float* lse = nullptr;
+  const float* delta = nullptr;
+  float* dq_acc = nullptr;
+  float* dk_acc = nullptr;
+  float* dv_acc = nullptr;
+  const BwdItem* items = nullptr;  // device memory
+  int64_t num_items = 0;
+  int64_t num_q_rows = 0, num_kv_rows = 0;
+  int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+  bool is_bf16 = true;
+  float scale_log2 = 0;
+  int num_sms = 0;
+};
+cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream);
 cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream);
 
 }  // namespace distca::kernels::cuda
