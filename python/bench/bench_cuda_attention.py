@@ -51,8 +51,8 @@ import numpy as np
 
 TOLERANCE = 3e-2
 BACKENDS = ("distca", "cudnn", "hopper", "varlen", "sdpa-flash", "sdpa-cudnn")
-# Take any task list (the others: one document's shards). hopper: distca's sm_90a kernels (the sm_80
-# backward at D 128), timed where the device has compute capability 9.0.
+# Take any task list (the others: one document's shards). hopper: distca's sm_90a kernels, timed
+# where the device has compute capability 9.0.
 TASK_LIST_BACKENDS = ("distca", "cudnn", "hopper")
 
 

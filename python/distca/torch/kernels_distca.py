@@ -151,8 +151,7 @@ class CudnnKernel(DistcaKernel):
 
 class HopperKernel(DistcaKernel):
     """distca's sm_90a kernels (TMA, wgmma, a producer warpgroup feeding the compute warpgroups:
-    src/kernels/cuda/hopper_fwd.cuh, and hopper_bwd.cuh at D 64; the sm_80 backward at D 128),
-    through the same operators and native
+    src/kernels/cuda/hopper_fwd.cuh, hopper_bwd.cuh), through the same operators and native
     object as `distca` with kernel="hopper". CUDA devices of compute capability 9.0 (H100, H200) in a
     build with sm_90a; bfloat16 and float16, head dims 64 and 128. Checked on the warp emulator, not
     yet run on a GPU: `auto` never picks it."""

@@ -192,7 +192,7 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
   if (!items.empty()) {
     Result<const BwdItem*> device_items = scratch.upload(items);
     if (!device_items.is_ok()) return device_items.status();
-    if (state_->hopper && d.head_dim == 64) {  // D 128: the sm_80 backward (attention_hopper.cu says why)
+    if (state_->hopper) {
       cuda::HopperBwdLaunch l;
       l.q = a.q;
       l.k = a.k;

@@ -19,7 +19,7 @@ namespace {
 
 static_assert(sizeof(CUtensorMap) == sizeof(TmaDesc) && alignof(CUtensorMap) <= alignof(TmaDesc));
 static_assert(HopperFwdShape<64>::kBlockM == kHopperFwdBlockM && HopperFwdShape<128>::kBlockM == kHopperFwdBlockM);
-static_assert(HopperBwdShape<64>::kBlockN == kHopperBwdBlockN);
+static_assert(HopperBwdShape<64>::kBlockN == kHopperBwdBlockN && HopperBwdShape<128>::kBlockN == kHopperBwdBlockN);
 
 template <int D, typename Elt>
 __global__ void __launch_bounds__(384, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams p) {
@@ -139,12 +139,13 @@ cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
   p.num_q_heads = l.num_q_heads;
   p.num_kv_heads = l.num_kv_heads;
   p.scale_log2 = l.scale_log2;
-  // D 64 only: at D 128 one warpgroup's dK and dV (128 fp32 registers) with S and dP need more than
-  // 255 registers (ptxas spills); CudaAttention runs the sm_80 backward there.
-  if (l.head_dim != 64) return cudaErrorInvalidValue;
   const int64_t work = l.num_items * l.num_q_heads;
-  return l.is_bf16 ? launch_bwd_one<64, Bf16>(p, work, l.num_sms, stream)
-                   : launch_bwd_one<64, Fp16>(p, work, l.num_sms, stream);
+  if (l.head_dim == 64) {
+    return l.is_bf16 ? launch_bwd_one<64, Bf16>(p, work, l.num_sms, stream)
+                     : launch_bwd_one<64, Fp16>(p, work, l.num_sms, stream);
+  }
+  return l.is_bf16 ? launch_bwd_one<128, Bf16>(p, work, l.num_sms, stream)
+                   : launch_bwd_one<128, Fp16>(p, work, l.num_sms, stream);
 }
 
 }  // namespace distca::kernels::cuda

@@ -110,9 +110,9 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
         tma_load_2d(sk + c * S::kBoxBytes, &p.k_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
         tma_load_2d(sv + c * S::kBoxBytes, &p.v_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
       }
-      for (int tile = 0; tile < num_tiles; ++tile) {
-        const int stage = tile % 2;
-        if (tile >= 2) mbarrier_wait(&bars->q_empty[stage], ((tile - 2) / 2) & 1);
+      for (int step = 0; step < S::kBoxes * num_tiles; ++step) {  // each query tile once per half of dK/dV
+        const int stage = step % 2, tile = step % num_tiles;
+        if (step >= 2) mbarrier_wait(&bars->q_empty[stage], ((step - 2) / 2) & 1);
         const int row = static_cast<int>(item.q_row) + item.q_begin + tile * S::kBlockM;
         mbarrier_arrive_expect_tx(&bars->q_full[stage], 2 * S::kTileBytes);
         for (int c = 0; c < S::kBoxes; ++c) {
@@ -130,8 +130,6 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
   const int64_t q_stride = static_cast<int64_t>(p.num_q_heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(p.num_kv_heads) * D;
   const int shift = item.kv_len - item.q_len;  // causal: query i sees task keys j <= i + shift
-  float dk[D / 2], dv[D / 2];
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(&bars->kv_full, 0);
   const uint32_t k_base = smem_address(sk), v_base = smem_address(sv);
   const uint32_t pt_base = smem_address(spt), dst_base = smem_address(sdst);
@@ -139,93 +137,101 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
     return base + static_cast<uint32_t>(kk / 4 * S::kBoxBytes + kk % 4 * 32);
   };
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = tile % 2, m0 = item.q_begin + tile * S::kBlockM;
-    mbarrier_wait(&bars->q_full[stage], (tile / 2) & 1);
-    const uint32_t q_base = smem_address(sq(stage)), do_base = smem_address(sdo(stage));
-    // S = Q K^T and dP = dO V^T: 64 queries x 64 keys each.
-    float s[32], dp[32];
-    wgmma_fence();
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wgmma_ss<0, 64>(s, make_smem_desc(k_major_step(q_base, kk), Swizzle::k128B, 16, 1024),
-                      make_smem_desc(k_major_step(k_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
-      wgmma_ss<0, 64>(dp, make_smem_desc(k_major_step(do_base, kk), Swizzle::k128B, 16, 1024),
-                      make_smem_desc(k_major_step(v_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    // P and dS (in s), P^T and dS^T into shared memory.
-    for (int r = 0; r < 2; ++r) {
-      const int row = 16 * w + g + 8 * r, i = m0 + row;  // the task query
-      const bool row_ok = i < item.q_len;
-      const int64_t at = (item.q_row + (row_ok ? i : 0)) * p.num_q_heads + h;
-      const float lse_log2 = row_ok ? p.lse[at] * kLog2e : 0.f, delta = row_ok ? p.delta[at] : 0.f;
-      for (int j = 0; j < 8; ++j) {
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * j + 2 * t + e, key = item.key0 + col;
-          const bool ok = row_ok && col < item.cols && (!item.is_causal || key <= i + shift);
-          float& x = s[4 * j + 2 * r + e];
-          const float pr = ok ? exp2_approx(x * p.scale_log2 - lse_log2) : 0.f;
-          x = pr * (dp[4 * j + 2 * r + e] - delta);  // dS
-          const uint32_t pair = pack2(pr, x, Elt{});
-          const uint32_t at = swizzled_64x64(pt_base, col, row);  // P^T and dS^T share the layout (both 1024-aligned)
-          *reinterpret_cast<uint16_t*>(spt + at) = static_cast<uint16_t>(pair & 0xffffu);
-          *reinterpret_cast<uint16_t*>(sdst + at) = static_cast<uint16_t>(pair >> 16);
-        }
-      }
-    }
-    fence_proxy_async();
-    warpgroup_sync();
-    // dV += P^T dO and dK += dS^T Q: M = keys, K = queries (16 a step: 32 bytes into P^T's rows), N = D
-    // (Q and dO MN-major: 16 query rows a step, D / 64 boxes LBO apart).
-    wgmma_fence();
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t a_step = static_cast<uint32_t>(kk) * 32, b_step = static_cast<uint32_t>(kk) * 16 * 128;
-      wgmma_ss<1, D>(dv, make_smem_desc(pt_base + a_step, Swizzle::k128B, 16, 1024),
-                     make_smem_desc(do_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
-      wgmma_ss<1, D>(dk, make_smem_desc(dst_base + a_step, Swizzle::k128B, 16, 1024),
-                     make_smem_desc(q_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
-    }
-    wgmma_commit();
-    // dQ += dS K, 64 columns of D at a time: dS as A fragments (keys 16 a step), K MN-major.
-    wgmma_fence();
-    for (int c = 0; c < S::kBoxes; ++c) {
-      float dq[32];
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t a[4] = {pack2(s[8 * kk], s[8 * kk + 1], Elt{}), pack2(s[8 * kk + 2], s[8 * kk + 3], Elt{}),
-                               pack2(s[8 * kk + 4], s[8 * kk + 5], Elt{}), pack2(s[8 * kk + 6], s[8 * kk + 7], Elt{})};
-        wgmma_rs<1, 64>(dq, a,
-                        make_smem_desc(k_base + static_cast<uint32_t>(c * S::kBoxBytes + kk * 16 * 128), Swizzle::k128B,
-                                       S::kBoxBytes, 1024),
-                        kk > 0 ? 1 : 0, Elt{});
+  // dK and dV 64 columns of D at a time (32 fp32 registers each, so that S and dP fit beside them):
+  // the query tiles are walked once per half, S and dP computed again; dQ in the first walk.
+  for (int half = 0; half < S::kBoxes; ++half) {
+    float dk[32], dv[32];
+    for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int step = half * num_tiles + tile, stage = step % 2, m0 = item.q_begin + tile * S::kBlockM;
+      mbarrier_wait(&bars->q_full[stage], (step / 2) & 1);
+      const uint32_t q_base = smem_address(sq(stage)), do_base = smem_address(sdo(stage));
+      // S = Q K^T and dP = dO V^T: 64 queries x 64 keys each.
+      float s[32], dp[32];
+      wgmma_fence();
+      for (int kk = 0; kk < D / 16; ++kk) {
+        wgmma_ss<0, 64>(s, make_smem_desc(k_major_step(q_base, kk), Swizzle::k128B, 16, 1024),
+                        make_smem_desc(k_major_step(k_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
+        wgmma_ss<0, 64>(dp, make_smem_desc(k_major_step(do_base, kk), Swizzle::k128B, 16, 1024),
+                        make_smem_desc(k_major_step(v_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
       }
       wgmma_commit();
       wgmma_wait<0>();
+      // P and dS (in s), P^T and dS^T into shared memory.
       for (int r = 0; r < 2; ++r) {
-        const int i = m0 + 16 * w + g + 8 * r;
-        if (i >= item.q_len) continue;
-        float* out = p.dq_acc + (item.q_row + i) * q_stride + static_cast<int64_t>(h) * D + 64 * c;
+        const int row = 16 * w + g + 8 * r, i = m0 + row;  // the task query
+        const bool row_ok = i < item.q_len;
+        const int64_t at = (item.q_row + (row_ok ? i : 0)) * p.num_q_heads + h;
+        const float lse_log2 = row_ok ? p.lse[at] * kLog2e : 0.f, delta = row_ok ? p.delta[at] : 0.f;
         for (int j = 0; j < 8; ++j) {
-          atomic_add(out + 8 * j + 2 * t, dq[4 * j + 2 * r]);
-          atomic_add(out + 8 * j + 2 * t + 1, dq[4 * j + 2 * r + 1]);
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * t + e, key = item.key0 + col;
+            const bool ok = row_ok && col < item.cols && (!item.is_causal || key <= i + shift);
+            float& x = s[4 * j + 2 * r + e];
+            const float pr = ok ? exp2_approx(x * p.scale_log2 - lse_log2) : 0.f;
+            x = pr * (dp[4 * j + 2 * r + e] - delta);  // dS
+            const uint32_t pair = pack2(pr, x, Elt{});
+            const uint32_t at = swizzled_64x64(pt_base, col, row);  // P^T and dS^T share the layout (both 1024-aligned)
+            *reinterpret_cast<uint16_t*>(spt + at) = static_cast<uint16_t>(pair & 0xffffu);
+            *reinterpret_cast<uint16_t*>(sdst + at) = static_cast<uint16_t>(pair >> 16);
+          }
         }
       }
+      fence_proxy_async();
+      warpgroup_sync();
+      // dV += P^T dO and dK += dS^T Q: M = keys, K = queries (16 a step: 32 bytes into P^T's rows), N = D
+      // (Q and dO MN-major: 16 query rows a step, D / 64 boxes LBO apart).
+      wgmma_fence();
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t a_step = static_cast<uint32_t>(kk) * 32;
+        const uint32_t b_step = static_cast<uint32_t>(half * S::kBoxBytes + kk * 16 * 128);  // this half's box
+        wgmma_ss<1, 64>(dv, make_smem_desc(pt_base + a_step, Swizzle::k128B, 16, 1024),
+                        make_smem_desc(do_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
+        wgmma_ss<1, 64>(dk, make_smem_desc(dst_base + a_step, Swizzle::k128B, 16, 1024),
+                        make_smem_desc(q_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      // dQ += dS K (in the first walk), 64 columns of D at a time: dS as A fragments (keys 16 a step),
+      // K MN-major.
+      wgmma_fence();
+      for (int c = 0; c < (half == 0 ? S::kBoxes : 0); ++c) {
+        float dq[32];
+        for (int kk = 0; kk < 4; ++kk) {
+          const float* x = s + 8 * kk;
+          const uint32_t a[4] = {pack2(x[0], x[1], Elt{}), pack2(x[2], x[3], Elt{}), pack2(x[4], x[5], Elt{}),
+                                 pack2(x[6], x[7], Elt{})};
+          const uint32_t b = k_base + static_cast<uint32_t>(c * S::kBoxBytes + kk * 16 * 128);
+          wgmma_rs<1, 64>(dq, a, make_smem_desc(b, Swizzle::k128B, S::kBoxBytes, 1024), kk > 0 ? 1 : 0, Elt{});
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + 16 * w + g + 8 * r;
+          if (i >= item.q_len) continue;
+          float* out = p.dq_acc + (item.q_row + i) * q_stride + static_cast<int64_t>(h) * D + 64 * c;
+          for (int j = 0; j < 8; ++j) {
+            atomic_add(out + 8 * j + 2 * t, dq[4 * j + 2 * r]);
+            atomic_add(out + 8 * j + 2 * t + 1, dq[4 * j + 2 * r + 1]);
+          }
+        }
+      }
+      // Every thread is done with the stage, P^T and dS^T: release the stage.
+      warpgroup_sync();
+      if (local == 0) mbarrier_arrive(&bars->q_empty[stage]);
     }
-    // Every thread is done with the stage, P^T and dS^T: release the stage.
-    warpgroup_sync();
-    if (local == 0) mbarrier_arrive(&bars->q_empty[stage]);
-  }
 
-  // dK and dV of the tile's keys into the fp32 sums.
-  for (int r = 0; r < 2; ++r) {
-    const int col = 16 * w + g + 8 * r;
-    if (col >= item.cols) continue;
-    float* out_k = p.dk_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D;
-    float* out_v = p.dv_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D;
-    for (int j = 0; j < D / 8; ++j) {
-      for (int e = 0; e < 2; ++e) {
-        atomic_add(out_k + 8 * j + 2 * t + e, dk[4 * j + 2 * r + e]);
-        atomic_add(out_v + 8 * j + 2 * t + e, dv[4 * j + 2 * r + e]);
+    // This half of dK and dV of the tile's keys into the fp32 sums.
+    for (int r = 0; r < 2; ++r) {
+      const int col = 16 * w + g + 8 * r;
+      if (col >= item.cols) continue;
+      float* out_k = p.dk_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + 64 * half;
+      float* out_v = p.dv_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + 64 * half;
+      for (int j = 0; j < 8; ++j) {
+        for (int e = 0; e < 2; ++e) {
+          atomic_add(out_k + 8 * j + 2 * t + e, dk[4 * j + 2 * r + e]);
+          atomic_add(out_v + 8 * j + 2 * t + e, dv[4 * j + 2 * r + e]);
+        }
       }
     }
   }

@@ -53,8 +53,7 @@ struct HopperFwdLaunch {
 };
 cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream);
 
-// The sm_90a backward (hopper_bwd.cuh), head dim 64: items from bwd_schedule(tasks,
-// kHopperBwdBlockN), the sm_80 backward's inputs and fp32 sums (lse, delta, zeroed dq_acc, dk_acc,
+// The sm_90a backward (hopper_bwd.cuh): items from bwd_schedule(tasks, kHopperBwdBlockN), the sm_80 backward's inputs and fp32 sums (lse, delta, zeroed dq_acc, dk_acc,
 // dv_acc), a persistent grid.
 inline constexpr int kHopperBwdBlockN = 64;
 struct HopperBwdLaunch {

@@ -40,8 +40,8 @@ const char* cuda_dtype_name(CudaDType dtype);
 // Which implementation a CudaAttention runs: distca's own kernels (this file's), or cuDNN's fused
 // attention (CudnnAttention, cudnn.h) behind the same contract.
 // distca's own kernels (mma.sync, sm_80 and up), cuDNN's fused attention, or distca's sm_90a
-// kernels (TMA, wgmma, warp specialisation: hopper_fwd.cuh, and hopper_bwd.cuh at D 64; the sm_80
-// backward at D 128); not yet validated on a GPU.
+// kernels (TMA, wgmma, warp specialisation: hopper_fwd.cuh, hopper_bwd.cuh); not yet validated on
+// a GPU.
 enum class CudaKernel { kDistca, kCudnn, kHopper };
 const char* cuda_kernel_name(CudaKernel kernel);  // "distca", "cudnn" or "hopper"
 Result<CudaKernel> parse_cuda_kernel(std::string_view name);
