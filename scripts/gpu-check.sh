@@ -190,6 +190,13 @@ if [ -f "$pkg/distca/__init__.py" ]; then
   # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
   [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
     "$out/cuda-attention.json" --out "$out/kernel-table.json"
+  # The sm_90a kernels under compute-sanitizer on a small case (memcheck, racecheck), forward and backward.
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    for tool in memcheck racecheck; do
+      step "$tool-hopper" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 --target-processes all \
+        "$python" python/bench/hopper_profile_case.py --tokens 300 --head-dim 64 --runs 1
+    done
+  fi
   # A short profile of the sm_90a forward (issue 53): tensor-core use, memory throughput, stalls.
   if command -v ncu >/dev/null 2>&1; then
     step ncu-hopper 90 ncu --target-processes all --kernel-name regex:hopper_fwd_kernel --launch-skip 1 --launch-count 1 \
@@ -269,6 +276,8 @@ for name, title in (("probe", "what the device offers"), ("configure-cuda", "con
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
                     ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"),
                     ("cuda-attention-mha", "the same with K/V heads = query heads (is GQA cuDNN's backward gap?)"),
+                    ("memcheck-hopper", "compute-sanitizer memcheck on the sm_90a kernels"),
+                    ("racecheck-hopper", "compute-sanitizer racecheck on the sm_90a kernels"),
                     ("ncu-hopper", "Nsight Compute on the sm_90a forward (hopper_fwd_kernel)"),
                     ("torch-multirank", "distca.torch on 2 and 4 processes sharing the GPU (check_torch_multirank.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
                     ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),

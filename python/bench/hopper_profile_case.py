@@ -1,8 +1,9 @@
-"""One case for profiling the sm_90a forward (scripts/gpu-check.sh runs it under Nsight Compute):
-the `hopper` kernel's forward on one causal document of --tokens tokens (Hq 32, Hkv 8, D 128, bf16),
-run twice (a warm-up, then the profiled launch: ncu --launch-skip 1 --launch-count 1).
+"""One case of the `hopper` kernels for tools that watch a run (scripts/gpu-check.sh runs it under
+Nsight Compute and compute-sanitizer): forward and backward on one causal document of --tokens
+tokens (Hq 32, Hkv 8, D --head-dim, bf16), each run --runs times (ncu: --launch-skip 1
+--launch-count 1 profiles the second forward).
 
-    python python/bench/hopper_profile_case.py [--tokens 16384]
+    python python/bench/hopper_profile_case.py [--tokens 16384] [--head-dim 128] [--runs 2]
 """
 from __future__ import annotations
 
@@ -13,22 +14,26 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384, help="the document's tokens (default 16384)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="D (default 128)")
+    parser.add_argument("--runs", type=int, default=2, help="runs of the forward and of the backward (default 2)")
     args = parser.parse_args(argv)
-    if args.tokens < 1:
-        parser.error("--tokens must be at least 1")
+    if args.tokens < 1 or args.runs < 1:
+        parser.error("--tokens and --runs must be at least 1")
     import torch
     if not torch.cuda.is_available() or tuple(torch.cuda.get_device_capability()) != (9, 0):
         print("hopper_profile_case: needs a GPU of compute capability 9.0 (H100, H200)", file=sys.stderr)
         return 1
     from distca.torch import ops
-    n, hq, hkv, d = args.tokens, 32, 8, 128
-    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    n, hq, hkv, d = args.tokens, 32, 8, args.head_dim
+    q, do = (torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     tasks = torch.tensor([[0, n, 0, n, 1]], dtype=torch.int64)
-    for _ in range(2):
-        ops.attention_fwd(q, k, v, tasks, d ** -0.5, 0, "hopper")
+    for _ in range(args.runs):
+        o, lse = ops.attention_fwd(q, k, v, tasks, d ** -0.5, 0, "hopper")
+    for _ in range(args.runs):
+        ops.attention_bwd(do, q, k, v, o, lse, tasks, d ** -0.5, 0, "hopper")
     torch.cuda.synchronize()
-    print(f"hopper_profile_case: {n} tokens, forward run twice")
+    print(f"hopper_profile_case: {n} tokens, D {d}: forward and backward run {args.runs} times each")
     return 0
 
 
