@@ -1,8 +1,9 @@
-// The sm_90a forward and backward kernels (hopper_fwd.cuh, hopper_bwd.cuh) and their launchers. The TMA descriptors are built here
-// on the host by the driver's cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion
-// so that the static CUDA runtime stays the only CUDA library linked. The grid is persistent: one
-// block per SM walks the (item, head) pairs in the schedule's heaviest-first order. Compiled for
-// every architecture of the build; the kernel's body exists only in the sm_90a one.
+// The sm_90a forward and backward kernels (hopper_fwd.cuh, hopper_bwd.cuh) and their launchers.
+// The TMA descriptors are built here on the host by the driver's cuTensorMapEncodeTiled, reached
+// through cudaGetDriverEntryPointByVersion so that the static CUDA runtime stays the only CUDA
+// library linked. The grid is persistent: one block per SM walks the (item, head) pairs in the
+// schedule's heaviest-first order. Compiled for every architecture of the build; the kernels'
+// bodies exist only in the sm_90a one.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -21,8 +22,24 @@ static_assert(sizeof(CUtensorMap) == sizeof(TmaDesc) && alignof(CUtensorMap) <= 
 static_assert(HopperFwdShape<64>::kBlockM == kHopperFwdBlockM && HopperFwdShape<128>::kBlockM == kHopperFwdBlockM);
 static_assert(HopperBwdShape<64>::kBlockN == kHopperBwdBlockN && HopperBwdShape<128>::kBlockN == kHopperBwdBlockN);
 
+// What a persistent kernel runs: the block function of one pass, its parameters and shape.
 template <int D, typename Elt>
-__global__ void __launch_bounds__(384, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams p) {
+struct FwdPass {
+  using Params = HopperFwdParams;
+  using Shape = HopperFwdShape<D>;
+  static DISTCA_DEV void block(const Params& p, char* smem, int64_t work) { hopper_fwd_block<D, Elt>(p, smem, work); }
+};
+template <int D, typename Elt>
+struct BwdPass {
+  using Params = HopperBwdParams;
+  using Shape = HopperBwdShape<D>;
+  static DISTCA_DEV void block(const Params& p, char* smem, int64_t work) { hopper_bwd_block<D, Elt>(p, smem, work); }
+};
+
+// One block per SM walks the (item, head) pairs; the next item initialises the barriers again.
+template <typename Pass>
+__global__ void __launch_bounds__(Pass::Shape::kThreads, 1)
+    hopper_kernel(const __grid_constant__ typename Pass::Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
   // The 128-byte swizzle's pattern repeats every 1024 bytes: tiles start on such a boundary.
@@ -30,46 +47,31 @@ __global__ void __launch_bounds__(384, 1) hopper_fwd_kernel(const __grid_constan
   char* smem = smem_raw + ((1024 - base % 1024) % 1024);
   const int64_t work_items = p.num_items * p.num_q_heads;
   for (int64_t work = blockIdx.x; work < work_items; work += gridDim.x) {
-    hopper_fwd_block<D, Elt>(p, smem, work);
-    __syncthreads();  // the next item initialises the barriers again
-  }
-#endif
-}
-
-template <int D, typename Elt>
-__global__ void __launch_bounds__(256, 1) hopper_bwd_kernel(const __grid_constant__ HopperBwdParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(1024) char smem_raw[];
-  const uint32_t base = smem_address(smem_raw);
-  char* smem = smem_raw + ((1024 - base % 1024) % 1024);
-  const int64_t work_items = p.num_items * p.num_q_heads;
-  for (int64_t work = blockIdx.x; work < work_items; work += gridDim.x) {
-    hopper_bwd_block<D, Elt>(p, smem, work);
+    Pass::block(p, smem, work);
     __syncthreads();
   }
 #endif
 }
 
-template <int D, typename Elt>
-cudaError_t launch_bwd_one(const HopperBwdParams& p, int64_t work_items, int sms, cudaStream_t stream) {
-  constexpr int kSmem = HopperBwdShape<D>::kSmemBytes + 1024;
+template <typename Pass>
+cudaError_t launch_pass(const typename Pass::Params& p, int sms, cudaStream_t stream) {
+  constexpr int kSmem = Pass::Shape::kSmemBytes + 1024;
   static const cudaError_t allowed =
-      cudaFuncSetAttribute(hopper_bwd_kernel<D, Elt>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      cudaFuncSetAttribute(hopper_kernel<Pass>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (allowed != cudaSuccess) return allowed;
+  const int64_t work_items = p.num_items * p.num_q_heads;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(work_items, std::max(sms, 1)));
-  hopper_bwd_kernel<D, Elt><<<blocks, HopperBwdShape<D>::kThreads, kSmem, stream>>>(p);
+  hopper_kernel<Pass><<<blocks, Pass::Shape::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <int D, typename Elt>
-cudaError_t launch_one(const HopperFwdParams& p, int64_t work_items, int sms, cudaStream_t stream) {
-  constexpr int kSmem = HopperFwdShape<D>::kSmemBytes + 1024;
-  static const cudaError_t allowed =
-      cudaFuncSetAttribute(hopper_fwd_kernel<D, Elt>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (allowed != cudaSuccess) return allowed;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(work_items, std::max(sms, 1)));
-  hopper_fwd_kernel<D, Elt><<<blocks, HopperFwdShape<D>::kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
+template <template <int, typename> class Pass>
+cudaError_t launch_for(const typename Pass<64, Bf16>::Params& p, int head_dim, bool is_bf16, int sms,
+                       cudaStream_t stream) {
+  if (head_dim == 64) {
+    return is_bf16 ? launch_pass<Pass<64, Bf16>>(p, sms, stream) : launch_pass<Pass<64, Fp16>>(p, sms, stream);
+  }
+  return is_bf16 ? launch_pass<Pass<128, Bf16>>(p, sms, stream) : launch_pass<Pass<128, Fp16>>(p, sms, stream);
 }
 
 // A 2-D view [rows, heads x D] of a packed tensor, boxes of 64 elements (128 bytes, the swizzle
@@ -84,7 +86,8 @@ cudaError_t encode_view(TmaDesc& out, const void* base, int64_t rows, int64_t he
     if (e != cudaSuccess) return e;
     if (found != cudaDriverEntryPointSuccess || !encode) return cudaErrorNotSupported;
   }
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(heads * head_dim), static_cast<cuuint64_t>(std::max<int64_t>(rows, 1))};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(heads * head_dim),
+                              static_cast<cuuint64_t>(std::max<int64_t>(rows, 1))};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(heads * head_dim * 2)};
   const cuuint32_t box[2] = {64, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
@@ -114,11 +117,7 @@ cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream) {
   p.num_q_heads = l.num_q_heads;
   p.num_kv_heads = l.num_kv_heads;
   p.scale_log2 = l.scale_log2;
-  const int64_t work = l.num_items * l.num_q_heads;
-  if (l.head_dim == 64) {
-    return l.is_bf16 ? launch_one<64, Bf16>(p, work, l.num_sms, stream) : launch_one<64, Fp16>(p, work, l.num_sms, stream);
-  }
-  return l.is_bf16 ? launch_one<128, Bf16>(p, work, l.num_sms, stream) : launch_one<128, Fp16>(p, work, l.num_sms, stream);
+  return launch_for<FwdPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
 }
 
 cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
@@ -139,13 +138,7 @@ cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
   p.num_q_heads = l.num_q_heads;
   p.num_kv_heads = l.num_kv_heads;
   p.scale_log2 = l.scale_log2;
-  const int64_t work = l.num_items * l.num_q_heads;
-  if (l.head_dim == 64) {
-    return l.is_bf16 ? launch_bwd_one<64, Bf16>(p, work, l.num_sms, stream)
-                     : launch_bwd_one<64, Fp16>(p, work, l.num_sms, stream);
-  }
-  return l.is_bf16 ? launch_bwd_one<128, Bf16>(p, work, l.num_sms, stream)
-                   : launch_bwd_one<128, Fp16>(p, work, l.num_sms, stream);
+  return launch_for<BwdPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
 }
 
 }  // namespace distca::kernels::cuda
