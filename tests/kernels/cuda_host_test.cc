@@ -358,7 +358,6 @@ TEST(CudaTileEmulated, ForwardMatchesTheReferenceBf16D128) { check_forward<128, 
 TEST(CudaTileEmulated, ForwardMatchesTheReferenceFp16D64) { check_forward<64, Fp16>(); }
 TEST(HopperTileEmulated, ForwardMatchesTheReferenceBf16D64) { check_forward<64, Bf16, true>(); }
 TEST(HopperTileEmulated, ForwardMatchesTheReferenceBf16D128) { check_forward<128, Bf16, true>(); }
-TEST(HopperTileEmulated, ForwardMatchesTheReferenceFp16D64) { check_forward<64, Fp16, true>(); }
 
 // Per-element error bounds of the backward: the sums of |terms| whose factors the kernel rounds
 // to the storage type (P for dV, dS for dK and dQ), in double.
