@@ -67,10 +67,16 @@ Status DispatchAttention::begin_step(const plan::Batch& batch) {
   return begin_step(batch, std::move(p));
 }
 
-Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part) {
+Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part,
+                                     std::vector<runtime::KvInterval> held_kv, DispatchAttention* earlier) {
+  if (!held_kv.empty() && (earlier == nullptr || earlier == this || earlier->servers_.size() != servers_.size())) {
+    return invalid_argument("DispatchAttention: held K/V needs the earlier nano-batch's backend, of the same layers");
+  }
   plan_ = std::move(plan);
+  earlier_ = held_kv.empty() ? nullptr : earlier;
   runtime::DispatchOptions d;
   d.is_part = is_part;
+  d.held_kv = std::move(held_kv);
   d.backward_mode = options_.backward_mode;
   d.num_threads = options_.threads;
   d.grad_return = options_.grad_return;
@@ -92,7 +98,9 @@ int64_t DispatchAttention::current_bytes() const {
     for (const auto* v : {&s->d_o, &s->dq, &s->dk, &s->dv}) floats += static_cast<int64_t>(v->capacity());
   }
   for (const runtime::ServerBuffers& s : servers_) {
-    for (const auto* v : {&s.q, &s.k, &s.v, &s.o, &s.lse, &s.d_o, &s.dq, &s.dk, &s.dv}) floats += static_cast<int64_t>(v->capacity());
+    for (const auto* v : {&s.q, &s.k, &s.v, &s.o, &s.lse, &s.d_o, &s.dq, &s.dk, &s.dv, &s.held_dk, &s.held_dv}) {
+      floats += static_cast<int64_t>(v->capacity());
+    }
   }
   return floats * static_cast<int64_t>(sizeof(float)) + (dispatcher_ ? dispatcher_->exchange_bytes() : 0);
 }
@@ -114,6 +122,7 @@ Status DispatchAttention::start_pass(int layer, bool is_backward, const runtime:
   // and the layer's buffers for the pass.
   const bool is_stateful = options_.backward_mode == plan::BackwardMode::kStateful;
   runtime::ServerBuffers& server = is_stateful ? servers_[layer] : servers_[0];
+  server.held = earlier_ ? &earlier_->servers_[layer] : nullptr;
   pass_layer_ = layer;
   pass_lends_ = is_backward && is_stateful;
   if (pass_lends_) lend_backward_set(server);

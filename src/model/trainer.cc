@@ -356,7 +356,10 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   // together they move the whole step's bytes.
   DispatchAttention& planner = *run.nano[0];
   DISTCA_ASSIGN_OR_RETURN(plan::Plan whole, planner.plan_step(data.batch));
-  DISTCA_ASSIGN_OR_RETURN(runtime::NanoSplit split, runtime::split_plan(data.batch, whole, planner.cost()));
+  // Stateful: B's servers keep the K/V rows A's forward brought them (held K/V), so the split may
+  // cut inside a server's share of a document without moving its prefix twice.
+  const bool hold_kv = options_.backward_mode == plan::BackwardMode::kStateful;
+  DISTCA_ASSIGN_OR_RETURN(runtime::NanoSplit split, runtime::split_plan(data.batch, whole, planner.cost(), {.hold_kv = hold_kv}));
   const runtime::NanoBatches& nb = split.nano;
   // A step no split leaves work on both sides of (one short document) runs whole.
   if (nb.batches[0].num_docs() == 0 || nb.batches[1].num_docs() == 0) return whole_pass(run, data);
@@ -366,7 +369,9 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   for (int n = 0; n < 2; ++n) {
     DispatchAttention& att = *run.nano[n];
     att.times = {};
-    DISTCA_RETURN_IF_ERROR(att.begin_step(nb.batches[n], std::move(split.plans[n]), /*is_part=*/n == 1));
+    DISTCA_RETURN_IF_ERROR(att.begin_step(nb.batches[n], std::move(split.plans[n]), /*is_part=*/n == 1,
+                                          n == 1 ? std::move(split.held_kv) : std::vector<runtime::KvInterval>{},
+                                          run.nano[0].get()));
     if (groups_.map.tp > 1) {
       const auto t0 = Clock::now();
       DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, att.plan().hash,

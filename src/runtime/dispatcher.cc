@@ -256,7 +256,11 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::create(comm::Communicator& comm,
                                         "{:016x}; every rank must run the same plan",
                                         static_cast<int>(mismatches), root));
   }
-  DISTCA_ASSIGN_OR_RETURN(Route route, options.is_part ? build_partial_route(batch, plan.tasks, comm.rank())
+  if (!options.held_kv.empty() && (!options.is_part || options.backward_mode != plan::BackwardMode::kStateful)) {
+    return invalid_argument("DispatchOptions::held_kv: only for a part of a plan (is_part) with the stateful backward "
+                            "(the stateless one sends K/V again, in the other order)");
+  }
+  DISTCA_ASSIGN_OR_RETURN(Route route, options.is_part ? build_partial_route(batch, plan.tasks, comm.rank(), options.held_kv)
                                                         : build_route(batch, plan.tasks, comm.rank()));
   auto d = std::unique_ptr<Dispatcher>(new Dispatcher(comm, std::move(route), heads, options));
   // A plan whose every task is served where all of its rows live moves nothing in any phase;
@@ -434,14 +438,65 @@ Status Dispatcher::finish_comm() {
     }
     DISTCA_CHECK(in == x.recv.data() + x.recv_offsets[p] + x.recv_counts[p]) << "unpacked size";
   }
+  if (x.phase == Phase::kFwdDispatch && !route_.held_kv.empty()) DISTCA_RETURN_IF_ERROR(copy_held_kv());
   stats_[static_cast<int>(x.phase)].wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   stage_ = stage_ == Stage::kDispatching ? Stage::kDispatched : Stage::kIdle;
   return Status::ok();
 }
 
+Status Dispatcher::copy_held_kv() {
+  const ServerBuffers* held = server_->held;
+  const int64_t row = heads_.num_kv_heads * heads_.head_dim;
+  int64_t need = 0;
+  for (const Segment& s : route_.held_kv) need = std::max(need, s.local_row + s.rows);
+  if (held == nullptr || held->forward_of == nullptr || static_cast<int64_t>(held->k.size()) < need * row) {
+    stage_ = Stage::kIdle;
+    return invalid_argument("held K/V: the earlier dispatcher's forward of this layer must have run, its buffers in "
+                            "ServerBuffers::held");
+  }
+  for (const Segment& s : route_.held_kv) {
+    std::copy_n(held->k.begin() + s.local_row * row, s.rows * row, server_->k.begin() + s.server_row * row);
+    std::copy_n(held->v.begin() + s.local_row * row, s.rows * row, server_->v.begin() + s.server_row * row);
+  }
+  return Status::ok();
+}
+
+Status Dispatcher::add_held_grads() {
+  ServerBuffers& s = *server_;
+  const int64_t row = heads_.num_kv_heads * heads_.head_dim;
+  if (!route_.held_kv.empty()) {  // the later pass: its dK/dV of the held rows go to the earlier buffer
+    ServerBuffers* held = s.held;
+    if (held == nullptr || held->backward_computed) {
+      return invalid_argument("held K/V: the later nano-batch's backward must compute before the earlier one's "
+                              "(runtime::pingpong_schedule's b_leads_from)");
+    }
+    if (held->held_dk.size() != held->k.size()) {
+      held->held_dk.assign(held->k.size(), 0.0f);
+      held->held_dv.assign(held->k.size(), 0.0f);
+    }
+    for (const Segment& g : route_.held_kv) {
+      for (int64_t i = 0; i < g.rows * row; ++i) {
+        held->held_dk[g.local_row * row + i] += s.dk[g.server_row * row + i];
+        held->held_dv[g.local_row * row + i] += s.dv[g.server_row * row + i];
+      }
+    }
+  }
+  if (!s.held_dk.empty()) {  // the earlier pass: a later one's dK/dV of its rows are pending
+    if (s.held_dk.size() != s.dk.size()) return internal_error("held K/V: pending dK/dV of another layout");
+    for (size_t i = 0; i < s.dk.size(); ++i) s.dk[i] += s.held_dk[i], s.dv[i] += s.held_dv[i];
+    s.held_dk.clear();
+    s.held_dv.clear();
+  }
+  s.backward_computed = true;
+  return Status::ok();
+}
+
 Status Dispatcher::start_forward(const ForwardArgs& args, ServerBuffers& server) {
   if (stage_ != Stage::kIdle) return invalid_argument("start_forward: the previous pass is not finished");
+  if (!route_.held_kv.empty() && server.held == nullptr) {
+    return invalid_argument("held K/V: ServerBuffers::held must point at the earlier dispatcher's buffers of the layer");
+  }
   if (route_.num_local_rows > 0 && (!args.q || !args.k || !args.v || !args.o || !args.lse)) {
     return invalid_argument("forward: q, k, v, o and lse must all be given");
   }
@@ -449,6 +504,7 @@ Status Dispatcher::start_forward(const ForwardArgs& args, ServerBuffers& server)
   server_ = &server;
   is_backward_ = false;
   server.forward_of = nullptr;
+  server.backward_computed = false;
   size_server_buffers(false);
   DISTCA_RETURN_IF_ERROR(post(Phase::kFwdDispatch));
   stage_ = Stage::kDispatching;
@@ -485,19 +541,22 @@ Status Dispatcher::compute() {
   ServerBuffers& s = *server_;
   const kernels::AttnDims dims{route_.num_server_q_rows, route_.num_server_kv_rows, heads_.num_q_heads,
                                heads_.num_kv_heads, heads_.head_dim};
-  if (!route_.tasks.empty()) {
-    if (is_backward_) {
+  if (is_backward_) {
+    if (!route_.tasks.empty()) {
       kernels::AttnBwdParams<float> p{dims, s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data(),
                                       s.d_o.data(), route_.tasks, options_.scale, s.dq.data(),
                                       s.dk.data(), s.dv.data()};
       DISTCA_RETURN_IF_ERROR(kernel_->backward(p));
-    } else {
+    }
+    DISTCA_RETURN_IF_ERROR(add_held_grads());
+  } else {
+    if (!route_.tasks.empty()) {
       kernels::AttnFwdParams<float> p{dims, s.q.data(), s.k.data(), s.v.data(), route_.tasks,
                                       options_.scale, s.o.data(), s.lse.data()};
       DISTCA_RETURN_IF_ERROR(kernel_->forward(p));
     }
+    s.forward_of = this;
   }
-  if (!is_backward_) s.forward_of = this;
   stage_ = Stage::kComputed;
   return Status::ok();
 }

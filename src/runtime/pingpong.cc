@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <numeric>
+#include <optional>
 
 #include "distca/core/stopwatch.h"
 #include "distca/plan/cost.h"
@@ -78,28 +79,59 @@ Result<NanoBatches> split_nano_batches(const plan::Batch& batch) {
 
 namespace {
 
-// One document's candidate split positions and what each puts in nano-batch A.
+// A task at a document split position p: the part of its queries before p (nano-batch A's) and
+// the rest (B's). A causal task over keys [0, q1) may be cut: A's part [q0, p) reads keys
+// [0, p) and B's [p, q1) keys [0, q1). Any other task lies on one side (p never cuts it).
+std::array<std::optional<plan::Task>, 2> parts_at(const plan::Task& t, int64_t p) {
+  if (t.q1 <= p) return {t, std::nullopt};
+  if (t.q0 >= p) return {std::nullopt, t};
+  plan::Task a = t, b = t;
+  a.q1 = a.k1 = p;
+  b.q0 = p;
+  return {a, b};
+}
+
+bool is_cuttable(const plan::Task& t) { return t.k0 == 0 && t.is_causal(); }
+
+// One document's candidate split positions and, for each, what it puts in nano-batch A less
+// what it puts in B, per cell of work (see doc_splits).
 struct DocSplits {
-  std::vector<int64_t> positions;                         // ascending; 0 (all in B) .. length (all in A)
-  std::vector<std::vector<std::pair<int, double>>> a;     // per position: A's work per cell
-  std::vector<std::pair<int, double>> total;              // the document's work per cell
-  std::vector<double> twice_rows;                         // per position: K/V rows a server gets twice
+  std::vector<int64_t> positions;                           // ascending; 0 (all in B) .. length (all in A)
+  std::vector<std::vector<std::pair<int, double>>> delta;   // per position: A's work - B's, per cell
+  std::vector<double> twice_rows;                           // per position: K/V rows a server gets twice
+  double weight = 0;                                        // the document's work over every cell
 };
 
-// The 2R cells of a document's work: its attention seconds on each server (from the plan) and
-// its linear work on each rank (tokens priced at `per_token`), for a split at each candidate
-// position: the task boundaries no task straddles, at most kMaxPositions of them.
+// The 4R cells of a document's work: its attention seconds on each server (from the plan), its
+// linear work on each rank (tokens priced at `weights.token`), and the bytes each rank sends and
+// receives in the forward's exchanges (priced at `weights.byte`; the backward's mirror them), for
+// a split at each candidate position, at most kMaxPositions of them: the task boundaries no task
+// straddles, and with held K/V also points inside the tasks that may be cut (whose K/V prefix
+// B's server then holds from A: nothing is received twice).
+struct CellWeights {
+  double token = 1, byte = 0;
+};
 DocSplits doc_splits(const plan::Batch& batch, int32_t doc, const std::vector<const plan::Task*>& tasks,
-                     const plan::CostModel& cost, double per_token) {
+                     const plan::CostModel& cost, CellWeights weights, bool hold_kv) {
   constexpr size_t kMaxPositions = 33;
+  constexpr int64_t kCutsPerTask = 8, kCutAlign = 64;
   const int R = batch.num_ranks;
   const int64_t len = batch.doc_lengths[doc];
   std::vector<int64_t> bounds{0, len};
-  for (const plan::Task* t : tasks) bounds.push_back(t->q0);
+  for (const plan::Task* t : tasks) {
+    bounds.push_back(t->q0);
+    if (!hold_kv || !is_cuttable(*t)) continue;
+    for (int64_t i = 1; i < kCutsPerTask; ++i) {
+      const int64_t at = (t->q0 + t->q_len() * i / kCutsPerTask) / kCutAlign * kCutAlign;
+      if (at > t->q0 && at < t->q1) bounds.push_back(at);
+    }
+  }
   std::sort(bounds.begin(), bounds.end());
   bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
   std::erase_if(bounds, [&](int64_t p) {
-    return std::any_of(tasks.begin(), tasks.end(), [p](const plan::Task* t) { return t->q0 < p && p < t->q1; });
+    return std::any_of(tasks.begin(), tasks.end(), [&](const plan::Task* t) {
+      return t->q0 < p && p < t->q1 && !(hold_kv && is_cuttable(*t));
+    });
   });
   DocSplits d;
   if (bounds.size() > kMaxPositions) {  // evenly spaced, both ends kept
@@ -114,27 +146,49 @@ DocSplits doc_splits(const plan::Batch& batch, int32_t doc, const std::vector<co
     }
     v.emplace_back(cell, w);
   };
-  for (const plan::Task* t : tasks) add(d.total, t->server, cost.task_seconds(t->q_len(), t->pairs(), t->k1 - t->k0));
-  for (int32_t i : batch.doc_pieces[doc]) {
-    const plan::Piece& pc = batch.pieces[i];
-    add(d.total, R + pc.rank, per_token * static_cast<double>(pc.length()));
-  }
+  auto seconds = [&](const plan::Task& t) { return cost.task_seconds(t.q_len(), t.pairs(), t.k1 - t.k0); };
+  const plan::TokenBytes& tb = cost.token_bytes();
+  // Rows [lo, hi) of the document moving to server s at `per_row` bytes: each owner's send and
+  // s's receive, signed for the nano-batch (+A, -B).
+  auto move = [&](std::vector<std::pair<int, double>>& v, int64_t lo, int64_t hi, int s, int64_t per_row, double sign) {
+    if (lo >= hi || weights.byte <= 0) return;
+    plan::for_each_owner(batch, doc, lo, hi, [&](int32_t owner, int64_t rows) {
+      if (owner == s) return;
+      const double w = sign * weights.byte * static_cast<double>(rows * per_row);
+      add(v, 2 * R + owner, w);
+      add(v, 3 * R + s, w);
+    });
+  };
+  for (const plan::Task* t : tasks) d.weight += seconds(*t);
+  for (int32_t i : batch.doc_pieces[doc]) d.weight += weights.token * static_cast<double>(batch.pieces[i].length());
   for (int64_t p : d.positions) {
-    std::vector<std::pair<int, double>> a;
-    // Per server, the key hull of its A tasks and of its B tasks: their overlap, less the rows
-    // the server holds itself, is what it would receive twice.
+    std::vector<std::pair<int, double>> delta;
+    // Per server, the key hull of its A tasks and of its B tasks. Without held K/V their
+    // overlap, less the rows the server holds itself, is what it receives twice.
     std::vector<std::array<int64_t, 4>> hull(static_cast<size_t>(R), {len, 0, len, 0});
     for (const plan::Task* t : tasks) {
-      const bool in_a = t->q1 <= p;
-      if (in_a) add(a, t->server, cost.task_seconds(t->q_len(), t->pairs(), t->k1 - t->k0));
-      auto& h = hull[t->server];
-      const int o = in_a ? 0 : 2;
-      h[o] = std::min(h[o], t->k0);
-      h[o + 1] = std::max(h[o + 1], t->k1);
+      const auto parts = parts_at(*t, p);
+      for (int n = 0; n < 2; ++n) {
+        if (!parts[n]) continue;
+        const double sign = n == 0 ? 1.0 : -1.0;
+        add(delta, t->server, sign * seconds(*parts[n]));
+        move(delta, parts[n]->q0, parts[n]->q1, t->server, tb.q + tb.out, sign);  // Q there, O and LSE back
+        auto& h = hull[t->server];
+        h[2 * n] = std::min(h[2 * n], parts[n]->k0);
+        h[2 * n + 1] = std::max(h[2 * n + 1], parts[n]->k1);
+      }
     }
     double twice = 0;
     for (int s = 0; s < R; ++s) {
-      const int64_t lo = std::max(hull[s][0], hull[s][2]), hi = std::min(hull[s][1], hull[s][3]);
+      const auto& h = hull[s];
+      move(delta, h[0], h[1], s, tb.kv, 1.0);
+      const int64_t lo = std::max(h[0], h[2]), hi = std::min(h[1], h[3]);
+      if (hold_kv && lo < hi) {  // B receives its hull less A's (A's hull holds [lo, hi))
+        move(delta, h[2], lo, s, tb.kv, -1.0);
+        move(delta, hi, h[3], s, tb.kv, -1.0);
+        continue;
+      }
+      move(delta, h[2], h[3], s, tb.kv, -1.0);
       if (lo >= hi) continue;
       int64_t own = 0;
       for (int32_t i : batch.doc_pieces[doc]) {
@@ -145,10 +199,10 @@ DocSplits doc_splits(const plan::Batch& batch, int32_t doc, const std::vector<co
     }
     for (int32_t i : batch.doc_pieces[doc]) {
       const plan::Piece& pc = batch.pieces[i];
-      const int64_t in_a = std::max<int64_t>(0, std::min(p, pc.end) - pc.begin);
-      if (in_a > 0) add(a, R + pc.rank, per_token * static_cast<double>(in_a));
+      const int64_t in_a = std::clamp(p, pc.begin, pc.end) - pc.begin;
+      add(delta, R + pc.rank, weights.token * static_cast<double>(in_a - (pc.length() - in_a)));
     }
-    d.a.push_back(std::move(a));
+    d.delta.push_back(std::move(delta));
     d.twice_rows.push_back(twice);
   }
   return d;
@@ -235,7 +289,8 @@ Result<NanoBatches> build_positional(const plan::Batch& batch, const std::vector
 
 }  // namespace
 
-Result<NanoSplit> split_plan(const plan::Batch& batch, const plan::Plan& plan, const plan::CostModel& cost) {
+Result<NanoSplit> split_plan(const plan::Batch& batch, const plan::Plan& plan, const plan::CostModel& cost,
+                             SplitOptions options) {
   DISTCA_RETURN_IF_ERROR(batch.validate());
   const int32_t num_docs = batch.num_docs();
   const int R = batch.num_ranks;
@@ -251,27 +306,31 @@ Result<NanoSplit> split_plan(const plan::Batch& batch, const plan::Plan& plan, c
   }
   int64_t token_total = 0;
   for (const plan::Piece& p : batch.pieces) token_total += p.length();
-  // All tokens weigh what all attention weighs: both halves of each tick of the schedule count.
-  const double per_token = token_total > 0 && attention_total > 0 ? attention_total / static_cast<double>(token_total) : 1.0;
+  // All tokens weigh what all attention weighs: both halves of each tick of the schedule count;
+  // and so do all the bytes of the forward's exchanges, each counted at its sender and receiver.
+  CellWeights weights;
+  weights.token = token_total > 0 && attention_total > 0 ? attention_total / static_cast<double>(token_total) : 1.0;
+  const auto& phases = plan.traffic.phases;
+  const int64_t exchanged = phases[static_cast<int>(plan::Phase::kFwdDispatch)].total_bytes +
+                            phases[static_cast<int>(plan::Phase::kFwdReturn)].total_bytes;
+  weights.byte = exchanged > 0 ? attention_total / static_cast<double>(2 * exchanged) : 0.0;
   std::vector<DocSplits> docs(num_docs);
   std::vector<double> weight(num_docs, 0.0);
   for (int32_t d = 0; d < num_docs; ++d) {
-    docs[d] = doc_splits(batch, d, tasks_of[d], cost, per_token);
-    for (const auto& cell_w : docs[d].total) weight[d] += cell_w.second;
+    docs[d] = doc_splits(batch, d, tasks_of[d], cost, weights, options.hold_kv);
+    weight[d] = docs[d].weight;
   }
   // K/V rows received twice, at most 4 % of the rows the plan's forward dispatch moves.
   const plan::TokenBytes& tb = cost.token_bytes();
   const int64_t fwd_bytes = plan.traffic.phases[static_cast<int>(plan::Phase::kFwdDispatch)].total_bytes;
   const double budget_rows = tb.kv > 0 ? 0.04 * static_cast<double>(fwd_bytes) / static_cast<double>(tb.kv) : 0.0;
 
-  // diff[cell] = A's work - B's. A split putting a of a document's c in A moves the cell to
-  // diff + 2a - c: pick the position with the least sum of squares.
-  std::vector<double> diff(static_cast<size_t>(2 * R), 0.0);
+  // diff[cell] = A's work - B's: pick each document's position with the least sum of squares.
+  std::vector<double> diff(static_cast<size_t>(4 * R), 0.0);
   std::vector<int> choice(num_docs, -1);
   double twice = 0;
   auto apply = [&](int32_t d, int k, double sign) {
-    for (const auto& [cell, c] : docs[d].total) diff[cell] -= sign * c;
-    for (const auto& [cell, a] : docs[d].a[k]) diff[cell] += sign * 2 * a;
+    for (const auto& [cell, x] : docs[d].delta[k]) diff[cell] += sign * x;
     twice += sign * docs[d].twice_rows[k];
   };
   auto choose = [&](int32_t d) {
@@ -279,11 +338,8 @@ Result<NanoSplit> split_plan(const plan::Batch& batch, const plan::Plan& plan, c
     double best_score = 0;
     for (size_t k = 0; k < docs[d].positions.size(); ++k) {
       if (docs[d].twice_rows[k] > 0 && twice + docs[d].twice_rows[k] > budget_rows) continue;
-      apply(d, static_cast<int>(k), 1.0);
       double score = 0;
-      for (const auto& cell_c : docs[d].total) score += diff[cell_c.first] * diff[cell_c.first];
-      apply(d, static_cast<int>(k), -1.0);
-      for (const auto& cell_c : docs[d].total) score -= diff[cell_c.first] * diff[cell_c.first];
+      for (const auto& [cell, x] : docs[d].delta[k]) score += (diff[cell] + x) * (diff[cell] + x) - diff[cell] * diff[cell];
       if (best < 0 || score < best_score) best = static_cast<int>(k), best_score = score;
     }
     return best;  // position 0 (all in B) never receives anything twice, so there is one
@@ -309,10 +365,19 @@ Result<NanoSplit> split_plan(const plan::Batch& batch, const plan::Plan& plan, c
     for (size_t i = 0; i < out.nano.docs[n].size(); ++i) new_id[n][out.nano.docs[n][i]] = static_cast<int32_t>(i);
   }
   std::array<std::vector<plan::Task>, 2> tasks;
-  for (plan::Task t : plan.tasks) {
-    const int n = t.q1 <= split[t.doc] ? 0 : 1;
-    t.doc = new_id[n][t.doc];
-    tasks[n].push_back(t);
+  for (const plan::Task& t : plan.tasks) {
+    const auto parts = parts_at(t, split[t.doc]);
+    for (int n = 0; n < 2; ++n) {
+      if (!parts[n]) continue;
+      tasks[n].push_back(*parts[n]);
+      tasks[n].back().doc = new_id[n][t.doc];
+    }
+  }
+  if (options.hold_kv) {  // B's servers hold A's K/V: A's layout, in B's document numbering
+    for (KvInterval in : kv_layout(tasks[0])) {
+      in.doc = new_id[1][out.nano.docs[0][in.doc]];
+      if (in.doc >= 0) out.held_kv.push_back(in);
+    }
   }
   for (int n = 0; n < 2; ++n) {
     out.plans[n] = plan::finalize_plan(plan.policy, plan.tolerance, out.nano.batches[n], cost, std::move(tasks[n]));

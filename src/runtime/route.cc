@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "distca/core/check.h"
 #include "distca/plan/verify.h"
 
 namespace distca::runtime {
@@ -44,8 +45,33 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
   return build_partial_route(batch, tasks, rank);
 }
 
+std::vector<KvInterval> kv_layout(const std::vector<plan::Task>& tasks) {
+  std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t>> ranges;  // server, doc, k0, k1
+  ranges.reserve(tasks.size());
+  for (const plan::Task& t : tasks) ranges.emplace_back(t.server, t.doc, t.k0, t.k1);
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<KvInterval> out;
+  std::vector<int64_t> rows;  // per server, its K/V rows so far
+  for (size_t i = 0; i < ranges.size();) {
+    const auto [server, doc, k0, first_k1] = ranges[i];
+    int64_t k1 = first_k1;
+    size_t j = i;
+    // One interval: every range that starts at or before its current end (as count_traffic).
+    for (; j < ranges.size() && std::get<0>(ranges[j]) == server && std::get<1>(ranges[j]) == doc &&
+           std::get<2>(ranges[j]) <= k1;
+         ++j) {
+      k1 = std::max(k1, std::get<3>(ranges[j]));
+    }
+    if (static_cast<size_t>(server) >= rows.size()) rows.resize(static_cast<size_t>(server) + 1, 0);
+    out.push_back(KvInterval{server, doc, k0, k1, rows[server]});
+    rows[server] += k1 - k0;
+    i = j;
+  }
+  return out;
+}
+
 Result<Route> build_partial_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
-                                  int32_t rank) {
+                                  int32_t rank, const std::vector<KvInterval>& held) {
   const int32_t r = batch.num_ranks;
   if (rank < 0 || rank >= r) {
     return invalid_argument(fmt::format("rank {} outside the batch's {} ranks", rank, r));
@@ -108,30 +134,46 @@ Result<Route> build_partial_route(const plan::Batch& batch, const std::vector<pl
     q_rows[t.server] += t.q_len();
   }
 
-  // K/V: the union of each (server, document)'s key ranges, interval after interval.
-  std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t, size_t>> ranges;  // server, doc, k0, k1, task
-  ranges.reserve(tasks.size());
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    ranges.emplace_back(tasks[i].server, tasks[i].doc, tasks[i].k0, tasks[i].k1, i);
-  }
-  std::sort(ranges.begin(), ranges.end());
+  // K/V: the union of each (server, document)'s key ranges, interval after interval; the rows
+  // the server holds from the earlier dispatch come from there.
+  const std::vector<KvInterval> layout = kv_layout(tasks);
+  std::vector<KvInterval> held_sorted = held;
+  auto by_place = [](const KvInterval& a, const KvInterval& b) {
+    return std::tie(a.server, a.doc, a.k0) < std::tie(b.server, b.doc, b.k0);
+  };
+  std::sort(held_sorted.begin(), held_sorted.end(), by_place);
   std::vector<int64_t> kv_rows(r, 0);
-  std::vector<int64_t> task_kv_row(tasks.size());
-  for (size_t i = 0; i < ranges.size();) {
-    const auto [server, doc, first_k0, first_k1, first_task] = ranges[i];
-    int64_t k0 = first_k0;
-    int64_t k1 = first_k1;
-    size_t j = i;
-    // One interval: every range that starts at or before its current end (as count_traffic).
-    for (; j < ranges.size() && std::get<0>(ranges[j]) == server && std::get<1>(ranges[j]) == doc &&
-           std::get<2>(ranges[j]) <= k1;
-         ++j) {
-      k1 = std::max(k1, std::get<3>(ranges[j]));
-      task_kv_row[std::get<4>(ranges[j])] = kv_rows[server] + (std::get<2>(ranges[j]) - k0);
+  for (const KvInterval& in : layout) {
+    int64_t at = in.k0;  // rows [in.k0, at) are placed
+    auto place_from_owners = [&](int64_t end) {
+      if (end > at) route_rows(in.doc, at, end, in.server, in.server_row + (at - in.k0), route.to_server_kv, route.from_owner_kv);
+      at = std::max(at, end);
+    };
+    const auto [first, last] = std::equal_range(
+        held_sorted.begin(), held_sorted.end(), KvInterval{in.server, in.doc, 0, 0, 0},
+        [](const KvInterval& a, const KvInterval& b) { return std::tie(a.server, a.doc) < std::tie(b.server, b.doc); });
+    for (auto h_it = first; h_it != last; ++h_it) {
+      const KvInterval& h = *h_it;
+      if (h.k1 <= at || h.k0 >= in.k1) continue;
+      place_from_owners(h.k0);
+      const int64_t end = std::min(h.k1, in.k1);
+      if (end > at && in.server == rank) {
+        append(route.held_kv, Segment{h.server_row + (at - h.k0), in.server_row + (at - in.k0), end - at});
+      }
+      at = std::max(at, end);
     }
-    route_rows(doc, k0, k1, server, kv_rows[server], route.to_server_kv, route.from_owner_kv);
-    kv_rows[server] += k1 - k0;
-    i = j;
+    place_from_owners(in.k1);
+    kv_rows[in.server] = in.server_row + (in.k1 - in.k0);
+  }
+  std::vector<int64_t> task_kv_row(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const plan::Task& t = tasks[i];
+    // The interval of (server, doc) that holds the task's first key.
+    auto it = std::upper_bound(layout.begin(), layout.end(), std::tuple(t.server, t.doc, t.k0),
+                               [](const auto& key, const KvInterval& in) { return key < std::tuple(in.server, in.doc, in.k0); });
+    DISTCA_CHECK(it != layout.begin()) << "task keys outside the K/V layout";
+    --it;
+    task_kv_row[i] = it->server_row + (t.k0 - it->k0);
   }
 
   route.num_server_q_rows = q_rows[rank];

@@ -10,6 +10,7 @@
 
 #include "distca/comm/local_comm.h"
 #include "distca/plan/model_shape.h"
+#include "distca/plan/verify.h"
 #include "distca/plan/workload.h"
 #include "distca/runtime/pingpong.h"
 #include "harness.h"
@@ -86,17 +87,33 @@ TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
       cases.push_back({fmt::format("{}, {} ranks", workload, ranks), b.value()});
     }
   }
-  int split_documents = 0;
+  // K/V rows each server receives from other ranks, per layer, over every rank's route.
+  auto remote_kv_rows = [](const plan::Batch& b, const std::vector<plan::Task>& tasks,
+                           const std::vector<KvInterval>& held) {
+    int64_t rows = 0;
+    for (int r = 0; r < b.num_ranks; ++r) {
+      auto route = build_partial_route(b, tasks, r, held);
+      EXPECT_TRUE(route.is_ok()) << route.status().to_string();
+      for (int s = 0; s < b.num_ranks; ++s) {
+        for (const Segment& g : route.value().to_server_kv[s]) rows += s == r ? 0 : g.rows;
+      }
+    }
+    return rows;
+  };
+  for (const bool hold_kv : {false, true}) {
+  int split_documents = 0, cut_tasks = 0, both_carry = 0;
   for (const Case& c : cases) {
     const plan::Batch& b = c.batch;
     auto whole = testing::make_plan(b, "distca", 128);
     ASSERT_TRUE(whole.is_ok()) << c.what << ": " << whole.status().to_string();
     const plan::CostModel cost(plan::model_preset("llama-8b").value(), plan::ThroughputProfile{});
-    auto split = split_plan(b, whole.value(), cost);
+    auto split = split_plan(b, whole.value(), cost, {.hold_kv = hold_kv});
     ASSERT_TRUE(split.is_ok()) << c.what << ": " << split.status().to_string();
     const NanoSplit& s = split.value();
     ASSERT_EQ(s.nano.context_rows.size(), static_cast<size_t>(b.num_ranks));
-    // The tasks: the plan's, each in one nano-batch, in the micro-batch's numbering.
+    EXPECT_EQ(s.held_kv.empty(), !hold_kv || s.plans[0].tasks.empty() || s.plans[1].tasks.empty()) << c.what;
+    // The tasks: the plan's, each in one nano-batch, in the micro-batch's numbering; with held
+    // K/V some are cut in two, and together they still compute every pair exactly once.
     std::vector<plan::Task> got;
     for (int n = 0; n < 2; ++n) {
       ASSERT_TRUE(s.nano.batches[n].validate().is_ok()) << c.what;
@@ -105,11 +122,15 @@ TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
         got.push_back(t);
       }
     }
-    auto key = [](const plan::Task& t) { return std::tie(t.doc, t.q0, t.q1, t.k0, t.k1, t.server); };
-    std::vector<plan::Task> want = whole.value().tasks;
-    std::sort(got.begin(), got.end(), [&](auto& x, auto& y) { return key(x) < key(y); });
-    std::sort(want.begin(), want.end(), [&](auto& x, auto& y) { return key(x) < key(y); });
-    EXPECT_EQ(got, want) << c.what;
+    EXPECT_TRUE(plan::verify_tasks(b, got).is_ok()) << c.what;
+    cut_tasks += static_cast<int>(got.size() - whole.value().tasks.size());
+    if (!hold_kv) {
+      auto key = [](const plan::Task& t) { return std::tie(t.doc, t.q0, t.q1, t.k0, t.k1, t.server); };
+      std::vector<plan::Task> want = whole.value().tasks;
+      std::sort(got.begin(), got.end(), [&](auto& x, auto& y) { return key(x) < key(y); });
+      std::sort(want.begin(), want.end(), [&](auto& x, auto& y) { return key(x) < key(y); });
+      EXPECT_EQ(got, want) << c.what;
+    }
     // A's documents are prefixes: A's tasks end at or before where B's begin.
     for (size_t i = 0; i < s.nano.docs[0].size(); ++i) {
       const int32_t doc = s.nano.docs[0][i];
@@ -132,13 +153,24 @@ TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
       for (const plan::Piece& p : s.nano.batches[1].pieces) b_rows += p.rank == r ? p.length() : 0;
       EXPECT_EQ(b_rows, ctx + static_cast<int64_t>(s.nano.rows[1][r].size())) << c.what << ", rank " << r;
     }
-    // Bytes: at most 1.05x the plan's, every phase together (two planned halves moved ~1.9x).
-    int64_t split_bytes = 0;
-    for (int n = 0; n < 2; ++n) split_bytes += s.plans[n].traffic.all_phases_bytes[0] + s.plans[n].traffic.all_phases_bytes[1];
-    const int64_t whole_bytes = whole.value().traffic.all_phases_bytes[0] + whole.value().traffic.all_phases_bytes[1];
+    // Bytes (stateful, every phase): at most 1.05x the plan's (two planned halves moved ~1.9x).
+    // The held rows' K/V and dK/dV do not travel: what B's routes send less with them.
+    constexpr int kStateful = static_cast<int>(plan::BackwardMode::kStateful);
+    const plan::TokenBytes& tb = cost.token_bytes();
+    int64_t held_bytes = 0;
+    if (!s.held_kv.empty()) {
+      const int64_t saved = remote_kv_rows(s.nano.batches[1], s.plans[1].tasks, {}) -
+                            remote_kv_rows(s.nano.batches[1], s.plans[1].tasks, s.held_kv);
+      EXPECT_GE(saved, 0) << c.what;
+      held_bytes = saved * (tb.kv + tb.bwd_dkv);
+    }
+    const int64_t a_bytes = s.plans[0].traffic.all_phases_bytes[kStateful];
+    const int64_t b_bytes = s.plans[1].traffic.all_phases_bytes[kStateful] - held_bytes;
+    const int64_t split_bytes = a_bytes + b_bytes;
+    const int64_t whole_bytes = whole.value().traffic.all_phases_bytes[kStateful];
     EXPECT_LE(static_cast<double>(split_bytes), 1.05 * static_cast<double>(whole_bytes)) << c.what;
     // Work on both sides: each nano-batch has between a fifth and four fifths of the attention
-    // and of the tokens (the positions are the plan's task boundaries: small documents move whole).
+    // and of the tokens (small documents move whole).
     double attention[2] = {0, 0};
     int64_t tokens[2] = {0, 0};
     for (int n = 0; n < 2; ++n) {
@@ -147,9 +179,10 @@ TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
     }
     const double share = attention[0] / (attention[0] + attention[1]);
     const double token_share = static_cast<double>(tokens[0]) / static_cast<double>(tokens[0] + tokens[1]);
-    const int64_t a_bytes = s.plans[0].traffic.all_phases_bytes[0] + s.plans[0].traffic.all_phases_bytes[1];
-    std::printf("%s: A holds %.2f of the attention, %.2f of the tokens, %.2f of the bytes; bytes %.4fx the plan's\n",
-                c.what.c_str(), share, token_share, split_bytes > 0 ? static_cast<double>(a_bytes) / static_cast<double>(split_bytes) : 0.0,
+    const double byte_share = split_bytes > 0 ? static_cast<double>(a_bytes) / static_cast<double>(split_bytes) : 0.5;
+    if (byte_share > 0.2 && byte_share < 0.8) ++both_carry;
+    std::printf("%s%s: A holds %.2f of the attention, %.2f of the tokens, %.2f of the bytes; bytes %.4fx the plan's\n",
+                c.what.c_str(), hold_kv ? " (held K/V)" : "", share, token_share, byte_share,
                 static_cast<double>(split_bytes) / static_cast<double>(whole_bytes));
     EXPECT_GT(share, 0.2) << c.what;
     EXPECT_LT(share, 0.8) << c.what;
@@ -157,6 +190,128 @@ TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
     EXPECT_LT(token_share, 0.8) << c.what;
   }
   EXPECT_GT(split_documents, 0);  // the long documents are cut, not only moved whole
+  if (hold_kv) {
+    EXPECT_GT(cut_tasks, 0);  // held K/V lets the split cut inside a server's share
+    // and then both nano-batches carry bytes (a fifth to four fifths) on most batches.
+    EXPECT_GE(both_carry, static_cast<int>(cases.size()) - 2) << both_carry << " of " << cases.size();
+  }
+  }
+}
+
+// Held K/V through real dispatchers: the plan split with hold_kv (tasks cut, B's servers taking
+// A's K/V rows from A's buffers), run A's forward, B's, B's backward, A's, gives the whole
+// plan's O, LSE, dQ, dK and dV on every rank; and B's backward after A's is refused.
+TEST(HeldKv, SplitPlanThroughDispatchersGivesTheWholePlansResults) {
+  const int R = 2;
+  const plan::Batch b = plan::pack_documents({600, 70, 120, 30, 250, 90, 54}, R, 600).value();
+  for (const char* policy : {"minlink", "distca"}) {
+    const plan::Plan whole = testing::make_plan(b, policy, 64).value();
+    const plan::CostModel cost(plan::model_preset("llama-8b").value(), plan::ThroughputProfile{});
+    const NanoSplit split = split_plan(b, whole, cost, {.hold_kv = true}).value();
+    ASSERT_FALSE(split.held_kv.empty()) << policy;
+    ASSERT_GT(split.plans[0].tasks.size() + split.plans[1].tasks.size(), whole.tasks.size()) << policy << ": nothing cut";
+    for (const bool wrong_order : {false, true}) {
+      auto statuses = LocalWorld::run(R, [&](Communicator& comm) -> Status {
+        const HeadShape heads{4, 2, 32};
+        const int64_t qr = 128, kr = 64, lr = 4;
+        const int r = comm.rank();
+        DispatchOptions options;
+        options.backward_mode = plan::BackwardMode::kStateful;
+        options.num_threads = 1;
+        // The micro-batch's tensors and the whole plan's results.
+        DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(comm, b, whole, heads, options));
+        const int64_t rows = d->num_local_rows();
+        std::mt19937_64 rng(r + 7);
+        std::normal_distribution<float> normal;
+        std::vector<float> q(rows * qr), k(rows * kr), v(rows * kr), d_o(rows * qr);
+        for (auto* t : {&q, &k, &v, &d_o}) {
+          for (float& x : *t) x = normal(rng);
+        }
+        std::vector<float> o(rows * qr), lse(rows * lr), dq(rows * qr), dk(rows * kr), dv(rows * kr);
+        ServerBuffers ws;
+        DISTCA_RETURN_IF_ERROR(d->forward({q.data(), k.data(), v.data(), o.data(), lse.data()}, ws));
+        DISTCA_RETURN_IF_ERROR(d->backward({nullptr, nullptr, nullptr, o.data(), lse.data(), d_o.data(), dq.data(), dk.data(), dv.data()}, ws));
+        // Each nano-batch's layout: A's rows; B's = the context rows (A's last ones), then its own.
+        struct Nano {
+          std::vector<int64_t> rows;
+          std::vector<float> q, k, v, d_o, o, lse, dq, dk, dv;
+          std::unique_ptr<Dispatcher> d;
+          ServerBuffers s;
+        };
+        std::array<Nano, 2> nano;
+        const auto& own = split.nano.rows;
+        const int64_t ctx = split.nano.context_rows[r];
+        nano[0].rows = own[0][r];
+        nano[1].rows.assign(own[0][r].end() - ctx, own[0][r].end());
+        nano[1].rows.insert(nano[1].rows.end(), own[1][r].begin(), own[1][r].end());
+        auto gather = [](const std::vector<float>& from, const std::vector<int64_t>& at, int64_t width) {
+          std::vector<float> out;
+          for (int64_t row : at) out.insert(out.end(), from.begin() + row * width, from.begin() + (row + 1) * width);
+          return out;
+        };
+        for (int n = 0; n < 2; ++n) {
+          Nano& x = nano[n];
+          DispatchOptions o2 = options;
+          o2.is_part = n == 1;
+          if (n == 1) o2.held_kv = split.held_kv;
+          DISTCA_ASSIGN_OR_RETURN(x.d, Dispatcher::create(comm, split.nano.batches[n], split.plans[n], heads, o2));
+          if (x.d->num_local_rows() != static_cast<int64_t>(x.rows.size())) return internal_error("nano-batch rows");
+          x.q = gather(q, x.rows, qr), x.k = gather(k, x.rows, kr), x.v = gather(v, x.rows, kr), x.d_o = gather(d_o, x.rows, qr);
+          x.o.resize(x.q.size()), x.lse.resize(x.rows.size() * lr), x.dq.resize(x.q.size());
+          x.dk.resize(x.k.size()), x.dv.resize(x.k.size());
+        }
+        nano[1].s.held = &nano[0].s;
+        auto fwd = [](Nano& x) { return x.d->forward({x.q.data(), x.k.data(), x.v.data(), x.o.data(), x.lse.data()}, x.s); };
+        auto bwd = [](Nano& x) {
+          return x.d->backward({nullptr, nullptr, nullptr, x.o.data(), x.lse.data(), x.d_o.data(), x.dq.data(), x.dk.data(), x.dv.data()}, x.s);
+        };
+        DISTCA_RETURN_IF_ERROR(fwd(nano[0]));
+        DISTCA_RETURN_IF_ERROR(fwd(nano[1]));
+        if (wrong_order) {
+          DISTCA_RETURN_IF_ERROR(bwd(nano[0]));
+          return bwd(nano[1]);
+        }
+        DISTCA_RETURN_IF_ERROR(bwd(nano[1]));
+        DISTCA_RETURN_IF_ERROR(bwd(nano[0]));
+        // Compare row by row: A's rows from A (context rows' dK/dV: A's plus B's), B's own from B.
+        double worst = 0;
+        auto check = [&](const std::vector<float>& want, int64_t row, const float* got, int64_t width) {
+          for (int64_t i = 0; i < width; ++i) {
+            worst = std::max(worst, static_cast<double>(std::abs(want[row * width + i] - got[i])) /
+                                        (1.0 + std::abs(want[row * width + i])));
+          }
+        };
+        const int64_t a_rows = static_cast<int64_t>(nano[0].rows.size());
+        for (int64_t i = 0; i < a_rows; ++i) {
+          const int64_t row = nano[0].rows[i];
+          const Nano& x = nano[0];
+          check(o, row, &x.o[i * qr], qr), check(lse, row, &x.lse[i * lr], lr), check(dq, row, &x.dq[i * qr], qr);
+          std::vector<float> gk(x.dk.begin() + i * kr, x.dk.begin() + (i + 1) * kr), gv(x.dv.begin() + i * kr, x.dv.begin() + (i + 1) * kr);
+          const int64_t j = i - (a_rows - ctx);  // its row in B's layout, if a context row
+          for (int64_t e = 0; j >= 0 && e < kr; ++e) gk[e] += nano[1].dk[j * kr + e], gv[e] += nano[1].dv[j * kr + e];
+          check(dk, row, gk.data(), kr), check(dv, row, gv.data(), kr);
+        }
+        for (size_t i = static_cast<size_t>(ctx); i < nano[1].rows.size(); ++i) {
+          const int64_t row = nano[1].rows[i];
+          const Nano& x = nano[1];
+          check(o, row, &x.o[i * qr], qr), check(lse, row, &x.lse[i * lr], lr), check(dq, row, &x.dq[i * qr], qr);
+          check(dk, row, &x.dk[i * kr], kr), check(dv, row, &x.dv[i * kr], kr);
+        }
+        if (worst > 1e-4) return internal_error(fmt::format("rank {}: held K/V results differ from the whole plan's by {}", r, worst));
+        return Status::ok();
+      });
+      for (int r = 0; r < R; ++r) {
+        if (!wrong_order) {
+          EXPECT_TRUE(statuses[r].is_ok()) << policy << ": " << statuses[r].to_string();
+        } else if (!statuses[r].is_ok()) {
+          EXPECT_NE(statuses[r].message().find("must compute before"), std::string::npos) << statuses[r].to_string();
+        }
+      }
+      if (wrong_order) {  // the rank that serves held rows refuses
+        EXPECT_TRUE(!statuses[0].is_ok() || !statuses[1].is_ok()) << policy;
+      }
+    }
+  }
 }
 
 TEST(SplitPlan, AMismatchedPlanIsRefused) {

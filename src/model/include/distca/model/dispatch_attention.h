@@ -54,8 +54,11 @@ class DispatchAttention final : public StagedAttention {
   // The step's plan under this backend's policy and options (its seconds go to planning_seconds).
   Result<plan::Plan> plan_step(const plan::Batch& batch);
   // A step with a plan made elsewhere (ping-pong: a nano-batch's share of the micro-batch's plan,
-  // is_part: covering part of the batch's queries, runtime::split_plan).
-  Status begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part = false);
+  // is_part: covering part of the batch's queries, runtime::split_plan). held_kv: the K/V rows
+  // its servers hold from `earlier`'s forward of each layer (runtime::NanoSplit::held_kv; the
+  // stateful backward only), whose backward must then run after this one's, layer by layer.
+  Status begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part = false,
+                    std::vector<runtime::KvInterval> held_kv = {}, DispatchAttention* earlier = nullptr);
   const ModelConfig& config() const { return config_; }
   const plan::CostModel& cost() const { return cost_; }
   Status forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) override;
@@ -95,6 +98,7 @@ class DispatchAttention final : public StagedAttention {
   plan::CostModel cost_;
   plan::Plan plan_;
   std::unique_ptr<runtime::Dispatcher> dispatcher_;
+  DispatchAttention* earlier_ = nullptr;  // whose servers' K/V this step's dispatcher holds
   std::vector<runtime::ServerBuffers> servers_;  // one per layer (a stateful backward keeps them)
   // Stateful: the backward buffers (dO, dQ, dK, dV) of the layer in its backward; every layer
   // borrows this one set, so a server holds each layer's forward state but one backward set.

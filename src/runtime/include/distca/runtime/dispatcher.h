@@ -21,7 +21,8 @@
 // start_return (pack, post the return), finish_comm (wait, unpack into the linear layout).
 // One exchange is in flight per dispatcher; two nano-batches use two dispatchers.
 //
-// Bytes sent per phase are exactly plan::count_traffic's with plan::token_bytes(Hq, Hkv, D, 4,
+// Bytes sent per phase are exactly plan::count_traffic's (less the held K/V rows' K/V and dK/dV,
+// DispatchOptions::held_kv) with plan::token_bytes(Hq, Hkv, D, 4,
 // grad_return). fp32 throughout but on the wire of a bf16 return. Thread safety: one call at a
 // time per object.
 #pragma once
@@ -47,6 +48,13 @@ namespace distca::runtime {
 struct ServerBuffers {
   std::vector<float> q, k, v, o, lse, d_o, dq, dk, dv;
   const void* forward_of = nullptr;  // the dispatcher whose last forward filled q, k, v, o, lse
+  // Held K/V (DispatchOptions::held_kv): the earlier dispatcher's buffers of the same layer,
+  // whose K/V rows this pass copies instead of receiving them again, and into whose held_dk /
+  // held_dv it adds its dK/dV of those rows; the earlier one's backward compute adds them to
+  // its own before its return. So the later dispatcher's backward must compute first.
+  ServerBuffers* held = nullptr;
+  std::vector<float> held_dk, held_dv;  // [K/V rows, Hkv, D] while a later pass's are pending
+  bool backward_computed = false;       // this layer's backward compute ran since its forward
 };
 
 // Linear-layout tensors of this rank, num_local_rows() rows each: Q/O/dO/dQ [T, Hq, D],
@@ -92,6 +100,10 @@ struct DispatchOptions {
   // The plan's tasks cover part of the batch's queries (a nano-batch of runtime::split_plan,
   // whose layout also holds rows it reads only as K/V): checked for shape, not coverage.
   bool is_part = false;
+  // With is_part: the K/V layout (route.h's kv_layout, in this plan's document numbering) of an
+  // earlier dispatcher's forward of the same layer, kept on the servers: rows a server holds
+  // there are not sent again (ServerBuffers::held). Stateful backward only.
+  std::vector<KvInterval> held_kv;
 };
 
 struct PhaseStats {
@@ -144,6 +156,8 @@ class Dispatcher {
   // Packs and posts one phase; copies this rank's own rows at once unless they accumulate.
   Status post(plan::Phase phase);
   void size_server_buffers(bool is_backward);
+  Status copy_held_kv();    // forward, after the dispatch: the held rows from the earlier buffer
+  Status add_held_grads();  // backward, after the kernel: the held rows' dK/dV (both sides)
   // The tensors each part of the phase's messages carries, and how a return combines them.
   void fields(plan::Phase phase, std::array<Part, 3>& parts) const;
 

@@ -14,6 +14,11 @@
 // only task. The Q segments of the two kinds are kept apart (q and split_q) so that unsplit rows
 // are plainly copied and split rows combined.
 //
+// Held K/V (ping-pong, runtime::split_plan): a server may already hold some of a task's key rows
+// from an earlier dispatcher's forward of the same layer (nano-batch A's). Those rows are not
+// sent again: the route lists them (held_kv), the server copies them from the earlier buffer, and
+// its dK/dV of them are added to the earlier buffer's before that one's backward return.
+//
 // A message from owner o to server s holds o's unsplit Q segments for s in server order, then
 // its split Q segments in server order, then its K/V segments; the reverse message holds the
 // same segments in the same order. Rows the server owns itself are copied, never sent.
@@ -45,6 +50,19 @@ struct Segment {
   int64_t rows = 0;
 };
 
+// Document rows [k0, k1) of `doc` are rows [server_row, server_row + k1 - k0) of `server`'s
+// K/V buffer.
+struct KvInterval {
+  int32_t server = 0;
+  int32_t doc = 0;
+  int64_t k0 = 0, k1 = 0;
+  int64_t server_row = 0;
+  bool operator==(const KvInterval&) const = default;
+};
+
+// Every server's K/V layout of a task list (see above), in (server, document, first key) order.
+std::vector<KvInterval> kv_layout(const std::vector<plan::Task>& tasks);
+
 struct Route {
   int32_t rank = 0;
   int32_t num_ranks = 0;
@@ -60,6 +78,9 @@ struct Route {
   std::vector<std::vector<Segment>> to_server_q, to_server_split_q, to_server_kv;
   // As a server: [owner] the segments that owner sends here (local_row is the owner's row).
   std::vector<std::vector<Segment>> from_owner_q, from_owner_split_q, from_owner_kv;
+  // As a server: K/V rows it holds from the earlier dispatch (build_partial_route's `held`):
+  // local_row is the row in the earlier server buffer, server_row the row in this one.
+  std::vector<Segment> held_kv;
 
   // Whether this rank owns a query row of a split task (its O/LSE are merged and its dQ summed
   // here, and a stateful backward sends it the final O/LSE).
@@ -75,7 +96,10 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
 // to be well formed, not that the tasks cover every pair, so rows whose tasks are all elsewhere
 // get no entry. REQUIRES: the tasks are a subset of tasks that passed plan::verify_tasks, and
 // the tasks of one query range (its key splits) are all in it or all out of it.
+// `held`: the K/V layout of an earlier dispatch of the same layer (kv_layout of its tasks, in
+// this batch's document numbering); the rows of this route's K/V intervals that a server holds
+// there are taken from it (held_kv) instead of from their owners.
 Result<Route> build_partial_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
-                                  int32_t rank);
+                                  int32_t rank, const std::vector<KvInterval>& held = {});
 
 }  // namespace distca::runtime
