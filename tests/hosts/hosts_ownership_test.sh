@@ -209,6 +209,8 @@ else
   bad_args benchlink.preset dbl "$bench_link" --rates 1 --rounds 1 --steps 1 --preset nosuch
   bad_args benchlink.json-unwritable dbl "$bench_link" --rates 1 --rounds 1 --steps 1 --preset tiny --json /nonexistent/dir/out.json
   bad_args benchlink.rounds-0 dbl "$bench_link" --rounds 0
+  bad_args benchlink.layers-too-many dbl "$bench_link" --layers 65
+  bad_args benchlink.layers-word dbl "$bench_link" --layers two
   bad_args benchlink.rates-no-value dbl "$bench_link" --rates
 fi
 
