@@ -34,6 +34,7 @@ model::TrainOptions train_options(const StepBenchOptions& o, const model::Preset
   t.threads = o.threads;
   t.backward_mode = o.backward_mode == "stateless" ? plan::BackwardMode::kStateless : plan::BackwardMode::kStateful;
   t.progress = o.progress;
+  t.grad_sync = o.grad_sync;
   return t;
 }
 
@@ -194,6 +195,7 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                            {"threads", o.threads},
                            {"backward_mode", o.backward_mode},
                            {"progress", o.progress},
+                           {"grad_sync", o.grad_sync},
                            {"link", o.link},
                            {"calibration", calibration},
                            {"steps", steps}};
@@ -241,10 +243,11 @@ std::optional<double> hidden_fraction(double sequential, double pingpong, double
 }
 
 void print_step_report(const nlohmann::json& j) {
-  fmt::print("distca bench step: {} ranks over {}, preset {} ({} tokens per rank), {} backward, progress {}, {} "
+  fmt::print("distca bench step: {} ranks over {}, preset {} ({} tokens per rank), {} backward, progress {}, gradient sync {}, {} "
              "measured steps\n",
              j["ranks"].get<int>(), j["communicator"].get<std::string>(), j["preset"].get<std::string>(),
              j["context"].get<int64_t>(), j["backward_mode"].get<std::string>(), j["progress"].get<std::string>(),
+             j["grad_sync"].get<std::string>(),
              j["steps"].size());
   if (!j["calibration"].is_null()) {
     const auto& c = j["calibration"];

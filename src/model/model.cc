@@ -306,7 +306,7 @@ Model<T>::Model(const ModelConfig& config, int64_t max_tokens, LayerRange range,
 
 template <typename T>
 Model<T>::Model(Model& whole, int64_t r0, int64_t rows)
-    : config_(whole.config_), tp_(whole.tp_), poll_(whole.poll_), max_tokens_(rows), first_(whole.first_), count_(whole.count_) {
+    : config_(whole.config_), tp_(whole.tp_), poll_(whole.poll_), grads_done_(whole.grads_done_), max_tokens_(rows), first_(whole.first_), count_(whole.count_) {
   const ModelConfig& c = config_;
   const int64_t d = c.d_model, f = c.ffn_dim, qw = c.q_width(), kw = c.kv_width(), V = c.vocab_size, half = c.head_dim / 2;
   for (const LayerActs& a : whole.layer_acts_) {  // every buffer is [rows, width]: row r0 on
@@ -504,6 +504,7 @@ Status Model<T>::begin_backward(ModelState<T>& state, const T* dx_in, bool zero_
     gemm(false, true, n, d, V, dlogits_, w.lm_head, T(0), dh_);
     std::fill(dx_, dx_ + n * d, T(0));
     rmsnorm_backward(x_final_, w.final_norm, rstdf_, dh_, n, d, dx_, g.final_norm);
+    grads_done({GradsDone::Kind::kHead, -1});
     return Status::ok();
   }
   if (dx_in == nullptr) return invalid_argument("a stage without the head needs the gradient of its output");
@@ -570,6 +571,7 @@ Status Model<T>::backward_pre_attention(ModelState<T>& state, int64_t slot) {
   poll();
   DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
   rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
+  grads_done({GradsDone::Kind::kLayer, first_ + slot});
   return Status::ok();
 }
 
@@ -583,6 +585,7 @@ void Model<T>::finish_backward(ModelState<T>& state) {
     const T* dxi = dx_ + i * d;
     for (int64_t j = 0; j < d; ++j) ge[j] += dxi[j];
   }
+  grads_done({GradsDone::Kind::kEmbedding, -1});
 }
 
 template <typename T>

@@ -53,6 +53,9 @@ Status TrainOptions::validate() const {
   if (progress != "none" && progress != "poll" && progress != "thread") {
     return invalid_argument(fmt::format("--progress must be none, poll or thread, got '{}'", progress));
   }
+  if (grad_sync != "overlap" && grad_sync != "after") {
+    return invalid_argument(fmt::format("--grad-sync must be overlap or after, got '{}'", grad_sync));
+  }
   if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
   if (granularity < 0) return invalid_argument(fmt::format("--granularity must be >= 0 (0: auto), got {}", granularity));
   if (!(tolerance >= 0) || tolerance > 10) return invalid_argument(fmt::format("--tolerance must be 0..10, got {}", tolerance));
@@ -81,6 +84,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"tp", tp},
           {"pingpong", pingpong},
           {"progress", progress},
+          {"grad_sync", grad_sync},
           {"threads", threads},
           {"granularity", granularity},
           {"tolerance", tolerance},
@@ -223,6 +227,10 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     run->state = ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);
     t->runs_.push_back(std::move(run));
   }
+  if (o.grad_sync == "overlap" && dp.size() > 1 && o.tp == 1 && !t->runs_.empty()) {  // every backend's state has this layout
+    DISTCA_ASSIGN_OR_RETURN(t->grad_sync_, GradientSync::create(dp, t->runs_.front()->state.grads));
+    t->model_->set_grads_done([sync = t->grad_sync_.get()](GradsDone part) { sync->done(part); });
+  }
   if (!o.resume_path.empty()) {
     std::vector<NamedState> states;
     for (auto& r : t->runs_) states.push_back({r->name, &r->state});
@@ -344,7 +352,22 @@ Result<Trainer::Pass> Trainer::whole_pass(Run& run, const StepData& data) {
   const StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
   const double scale = data.num_targets > 0 ? 1.0 / static_cast<double>(data.num_targets) : 0.0;
   DISTCA_ASSIGN_OR_RETURN(out.loss_sum, model_->forward(run.state, in, attention, scale, &out.times));
-  DISTCA_RETURN_IF_ERROR(model_->backward(run.state, attention, &out.times));
+  if (grad_sync_) {
+    // The gradient all-reduces posted during the backward move while it computes: polled between
+    // its GEMMs, or by a progress thread (--progress).
+    DISTCA_RETURN_IF_ERROR(grad_sync_->begin(run.state.grads.data(), 1));
+    std::optional<runtime::ProgressThread> progress;
+    if (options_.progress == "poll") model_->set_poll([this] { (void)groups_.dp->progress(); });
+    if (options_.progress == "thread") {
+      progress.emplace([this] { return groups_.dp->progress(); }, std::chrono::microseconds(50));
+    }
+    const Status st = model_->backward(run.state, attention, &out.times);
+    model_->set_poll({});
+    if (progress) DISTCA_RETURN_IF_ERROR(progress->stop());
+    DISTCA_RETURN_IF_ERROR(st);
+  } else {
+    DISTCA_RETURN_IF_ERROR(model_->backward(run.state, attention, &out.times));
+  }
   out.bytes = bytes_sent(*attention.dispatcher());
   out.attention_memory = attention.buffer_bytes();
   count_plan(attention.plan(), out.tasks, out.split_tasks);
@@ -409,7 +432,7 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   const bool shares_rows = std::any_of(nb.context_rows.begin(), nb.context_rows.end(), [](int64_t r) { return r > 0; });
   if (shares_rows) {
     const ModelConfig& c = slices[1]->config();
-    context_ = ContextRows{nb.context_rows[rank], c.q_width(), c.kv_width(), c.num_q_heads, {}, {}};
+    context_ = ContextRows{nb.context_rows[rank], c.q_width(), c.kv_width(), c.num_q_heads, {}, {}, {}, {}};
     const auto floats = static_cast<size_t>((context_.rows + slices[1]->max_tokens()) * context_.kv_row);
     context_.dk.resize(floats);
     context_.dv.resize(floats);
@@ -426,6 +449,7 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   // The joined chain's stage forward_count is the first backward attention: B leads from there.
   const int b_leads_from = shares_rows ? forward_count : -1;
   run.state.grads.fill(0.0f);  // both nano-batches add theirs
+  if (grad_sync_) DISTCA_RETURN_IF_ERROR(grad_sync_->begin(run.state.grads.data(), 2));
   const auto t0 = Clock::now();
   std::optional<runtime::ProgressThread> progress;
   if (options_.progress == "thread") {
@@ -462,7 +486,11 @@ Result<StepRecord> Trainer::step_one(Run& run, const StepData& data) {
   DISTCA_RETURN_IF_ERROR(comm_.barrier());
   const double wait = seconds_since(t);
   t = Clock::now();
-  if (groups_.dp->size() > 1) DISTCA_RETURN_IF_ERROR(groups_.dp->all_reduce_sum(run.state.grads.data(), run.state.grads.size()));
+  if (grad_sync_) {
+    DISTCA_RETURN_IF_ERROR(grad_sync_->finish());  // what the backward left in flight
+  } else if (groups_.dp->size() > 1) {
+    DISTCA_RETURN_IF_ERROR(groups_.dp->all_reduce_sum(run.state.grads.data(), run.state.grads.size()));
+  }
   // The global norm: with TP, every rank's slice of the sharded blocks, the replicated ones once.
   DISTCA_ASSIGN_OR_RETURN(const double squares, gradient_square_sum(run.state, 0, run.state.grads.size(), groups_));
   const double reduce = seconds_since(t);

@@ -323,6 +323,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
                    "how transfers advance while a rank computes: none (when the schedule waits) | poll (between the "
                    "model's GEMMs) | thread (a progress thread)")
       ->capture_default_str();
+  scmd->add_option("--grad-sync", so.grad_sync,
+                   "the gradient all-reduce: overlap (each layer's as soon as the backward has finished it) | after "
+                   "(one after the backward)")
+      ->capture_default_str();
   scmd->add_flag("--json", step->is_json, "print one JSON object instead of the table");
   scmd->add_option("--timeout", step->timeout_seconds, kTimeoutHelp)->capture_default_str();
 

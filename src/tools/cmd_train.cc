@@ -47,6 +47,7 @@ struct TrainArgs {
   std::string grad_return = "fp32";
   std::string pingpong = "auto";
   std::string progress = "poll";
+  std::string grad_sync = "overlap";
   int threads = 1;
   int64_t granularity = 0;
   double tolerance = 0.05;
@@ -143,6 +144,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.tp = a.tp;
   o.pingpong = a.pingpong;
   o.progress = a.progress;
+  o.grad_sync = a.grad_sync;
   if (a.given(a.pingpong_opt) && a.pingpong != "on" && a.pingpong != "off") {
     return invalid_argument("--pingpong must be on or off (leave it out for on with cad, off with colocated)");
   }
@@ -661,6 +663,10 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--progress", a.progress,
                   "with ping-pong, how the attention's transfers advance while a rank computes (MPI moves data only "
                   "inside MPI calls): poll (between the model's GEMMs) | thread (a progress thread) | none")
+      ->capture_default_str();
+  cmd->add_option("--grad-sync", a.grad_sync,
+                  "the data-parallel gradient all-reduce: overlap (each layer's posted as soon as the backward has "
+                  "finished it, moving during the layers below) | after (one all-reduce after the backward)")
       ->capture_default_str();
   cmd->add_option("--threads", a.threads, "BLAS and attention threads per rank")->capture_default_str();
   a.granularity_opt = cmd->add_option("--granularity", a.granularity,

@@ -15,6 +15,7 @@
 #include "distca/core/file.h"
 #include "distca/model/checkpoint.h"
 #include "distca/model/data.h"
+#include "distca/model/grad_sync.h"
 #include "distca/model/trainer.h"
 #include "soak.h"
 
@@ -145,6 +146,94 @@ TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
       EXPECT_EQ(s["backends"]["cad"]["loss_steps"], steps / 2);
     }
   }
+}
+
+// The gradient all-reduce overlapped with the backward (grad_sync.h): the buckets partition the
+// gradients in the order the backward finishes them; a bucket's all-reduce is posted on its last
+// pass's report, before finish(); the sums equal one all-reduce of the whole buffer bit for bit.
+TEST(GradientSync, BucketsArePostedOnTheirLastPassAndSumAsOneAllReduce) {
+  ModelConfig config;
+  config.num_layers = 3;
+  const ModelState<float> layout = ModelState<float>::create(config);
+  const int64_t size = layout.grads.size();
+  const auto statuses = comm::LocalWorld::run(3, [&](comm::Communicator& c) -> Status {
+    DISTCA_ASSIGN_OR_RETURN(auto sync, GradientSync::create(c, layout.grads));
+    EXPECT_EQ(sync->buckets(), 5);
+    // The buckets tile the arena: the embedding first, the layers in order, the head last.
+    EXPECT_EQ(sync->range(4)[0], 0);
+    for (int64_t l = 0; l < 3; ++l) EXPECT_EQ(sync->range(1 + l)[0], (l == 0 ? sync->range(4) : sync->range(l))[1]);
+    EXPECT_EQ(sync->range(0)[0], sync->range(3)[1]);
+    EXPECT_EQ(sync->range(0)[1], size);
+    std::vector<float> grads(static_cast<size_t>(size)), whole;
+    for (int64_t i = 0; i < size; ++i) grads[i] = static_cast<float>(std::sin(0.37 * static_cast<double>(i) + c.rank())) / 3.0f;
+    whole = grads;
+    DISTCA_RETURN_IF_ERROR(c.all_reduce_sum(whole.data(), size));
+    DISTCA_RETURN_IF_ERROR(sync->begin(grads.data(), 2));
+    const std::vector<GradsDone> order = {{GradsDone::Kind::kHead, -1},
+                                          {GradsDone::Kind::kLayer, 2},
+                                          {GradsDone::Kind::kLayer, 1},
+                                          {GradsDone::Kind::kLayer, 0},
+                                          {GradsDone::Kind::kEmbedding, -1}};
+    for (size_t i = 0; i < order.size(); ++i) {
+      sync->done(order[i]);  // the first pass: nothing posted
+      EXPECT_EQ(sync->posted(), static_cast<int64_t>(i));
+      sync->done(order[i]);  // the second: this bucket's all-reduce is in flight
+      EXPECT_EQ(sync->posted(), static_cast<int64_t>(i + 1));
+    }
+    DISTCA_RETURN_IF_ERROR(sync->finish());
+    for (int64_t i = 0; i < size; ++i) {
+      if (grads[i] != whole[i]) return internal_error(fmt::format("element {}: {} against {}", i, grads[i], whole[i]));
+    }
+    return Status::ok();
+  });
+  for (const Status& st : statuses) EXPECT_TRUE(st.is_ok()) << st.to_string();
+
+  // Misuse is an error at finish(), naming the bucket (one rank: nothing left unpaired).
+  comm::LocalWorld::run(1, [&](comm::Communicator& c) -> Status {
+    auto sync = GradientSync::create(c, layout.grads).value();
+    std::vector<float> grads(static_cast<size_t>(size), 1.0f);
+    EXPECT_TRUE(sync->begin(grads.data(), 2).is_ok());
+    EXPECT_FALSE(sync->begin(grads.data(), 2).is_ok()) << "a step begun twice";
+    for (int i = 0; i < 3; ++i) sync->done({GradsDone::Kind::kHead, -1});
+    Status st = sync->finish();
+    EXPECT_NE(st.message().find("bucket 0 reported 3 times in a step of 2 passes"), std::string::npos) << st.to_string();
+    EXPECT_TRUE(sync->begin(grads.data(), 1).is_ok());
+    sync->done({GradsDone::Kind::kHead, -1});
+    sync->done({GradsDone::Kind::kLayer, 7});
+    st = sync->finish();
+    EXPECT_NE(st.message().find("no bucket for layer 7"), std::string::npos) << st.to_string();
+    EXPECT_TRUE(sync->begin(grads.data(), 1).is_ok());
+    sync->done({GradsDone::Kind::kHead, -1});
+    st = sync->finish();
+    EXPECT_NE(st.message().find("reported by 0 of the step's 1 passes"), std::string::npos) << st.to_string();
+    EXPECT_FALSE(sync->begin(grads.data(), 3).is_ok());
+    return Status::ok();
+  });
+}
+
+// Overlapping the gradient all-reduce with the backward changes when the sums move, not what
+// they are: the same losses and gradient norms as one all-reduce after the backward, bit for
+// bit, whole and with ping-pong, colocated and CAD.
+TEST(Train, OverlappedGradientSyncGivesTheSameCurveAsAfter) {
+  for (const std::string pingpong : {"off", "on"}) {
+    SCOPED_TRACE("ping-pong " + pingpong);
+    std::array<std::vector<StepRecord>, 2> rs;
+    for (int i = 0; i < 2; ++i) {
+      TrainOptions o = tiny(4);
+      o.backends = {"colocated", "cad"};
+      o.pingpong = pingpong;
+      o.grad_sync = i == 0 ? "overlap" : "after";
+      rs[i] = train(2, o, 4);
+    }
+    ASSERT_EQ(rs[0].size(), rs[1].size());
+    for (size_t k = 0; k < rs[0].size(); ++k) {
+      EXPECT_EQ(rs[0][k].loss, rs[1][k].loss) << rs[0][k].backend << " step " << rs[0][k].step;
+      EXPECT_EQ(rs[0][k].grad_norm, rs[1][k].grad_norm) << rs[0][k].backend << " step " << rs[0][k].step;
+    }
+  }
+  TrainOptions o = tiny(1);
+  o.grad_sync = "sometimes";
+  EXPECT_NE(o.validate().message().find("--grad-sync must be overlap or after"), std::string::npos);
 }
 
 // A bf16 return of CAD's dK/dV partial sums (the paper's) stays on the fp32 return's loss curve

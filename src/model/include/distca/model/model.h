@@ -70,6 +70,14 @@ struct ModelState {
   Weights<T> views(Arena<T>& arena) const;
 };
 
+// A backward phase has finished adding to these gradient blocks (Model::set_grads_done; the
+// buckets of grad_sync.h): the head's (final norm, LM head), a layer's, or the embedding's.
+struct GradsDone {
+  enum class Kind { kHead, kLayer, kEmbedding };
+  Kind kind = Kind::kHead;
+  int64_t layer = -1;  // kLayer: the model's layer index
+};
+
 // One step's input on this rank: n tokens, the next token of the same document as the target
 // (-1: none, the document's last token), and each token's position in its document.
 struct StepTokens {
@@ -175,6 +183,10 @@ class Model {
   // moves only inside its own calls (MPI) polls it there while it computes (ping-pong). A slice
   // takes its model's.
   void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
+  // Called when a backward phase has finished its part of a gradient block: begin_backward the
+  // head's, backward_pre_attention(l) layer l's, finish_backward the embedding's (nothing when
+  // empty). A slice takes its model's.
+  void set_grads_done(std::function<void(GradsDone)> fn) { grads_done_ = std::move(fn); }
   // Seconds this model spent in tensor-parallel all-reduces (communication), accumulated.
   double tp_seconds() const { return tp_seconds_; }
   AttentionIo attention_io(int64_t slot);
@@ -205,6 +217,10 @@ class Model {
   ModelConfig config_;
   TensorParallel<T> tp_;
   std::function<void()> poll_;
+  std::function<void(GradsDone)> grads_done_;
+  void grads_done(GradsDone part) const {
+    if (grads_done_) grads_done_(part);
+  }
   void poll() const {
     if (poll_) poll_();
   }

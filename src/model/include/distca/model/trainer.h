@@ -18,6 +18,7 @@
 #include "distca/model/config.h"
 #include "distca/model/data.h"
 #include "distca/model/dispatch_attention.h"
+#include "distca/model/grad_sync.h"
 #include "distca/model/model.h"
 #include "distca/model/nano_chain.h"
 #include "distca/model/tensor_parallel.h"
@@ -43,9 +44,9 @@ struct TrainOptions {
   // (reports/cpu/2026-11-27-grad-return).
   plan::GradReturn grad_return = plan::GradReturn::kFp32;
   int tp = 1;                     // tensor-parallel ranks per model replica (see tensor_parallel.h)
-  // Ping-pong inside the step: "on" splits every step into two nano-batches (whole documents,
-  // balanced by causal pairs), each planned on its own, whose layers alternate so that one's
-  // attention dispatch and return are in flight while the other computes; "off" runs the step
+  // Ping-pong inside the step: "on" plans the step once and splits the plan into two
+  // nano-batches at a position in each document (runtime::split_plan), whose layers alternate so
+  // that one's attention dispatch and return are in flight while the other computes; "off" runs the step
   // whole, each layer dispatch -> compute -> return; "auto": on for cad, off for colocated.
   // "sequential" (benchmarks): the two nano-batches of "on", one after the other, nothing
   // overlapped: the same plans and bytes as "on", so the two times differ by the overlap alone.
@@ -54,6 +55,12 @@ struct TrainOptions {
   // MPI calls): "none", only when the schedule finishes a communication; "poll", between the
   // GEMMs of the model's phases; "thread", a progress thread polling every 50 us.
   std::string progress = "poll";
+  // The data-parallel gradient all-reduce: "overlap" posts each block's (the head's, each
+  // layer's, the embedding's; grad_sync.h) as soon as the backward has finished it, so that it
+  // moves during the backward of the layers below (advanced as `progress` says); "after", one
+  // all-reduce of every gradient after the backward. The sums are the same. With tp > 1 the
+  // shared key/value heads' gradients are summed after the backward, so the sync runs after too.
+  std::string grad_sync = "overlap";
   // Benchmarks: the attention's dispatch and return over an emulated link of this latency and
   // bandwidth (comm/emulated_link.h) over the data-parallel group; unset: that group itself.
   std::optional<comm::LinkOptions> attention_link;
@@ -90,7 +97,9 @@ struct StepRecord {
   double linear_seconds = 0;     // everything in the model but attention (norms, GEMMs, loss)
   double attention_seconds = 0;  // attention kernels
   double comm_seconds = 0;       // attention dispatch and return, plan check, gradient all-reduce
-  double grad_reduce_seconds = 0; // of comm_seconds: the gradient all-reduce and norm (data parallel)
+  // Of comm_seconds: the gradient all-reduce (data parallel) and norm after the backward; with
+  // grad_sync "overlap", what was left of the all-reduces when the backward ended.
+  double grad_reduce_seconds = 0;
   double wait_seconds = 0;       // at the barrier before the all-reduce: waiting for the slowest rank
   double optimizer_seconds = 0;
   double other_seconds = 0;      // the rest of the step (planning, bookkeeping)
@@ -196,6 +205,7 @@ class Trainer {
   comm::Communicator& attention_comm() { return link_ ? static_cast<comm::Communicator&>(*link_) : *groups_.dp; }
   std::unique_ptr<Packer> packer_;
   std::unique_ptr<Model<float>> model_;  // one workspace, shared by the backends' states
+  std::unique_ptr<GradientSync> grad_sync_;  // grad_sync "overlap" over more than one replica
   std::vector<std::unique_ptr<Run>> runs_;
   int64_t step_ = 0;
   plan::Batch last_batch_;

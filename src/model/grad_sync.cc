@@ -1,0 +1,128 @@
+#include "distca/model/grad_sync.h"
+
+#include <algorithm>
+#include <charconv>
+#include <string_view>
+
+#include <fmt/format.h>
+
+namespace distca::model {
+
+namespace {
+
+// The bucket of a block name (ModelState's names): 0 the head, 1 + l layer l, layers + 1 the
+// embedding; -1 an unknown name.
+int64_t bucket_of_block(std::string_view name, int64_t layers) {
+  if (name == "final_norm" || name == "lm_head") return 0;
+  if (name == "embed") return layers + 1;
+  constexpr std::string_view kLayers = "layers.";
+  if (!name.starts_with(kLayers)) return -1;
+  name.remove_prefix(kLayers.size());
+  int64_t l = -1;
+  const auto [end, ec] = std::from_chars(name.data(), name.data() + name.size(), l);
+  if (ec != std::errc{} || end == name.data() + name.size() || *end != '.' || l < 0 || l >= layers) return -1;
+  return 1 + l;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<GradientSync>> GradientSync::create(comm::Communicator& dp, const Arena<float>& layout) {
+  int64_t layers = 0;
+  for (const auto& b : layout.blocks()) {
+    if (b.name.starts_with("layers.")) {
+      const auto dot = b.name.find('.', 7);
+      int64_t l = -1;
+      const std::string_view digits(b.name.data() + 7, dot == std::string::npos ? 0 : dot - 7);
+      std::from_chars(digits.data(), digits.data() + digits.size(), l);
+      layers = std::max(layers, l + 1);
+    }
+  }
+  std::vector<std::array<int64_t, 2>> ranges(static_cast<size_t>(layers + 2), {layout.size(), 0});
+  std::vector<int64_t> counted(ranges.size(), 0);
+  for (const auto& b : layout.blocks()) {
+    const int64_t k = bucket_of_block(b.name, layers);
+    if (k < 0) return invalid_argument(fmt::format("gradient sync: no bucket for the gradient block '{}'", b.name));
+    auto& r = ranges[static_cast<size_t>(k)];
+    r[0] = std::min(r[0], b.offset);
+    r[1] = std::max(r[1], b.offset + b.count);
+    counted[static_cast<size_t>(k)] += b.count;
+  }
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    if (counted[k] == 0) {
+      ranges[k] = {0, 0};
+      continue;
+    }
+    if (ranges[k][1] - ranges[k][0] != counted[k]) {
+      return invalid_argument(fmt::format("gradient sync: the blocks of bucket {} are not contiguous in the gradients", k));
+    }
+  }
+  return std::unique_ptr<GradientSync>(new GradientSync(dp, std::move(ranges), layout.size()));
+}
+
+int64_t GradientSync::bucket_of(GradsDone part) const {
+  switch (part.kind) {
+    case GradsDone::Kind::kHead: return 0;
+    case GradsDone::Kind::kEmbedding: return buckets() - 1;
+    case GradsDone::Kind::kLayer: return part.layer >= 0 && part.layer < buckets() - 2 ? 1 + part.layer : -1;
+  }
+  return -1;
+}
+
+Status GradientSync::begin(float* grads, int passes) {
+  if (is_open_) return internal_error("gradient sync: a step began before the last one finished");
+  if (grads == nullptr && size_ > 0) return invalid_argument("gradient sync: no gradient buffer");
+  if (passes < 1 || passes > 2) return invalid_argument(fmt::format("gradient sync: 1 or 2 passes a step, got {}", passes));
+  grads_ = grads;
+  passes_ = passes;
+  reported_.assign(ranges_.size(), 0);
+  works_.clear();
+  posted_ = 0;
+  error_ = Status::ok();
+  is_open_ = true;
+  return Status::ok();
+}
+
+void GradientSync::done(GradsDone part) {
+  if (!is_open_ || !error_.is_ok()) return;
+  const int64_t k = bucket_of(part);
+  if (k < 0) {
+    error_ = internal_error(fmt::format("gradient sync: no bucket for layer {}", part.layer));
+    return;
+  }
+  int& n = reported_[static_cast<size_t>(k)];
+  if (++n > passes_) {
+    error_ = internal_error(fmt::format("gradient sync: bucket {} reported {} times in a step of {} passes", k, n, passes_));
+    return;
+  }
+  if (n < passes_) return;
+  const auto [lo, hi] = ranges_[static_cast<size_t>(k)];
+  if (hi <= lo) return;
+  auto work = dp_.all_reduce_sum_async(grads_ + lo, hi - lo);
+  if (!work.is_ok()) {
+    error_ = work.status();
+    return;
+  }
+  works_.push_back(std::move(work).value());
+  ++posted_;
+}
+
+Status GradientSync::finish() {
+  if (!is_open_) return internal_error("gradient sync: finish without begin");
+  is_open_ = false;
+  // Every posted all-reduce is waited for, even after an error: the buffers stay the caller's.
+  for (auto& w : works_) {
+    const Status st = w->wait();
+    if (error_.is_ok() && !st.is_ok()) error_ = st;
+  }
+  works_.clear();
+  if (!error_.is_ok()) return error_;
+  for (size_t k = 0; k < ranges_.size(); ++k) {
+    if (reported_[k] != passes_ && ranges_[k][1] > ranges_[k][0]) {
+      return internal_error(fmt::format("gradient sync: bucket {} was reported by {} of the step's {} passes", k,
+                                        reported_[k], passes_));
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace distca::model
