@@ -9,14 +9,14 @@
 #     attention exchange takes about its linear compute (the rate set from an unshaped
 #     calibration run), alternating with the same benchmark over the unshaped link, --rounds
 #     times. The time shaping adds to each variant's step, less what it adds to the gradient
-#     all-reduce (which crosses the same link, and no attention schedule hides), is the attention
-#     exchange's; hidden = 1 - (added to ping-pong) / (added to sequential), and the same against
-#     the whole step (the same bytes, nothing overlapped). --layers sets the step's layers (the
-#     first dispatch and the last return of a step have nothing to hide behind: few layers, more
-#     of them).
+#     all-reduce (which crosses the same link; with --grad-sync overlap, the default, what is left
+#     of it when the backward ends), is the attention exchange's; hidden = 1 - (added to
+#     ping-pong) / (added to sequential), and the same against the whole step (the same bytes,
+#     nothing overlapped). --layers sets the step's layers (the first dispatch and the last return
+#     of a step have nothing to hide behind: few layers, more of them).
 #
 #   scripts/bench-link.sh [--rates 0.1,0.3,1] [--rounds 3] [--steps 4] [--preset demo|tiny] [--layers N]
-#                         [--progress poll|thread|none] [--json F]
+#                         [--progress poll|thread|none] [--grad-sync overlap|after] [--json F]
 #
 # Every flag is checked before any host is made: a bad one is one line on stderr, exit 2. Needs
 # root (network namespaces); exits 77 where they cannot be made. The hosts are removed at the
@@ -26,7 +26,7 @@ caller_pwd="$(pwd)"
 cd "$(dirname "$0")/.."
 root="$(pwd)"
 
-rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"; layers=0
+rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"; layers=0; grad_sync="overlap"
 usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }  # the header above
 die() { echo "bench-link.sh: $*" >&2; exit 2; }
 need_arg() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (--help)"; }
@@ -39,6 +39,7 @@ while [ $# -gt 0 ]; do
     --preset) need_arg "$@"; preset="$2"; shift 2 ;;
     --layers) need_arg "$@"; layers="$2"; shift 2 ;;
     --progress) need_arg "$@"; progress="$2"; shift 2 ;;
+    --grad-sync) need_arg "$@"; grad_sync="$2"; shift 2 ;;
     --json) need_arg "$@"; json_out="$2"; shift 2 ;;
     --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;;
     *) die "unknown option '$1' (--help)" ;;
@@ -55,6 +56,7 @@ done
 [[ "$preset" =~ ^(tiny|demo)$ ]] || die "--preset must be tiny or demo, distca bench step's presets (got '$preset')"
 [[ "$layers" =~ ^([0-9]|[1-5][0-9]|6[0-4])$ ]] || die "--layers must be 0..64, 0 for the preset's (got '$layers')"
 [[ "$progress" =~ ^(poll|thread|none)$ ]] || die "--progress must be poll, thread or none (got '$progress')"
+[[ "$grad_sync" =~ ^(overlap|after)$ ]] || die "--grad-sync must be overlap or after (got '$grad_sync')"
 if [ -n "$json_out" ]; then  # written at the very end: a path that cannot be written would lose the run
   case "$json_out" in /*) ;; *) json_out="$caller_pwd/$json_out" ;; esac
   [ ! -d "$json_out" ] || die "--json $json_out is a folder, not a file"
@@ -112,18 +114,18 @@ say "shaped rate: ${rate_mbit} Mbit/s (a step's attention bytes per rank / its l
 for k in $(seq 1 "$rounds"); do
   hosts shape --rate "${rate_mbit}mbit" >&2
   say "round $k/$rounds: shaped"
-  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --json > "$work/shaped_$k.json"
+  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --grad-sync "$grad_sync" --json > "$work/shaped_$k.json"
   hosts shape --clear >&2
   say "round $k/$rounds: unshaped"
-  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --json > "$work/unshaped_$k.json"
+  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --grad-sync "$grad_sync" --json > "$work/unshaped_$k.json"
 done
 
-python3 - "$work" "$rates" "$rounds" "$rate_mbit" "$progress" "${json_out:-}" <<'EOF'
+python3 - "$work" "$rates" "$rounds" "$rate_mbit" "$progress" "${json_out:-}" "$grad_sync" <<'EOF'
 import json, statistics, sys
-work, rates, rounds, rate_mbit, progress, out = (sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]),
-                                                 float(sys.argv[4]), sys.argv[5], sys.argv[6])
-report = {"benchmark": "bench-link.sh", "hosts": 2, "ranks_per_host": 1, "progress": progress, "link_model": [],
-          "pingpong": {}}
+work, rates, rounds, rate_mbit, progress, out, grad_sync = (sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]),
+                                                            float(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
+report = {"benchmark": "bench-link.sh", "hosts": 2, "ranks_per_host": 1, "progress": progress, "grad_sync": grad_sync,
+          "link_model": [], "pingpong": {}}
 print("1. the simulator's link model (latency + busiest rank's bytes / rate) against the shaped link: one layer's "
       "four CAD exchanges of a prolong batch, 16K tokens per rank, medians of 5")
 print(f"{'rate Gbit/s':>11} {'latency us':>10} {'busiest MB':>10} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9}")
@@ -171,13 +173,13 @@ print()
 first = json.load(open(f"{work}/shaped_1.json"))
 report["pingpong_step"] = {"preset": first["preset"], "layers": first["model"]["num_layers"], "context": first["context"]}
 print(f"2. ping-pong on a real link: the {first['preset']} CAD step ({first['model']['num_layers']} layers), one rank per "
-      f"host, --progress {progress}, link shaped to {rate_mbit:g} Mbit/s (attention bytes per rank per step / linear seconds); medians over "
+      f"host, --progress {progress}, --grad-sync {grad_sync}, link shaped to {rate_mbit:g} Mbit/s (attention bytes per rank per step / linear seconds); medians over "
       f"{rounds} alternating rounds of the per-run medians")
 print(f"{'':34} {'sequential':>10} {'ping-pong':>10} {'whole':>10}")
 print(f"{'shaped link: step (s)':34} {s['sequential']:>10.3f} {s['pingpong']:>10.3f} {s['whole']:>10.3f}")
-print(f"{'  of it, gradient all-reduce (s)':34} {rs['sequential']:>10.3f} {rs['pingpong']:>10.3f} {rs['whole']:>10.3f}")
+print(f"{'  of it, all-reduce waited for (s)':34} {rs['sequential']:>10.3f} {rs['pingpong']:>10.3f} {rs['whole']:>10.3f}")
 print(f"{'unshaped link: step (s)':34} {u['sequential']:>10.3f} {u['pingpong']:>10.3f} {u['whole']:>10.3f}")
-print(f"{'  of it, gradient all-reduce (s)':34} {ru['sequential']:>10.3f} {ru['pingpong']:>10.3f} {ru['whole']:>10.3f}")
+print(f"{'  of it, all-reduce waited for (s)':34} {ru['sequential']:>10.3f} {ru['pingpong']:>10.3f} {ru['whole']:>10.3f}")
 print(f"{'shaping adds, all-reduce aside (s)':34} {added['sequential']:>10.3f} {added['pingpong']:>10.3f} {added['whole']:>10.3f}")
 print(f"linear compute {lin:.3f} s; the sequential step's communication {comm_s:.3f} s shaped, {comm_u:.3f} s unshaped")
 print("hidden: " + (f"{100 * hidden:.0f}% of the attention exchange time the shaped link adds to the sequential step "

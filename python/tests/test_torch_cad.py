@@ -22,7 +22,7 @@ from torch_cases import (  # noqa: E402
 # (every policy, ping-pong on and off, spanning and whole documents in each). The quick sizes are
 # the soak's first batches (the same seeds); each has every kind of batch the counts below ask for
 # (6 and 2 second-layer batches).
-NUM_BATCHES = soak({2: 60, 4: 20}, {2: 120, 4: 40})
+NUM_BATCHES = soak({2: 40, 4: 14}, {2: 120, 4: 40})
 TOLERANCE = 1e-5
 POLICIES = ("none", "distca", "minmax", "minbytes")
 
