@@ -35,6 +35,7 @@ model::TrainOptions train_options(const StepBenchOptions& o, const model::Preset
   t.backward_mode = o.backward_mode == "stateless" ? plan::BackwardMode::kStateless : plan::BackwardMode::kStateful;
   t.progress = o.progress;
   t.grad_sync = o.grad_sync;
+  t.progress_interval_us = o.progress_interval_us;
   return t;
 }
 
@@ -196,6 +197,7 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                            {"backward_mode", o.backward_mode},
                            {"progress", o.progress},
                            {"grad_sync", o.grad_sync},
+                           {"progress_interval_us", o.progress_interval_us},
                            {"link", o.link},
                            {"calibration", calibration},
                            {"steps", steps}};

@@ -16,7 +16,7 @@
 #     of a step have nothing to hide behind: few layers, more of them).
 #
 #   scripts/bench-link.sh [--rates 0.1,0.3,1] [--rounds 3] [--steps 4] [--preset demo|tiny] [--layers N]
-#                         [--progress poll|thread|none] [--grad-sync overlap|after] [--json F]
+#                         [--progress poll|thread|none] [--progress-interval-us N] [--grad-sync overlap|eager|after] [--json F]
 #
 # Every flag is checked before any host is made: a bad one is one line on stderr, exit 2. Needs
 # root (network namespaces); exits 77 where they cannot be made. The hosts are removed at the
@@ -26,7 +26,7 @@ caller_pwd="$(pwd)"
 cd "$(dirname "$0")/.."
 root="$(pwd)"
 
-rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"; layers=0; grad_sync="overlap"
+rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"; layers=0; grad_sync="overlap"; interval_us=50
 usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }  # the header above
 die() { echo "bench-link.sh: $*" >&2; exit 2; }
 need_arg() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (--help)"; }
@@ -40,6 +40,7 @@ while [ $# -gt 0 ]; do
     --layers) need_arg "$@"; layers="$2"; shift 2 ;;
     --progress) need_arg "$@"; progress="$2"; shift 2 ;;
     --grad-sync) need_arg "$@"; grad_sync="$2"; shift 2 ;;
+    --progress-interval-us) need_arg "$@"; interval_us="$2"; shift 2 ;;
     --json) need_arg "$@"; json_out="$2"; shift 2 ;;
     --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;;
     *) die "unknown option '$1' (--help)" ;;
@@ -56,7 +57,9 @@ done
 [[ "$preset" =~ ^(tiny|demo)$ ]] || die "--preset must be tiny or demo, distca bench step's presets (got '$preset')"
 [[ "$layers" =~ ^([0-9]|[1-5][0-9]|6[0-4])$ ]] || die "--layers must be 0..64, 0 for the preset's (got '$layers')"
 [[ "$progress" =~ ^(poll|thread|none)$ ]] || die "--progress must be poll, thread or none (got '$progress')"
-[[ "$grad_sync" =~ ^(overlap|after)$ ]] || die "--grad-sync must be overlap or after (got '$grad_sync')"
+[[ "$grad_sync" =~ ^(overlap|eager|after)$ ]] || die "--grad-sync must be overlap, eager or after (got '$grad_sync')"
+[[ "$interval_us" =~ ^[1-9][0-9]{1,5}$ ]] && [ "$interval_us" -le 100000 ] ||
+  die "--progress-interval-us must be 10..100000 (got '$interval_us')"
 if [ -n "$json_out" ]; then  # written at the very end: a path that cannot be written would lose the run
   case "$json_out" in /*) ;; *) json_out="$caller_pwd/$json_out" ;; esac
   [ ! -d "$json_out" ] || die "--json $json_out is a folder, not a file"
@@ -114,17 +117,19 @@ say "shaped rate: ${rate_mbit} Mbit/s (a step's attention bytes per rank / its l
 for k in $(seq 1 "$rounds"); do
   hosts shape --rate "${rate_mbit}mbit" >&2
   say "round $k/$rounds: shaped"
-  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --grad-sync "$grad_sync" --json > "$work/shaped_$k.json"
+  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --progress-interval-us "$interval_us" --grad-sync "$grad_sync" --json > "$work/shaped_$k.json"
   hosts shape --clear >&2
   say "round $k/$rounds: unshaped"
-  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --grad-sync "$grad_sync" --json > "$work/unshaped_$k.json"
+  run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps "$steps" --progress "$progress" --progress-interval-us "$interval_us" --grad-sync "$grad_sync" --json > "$work/unshaped_$k.json"
 done
 
-python3 - "$work" "$rates" "$rounds" "$rate_mbit" "$progress" "${json_out:-}" "$grad_sync" <<'EOF'
+python3 - "$work" "$rates" "$rounds" "$rate_mbit" "$progress" "${json_out:-}" "$grad_sync" "$interval_us" <<'EOF'
 import json, statistics, sys
-work, rates, rounds, rate_mbit, progress, out, grad_sync = (sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]),
-                                                            float(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
-report = {"benchmark": "bench-link.sh", "hosts": 2, "ranks_per_host": 1, "progress": progress, "grad_sync": grad_sync,
+work, rates, rounds, rate_mbit, progress, out, grad_sync, interval_us = (
+    sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7],
+    int(sys.argv[8]))
+report = {"benchmark": "bench-link.sh", "hosts": 2, "ranks_per_host": 1, "progress": progress,
+          "progress_interval_us": interval_us, "grad_sync": grad_sync,
           "link_model": [], "pingpong": {}}
 print("1. the simulator's link model (latency + busiest rank's bytes / rate) against the shaped link: one layer's "
       "four CAD exchanges of a prolong batch, 16K tokens per rank, medians of 5")
@@ -173,7 +178,8 @@ print()
 first = json.load(open(f"{work}/shaped_1.json"))
 report["pingpong_step"] = {"preset": first["preset"], "layers": first["model"]["num_layers"], "context": first["context"]}
 print(f"2. ping-pong on a real link: the {first['preset']} CAD step ({first['model']['num_layers']} layers), one rank per "
-      f"host, --progress {progress}, --grad-sync {grad_sync}, link shaped to {rate_mbit:g} Mbit/s (attention bytes per rank per step / linear seconds); medians over "
+      f"host, --progress {progress}" + (f" every {interval_us} us" if progress == "thread" else "") +
+      f", --grad-sync {grad_sync}, link shaped to {rate_mbit:g} Mbit/s (attention bytes per rank per step / linear seconds); medians over "
       f"{rounds} alternating rounds of the per-run medians")
 print(f"{'':34} {'sequential':>10} {'ping-pong':>10} {'whole':>10}")
 print(f"{'shaped link: step (s)':34} {s['sequential']:>10.3f} {s['pingpong']:>10.3f} {s['whole']:>10.3f}")

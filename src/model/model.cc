@@ -545,6 +545,7 @@ Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
   poll();
   gemm(false, true, n, qw, d, dx_, lw.wo, T(0), do_);
   poll();
+  grads_done({GradsDone::Kind::kLayerMlp, first_ + slot});
   return Status::ok();
 }
 
@@ -571,7 +572,7 @@ Status Model<T>::backward_pre_attention(ModelState<T>& state, int64_t slot) {
   poll();
   DISTCA_RETURN_IF_ERROR(tp_reduce(dh_, n * d));
   rmsnorm_backward(a.x, lw.attn_norm, a.rstd1, dh_, n, d, dx_, lg.attn_norm);  // dx_ = d / d x
-  grads_done({GradsDone::Kind::kLayer, first_ + slot});
+  grads_done({GradsDone::Kind::kLayerAttention, first_ + slot});
   return Status::ok();
 }
 

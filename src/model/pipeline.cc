@@ -280,7 +280,7 @@ comm::Communicator& PipelineTrainer::attention_comm() const {
 Result<runtime::ScheduleTiming> PipelineTrainer::run_chains(std::array<std::vector<runtime::Stage>, 2>& chains) {
   std::optional<runtime::ProgressThread> progress;
   if (options_.train.progress == "thread") {
-    progress.emplace([this] { return attention_comm().progress(); }, std::chrono::microseconds(50));
+    progress.emplace([this] { return attention_comm().progress(); }, std::chrono::microseconds(options_.train.progress_interval_us));
   }
   Result<runtime::ScheduleTiming> r = options_.train.pingpong == "sequential" ? runtime::run_sequential(chains[0], chains[1])
                                                                              : runtime::run_pingpong(chains[0], chains[1]);

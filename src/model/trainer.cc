@@ -53,8 +53,11 @@ Status TrainOptions::validate() const {
   if (progress != "none" && progress != "poll" && progress != "thread") {
     return invalid_argument(fmt::format("--progress must be none, poll or thread, got '{}'", progress));
   }
-  if (grad_sync != "overlap" && grad_sync != "after") {
-    return invalid_argument(fmt::format("--grad-sync must be overlap or after, got '{}'", grad_sync));
+  if (progress_interval_us < 10 || progress_interval_us > 100000) {
+    return invalid_argument(fmt::format("--progress-interval-us must be 10..100000, got {}", progress_interval_us));
+  }
+  if (grad_sync != "overlap" && grad_sync != "eager" && grad_sync != "after") {
+    return invalid_argument(fmt::format("--grad-sync must be overlap, eager or after, got '{}'", grad_sync));
   }
   if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
   if (granularity < 0) return invalid_argument(fmt::format("--granularity must be >= 0 (0: auto), got {}", granularity));
@@ -84,6 +87,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"tp", tp},
           {"pingpong", pingpong},
           {"progress", progress},
+          {"progress_interval_us", progress_interval_us},
           {"grad_sync", grad_sync},
           {"threads", threads},
           {"granularity", granularity},
@@ -227,7 +231,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     run->state = ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);
     t->runs_.push_back(std::move(run));
   }
-  if (o.grad_sync == "overlap" && dp.size() > 1 && o.tp == 1 && !t->runs_.empty()) {  // every backend's state has this layout
+  if (o.grad_sync != "after" && dp.size() > 1 && o.tp == 1 && !t->runs_.empty()) {  // every backend's state has this layout
     DISTCA_ASSIGN_OR_RETURN(t->grad_sync_, GradientSync::create(dp, t->runs_.front()->state.grads));
     t->model_->set_grads_done([sync = t->grad_sync_.get()](GradsDone part) { sync->done(part); });
   }
@@ -359,7 +363,7 @@ Result<Trainer::Pass> Trainer::whole_pass(Run& run, const StepData& data) {
     std::optional<runtime::ProgressThread> progress;
     if (options_.progress == "poll") model_->set_poll([this] { (void)groups_.dp->progress(); });
     if (options_.progress == "thread") {
-      progress.emplace([this] { return groups_.dp->progress(); }, std::chrono::microseconds(50));
+      progress.emplace([this] { return groups_.dp->progress(); }, std::chrono::microseconds(options_.progress_interval_us));
     }
     const Status st = model_->backward(run.state, attention, &out.times);
     model_->set_poll({});
@@ -449,11 +453,30 @@ Result<Trainer::Pass> Trainer::pingpong_pass(Run& run, const StepData& data) {
   // The joined chain's stage forward_count is the first backward attention: B leads from there.
   const int b_leads_from = shares_rows ? forward_count : -1;
   run.state.grads.fill(0.0f);  // both nano-batches add theirs
-  if (grad_sync_) DISTCA_RETURN_IF_ERROR(grad_sync_->begin(run.state.grads.data(), 2));
+  if (grad_sync_) {
+    // Paced: a slice of the ready gradients' sums posted right after each backward attention
+    // exchange (stage forward_count - 1 joins the forward's end to the backward's first), so
+    // that on the link they queue behind it rather than ahead of the next.
+    int64_t paced = 0;
+    if (options_.grad_sync == "overlap") {
+      for (auto& chain : chains) {
+        for (size_t i = static_cast<size_t>(std::max(forward_count - 1, 0)); i < chain.size(); ++i) {
+          if (!chain[i].start_comm) continue;
+          chain[i].start_comm = [start = std::move(chain[i].start_comm), this]() -> Status {
+            DISTCA_RETURN_IF_ERROR(start());
+            grad_sync_->pace();
+            return Status::ok();
+          };
+          ++paced;
+        }
+      }
+    }
+    DISTCA_RETURN_IF_ERROR(grad_sync_->begin(run.state.grads.data(), 2, paced));
+  }
   const auto t0 = Clock::now();
   std::optional<runtime::ProgressThread> progress;
   if (options_.progress == "thread") {
-    progress.emplace([this] { return attention_comm().progress(); }, std::chrono::microseconds(50));
+    progress.emplace([this] { return attention_comm().progress(); }, std::chrono::microseconds(options_.progress_interval_us));
   }
   DISTCA_RETURN_IF_ERROR((options_.pingpong == "sequential" ? runtime::run_sequential(chains[0], chains[1], b_leads_from)
                                                               : runtime::run_pingpong(chains[0], chains[1], b_leads_from))

@@ -323,9 +323,13 @@ std::function<int()> add_bench_command(CLI::App& app) {
                    "how transfers advance while a rank computes: none (when the schedule waits) | poll (between the "
                    "model's GEMMs) | thread (a progress thread)")
       ->capture_default_str();
+  scmd->add_option("--progress-interval-us", so.progress_interval_us,
+                   "with --progress thread, microseconds between its polls (10..100000)")
+      ->capture_default_str();
   scmd->add_option("--grad-sync", so.grad_sync,
-                   "the gradient all-reduce: overlap (each layer's as soon as the backward has finished it) | after "
-                   "(one after the backward)")
+                   "the gradient all-reduce: overlap (each layer's once the backward has finished it; with ping-pong "
+                   "in slices queued behind the attention exchanges) | eager (each layer's at once) | after (one "
+                   "after the backward)")
       ->capture_default_str();
   scmd->add_flag("--json", step->is_json, "print one JSON object instead of the table");
   scmd->add_option("--timeout", step->timeout_seconds, kTimeoutHelp)->capture_default_str();

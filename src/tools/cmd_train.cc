@@ -48,6 +48,7 @@ struct TrainArgs {
   std::string pingpong = "auto";
   std::string progress = "poll";
   std::string grad_sync = "overlap";
+  int64_t progress_interval_us = 50;
   int threads = 1;
   int64_t granularity = 0;
   double tolerance = 0.05;
@@ -145,6 +146,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.pingpong = a.pingpong;
   o.progress = a.progress;
   o.grad_sync = a.grad_sync;
+  o.progress_interval_us = a.progress_interval_us;
   if (a.given(a.pingpong_opt) && a.pingpong != "on" && a.pingpong != "off") {
     return invalid_argument("--pingpong must be on or off (leave it out for on with cad, off with colocated)");
   }
@@ -664,9 +666,13 @@ std::function<int()> add_train_command(CLI::App& app) {
                   "with ping-pong, how the attention's transfers advance while a rank computes (MPI moves data only "
                   "inside MPI calls): poll (between the model's GEMMs) | thread (a progress thread) | none")
       ->capture_default_str();
+  cmd->add_option("--progress-interval-us", a.progress_interval_us,
+                  "with --progress thread, microseconds between its polls (10..100000)")
+      ->capture_default_str();
   cmd->add_option("--grad-sync", a.grad_sync,
-                  "the data-parallel gradient all-reduce: overlap (each layer's posted as soon as the backward has "
-                  "finished it, moving during the layers below) | after (one all-reduce after the backward)")
+                  "the data-parallel gradient all-reduce: overlap (each layer's once the backward has finished it, "
+                  "moving during the layers below; with ping-pong in slices queued behind the attention exchanges) | "
+                  "eager (each layer's at once) | after (one all-reduce after the backward)")
       ->capture_default_str();
   cmd->add_option("--threads", a.threads, "BLAS and attention threads per rank")->capture_default_str();
   a.granularity_opt = cmd->add_option("--granularity", a.granularity,

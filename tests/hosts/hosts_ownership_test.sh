@@ -212,6 +212,8 @@ else
   bad_args benchlink.layers-too-many dbl "$bench_link" --layers 65
   bad_args benchlink.layers-word dbl "$bench_link" --layers two
   bad_args benchlink.rates-no-value dbl "$bench_link" --rates
+  bad_args benchlink.grad-sync dbl "$bench_link" --grad-sync sometimes
+  bad_args benchlink.interval-too-short dbl "$bench_link" --progress thread --progress-interval-us 5
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then

@@ -158,22 +158,24 @@ TEST(GradientSync, BucketsArePostedOnTheirLastPassAndSumAsOneAllReduce) {
   const int64_t size = layout.grads.size();
   const auto statuses = comm::LocalWorld::run(3, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto sync, GradientSync::create(c, layout.grads));
-    EXPECT_EQ(sync->buckets(), 5);
-    // The buckets tile the arena: the embedding first, the layers in order, the head last.
-    EXPECT_EQ(sync->range(4)[0], 0);
-    for (int64_t l = 0; l < 3; ++l) EXPECT_EQ(sync->range(1 + l)[0], (l == 0 ? sync->range(4) : sync->range(l))[1]);
-    EXPECT_EQ(sync->range(0)[0], sync->range(3)[1]);
+    EXPECT_EQ(sync->buckets(), 8);
+    // The buckets tile the arena: the embedding first, each layer's attention input and then its
+    // MLP and output projection in order, the head last.
+    EXPECT_EQ(sync->range(7)[0], 0);
+    for (int64_t k = 1; k <= 6; ++k) EXPECT_EQ(sync->range(k)[0], sync->range(k == 1 ? 7 : k - 1)[1]) << k;
+    EXPECT_EQ(sync->range(0)[0], sync->range(6)[1]);
     EXPECT_EQ(sync->range(0)[1], size);
     std::vector<float> grads(static_cast<size_t>(size)), whole;
     for (int64_t i = 0; i < size; ++i) grads[i] = static_cast<float>(std::sin(0.37 * static_cast<double>(i) + c.rank())) / 3.0f;
     whole = grads;
     DISTCA_RETURN_IF_ERROR(c.all_reduce_sum(whole.data(), size));
     DISTCA_RETURN_IF_ERROR(sync->begin(grads.data(), 2));
-    const std::vector<GradsDone> order = {{GradsDone::Kind::kHead, -1},
-                                          {GradsDone::Kind::kLayer, 2},
-                                          {GradsDone::Kind::kLayer, 1},
-                                          {GradsDone::Kind::kLayer, 0},
-                                          {GradsDone::Kind::kEmbedding, -1}};
+    std::vector<GradsDone> order = {{GradsDone::Kind::kHead, -1}};
+    for (int64_t l = 2; l >= 0; --l) {
+      order.push_back({GradsDone::Kind::kLayerMlp, l});
+      order.push_back({GradsDone::Kind::kLayerAttention, l});
+    }
+    order.push_back({GradsDone::Kind::kEmbedding, -1});
     for (size_t i = 0; i < order.size(); ++i) {
       sync->done(order[i]);  // the first pass: nothing posted
       EXPECT_EQ(sync->posted(), static_cast<int64_t>(i));
@@ -183,6 +185,44 @@ TEST(GradientSync, BucketsArePostedOnTheirLastPassAndSumAsOneAllReduce) {
     DISTCA_RETURN_IF_ERROR(sync->finish());
     for (int64_t i = 0; i < size; ++i) {
       if (grads[i] != whole[i]) return internal_error(fmt::format("element {}: {} against {}", i, grads[i], whole[i]));
+    }
+    // Paced over 10 paces: nothing posts before a pace; each pace posts at most its share of the
+    // floats (what earlier paces left unused carries over), in order; finish() posts the rest.
+    for (int64_t i = 0; i < size; ++i) grads[i] = static_cast<float>(std::cos(0.11 * static_cast<double>(i) * (c.rank() + 1)));
+    whole = grads;
+    DISTCA_RETURN_IF_ERROR(c.all_reduce_sum(whole.data(), size));
+    DISTCA_RETURN_IF_ERROR(sync->begin(grads.data(), 1, 10));
+    // After k paces, min(k shares, the floats ready) have been posted.
+    const int64_t share = (size + 9) / 10;
+    int64_t ready = 0, paces = 0;
+    auto ready_bucket = [&](size_t i) {
+      sync->done(order[i]);
+      const auto r = sync->range(sync->bucket_of(order[i]));
+      ready += r[1] - r[0];
+    };
+    auto pace = [&] {
+      sync->pace();
+      ++paces;
+      EXPECT_EQ(sync->pending_floats(), ready - std::min(ready, paces * share)) << paces << " paces";
+    };
+    ready_bucket(1);  // the last layer's MLP: larger than a share
+    EXPECT_EQ(sync->posted(), 0);
+    EXPECT_EQ(sync->pending_floats(), ready);
+    EXPECT_GT(ready, share);
+    pace();
+    EXPECT_EQ(sync->posted(), 1);
+    pace();
+    pace();  // the bucket done: the rest of this pace's share waits for the next bucket
+    EXPECT_EQ(sync->pending_floats(), 0);
+    for (size_t i = 2; i < order.size(); ++i) ready_bucket(i);
+    ready_bucket(0);  // (the head last here: the order is the caller's)
+    pace();
+    pace();
+    EXPECT_GT(sync->pending_floats(), 0);
+    DISTCA_RETURN_IF_ERROR(sync->finish());
+    EXPECT_EQ(sync->pending_floats(), 0);
+    for (int64_t i = 0; i < size; ++i) {
+      if (grads[i] != whole[i]) return internal_error(fmt::format("paced, element {}: {} against {}", i, grads[i], whole[i]));
     }
     return Status::ok();
   });
@@ -199,7 +239,7 @@ TEST(GradientSync, BucketsArePostedOnTheirLastPassAndSumAsOneAllReduce) {
     EXPECT_NE(st.message().find("bucket 0 reported 3 times in a step of 2 passes"), std::string::npos) << st.to_string();
     EXPECT_TRUE(sync->begin(grads.data(), 1).is_ok());
     sync->done({GradsDone::Kind::kHead, -1});
-    sync->done({GradsDone::Kind::kLayer, 7});
+    sync->done({GradsDone::Kind::kLayerMlp, 7});
     st = sync->finish();
     EXPECT_NE(st.message().find("no bucket for layer 7"), std::string::npos) << st.to_string();
     EXPECT_TRUE(sync->begin(grads.data(), 1).is_ok());
@@ -217,23 +257,26 @@ TEST(GradientSync, BucketsArePostedOnTheirLastPassAndSumAsOneAllReduce) {
 TEST(Train, OverlappedGradientSyncGivesTheSameCurveAsAfter) {
   for (const std::string pingpong : {"off", "on"}) {
     SCOPED_TRACE("ping-pong " + pingpong);
-    std::array<std::vector<StepRecord>, 2> rs;
-    for (int i = 0; i < 2; ++i) {
+    std::array<std::vector<StepRecord>, 3> rs;
+    const std::array<const char*, 3> modes = {"after", "overlap", "eager"};
+    for (size_t i = 0; i < modes.size(); ++i) {
       TrainOptions o = tiny(4);
       o.backends = {"colocated", "cad"};
       o.pingpong = pingpong;
-      o.grad_sync = i == 0 ? "overlap" : "after";
+      o.grad_sync = modes[i];
       rs[i] = train(2, o, 4);
     }
-    ASSERT_EQ(rs[0].size(), rs[1].size());
-    for (size_t k = 0; k < rs[0].size(); ++k) {
-      EXPECT_EQ(rs[0][k].loss, rs[1][k].loss) << rs[0][k].backend << " step " << rs[0][k].step;
-      EXPECT_EQ(rs[0][k].grad_norm, rs[1][k].grad_norm) << rs[0][k].backend << " step " << rs[0][k].step;
+    for (size_t i = 1; i < modes.size(); ++i) {
+      ASSERT_EQ(rs[i].size(), rs[0].size()) << modes[i];
+      for (size_t k = 0; k < rs[0].size(); ++k) {
+        EXPECT_EQ(rs[i][k].loss, rs[0][k].loss) << modes[i] << ", " << rs[0][k].backend << " step " << rs[0][k].step;
+        EXPECT_EQ(rs[i][k].grad_norm, rs[0][k].grad_norm) << modes[i] << ", " << rs[0][k].backend << " step " << rs[0][k].step;
+      }
     }
   }
   TrainOptions o = tiny(1);
   o.grad_sync = "sometimes";
-  EXPECT_NE(o.validate().message().find("--grad-sync must be overlap or after"), std::string::npos);
+  EXPECT_NE(o.validate().message().find("--grad-sync must be overlap, eager or after"), std::string::npos);
 }
 
 // A bf16 return of CAD's dK/dV partial sums (the paper's) stays on the fp32 return's loss curve

@@ -181,8 +181,18 @@ TEST(SplitPlan, OnePlanSplitAtDocumentPositionsMovesThePlansBytes) {
     const double token_share = static_cast<double>(tokens[0]) / static_cast<double>(tokens[0] + tokens[1]);
     const double byte_share = split_bytes > 0 ? static_cast<double>(a_bytes) / static_cast<double>(split_bytes) : 0.5;
     if (byte_share > 0.2 && byte_share < 0.8) ++both_carry;
-    std::printf("%s%s: A holds %.2f of the attention, %.2f of the tokens, %.2f of the bytes; bytes %.4fx the plan's\n",
-                c.what.c_str(), hold_kv ? " (held K/V)" : "", share, token_share, byte_share,
+    // Per server (rank): A's share of its attention (tokens), the range over servers (ranks).
+    double lo_att = 1, hi_att = 0, lo_tok = 1, hi_tok = 0;
+    for (int r = 0; r < b.num_ranks; ++r) {
+      const double a = s.plans[0].server_seconds[r], all = a + s.plans[1].server_seconds[r];
+      if (all > 0) lo_att = std::min(lo_att, a / all), hi_att = std::max(hi_att, a / all);
+      const double ta = static_cast<double>(s.nano.rows[0][r].size()),
+                   tall = ta + static_cast<double>(s.nano.rows[1][r].size());
+      if (tall > 0) lo_tok = std::min(lo_tok, ta / tall), hi_tok = std::max(hi_tok, ta / tall);
+    }
+    std::printf("%s%s: A holds %.2f of the attention (%.2f..%.2f by server), %.2f of the tokens (%.2f..%.2f by rank), "
+                "%.2f of the bytes; bytes %.4fx the plan's\n",
+                c.what.c_str(), hold_kv ? " (held K/V)" : "", share, lo_att, hi_att, token_share, lo_tok, hi_tok, byte_share,
                 static_cast<double>(split_bytes) / static_cast<double>(whole_bytes));
     EXPECT_GT(share, 0.2) << c.what;
     EXPECT_LT(share, 0.8) << c.what;

@@ -205,6 +205,8 @@ TEST(Cli, BenchStepMeasuresPingPongInTheRealStep) {
            {"--link off --ratio 2", "--link off runs none"},
            {"--link maybe", "--link must be auto or off"},
            {"--progress spin", "--progress must be none, poll or thread"},
+           {"--progress thread --progress-interval-us 5", "--progress-interval-us must be 10..100000"},
+           {"--grad-sync later", "--grad-sync must be overlap, eager or after"},
            {"--steps 0", "--steps must be 1..1000"}}) {
     CmdResult bad = distca("bench step --preset tiny " + args);
     EXPECT_NE(bad.exit_code, 0) << args;

@@ -141,7 +141,9 @@ TEST(Cli, TrainPingPongSplitsCadStepsByDefaultAndRefusesWhatItCannotRun) {
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
            {"--pingpong maybe", "--pingpong must be on or off"},
            {"--pingpong sequential", "--pingpong must be on or off"},
-           {"--progress spin", "--progress must be none, poll or thread"}}) {
+           {"--progress spin", "--progress must be none, poll or thread"},
+           {"--progress-interval-us 200000", "--progress-interval-us must be 10..100000"},
+           {"--grad-sync later", "--grad-sync must be overlap, eager or after"}}) {
     CmdResult bad = distca("train --preset tiny --steps 1 " + args);
     EXPECT_EQ(bad.exit_code, 2) << args << ": " << bad.out;
     EXPECT_NE(bad.err.find(message), std::string::npos) << args << ": " << bad.err;
@@ -180,7 +182,9 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   double served = 0;
   int split = 0;
   for (const auto& rec : j["steps"]) {
-    if (rec["schedule"] == "colocated") EXPECT_EQ(rec["split_micro_batches"], 0);
+    if (rec["schedule"] == "colocated") {
+      EXPECT_EQ(rec["split_micro_batches"], 0);
+    }
     if (rec["schedule"] == "cad") split += rec["split_micro_batches"].get<int>();
     ASSERT_EQ(rec["ranks"].size(), 4u);
     double slowest = 0;
@@ -192,7 +196,9 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
       }
       EXPECT_NEAR(parts, x["step_seconds"].get<double>(), 1e-9);
       EXPECT_LE(x["served_in_idle_seconds"].get<double>(), x["attention_seconds"].get<double>() + 1e-9);
-      if (rec["schedule"] == "colocated") EXPECT_EQ(x["served_in_idle_seconds"].get<double>(), 0.0);
+      if (rec["schedule"] == "colocated") {
+        EXPECT_EQ(x["served_in_idle_seconds"].get<double>(), 0.0);
+      }
       if (rec["schedule"] == "cad") served += x["served_in_idle_seconds"].get<double>();
       slowest = std::max(slowest, x["step_seconds"].get<double>());
     }

@@ -1,11 +1,19 @@
 // The data-parallel gradient all-reduce, overlapped with the backward (as PyTorch's DDP buckets
 // its parameters): the model's gradient blocks fall into buckets in the order the backward
-// finishes them (the head: final norm and LM head; each layer, from the last; the embedding),
+// finishes them (the head: final norm and LM head; per layer from the last, its MLP and output
+// projection, then its norm and Q/K/V projections; the embedding),
 // and each bucket's all-reduce is posted as soon as the last pass adding to it this step (one
-// whole pass, or both ping-pong nano-batches) has finished it. So layer l's sum moves over the
-// link while the backward of the layers below computes; finish() waits for whatever is still in
+// whole pass, or both ping-pong nano-batches) has finished it. So layer l's sums move over the
+// link while the backward of its attention and of the layers below computes; finish() waits for whatever is still in
 // flight. Every rank posts the same buckets in the same order (the passes' phases run in the
 // same order everywhere), so the collectives pair.
+//
+// Paced (begin's `paced_posts` > 0): a bucket's all-reduce is not posted when it is ready but in
+// slices, the pace() calls so far posting up to their share (1/paced_posts each) of the
+// gradients' floats from the ready buckets in order. The caller paces right after it posts an attention exchange, so that the
+// sums queue behind that exchange on the link (TCP delivers in order) and fill the time until the
+// next, rather than delaying it; finish() posts what is left. The same calls on every rank post
+// the same slices in the same order.
 //
 // The sums are the same as one all-reduce of the whole buffer's: a bucket is a contiguous range
 // of it, reduced element-wise. The transfers advance inside communicator calls: the caller's
@@ -32,21 +40,26 @@ class GradientSync {
   static Result<std::unique_ptr<GradientSync>> create(comm::Communicator& dp, const Arena<float>& layout);
 
   // A new step: `passes` passes (1 or 2) will each report every bucket once (done), adding their
-  // gradients into `grads` (the arena's size) before they do. REQUIRES: the last step finished.
-  Status begin(float* grads, int passes);
+  // gradients into `grads` (the arena's size) before they do; with paced_posts > 0 the caller
+  // will call pace() that many times. REQUIRES: the last step finished.
+  Status begin(float* grads, int passes, int64_t paced_posts = 0);
   // A pass has finished adding to a bucket; on its last pass the bucket's all-reduce is posted.
   // An error (a bucket reported too often, a failed post) is kept for finish(): the model's
   // phases call this and carry on.
   void done(GradsDone part);
+  // Paced: posts the next slice of the ready buckets (nothing when none is ready).
+  void pace();
   // Waits for every bucket's all-reduce. A bucket some pass never reported is an error (a pass
   // skipped a phase): its sum would be missing. Returns the first error of the step.
   Status finish();
 
   int64_t buckets() const { return static_cast<int64_t>(ranges_.size()); }
-  // Buckets posted so far this step (tests: they are posted before finish()).
+  // All-reduces posted so far this step (tests: they are posted before finish()).
   int64_t posted() const { return posted_; }
-  // [begin, end) of a bucket in the arena: the head is bucket 0, layer l bucket 1 + l, the
-  // embedding the last.
+  // Paced: floats ready but not yet posted.
+  int64_t pending_floats() const;
+  // [begin, end) of a bucket in the arena: the head is bucket 0, layer l's attention input
+  // 1 + 2l and its MLP and output projection 2 + 2l, the embedding the last.
   std::array<int64_t, 2> range(int64_t bucket) const { return ranges_.at(static_cast<size_t>(bucket)); }
   int64_t bucket_of(GradsDone part) const;
 
@@ -60,6 +73,11 @@ class GradientSync {
   int passes_ = 0;
   std::vector<int> reported_;  // per bucket, this step
   std::vector<std::unique_ptr<comm::Work>> works_;
+  int64_t slice_ = 0;                           // paced: floats a pace() posts; 0: unpaced
+  std::vector<std::array<int64_t, 2>> ready_;   // paced: ranges ready, not yet posted, in order
+  size_t next_ready_ = 0;
+  int64_t allowance_ = 0;                       // paced: floats the paces so far may still post
+  void post(int64_t lo, int64_t hi);
   int64_t posted_ = 0;
   Status error_ = Status::ok();
   bool is_open_ = false;

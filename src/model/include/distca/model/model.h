@@ -71,11 +71,13 @@ struct ModelState {
 };
 
 // A backward phase has finished adding to these gradient blocks (Model::set_grads_done; the
-// buckets of grad_sync.h): the head's (final norm, LM head), a layer's, or the embedding's.
+// buckets of grad_sync.h): the head's (final norm, LM head); a layer's MLP and output projection
+// (mlp_norm, w_gate, w_up, w_down, wo: backward_post_attention); a layer's attention input
+// (attn_norm, wq, wk, wv: backward_pre_attention); or the embedding's.
 struct GradsDone {
-  enum class Kind { kHead, kLayer, kEmbedding };
+  enum class Kind { kHead, kLayerMlp, kLayerAttention, kEmbedding };
   Kind kind = Kind::kHead;
-  int64_t layer = -1;  // kLayer: the model's layer index
+  int64_t layer = -1;  // kLayerMlp, kLayerAttention: the model's layer index
 };
 
 // One step's input on this rank: n tokens, the next token of the same document as the target
@@ -184,8 +186,8 @@ class Model {
   // takes its model's.
   void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
   // Called when a backward phase has finished its part of a gradient block: begin_backward the
-  // head's, backward_pre_attention(l) layer l's, finish_backward the embedding's (nothing when
-  // empty). A slice takes its model's.
+  // head's, backward_post_attention(l) layer l's MLP and Wo, backward_pre_attention(l) its norm
+  // and Q/K/V, finish_backward the embedding's (nothing when empty). A slice takes its model's.
   void set_grads_done(std::function<void(GradsDone)> fn) { grads_done_ = std::move(fn); }
   // Seconds this model spent in tensor-parallel all-reduces (communication), accumulated.
   double tp_seconds() const { return tp_seconds_; }

@@ -53,13 +53,18 @@ struct TrainOptions {
   std::string pingpong = "auto";
   // How a ping-pong step's transfers advance while the rank computes (MPI moves data only inside
   // MPI calls): "none", only when the schedule finishes a communication; "poll", between the
-  // GEMMs of the model's phases; "thread", a progress thread polling every 50 us.
+  // GEMMs of the model's phases; "thread", a progress thread polling every
+  // progress_interval_us (each poll wakes it, and on a machine without a spare core takes the
+  // core from compute: fewer polls cost less and still keep a slow link busy).
   std::string progress = "poll";
-  // The data-parallel gradient all-reduce: "overlap" posts each block's (the head's, each
-  // layer's, the embedding's; grad_sync.h) as soon as the backward has finished it, so that it
-  // moves during the backward of the layers below (advanced as `progress` says); "after", one
-  // all-reduce of every gradient after the backward. The sums are the same. With tp > 1 the
-  // shared key/value heads' gradients are summed after the backward, so the sync runs after too.
+  int64_t progress_interval_us = 50;
+  // The data-parallel gradient all-reduce: "overlap" sums each block's (the head's, each
+  // layer's two, the embedding's; grad_sync.h) once the backward has finished it, so that it
+  // moves during the backward of the layers below (advanced as `progress` says): with ping-pong
+  // paced, in slices posted right after each backward attention exchange (queued behind it on
+  // the link, not ahead of the next); "eager", each block's at once; "after", one all-reduce of
+  // every gradient after the backward. The sums are the same. With tp > 1 the shared key/value
+  // heads' gradients are summed after the backward, so the sync runs after too.
   std::string grad_sync = "overlap";
   // Benchmarks: the attention's dispatch and return over an emulated link of this latency and
   // bandwidth (comm/emulated_link.h) over the data-parallel group; unset: that group itself.
