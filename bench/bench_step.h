@@ -40,7 +40,7 @@ struct StepBenchOptions {
   double latency_us = 20;
   std::string backward_mode = "stateful";
   std::string progress = "poll";  // how transfers advance while a rank computes: none | poll | thread
-  int64_t progress_interval_us = 50;  // with progress "thread": between its polls
+  int64_t progress_interval_us = 1000;  // with progress "thread": between its polls
   std::string grad_sync = "overlap";  // the gradient all-reduce: overlap | eager | after (model::TrainOptions)
 };
 

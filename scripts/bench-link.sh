@@ -16,7 +16,8 @@
 #     of a step have nothing to hide behind: few layers, more of them).
 #
 #   scripts/bench-link.sh [--rates 0.1,0.3,1] [--rounds 3] [--steps 4] [--preset demo|tiny] [--layers N]
-#                         [--progress poll|thread|none] [--progress-interval-us N] [--grad-sync overlap|eager|after] [--json F]
+#                         [--progress poll|thread|none] [--progress-interval-us N] [--grad-sync overlap|eager|after]
+#                         [--rate-mbit N (part 2's rate, not calibrated: runs to compare at one rate)] [--json F]
 #
 # Every flag is checked before any host is made: a bad one is one line on stderr, exit 2. Needs
 # root (network namespaces); exits 77 where they cannot be made. The hosts are removed at the
@@ -26,8 +27,8 @@ caller_pwd="$(pwd)"
 cd "$(dirname "$0")/.."
 root="$(pwd)"
 
-rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"; layers=0; grad_sync="overlap"; interval_us=50
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }  # the header above
+rates="0.1,0.3,1"; rounds=3; steps=4; json_out=""; preset="demo"; progress="poll"; layers=0; grad_sync="overlap"; interval_us=1000; fixed_rate=""
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }  # the header above
 die() { echo "bench-link.sh: $*" >&2; exit 2; }
 need_arg() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (--help)"; }
 while [ $# -gt 0 ]; do
@@ -41,6 +42,7 @@ while [ $# -gt 0 ]; do
     --progress) need_arg "$@"; progress="$2"; shift 2 ;;
     --grad-sync) need_arg "$@"; grad_sync="$2"; shift 2 ;;
     --progress-interval-us) need_arg "$@"; interval_us="$2"; shift 2 ;;
+    --rate-mbit) need_arg "$@"; fixed_rate="$2"; shift 2 ;;
     --json) need_arg "$@"; json_out="$2"; shift 2 ;;
     --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;;
     *) die "unknown option '$1' (--help)" ;;
@@ -60,6 +62,8 @@ done
 [[ "$grad_sync" =~ ^(overlap|eager|after)$ ]] || die "--grad-sync must be overlap, eager or after (got '$grad_sync')"
 [[ "$interval_us" =~ ^[1-9][0-9]{1,5}$ ]] && [ "$interval_us" -le 100000 ] ||
   die "--progress-interval-us must be 10..100000 (got '$interval_us')"
+[ -z "$fixed_rate" ] || { [[ "$fixed_rate" =~ ^[1-9][0-9]{0,5}$ ]] && [ "$fixed_rate" -le 100000 ]; } ||
+  die "--rate-mbit must be 1..100000 Mbit/s (got '$fixed_rate')"
 if [ -n "$json_out" ]; then  # written at the very end: a path that cannot be written would lose the run
   case "$json_out" in /*) ;; *) json_out="$caller_pwd/$json_out" ;; esac
   [ ! -d "$json_out" ] || die "--json $json_out is a folder, not a file"
@@ -103,6 +107,10 @@ done
 hosts shape --clear >&2
 
 # 2. Ping-pong: calibrate on the unshaped link, then alternate shaped and unshaped runs.
+if [ -n "$fixed_rate" ]; then
+  rate_mbit="$fixed_rate"
+  say "shaped rate: ${rate_mbit} Mbit/s (--rate-mbit)"
+else
 say "calibration: bench step over the unshaped link"
 run2 "$distca" bench step --link off --preset "$preset" --layers "$layers" --steps 2 --json > "$work/cal.json"
 rate_mbit="$(python3 - "$work/cal.json" <<'EOF'
@@ -114,6 +122,7 @@ print(f"{max(1.0, 8 * per_rank / linear / 1e6):.0f}")
 EOF
 )"
 say "shaped rate: ${rate_mbit} Mbit/s (a step's attention bytes per rank / its linear seconds)"
+fi
 for k in $(seq 1 "$rounds"); do
   hosts shape --rate "${rate_mbit}mbit" >&2
   say "round $k/$rounds: shaped"

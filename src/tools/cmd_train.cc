@@ -48,7 +48,7 @@ struct TrainArgs {
   std::string pingpong = "auto";
   std::string progress = "poll";
   std::string grad_sync = "overlap";
-  int64_t progress_interval_us = 50;
+  int64_t progress_interval_us = 1000;
   int threads = 1;
   int64_t granularity = 0;
   double tolerance = 0.05;

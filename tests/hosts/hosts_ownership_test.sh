@@ -214,6 +214,7 @@ else
   bad_args benchlink.rates-no-value dbl "$bench_link" --rates
   bad_args benchlink.grad-sync dbl "$bench_link" --grad-sync sometimes
   bad_args benchlink.interval-too-short dbl "$bench_link" --progress thread --progress-interval-us 5
+  bad_args benchlink.rate-mbit-0 dbl "$bench_link" --rate-mbit 0
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then

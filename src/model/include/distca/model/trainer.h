@@ -55,9 +55,11 @@ struct TrainOptions {
   // MPI calls): "none", only when the schedule finishes a communication; "poll", between the
   // GEMMs of the model's phases; "thread", a progress thread polling every
   // progress_interval_us (each poll wakes it, and on a machine without a spare core takes the
-  // core from compute: fewer polls cost less and still keep a slow link busy).
+  // core from compute; 1 ms keeps a slow link busy through 4 MB socket buffers: on the demo over
+  // a 160 Mbit/s link its step was faster shaped and unshaped than at 50 us or 5 ms,
+  // reports/cpu/2026-11-27-grad-sync).
   std::string progress = "poll";
-  int64_t progress_interval_us = 50;
+  int64_t progress_interval_us = 1000;
   // The data-parallel gradient all-reduce: "overlap" sums each block's (the head's, each
   // layer's two, the embedding's; grad_sync.h) once the backward has finished it, so that it
   // moves during the backward of the layers below (advanced as `progress` says): with ping-pong
