@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 aarch64_args=(--quick)
-fuzz_args=()
+fuzz_args=(--seconds 5)
 case "${1:-}" in
   "") ;;
   --long)

@@ -11,8 +11,8 @@
 #      3's checkpoint; resumed on the 2 hosts, steps 4-6 equal the uninterrupted local run's
 #   d  a host's rank killed: the job ends within 30 s, non-zero, nothing left on the hosts
 #   c  a host's link dropped mid-run: the job ends within 30 s, non-zero, with a line naming the
-#      lost host, nothing left; with the default --timeout and with --timeout 3 (distca's own
-#      timeout firing before Open MPI notices the lost daemon)
+#      lost host, nothing left; with the default --timeout, and in the soak run
+#      (DISTCA_TEST_LONG=1) also with --timeout 3
 # Hosts: prefix dct, subnet 10.78.0 (not the default distca-h / 10.77.0, so a user's hosts are
 # left alone), files in a temporary folder under the build tree; always removed on exit.
 set -Eeuo pipefail
@@ -346,7 +346,9 @@ case_c() {  # case_c NAME [DISTCA ARGS]
   hs link-up 1 >/dev/null
 }
 case_c c.link-down
-case_c c.link-down-timeout3 --timeout 3
+# distca's own short timeout: Open MPI's lost-daemon detection still ends the job first (about 11
+# s), so the case repeats the one above; the soak run keeps it (scripts/test.sh --long).
+if [ "${DISTCA_TEST_LONG:-0}" = 1 ]; then case_c c.link-down-timeout3 --timeout 3; fi
 
 # ---- the end -----------------------------------------------------------------------------------
 down_rc=0

@@ -69,7 +69,7 @@ double mean_loss(const std::vector<StepRecord>& rs, const std::string& backend, 
 // minbytes cuts a long document into key-range split blocks; the owners merge the partial
 // outputs by the LSE rule. Training on such plans gives the colocated curve.
 TEST(Train, KeySplitPlansGiveTheColocatedLossCurve) {
-  const int64_t steps = distca::testing::soak<int64_t>(12, 20);
+  const int64_t steps = distca::testing::soak<int64_t>(6, 20);
   for (int ranks : {2, 3}) {
     for (const auto mode : {plan::BackwardMode::kStateful, plan::BackwardMode::kStateless}) {
       SCOPED_TRACE(fmt::format("{} ranks, {}", ranks, plan::backward_mode_name(mode)));
