@@ -73,7 +73,7 @@ trap 'kill_tree "$deps_pid"; kill_tree "$background_pid"' EXIT
 part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
 # The Python package's tests (pytest, on every core: pytest-xdist), after the C++ suite: they compare
 # with the distca binary.
-part pytest .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" python/tests
+part pytest .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" --dist loadgroup python/tests
 background() {  # what is left of the background work, then its output
   local rc=0
   wait "$background_pid" || rc=$?

@@ -22,6 +22,9 @@ import distca  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
 from torch_cases import HKV, HQ, D, MODEL  # noqa: E402
 
+# The module's fixture starts ranks once; its tests share one pytest-xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("torch_agreement")
+
 GROUP_TIMEOUT_S = 20
 SECONDS = 10        # every rank must have raised within this (the group's timeout is twice it)
 CU = [0, 64, 100]   # every rank's documents in the cases below

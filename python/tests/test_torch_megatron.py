@@ -17,6 +17,9 @@ pytest.importorskip("megatron.core")   # scripts/install-python.sh installs it (
 import megatron_cases as mc  # noqa: E402
 from distca.torch import run_ranks  # noqa: E402
 
+# The module's fixture starts ranks once; its tests share one pytest-xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("torch_megatron")
+
 TOL = 1e-5
 
 

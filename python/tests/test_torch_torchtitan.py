@@ -16,6 +16,9 @@ pytest.importorskip("torchtitan.models.llama3")
 from distca.torch.spawn import run_ranks  # noqa: E402
 from torchtitan_cases import STEPS, one_process_worker, two_rank_worker  # noqa: E402
 
+# The module's fixture starts ranks once; its tests share one pytest-xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("torch_torchtitan")
+
 TOLERANCE = 1e-5
 
 

@@ -10,6 +10,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
+#include <tuple>
 #include <random>
 #include <vector>
 
@@ -84,6 +87,99 @@ TEST(CudaSchedule, BackwardItemsCoverEveryKeyOfEveryTaskOnceWithTheFirstQueryTha
   EXPECT_EQ(keys, 1 + 70 + 130 + 64 + 0 + 300);
   for (size_t i = 1; i < items.size(); ++i) {
     EXPECT_GE(items[i - 1].q_len - items[i - 1].q_begin, items[i].q_len - items[i].q_begin) << "item " << i;
+  }
+}
+
+// The walk of the K/V-owning backward (hopper_bwd.cuh) over a schedule: for every item, every
+// entry, every query from q_begin, every tile row the entry reads. Each (task, query, key) pair the
+// task's mask lets through must be visited exactly once, and no pair the mask stops; the tiles must
+// be disjoint and hold every K/V row a task with queries reads.
+void check_kv_tile_schedule(const std::vector<AttnTask>& tasks, int block_n) {
+  const cuda::KvTileSchedule s = cuda::kv_tile_schedule(tasks, block_n);
+  std::map<int64_t, const AttnTask*> by_q_row;  // the tests' tasks have distinct first Q rows
+  std::map<int64_t, int> tile_of_row;
+  for (const AttnTask& t : tasks) {
+    if (t.q_len > 0 && t.kv_len > 0) by_q_row[t.q_offset] = &t;
+  }
+  std::map<std::tuple<int64_t, int64_t, int64_t>, int> visits;  // (task's Q row, query, key)
+  for (size_t n = 0; n < s.items.size(); ++n) {
+    const cuda::KvTileItem& it = s.items[n];
+    ASSERT_GE(it.rows, 1);
+    ASSERT_LE(it.rows, block_n);
+    for (int r = 0; r < it.rows; ++r) {
+      ASSERT_TRUE(tile_of_row.emplace(it.kv_row + r, static_cast<int>(n)).second) << "K/V row " << it.kv_row + r << " in two tiles";
+    }
+    int64_t queries = 0;
+    for (int x = it.first_entry; x < it.first_entry + it.num_entries; ++x) {
+      const cuda::KvTileEntry& e = s.entries[static_cast<size_t>(x)];
+      const auto found = by_q_row.find(e.q_row);
+      ASSERT_NE(found, by_q_row.end()) << "an entry of no task";
+      const AttnTask& t = *found->second;
+      ASSERT_EQ(t.kv_offset, it.kv_row - e.key0);
+      ASSERT_LE(0, e.col_begin);
+      ASSERT_LT(e.col_begin, e.col_end);
+      ASSERT_LE(e.col_end, it.rows);
+      const int64_t shift = t.kv_len - t.q_len;
+      bool begin_sees = false, before_sees = false;
+      for (int c = e.col_begin; c < e.col_end; ++c) {
+        const int64_t key = e.key0 + c;
+        ASSERT_TRUE(key >= 0 && key < t.kv_len) << "a tile row outside the task's keys";
+        begin_sees = begin_sees || !t.is_causal || key <= e.q_begin + shift;
+        before_sees = before_sees || (e.q_begin > 0 && (!t.is_causal || key <= e.q_begin - 1 + shift));
+        for (int64_t i = e.q_begin; i < t.q_len; ++i) {
+          if (!t.is_causal || key <= i + shift) ++visits[{t.q_offset, i, key}];
+        }
+      }
+      EXPECT_TRUE(begin_sees) << "q_begin sees no key of the entry";
+      EXPECT_FALSE(before_sees) << "a query before q_begin sees a key of the entry";
+      queries += t.q_len - e.q_begin;
+    }
+    EXPECT_EQ(it.queries, queries);
+    if (n > 0) {
+      EXPECT_GE(s.items[n - 1].queries, it.queries) << "not heaviest first at item " << n;
+    }
+  }
+  int64_t pairs = 0;
+  for (const AttnTask& t : tasks) {
+    if (t.q_len == 0 || t.kv_len == 0) continue;
+    for (int64_t j = 0; j < t.kv_len; ++j) ASSERT_TRUE(tile_of_row.count(t.kv_offset + j)) << "K/V row in no tile";
+    for (int64_t i = 0; i < t.q_len; ++i) {
+      const int64_t last = t.is_causal ? std::min(i + t.kv_len - t.q_len, t.kv_len - 1) : t.kv_len - 1;
+      for (int64_t j = 0; j <= last; ++j) {
+        ASSERT_EQ((visits[{t.q_offset, i, j}]), 1) << "task at Q row " << t.q_offset << ", query " << i << ", key " << j;
+        ++pairs;
+      }
+    }
+  }
+  EXPECT_EQ(static_cast<int64_t>(visits.size()), pairs) << "visits of pairs no task has";
+}
+
+TEST(CudaSchedule, KvTilesVisitEveryQueryKeyPairOnceAndNeverOverlap) {
+  check_kv_tile_schedule(mixed_tasks(), 64);
+  // The mixed tasks' K/V runs: the 1-token document, the 130 rows the two shards share (3 tiles,
+  // the first two read by both shards), the key-split piece's 64 rows, the 300-row document.
+  const cuda::KvTileSchedule s = cuda::kv_tile_schedule(mixed_tasks(), 64);
+  EXPECT_EQ(s.items.size(), 1u + 3u + 1u + 5u);
+  const auto shared = std::find_if(s.items.begin(), s.items.end(), [](const cuda::KvTileItem& it) { return it.kv_row == 1; });
+  ASSERT_NE(shared, s.items.end());
+  EXPECT_EQ(shared->num_entries, 2);
+  std::mt19937_64 rng(29);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<int64_t> docs;
+    for (int i = 0, n = 1 + static_cast<int>(rng() % 4); i < n; ++i) docs.push_back(1 + static_cast<int64_t>(rng() % 200));
+    testing::TaskSet set = testing::shard_documents(rng, docs, 1 + static_cast<int64_t>(rng() % 80), 2, 1, 64, trial % 3);
+    // Key-split pieces: new query rows against a sub-range of keys anywhere in the K/V rows, causal
+    // or not, and a task without queries.
+    for (int i = 0; i < 3; ++i) {
+      const int64_t begin = static_cast<int64_t>(rng() % static_cast<uint64_t>(set.dims.num_kv_rows));
+      const int64_t len = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(set.dims.num_kv_rows - begin));
+      const int64_t q = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(std::min<int64_t>(len, 50)));
+      set.tasks.push_back({set.dims.num_q_rows, q, begin, len, i != 1});
+      set.dims.num_q_rows += q;
+    }
+    set.tasks.push_back({set.dims.num_q_rows, 0, 0, set.dims.num_kv_rows, true});
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    check_kv_tile_schedule(set.tasks, trial % 2 ? 64 : 16);
   }
 }
 
@@ -399,13 +495,15 @@ GradBounds grad_bounds(const Problem& pr, const std::vector<float>& q, const std
   return b;
 }
 
-// The backward through the sm_90a tile algorithm (hopper_bwd.cuh): the same items and sums as the
-// sm_80 kernel's, TMA views with 64 x 64 boxes, one emulated block of 256 threads an item and head.
+// The backward through the sm_90a tile algorithm (hopper_bwd.cuh): K/V tiles from
+// kv_tile_schedule, the sm_80 kernel's sums, TMA views with 64 x 64 boxes, one emulated block of 256
+// threads a tile and K/V head.
 template <int D, typename Elt>
 void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                              const uint16_t* d_o, const std::vector<float>& lse, const std::vector<float>& delta,
-                             const std::vector<cuda::BwdItem>& items, std::vector<float>& dq_acc,
-                             std::vector<float>& dk_acc, std::vector<float>& dv_acc, float scale) {
+                             std::vector<float>& dq_acc, std::vector<float>& dk_acc, std::vector<float>& dv_acc,
+                             float scale) {
+  const cuda::KvTileSchedule schedule = cuda::kv_tile_schedule(pr.tasks, cuda::HopperBwdShape<D>::kBlockN);
   using Shape = cuda::HopperBwdShape<D>;
   auto view = [](const uint16_t* base, int64_t rows, int64_t heads) { return tma_view(base, rows, heads * D, 64); };
   cuda::HopperBwdParams p;
@@ -418,13 +516,14 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
   p.dq_acc = dq_acc.data();
   p.dk_acc = dk_acc.data();
   p.dv_acc = dv_acc.data();
-  p.items = items.data();
-  p.num_items = static_cast<int64_t>(items.size());
+  p.items = schedule.items.data();
+  p.entries = schedule.entries.data();
+  p.num_items = static_cast<int64_t>(schedule.items.size());
   p.num_q_heads = static_cast<int>(pr.dims.num_q_heads);
   p.num_kv_heads = static_cast<int>(pr.dims.num_kv_heads);
   p.scale_log2 = scale * 1.4426950408889634f;
   Smem smem(Shape::kSmemBytes + 1024);
-  for (int64_t work = 0; work < p.num_items * p.num_q_heads; ++work) {
+  for (int64_t work = 0; work < p.num_items * p.num_kv_heads; ++work) {
     char* raw = smem.fresh();
     char* s = raw + (1024 - reinterpret_cast<uintptr_t>(raw) % 1024) % 1024;
     const std::string error = run_adversarially(work, [&] {
@@ -437,11 +536,21 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
 
 template <int D, typename Elt, bool kHopper = false>
 void check_backward() {
-  // The sm_90a kernel walks queries 64 at a time through a two-stage ring.
+  // The sm_90a kernel walks queries 64 at a time through a two-stage ring, over K/V tiles that
+  // several tasks read.
   Problem pr = mixed_problem(D);
-  if (kHopper) {  // and a whole 300-token document: 5 query tiles, the ring taken round more than twice
-    pr.tasks.push_back({pr.dims.num_q_rows, 300, pr.dims.num_kv_rows, 300, true});
-    pr.dims.num_q_rows += 300;
+  if (kHopper) {
+    // A 300-token document in shards of 77 rows sharing its K/V (a tile read by up to 4 shards, the
+    // ring taken round many times), and a causal key-split piece of 30 queries over its keys 50..249
+    // (its tiles start inside the document's).
+    const int64_t doc = pr.dims.num_kv_rows;
+    for (int64_t at = 0; at < 300; at += 77) {
+      const int64_t rows = std::min<int64_t>(77, 300 - at);
+      pr.tasks.push_back({pr.dims.num_q_rows, rows, doc, at + rows, true});
+      pr.dims.num_q_rows += rows;
+    }
+    pr.tasks.push_back({pr.dims.num_q_rows, 30, doc + 50, 200, true});
+    pr.dims.num_q_rows += 30;
     pr.dims.num_kv_rows += 300;
   }
   const AttnDims& d = pr.dims;
@@ -479,11 +588,11 @@ void check_backward() {
     delta[r] = sum;
   }
   std::vector<float> dq_acc(q.values.size(), 0.f), dk_acc(k.values.size(), 0.f), dv_acc(v.values.size(), 0.f);
-  const std::vector<cuda::BwdItem> items = cuda::bwd_schedule(pr.tasks, kCudaBwdBlockN);
   if constexpr (kHopper) {
-    emulate_backward_hopper<D, Elt>(pr, q.bits.data(), k.bits.data(), v.bits.data(), d_o.bits.data(), lse, delta, items,
+    emulate_backward_hopper<D, Elt>(pr, q.bits.data(), k.bits.data(), v.bits.data(), d_o.bits.data(), lse, delta,
                                     dq_acc, dk_acc, dv_acc, scale);
   } else {
+  const std::vector<cuda::BwdItem> items = cuda::bwd_schedule(pr.tasks, kCudaBwdBlockN);
   cuda::BwdKernelParams p;
   p.q = q.bits.data();
   p.k = k.bits.data();

@@ -25,12 +25,13 @@ namespace {
 using cuda::BwdItem;
 using cuda::BwdKernelParams;
 using cuda::FwdItem;
+using cuda::KvTileEntry;
+using cuda::KvTileItem;
 using cuda::FwdKernelParams;
 using cuda::Scratch;
 
 static_assert(cuda::FwdShape<128>::kBlockM == kCudaFwdBlockM && cuda::FwdShape<128>::kBlockN == kCudaFwdBlockN);
 static_assert(cuda::BwdShape<128>::kBlockN == kCudaBwdBlockN && cuda::BwdShape<128>::kBlockM == kCudaBwdBlockM);
-static_assert(cuda::kHopperBwdBlockN == kCudaBwdBlockN, "the sm_90a backward takes the sm_80 backward's items");
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -161,7 +162,10 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
   const int64_t q_elems = d.num_q_rows * d.num_q_heads * d.head_dim;
   const int64_t kv_elems = d.num_kv_rows * d.num_kv_heads * d.head_dim;
   const int64_t rows_heads = d.num_q_rows * d.num_q_heads;
-  const std::vector<BwdItem> items = cuda::bwd_schedule(a.tasks, kCudaBwdBlockN);
+  // sm_90a: K/V tiles that own their dK/dV rows; sm_80: a task's key tiles, one block a query head.
+  const std::vector<BwdItem> items = state_->hopper ? std::vector<BwdItem>{} : cuda::bwd_schedule(a.tasks, kCudaBwdBlockN);
+  const cuda::KvTileSchedule kv_tiles =
+      state_->hopper ? cuda::kv_tile_schedule(a.tasks, cuda::kHopperBwdBlockN) : cuda::KvTileSchedule{};
   if (Status st = check_grid(static_cast<int64_t>(items.size()), d.num_q_heads); !st.is_ok()) return st;
   CudaDeviceScope scope(state_->device);
   if (!scope.status().is_ok()) return scope.status();
@@ -189,32 +193,37 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_delta(static_cast<const uint16_t*>(a.d_o), static_cast<const uint16_t*>(a.o), a.d_lse,
                                        delta.value(), rows_heads, static_cast<int>(d.head_dim), is_bf16, stream));
   }
+  if (!kv_tiles.items.empty()) {
+    Result<const KvTileItem*> device_items = scratch.upload(kv_tiles.items);
+    if (!device_items.is_ok()) return device_items.status();
+    Result<const KvTileEntry*> device_entries = scratch.upload(kv_tiles.entries);
+    if (!device_entries.is_ok()) return device_entries.status();
+    cuda::HopperBwdLaunch l;
+    l.q = a.q;
+    l.k = a.k;
+    l.v = a.v;
+    l.d_o = a.d_o;
+    l.lse = a.lse;
+    l.delta = delta.value();
+    l.dq_acc = dq_acc.value();
+    l.dk_acc = dk_acc;
+    l.dv_acc = dv_acc;
+    l.items = device_items.value();
+    l.entries = device_entries.value();
+    l.num_items = static_cast<int64_t>(kv_tiles.items.size());
+    l.num_q_rows = d.num_q_rows;
+    l.num_kv_rows = d.num_kv_rows;
+    l.num_q_heads = static_cast<int>(d.num_q_heads);
+    l.num_kv_heads = static_cast<int>(d.num_kv_heads);
+    l.head_dim = static_cast<int>(d.head_dim);
+    l.is_bf16 = is_bf16;
+    l.scale_log2 = scale * kLog2e;
+    l.num_sms = state_->num_sms;
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_bwd(l, stream));
+  }
   if (!items.empty()) {
     Result<const BwdItem*> device_items = scratch.upload(items);
     if (!device_items.is_ok()) return device_items.status();
-    if (state_->hopper) {
-      cuda::HopperBwdLaunch l;
-      l.q = a.q;
-      l.k = a.k;
-      l.v = a.v;
-      l.d_o = a.d_o;
-      l.lse = a.lse;
-      l.delta = delta.value();
-      l.dq_acc = dq_acc.value();
-      l.dk_acc = dk_acc;
-      l.dv_acc = dv_acc;
-      l.items = device_items.value();
-      l.num_items = static_cast<int64_t>(items.size());
-      l.num_q_rows = d.num_q_rows;
-      l.num_kv_rows = d.num_kv_rows;
-      l.num_q_heads = static_cast<int>(d.num_q_heads);
-      l.num_kv_heads = static_cast<int>(d.num_kv_heads);
-      l.head_dim = static_cast<int>(d.head_dim);
-      l.is_bf16 = is_bf16;
-      l.scale_log2 = scale * kLog2e;
-      l.num_sms = state_->num_sms;
-      DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_bwd(l, stream));
-    } else {
     BwdKernelParams p;
     p.q = static_cast<const uint16_t*>(a.q);
     p.k = static_cast<const uint16_t*>(a.k);
@@ -231,7 +240,6 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     p.num_kv_heads = static_cast<int>(d.num_kv_heads);
     p.scale_log2 = scale * kLog2e;
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_bwd(p, static_cast<int>(d.head_dim), is_bf16, p.num_items * d.num_q_heads, stream));
-    }
   }
   // Round the sums once: dQ and dK carry the softmax scale, dV none.
   if (q_elems > 0) {

@@ -21,22 +21,26 @@ namespace {
 static_assert(sizeof(CUtensorMap) == sizeof(TmaDesc) && alignof(CUtensorMap) <= alignof(TmaDesc));
 static_assert(HopperFwdShape<64>::kBlockM == kHopperFwdBlockM && HopperFwdShape<128>::kBlockM == kHopperFwdBlockM);
 static_assert(HopperBwdShape<64>::kBlockN == kHopperBwdBlockN && HopperBwdShape<128>::kBlockN == kHopperBwdBlockN);
+static_assert(HopperBwdShape<64>::kBlockM == HopperBwdShape<128>::kBlockM);
 
 // What a persistent kernel runs: the block function of one pass, its parameters and shape.
 template <int D, typename Elt>
 struct FwdPass {
   using Params = HopperFwdParams;
   using Shape = HopperFwdShape<D>;
+  static DISTCA_HOST_DEVICE int64_t work_items(const Params& p) { return p.num_items * p.num_q_heads; }
   static DISTCA_DEV void block(const Params& p, char* smem, int64_t work) { hopper_fwd_block<D, Elt>(p, smem, work); }
 };
 template <int D, typename Elt>
 struct BwdPass {
   using Params = HopperBwdParams;
   using Shape = HopperBwdShape<D>;
+  static DISTCA_HOST_DEVICE int64_t work_items(const Params& p) { return p.num_items * p.num_kv_heads; }
   static DISTCA_DEV void block(const Params& p, char* smem, int64_t work) { hopper_bwd_block<D, Elt>(p, smem, work); }
 };
 
-// One block per SM walks the (item, head) pairs; the next item initialises the barriers again.
+// One block per SM walks the (item, head) pairs (a forward item per query head, a backward K/V tile
+// per K/V head); the next item initialises the barriers again.
 template <typename Pass>
 __global__ void __launch_bounds__(Pass::Shape::kThreads, 1)
     hopper_kernel(const __grid_constant__ typename Pass::Params p) {
@@ -45,7 +49,7 @@ __global__ void __launch_bounds__(Pass::Shape::kThreads, 1)
   // The 128-byte swizzle's pattern repeats every 1024 bytes: tiles start on such a boundary.
   const uint32_t base = smem_address(smem_raw);
   char* smem = smem_raw + ((1024 - base % 1024) % 1024);
-  const int64_t work_items = p.num_items * p.num_q_heads;
+  const int64_t work_items = Pass::work_items(p);
   for (int64_t work = blockIdx.x; work < work_items; work += gridDim.x) {
     Pass::block(p, smem, work);
     __syncthreads();
@@ -59,7 +63,7 @@ cudaError_t launch_pass(const typename Pass::Params& p, int sms, cudaStream_t st
   static const cudaError_t allowed =
       cudaFuncSetAttribute(hopper_kernel<Pass>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (allowed != cudaSuccess) return allowed;
-  const int64_t work_items = p.num_items * p.num_q_heads;
+  const int64_t work_items = Pass::work_items(p);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(work_items, std::max(sms, 1)));
   hopper_kernel<Pass><<<blocks, Pass::Shape::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
@@ -134,6 +138,7 @@ cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
   p.dk_acc = l.dk_acc;
   p.dv_acc = l.dv_acc;
   p.items = l.items;
+  p.entries = l.entries;
   p.num_items = l.num_items;
   p.num_q_heads = l.num_q_heads;
   p.num_kv_heads = l.num_kv_heads;

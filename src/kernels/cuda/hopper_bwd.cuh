@@ -1,25 +1,29 @@
-// The sm_90a backward tile algorithm over a CA-task list, in hopper.cuh's primitives: one block of
-// two warpgroups serves one schedule item (a 64-key tile of a task, bwd_schedule(tasks, 64), as the
-// sm_80 kernel's) for one query head, and walks the task's query rows that see those keys, 64 at a
-// time.
+// The sm_90a backward tile algorithm over a CA-task list, in hopper.cuh's primitives. It owns K/V
+// tiles: one block of two warpgroups serves one schedule item (a 64-row tile of the K/V rows the
+// tasks read, kv_tile_schedule(tasks, 64)) for one K/V head, and walks, for every query head of the
+// head's group and every task that reads the tile (the item's entries), the task's query rows that
+// see those keys, 64 at a time. The shards of one document read the same K/V tiles, so their dK
+// and dV sum in the block's registers and are stored once: no atomics on dK/dV, and no dK/dV
+// scratch per task.
 //
-//   - Warpgroup 0 is the producer: its first thread loads the item's K and V tiles once, then the
-//     query tiles' Q and dO by TMA into a two-stage ring (128-byte swizzle), behind "full" and
-//     "empty" mbarriers.
+//   - Warpgroup 0 is the producer: its first thread loads the tile's K and V once, then the query
+//     tiles' Q and dO by TMA into a two-stage ring (128-byte swizzle), behind "full" and "empty"
+//     mbarriers.
 //   - Warpgroup 1 computes, per query tile:
 //     - S = Q K^T and dP = dO V^T by wgmma from shared memory;
-//     - P = exp2(S scale log2(e) - LSE log2(e)), masked, and dS = P (dP - delta) in registers;
+//     - P = exp2(S scale log2(e) - LSE log2(e)), masked (the entry's tile rows, and causal), and
+//       dS = P (dP - delta) in registers;
 //     - P^T and dS^T go to shared memory (K-major, swizzled), where they are the A operands of
 //       dV += P^T dO and dK += dS^T Q (dO and Q read MN-major). dV and dK stay in fp32 registers
 //       for the whole walk;
 //     - dQ += dS K with dS straight from the registers, in 64-column halves of D, added to the fp32
-//       sums (atomics).
-//   - At the end, dK and dV are added to their fp32 sums (atomics: tasks sharing K/V rows add into
-//     the same rows).
+//       sums (atomics: every K/V tile a query sees adds to its row).
+//   - At the end, dK and dV of the tile's rows are stored into the fp32 sums (the tiles never
+//     overlap, so each row has one writer).
 //
 // Inputs and outputs are the sm_80 kernel's (flash_bwd.cuh): lse (natural log), delta =
-// rowsum(dO O) - dLSE, zeroed fp32 sums dq_acc, dk_acc and dv_acc; the softmax scale of dQ and dK is
-// applied when the sums are rounded.
+// rowsum(dO O) - dLSE, zeroed fp32 sums dq_acc, dk_acc and dv_acc (rows no task reads stay zero);
+// the softmax scale of dQ and dK is applied when the sums are rounded.
 //
 // Shared memory, 1024-byte aligned: the barriers, K and V (64 keys), two stages of Q and dO
 // (64 rows), then P^T and dS^T (64 keys x 64 queries, one 128-byte row a key). Every tile of D
@@ -40,7 +44,8 @@ struct HopperBwdParams {
   float* dq_acc = nullptr;                  // [Tq, Hq, D]
   float* dk_acc = nullptr;                  // [Tkv, Hkv, D]
   float* dv_acc = nullptr;
-  const BwdItem* items = nullptr;           // bwd_schedule(tasks, HopperBwdShape::kBlockN)
+  const KvTileItem* items = nullptr;        // kv_tile_schedule(tasks, HopperBwdShape::kBlockN)
+  const KvTileEntry* entries = nullptr;
   int64_t num_items = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
@@ -49,7 +54,7 @@ struct HopperBwdParams {
 
 template <int D>
 struct HopperBwdShape {
-  static constexpr int kBlockN = 64;    // keys an item
+  static constexpr int kBlockN = 64;    // K/V rows an item
   static constexpr int kBlockM = 64;    // query rows a step
   static constexpr int kThreads = 256;  // producer + one compute warpgroup
   static constexpr int kBoxes = D / 64;
@@ -69,6 +74,21 @@ struct HopperBwdBarriers {
   uint64_t q_full[2], q_empty[2];
 };
 
+// A position in the walk over one K/V tile: query head g of the K/V head's group, the item's entry
+// x, query tile `tile` of that entry (64 rows from its q_begin). The producer and the consumer walk
+// in the same order: per half of dK/dV, heads, then entries, then query tiles.
+struct KvTileWalk {
+  int g = 0, x = 0, tile = 0;
+};
+DISTCA_DEV int query_tiles(const KvTileEntry& e, int block_m) { return (e.q_len - e.q_begin + block_m - 1) / block_m; }
+DISTCA_DEV void walk_next(KvTileWalk& at, const KvTileEntry* entries, int num_entries, int block_m) {
+  if (++at.tile < query_tiles(entries[at.x], block_m)) return;
+  at.tile = 0;
+  if (++at.x < num_entries) return;
+  at.x = 0;
+  ++at.g;
+}
+
 // The byte offset of element (row, col) of a 64 x 64 tile of 16-bit elements stored K-major with
 // 128-byte rows under the 128-byte swizzle (the tile 1024-byte aligned).
 DISTCA_DEV uint32_t swizzled_64x64(uint32_t tile, int row, int col) {
@@ -79,9 +99,13 @@ template <int D, typename Elt>
 DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t work) {
   using S = HopperBwdShape<D>;
   constexpr float kLog2e = 1.4426950408889634f;
-  const BwdItem item = p.items[work / p.num_q_heads];
-  const int h = static_cast<int>(work % p.num_q_heads);
-  const int hk = h / (p.num_q_heads / p.num_kv_heads);
+  const KvTileItem item = p.items[work / p.num_kv_heads];
+  const int hk = static_cast<int>(work % p.num_kv_heads);
+  const int heads = p.num_q_heads / p.num_kv_heads;  // the query heads of K/V head hk: hk heads + g
+  const KvTileEntry* entries = p.entries + item.first_entry;
+  int64_t walk_steps = 0;  // query tiles of one walk
+  for (int x = 0; x < item.num_entries; ++x) walk_steps += query_tiles(entries[x], S::kBlockM);
+  walk_steps *= heads;
   auto* bars = reinterpret_cast<HopperBwdBarriers*>(smem);
   char* sk = smem + S::kKOffset;
   char* sv = smem + S::kVOffset;
@@ -89,7 +113,6 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
   auto sdo = [&](int stage) { return sq(stage) + S::kTileBytes; };
   char* spt = smem + S::kPtOffset;
   char* sdst = smem + S::kDstOffset;
-  const int num_tiles = (item.q_len - item.q_begin + S::kBlockM - 1) / S::kBlockM;
   const int tid = thread_index(), group = warpgroup_index();
 
   if (tid == 0) {
@@ -104,16 +127,20 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
 
   if (group == 0) {  // the producer
     if (tid == 0) {
-      const int q_col = h * D, kv_col = hk * D;
+      const int kv_col = hk * D;
       mbarrier_arrive_expect_tx(&bars->kv_full, 2 * S::kTileBytes);
       for (int c = 0; c < S::kBoxes; ++c) {
         tma_load_2d(sk + c * S::kBoxBytes, &p.k_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
         tma_load_2d(sv + c * S::kBoxBytes, &p.v_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
       }
-      for (int step = 0; step < S::kBoxes * num_tiles; ++step) {  // each query tile once per half of dK/dV
-        const int stage = step % 2, tile = step % num_tiles;
-        if (step >= 2) mbarrier_wait(&bars->q_empty[stage], ((step - 2) / 2) & 1);
-        const int row = static_cast<int>(item.q_row) + item.q_begin + tile * S::kBlockM;
+      // The walk, once per half of dK/dV.
+      KvTileWalk at;
+      for (int64_t step = 0; step < S::kBoxes * walk_steps; ++step, walk_next(at, entries, item.num_entries, S::kBlockM)) {
+        if (step % walk_steps == 0) at = KvTileWalk{};
+        const int stage = static_cast<int>(step % 2);
+        if (step >= 2) mbarrier_wait(&bars->q_empty[stage], static_cast<int>((step - 2) / 2) & 1);
+        const KvTileEntry& e = entries[at.x];
+        const int row = static_cast<int>(e.q_row) + e.q_begin + at.tile * S::kBlockM, q_col = (hk * heads + at.g) * D;
         mbarrier_arrive_expect_tx(&bars->q_full[stage], 2 * S::kTileBytes);
         for (int c = 0; c < S::kBoxes; ++c) {
           tma_load_2d(sq(stage) + c * S::kBoxBytes, &p.q_desc, q_col + 64 * c, row, &bars->q_full[stage]);
@@ -124,12 +151,11 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
     return;
   }
 
-  // The compute warpgroup. As every m64 accumulator: warp w's rows 16 w + g and + 8, columns 8 j + 2 t
+  // The compute warpgroup. As every m64 accumulator: warp w's rows 16 w + lane_row and + 8, columns 8 j + 2 t
   // and + 1; for S and dP rows are queries and columns keys, for dK and dV rows are keys.
-  const int local = tid % 128, w = local / 32, g = (local % 32) / 4, t = local % 4;
+  const int local = tid % 128, w = local / 32, lane_row = (local % 32) / 4, t = local % 4;
   const int64_t q_stride = static_cast<int64_t>(p.num_q_heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(p.num_kv_heads) * D;
-  const int shift = item.kv_len - item.q_len;  // causal: query i sees task keys j <= i + shift
   mbarrier_wait(&bars->kv_full, 0);
   const uint32_t k_base = smem_address(sk), v_base = smem_address(sv);
   const uint32_t pt_base = smem_address(spt), dst_base = smem_address(sdst);
@@ -138,13 +164,17 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
   };
 
   // dK and dV 64 columns of D at a time (32 fp32 registers each, so that S and dP fit beside them):
-  // the query tiles are walked once per half, S and dP computed again; dQ in the first walk.
+  // the walk runs once per half, S and dP computed again; dQ in the first walk.
   for (int half = 0; half < S::kBoxes; ++half) {
     float dk[32], dv[32];
     for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      const int step = half * num_tiles + tile, stage = step % 2, m0 = item.q_begin + tile * S::kBlockM;
-      mbarrier_wait(&bars->q_full[stage], (step / 2) & 1);
+    KvTileWalk at;
+    for (int64_t n = 0; n < walk_steps; ++n, walk_next(at, entries, item.num_entries, S::kBlockM)) {
+      const int64_t step = half * walk_steps + n;
+      const KvTileEntry& e = entries[at.x];
+      const int h = hk * heads + at.g, shift = e.kv_len - e.q_len;  // causal: query i sees task keys j <= i + shift
+      const int stage = static_cast<int>(step % 2), m0 = e.q_begin + at.tile * S::kBlockM;
+      mbarrier_wait(&bars->q_full[stage], static_cast<int>(step / 2) & 1);
       const uint32_t q_base = smem_address(sq(stage)), do_base = smem_address(sdo(stage));
       // S = Q K^T and dP = dO V^T: 64 queries x 64 keys each.
       float s[32], dp[32];
@@ -159,18 +189,18 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
       wgmma_wait<0>();
       // P and dS (in s), P^T and dS^T into shared memory.
       for (int r = 0; r < 2; ++r) {
-        const int row = 16 * w + g + 8 * r, i = m0 + row;  // the task query
-        const bool row_ok = i < item.q_len;
-        const int64_t at = (item.q_row + (row_ok ? i : 0)) * p.num_q_heads + h;
+        const int row = 16 * w + lane_row + 8 * r, i = m0 + row;  // the task query
+        const bool row_ok = i < e.q_len;
+        const int64_t at = (e.q_row + (row_ok ? i : 0)) * p.num_q_heads + h;
         const float lse_log2 = row_ok ? p.lse[at] * kLog2e : 0.f, delta = row_ok ? p.delta[at] : 0.f;
         for (int j = 0; j < 8; ++j) {
-          for (int e = 0; e < 2; ++e) {
-            const int col = 8 * j + 2 * t + e, key = item.key0 + col;
-            const bool ok = row_ok && col < item.cols && (!item.is_causal || key <= i + shift);
-            float& x = s[4 * j + 2 * r + e];
-            const float pr = ok ? exp2_approx(x * p.scale_log2 - lse_log2) : 0.f;
-            x = pr * (dp[4 * j + 2 * r + e] - delta);  // dS
-            const uint32_t pair = pack2(pr, x, Elt{});
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * j + 2 * t + c, key = e.key0 + col;
+            const bool ok = row_ok && col >= e.col_begin && col < e.col_end && (!e.is_causal || key <= i + shift);
+            float& sx = s[4 * j + 2 * r + c];
+            const float pr = ok ? exp2_approx(sx * p.scale_log2 - lse_log2) : 0.f;
+            sx = pr * (dp[4 * j + 2 * r + c] - delta);  // dS
+            const uint32_t pair = pack2(pr, sx, Elt{});
             const uint32_t at = swizzled_64x64(pt_base, col, row);  // P^T and dS^T share the layout (both 1024-aligned)
             *reinterpret_cast<uint16_t*>(spt + at) = static_cast<uint16_t>(pair & 0xffffu);
             *reinterpret_cast<uint16_t*>(sdst + at) = static_cast<uint16_t>(pair >> 16);
@@ -207,9 +237,9 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
         wgmma_commit();
         wgmma_wait<0>();
         for (int r = 0; r < 2; ++r) {
-          const int i = m0 + 16 * w + g + 8 * r;
-          if (i >= item.q_len) continue;
-          float* out = p.dq_acc + (item.q_row + i) * q_stride + static_cast<int64_t>(h) * D + 64 * c;
+          const int i = m0 + 16 * w + lane_row + 8 * r;
+          if (i >= e.q_len) continue;
+          float* out = p.dq_acc + (e.q_row + i) * q_stride + static_cast<int64_t>(h) * D + 64 * c;
           for (int j = 0; j < 8; ++j) {
             atomic_add(out + 8 * j + 2 * t, dq[4 * j + 2 * r]);
             atomic_add(out + 8 * j + 2 * t + 1, dq[4 * j + 2 * r + 1]);
@@ -221,16 +251,16 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
       if (local == 0) mbarrier_arrive(&bars->q_empty[stage]);
     }
 
-    // This half of dK and dV of the tile's keys into the fp32 sums.
+    // This half of dK and dV of the tile's rows into the fp32 sums: one writer a row.
     for (int r = 0; r < 2; ++r) {
-      const int col = 16 * w + g + 8 * r;
-      if (col >= item.cols) continue;
+      const int col = 16 * w + lane_row + 8 * r;
+      if (col >= item.rows) continue;
       float* out_k = p.dk_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + 64 * half;
       float* out_v = p.dv_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + 64 * half;
       for (int j = 0; j < 8; ++j) {
-        for (int e = 0; e < 2; ++e) {
-          atomic_add(out_k + 8 * j + 2 * t + e, dk[4 * j + 2 * r + e]);
-          atomic_add(out_v + 8 * j + 2 * t + e, dv[4 * j + 2 * r + e]);
+        for (int c = 0; c < 2; ++c) {
+          out_k[8 * j + 2 * t + c] = dk[4 * j + 2 * r + c];
+          out_v[8 * j + 2 * t + c] = dv[4 * j + 2 * r + c];
         }
       }
     }

@@ -53,8 +53,9 @@ struct HopperFwdLaunch {
 };
 cudaError_t launch_hopper_fwd(const HopperFwdLaunch& l, cudaStream_t stream);
 
-// The sm_90a backward (hopper_bwd.cuh): items from bwd_schedule(tasks, kHopperBwdBlockN), the sm_80 backward's inputs and fp32 sums (lse, delta, zeroed dq_acc, dk_acc,
-// dv_acc), a persistent grid.
+// The sm_90a backward (hopper_bwd.cuh): K/V tiles from kv_tile_schedule(tasks, kHopperBwdBlockN),
+// the sm_80 backward's inputs and fp32 sums (lse, delta, zeroed dq_acc, dk_acc, dv_acc), a
+// persistent grid.
 inline constexpr int kHopperBwdBlockN = 64;
 struct HopperBwdLaunch {
   const void* q = nullptr;
@@ -66,7 +67,8 @@ struct HopperBwdLaunch {
   float* dq_acc = nullptr;
   float* dk_acc = nullptr;
   float* dv_acc = nullptr;
-  const BwdItem* items = nullptr;  // device memory
+  const KvTileItem* items = nullptr;  // device memory
+  const KvTileEntry* entries = nullptr;
   int64_t num_items = 0;
   int64_t num_q_rows = 0, num_kv_rows = 0;
   int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
