@@ -8,6 +8,8 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "../../src/kernels/cuda/hopper.cuh"
@@ -15,7 +17,7 @@
 namespace distca::kernels::cuda::emu {
 namespace {
 
-enum class State { kRunnable, kSpinning, kAtBlockBarrier, kAtWarpBarrier, kAtWarpgroupBarrier, kDone };
+enum class State { kRunnable, kSpinning, kAtBlockBarrier, kAtWarpBarrier, kAtWarpgroupBarrier, kAtNamedBarrier, kDone };
 
 using Op = std::function<void()>;
 
@@ -24,6 +26,7 @@ struct Fiber {
   std::unique_ptr<char[]> stack;
   State state = State::kRunnable;
   std::array<uint32_t, 8> slot{};  // this lane's words of the current warp collective
+  int named_barrier = -1;          // the named barrier this thread waits at
   std::vector<Op> open_wgmma;               // issued, not yet committed
   std::deque<std::vector<Op>> wgmma_groups;  // committed, not yet waited for (oldest first)
 };
@@ -48,6 +51,7 @@ struct Machine {
   std::vector<Fiber> fibers;
   int block_arrived = 0;
   std::vector<int> warp_arrived, warpgroup_arrived;
+  std::map<int, std::pair<int, int>> named_arrived;  // id -> (threads arrived, the count they name)
   const std::function<void()>* body = nullptr;
   char* shared = nullptr;
   int64_t shared_bytes = 0;
@@ -119,6 +123,33 @@ void sync_warpgroup() {
     return;
   }
   wait_as(State::kAtWarpgroupBarrier);
+}
+
+void named_barrier(int id, int count, bool wait) {
+  Machine& m = *g_machine;
+  if (id < 0 || id > 15 || count <= 0 || count % 32 != 0 || count > static_cast<int>(m.fibers.size())) {
+    if (m.error.empty()) m.error = "a named barrier with a bad id or thread count";
+    return;
+  }
+  auto& [arrived, expected] = m.named_arrived[id];
+  if (arrived > 0 && expected != count) {
+    if (m.error.empty()) m.error = "named barrier " + std::to_string(id) + " used with two thread counts at once";
+    return;
+  }
+  expected = count;
+  if (++arrived == count) {
+    arrived = 0;
+    for (Fiber& f : m.fibers) {
+      if (f.state == State::kAtNamedBarrier && f.named_barrier == id) {
+        f.state = State::kRunnable;
+        f.named_barrier = -1;
+      }
+    }
+    return;
+  }
+  if (!wait) return;
+  m.fibers[static_cast<size_t>(m.current)].named_barrier = id;
+  wait_as(State::kAtNamedBarrier);
 }
 
 char* shared_base() { return g_machine->shared; }
@@ -296,6 +327,12 @@ std::string run_block(int64_t block, int num_threads, const std::function<void()
   }
   if (error.empty()) error = m.error;
   if (error.empty() && !m.tma_in_flight.empty()) error = "TMA loads whose mbarrier no thread waited on";
+  for (const auto& [id, state] : m.named_arrived) {
+    if (error.empty() && state.first != 0) {
+      error = "named barrier " + std::to_string(id) + " left with " + std::to_string(state.first) + " of " +
+              std::to_string(state.second) + " arrivals when the block ended";
+    }
+  }
   if (error.empty()) {
     for (const Fiber& f : m.fibers) {
       if (!f.open_wgmma.empty() || !f.wgmma_groups.empty()) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../../src/kernels/cuda/hopper.cuh"
@@ -324,6 +325,42 @@ TEST(HopperEmulated, WgmmaWithoutSwizzleReadsCoreMatricesAtLboAndSbo) {
       ASSERT_NEAR(d_out[static_cast<size_t>(m) * 64 + n], want, 1e-5) << m << "," << n;
     }
   }
+}
+
+// FlashAttention-3's ping-pong on named barriers, as hopper_fwd.cuh takes turns: each of two
+// warpgroups waits on its own barrier before its "wgmma" and arrives on the other's after it;
+// warpgroup 0 starts and takes warpgroup 1's last pass. The turns must alternate strictly, whichever
+// thread the emulator runs first; without the barriers the lowest-first schedule runs warpgroup 0's
+// turns all before warpgroup 1's; and the barriers must be left empty, or the emulator says so.
+std::vector<int> take_turns(int rounds, bool with_barriers, bool skip_last_pass, std::string& error) {
+  std::vector<int> order;
+  emu::set_schedule(emu::Schedule::kLowestFirst);
+  error = emu::run_block(0, 256, [&] {
+    const int c = warpgroup_index();
+    if (with_barriers && c == 0) named_barrier_arrive(4, 256);
+    for (int r = 0; r < rounds; ++r) {
+      if (with_barriers) named_barrier_sync(4 + c, 256);
+      if (thread_index() % 128 == 0) order.push_back(c);  // the warpgroup's elected issuing thread
+      if (with_barriers) named_barrier_arrive(5 - c, 256);
+    }
+    if (with_barriers && c == 0 && !skip_last_pass) named_barrier_sync(4, 256);
+  });
+  emu::set_schedule(emu::Schedule::kRoundRobin);
+  return order;
+}
+
+TEST(HopperEmulated, NamedBarriersMakeTwoWarpgroupsTakeTurns) {
+  std::string error;
+  const std::vector<int> order = take_turns(5, true, false, error);
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 0, 1, 0, 1, 0, 1, 0, 1}));
+  EXPECT_EQ(take_turns(5, false, false, error), (std::vector<int>{0, 0, 0, 0, 0, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(error, "");
+  take_turns(5, true, true, error);
+  EXPECT_EQ(error, "named barrier 4 left with 128 of 256 arrivals when the block ended");
+  // A barrier every thread waits at but too few reach is a deadlock, not a hang.
+  error = emu::run_block(0, 128, [&] { if (thread_index() < 64) named_barrier_sync(6, 128); });
+  EXPECT_NE(error.find("deadlock"), std::string::npos) << error;
 }
 
 // The planted bugs: each must give a wrong result or an error.

@@ -87,6 +87,7 @@ void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes);
 void mbar_wait(uint64_t* bar, int parity);
 void tma_load_2d(void* smem, const TmaDesc& desc, int x, int y, uint64_t* bar);
 void sync_warpgroup();
+void named_barrier(int id, int count, bool wait);
 void wgmma_issue(std::function<void()> apply);  // queued in this thread's open group
 void wgmma_commit();
 void wgmma_wait(int pending);
@@ -118,6 +119,26 @@ DISTCA_DEV void warpgroup_sync() {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x / 128)) : "memory");
 #else
   emu::sync_warpgroup();
+#endif
+}
+
+// Named barrier `id` among `count` threads (a multiple of 32; ids 1-3 are warpgroup_sync's):
+// named_barrier_sync arrives and waits until `count` threads have arrived, named_barrier_arrive
+// arrives and goes on (PTX bar.sync / bar.arrive). Two warpgroups take turns on the tensor cores
+// with them (FlashAttention-3's ping-pong): each waits on its own barrier and arrives on the
+// other's. The emulator reports a barrier left with arrivals when the block ends.
+DISTCA_DEV void named_barrier_sync(int id, int count) {
+#if defined(__CUDACC__)
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#else
+  emu::named_barrier(id, count, true);
+#endif
+}
+DISTCA_DEV void named_barrier_arrive(int id, int count) {
+#if defined(__CUDACC__)
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#else
+  emu::named_barrier(id, count, false);
 #endif
 }
 

@@ -10,6 +10,8 @@
 //     memory (Q and K both K-major), the mask and the online softmax on S's registers (base 2,
 //     scale folded in), then O += P V by wgmma with P straight from the registers (the accumulator
 //     layout of S is the A-fragment layout of the next wgmma) and V read MN-major.
+//   - The consumers take turns issuing their wgmmas (named barriers 4 and 5, FlashAttention-3's
+//     ping-pong), so that one's softmax overlaps the other's matrix products.
 //
 // Shared memory, 1024-byte aligned (the 128-byte swizzle atom): the barriers, Q (128 rows), then
 // two stages of K and V (128 keys each). Every tile is D / 64 boxes of 64 columns (128-byte rows):
@@ -118,6 +120,14 @@ DISTCA_DEV void hopper_fwd_block(const HopperFwdParams& p, char* smem, int64_t w
   float row_sum[2] = {0.f, 0.f};
   mbarrier_wait(&bars->q_full, 0);
   const uint32_t q_base = smem_address(sq) + static_cast<uint32_t>(c) * 8 * 1024;  // row 64 c: 8 groups in
+  // Ping-pong (FlashAttention-3): the two consumers take turns issuing their wgmmas, so one's
+  // softmax runs while the other's matrix products hold the tensor cores. Consumer c waits on named
+  // barrier kTurn + c and passes the turn by arriving on the other's; consumer 0 starts, and takes
+  // consumer 1's last pass at the end, so every item leaves both barriers empty.
+  constexpr int kTurn = 4, kBoth = 256;
+  auto wait_turn = [&] { named_barrier_sync(kTurn + c, kBoth); };
+  auto pass_turn = [&] { named_barrier_arrive(kTurn + 1 - c, kBoth); };
+  if (c == 0) named_barrier_arrive(kTurn, kBoth);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % 2, parity = (tile / 2) & 1, n0 = tile * S::kBlockN;
@@ -125,6 +135,7 @@ DISTCA_DEV void hopper_fwd_block(const HopperFwdParams& p, char* smem, int64_t w
     mbarrier_wait(&bars->k_full[stage], parity);
     float s[S::kBlockN / 2];
     const uint32_t k_base = smem_address(sk(stage));
+    wait_turn();
     wgmma_fence();
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t step = static_cast<uint32_t>(kk / 4) * S::kBlockN * 128 + static_cast<uint32_t>(kk % 4) * 32;
@@ -132,6 +143,7 @@ DISTCA_DEV void hopper_fwd_block(const HopperFwdParams& p, char* smem, int64_t w
                               make_smem_desc(k_base + step, Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
     }
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     // Mask keys past the task's end and, causal, past each row's diagonal.
     for (int j = 0; j < S::kBlockN / 8; ++j) {
@@ -171,6 +183,7 @@ DISTCA_DEV void hopper_fwd_block(const HopperFwdParams& p, char* smem, int64_t w
     // 16 key rows (2 groups of 1024 bytes) a step, its D / 64 column boxes LBO apart.
     mbarrier_wait(&bars->v_full[stage], parity);
     const uint32_t v_base = smem_address(sv(stage));
+    wait_turn();
     wgmma_fence();
     for (int kk = 0; kk < S::kBlockN / 16; ++kk) {
       const uint32_t a[4] = {pack2(s[8 * kk], s[8 * kk + 1], Elt{}), pack2(s[8 * kk + 2], s[8 * kk + 3], Elt{}),
@@ -180,11 +193,14 @@ DISTCA_DEV void hopper_fwd_block(const HopperFwdParams& p, char* smem, int64_t w
                      1, Elt{});
     }
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     // Every thread of this warpgroup is done with the stage: one of them releases it.
     warpgroup_sync();
     if (local == 0) mbarrier_arrive(&bars->empty[stage]);
   }
+
+  if (c == 0) wait_turn();  // consumer 1's last pass
 
   // O = acc / l and LSE = ln(l) + max (natural log); a row that saw no key gets O = 0, LSE = -inf.
   constexpr float kLn2 = 0.6931471805599453f;
