@@ -83,6 +83,22 @@ def test_varlen_is_scored_on_the_layouts_it_can_run_beside_the_task_list_only_on
     assert "cudnn" not in missing["kinds"]["long"]["scores"]
 
 
+def test_hopper_is_a_candidate_and_a_kernel_that_failed_its_check_never_is():
+    rows = [row("distca", "whole", 16384, None, 4.0, 9.0), row("cudnn", "whole", 16384, None, 2.0, 4.0),
+            row("hopper", "whole", 16384, None, 1.5, 3.5),
+            row("distca", "plan", 30000, None, 4.0, 9.0, tasks=64), row("cudnn", "plan", 30000, None, 2.0, 7.0, tasks=64),
+            row("hopper", "plan", 30000, None, 1.0, 2.0, tasks=64)]
+    table = kt.table_from_bench(report(rows))
+    assert table["kinds"]["long"]["fastest"] == "hopper" and table["kinds"]["shards"]["fastest"] == "hopper"
+    assert table["failed_checks"] == []
+    checked = report(rows)
+    checked["checks"] = [{"backend": "hopper", "shard": 128, "ok": False}, {"backend": "cudnn", "shard": 128, "ok": True}]
+    table = kt.table_from_bench(checked)
+    assert table["failed_checks"] == ["hopper"]
+    assert table["kinds"]["long"]["fastest"] == "cudnn" and "hopper" not in table["kinds"]["long"]["scores"]
+    assert table["kinds"]["shards"]["fastest"] == "cudnn"
+
+
 def test_reports_without_candidates_or_of_another_kind_are_refused():
     with pytest.raises(ValueError, match="not a bench_cuda_attention.py report"):
         kt.table_from_bench({"format": "something else"})

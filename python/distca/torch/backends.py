@@ -27,7 +27,9 @@ group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `fle
 distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
 CPU: float32 and bfloat16, head dims 32, 64, 128, 256; CUDA: bfloat16 and float16, head dims 64
 and 128, on the current stream), `cudnn` (cuDNN's fused attention on the same task list through
-the same operators; CUDA, builds that found cuDNN), `hopper` (distca's sm_90a kernels; CUDA devices of compute capability 9.0; not yet run on a GPU, never `auto`'s pick).
+the same operators; CUDA, builds that found cuDNN), `hopper` (distca's sm_90a kernels; CUDA devices of compute capability 9.0; not yet run on a GPU;
+`auto` picks it only where the device's measured kernel table names it, after its bench checks
+passed).
 `auto` picks the best that runs on the device:
 on CUDA, per task list by the device's measured kernel table (distca.torch.kernel_table: the
 fastest kernel per kind of list, `long` or `shards`) where one exists, else as an H100 measured

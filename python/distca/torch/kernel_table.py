@@ -4,11 +4,13 @@ fastest on a device, forward plus backward, as python/bench/bench_cuda_attention
 A server's task list is of one of two kinds (`classify`): `long` (few long tasks: whole documents
 and long shards, a mean of at least LONG_ROWS query rows per task) or `shards` (many short query
 shards, typically sharing their documents' K/V prefixes). For each kind the table names the
-fastest of distca.torch's task-list kernels (distca, cudnn, varlen) over the bench's shapes of that
-kind: the one whose forward + backward time, relative to the fastest on each shape and averaged
-over the shapes it can run, is least. A kernel must have run every shape of the kind it can run to
-be chosen; varlen cannot take the task-list-only layouts (`plan`, a real server's list, and
-`reversed`, shards whose query rows are not in order), so it is scored on the others.
+fastest of distca.torch's task-list kernels (distca, cudnn, hopper, varlen) over the bench's shapes
+of that kind: the one whose forward + backward time, relative to the fastest on each shape and
+averaged over the shapes it can run, is least. A kernel must have run every shape of the kind it
+can run to be chosen, and must have passed the bench's correctness checks (a kernel with a failed
+check is never chosen, however fast); varlen cannot take the task-list-only layouts (`plan`, a
+real server's list, and `reversed`, shards whose query rows are not in order), so it is scored on
+the others.
 
 Tables ship in distca/torch/kernel_tables/<device>.json (the device's name as torch reports it,
 lower-case, non-alphanumerics as '-'), or come from DISTCA_KERNEL_TABLE (a file). Without one,
@@ -33,8 +35,8 @@ LONG_ROWS = 512          # mean query rows per task at and above which a list is
 KINDS = ("long", "shards")
 # The bench's backends that are distca.torch backends of the same name (the others time PyTorch's
 # kernels on one document's shards, which no server task list is).
-TABLE_BACKENDS = ("distca", "cudnn", "varlen")
-TASK_LIST_ONLY = ("plan", "reversed")   # layouts only the task-list kernels (distca, cudnn) take
+TABLE_BACKENDS = ("distca", "cudnn", "hopper", "varlen")
+TASK_LIST_ONLY = ("plan", "reversed")   # layouts only the task-list kernels (distca, cudnn, hopper) take
 FORMAT = "distca-kernel-table"
 TABLES = Path(__file__).resolve().parent / "kernel_tables"
 
@@ -62,8 +64,9 @@ def table_from_bench(report: dict) -> dict:
     with each candidate's score (its summed relative time) and the shapes it was scored on."""
     if not isinstance(report, dict) or report.get("format") != "distca-bench-cuda-attention":
         raise ValueError("not a bench_cuda_attention.py report (format distca-bench-cuda-attention)")
+    failed = sorted({c.get("backend") for c in report.get("checks", []) if not c.get("ok", False)})
     rows = [r for r in report.get("rows", []) if r.get("backend") in TABLE_BACKENDS and r.get("layout") != "equal-work"
-            and r.get("fwd") and r.get("bwd")]
+            and r.get("backend") not in failed and r.get("fwd") and r.get("bwd")]
     kinds: dict[str, Any] = {}
     for kind in KINDS:
         shapes: dict[tuple, dict[str, float]] = {}
@@ -82,10 +85,11 @@ def table_from_bench(report: dict) -> dict:
             kinds[kind] = {"fastest": min(scores, key=lambda b: scores[b]), "scores": scores,
                            "shapes": [list(k) for k in shapes]}
     if not kinds:
-        raise ValueError("the report has no timed rows of distca, cudnn or varlen: nothing to choose from")
+        raise ValueError("the report has no timed rows of distca, cudnn, hopper or varlen that passed their checks: "
+                         "nothing to choose from")
     return {"format": FORMAT, "version": 1, "device": report.get("device"), "capability": report.get("capability"),
             "dtype": report.get("dtype"), "torch": report.get("torch"), "date": report.get("date"),
-            "long_rows": LONG_ROWS, "kinds": kinds}
+            "long_rows": LONG_ROWS, "failed_checks": failed, "kinds": kinds}
 
 
 def device_slug(name: str) -> str:
