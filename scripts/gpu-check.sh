@@ -42,10 +42,13 @@ status=0
 only="${GPU_CHECK_STEPS:-}"   # e.g. "torch-cuda bench-cuda": just these (and the probe, configure and build)
 step() {  # step NAME LIMIT_S COMMAND...: runs it within min(LIMIT_S, what is left), logs to $out/NAME.log
   local name="$1" limit="$2"; shift 2
-  case " probe configure-cuda build-cuda $only " in
-    *" $name "*) ;;
-    *) [ -n "$only" ] && { echo "== gpu-check: $name not asked (GPU_CHECK_STEPS)"; return 0; } ;;
-  esac
+  local asked=0  # "cudnn-variants" asks for every cudnn-variant-* step
+  case " probe configure-cuda build-cuda $only " in *" $name "*) asked=1 ;; esac
+  [[ $name == cudnn-variant-* && " $only " == *" cudnn-variants "* ]] && asked=1
+  if [ -n "$only" ] && [ "$asked" -eq 0 ]; then
+    echo "== gpu-check: $name not asked (GPU_CHECK_STEPS)"
+    return 0
+  fi
   local left=$((budget - SECONDS))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 15 ]; then
@@ -153,7 +156,7 @@ if [ -f build-gpu/build.ninja ] && step build-cuda 360 cmake --build build-gpu -
   step ctest-cuda 180 ctest --test-dir build-gpu --output-on-failure -R "^(NcclComm|Cuda|Shapes/Cuda|Cudnn)" -E "NOT_BUILT|Np2" --timeout 120
   # cuDNN with exactly as many sequence slots as tasks (no empty slots): tells a failure of the
   # bucketed batch's empty slots apart from one of the kernel itself.
-  step ctest-cudnn-exact 60 env DISTCA_CUDNN_EXACT_BATCH=1 ctest --test-dir build-gpu --output-on-failure \
+  step ctest-cudnn-exact 60 env DISTCA_CUDNN_GRAPH=exact-batch ctest --test-dir build-gpu --output-on-failure \
     -R "cudnn|Cudnn" --timeout 60
   if command -v compute-sanitizer >/dev/null 2>&1; then
     step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
@@ -186,6 +189,16 @@ if [ -f "$pkg/distca/__init__.py" ]; then
   # shapes with as many K/V heads as query heads tell whether GQA is the cause.
   step cuda-attention-mha 60 "$python" python/bench/bench_cuda_attention.py --tokens 16384,32768 --shards 1024 \
     --kv-heads 32 --plan-ranks 0 --repeats 5 --backends distca,cudnn,sdpa-cudnn --json "$out/cuda-attention-mha.json"
+  # cuDNN's backward behind our interface runs at half of PyTorch's cuDNN SDPA (2026-11-27), through
+  # the same cuDNN. Our graph differs from PyTorch's in its bottom-right causal mask, its workspace
+  # bound (set_max_total_seq_len) and its bucketed batch: each variant (DISTCA_CUDNN_GRAPH, same
+  # results) timed beside SDPA on a whole document and on the plan's server list, one process each.
+  for variant in default top-left no-max-total top-left,no-max-total top-left,no-max-total,exact-batch; do
+    graph=$([ "$variant" = default ] && echo "" || echo "$variant")
+    step "cudnn-variant-${variant//,/+}" 45 env DISTCA_CUDNN_GRAPH="$graph" "$python" python/bench/bench_cuda_attention.py \
+      --tokens 16384 --shards 1024 --repeats 3 --backends distca,cudnn,sdpa-cudnn \
+      --json "$out/cudnn-variant-${variant//,/+}.json"
+  done
   # The measured kernel table `auto` uses on this device (commit it as
   # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
   [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
@@ -265,12 +278,19 @@ if train and "summary" in train:
                                    "loss_first": b["loss_first"], "loss_last": b["loss_last"]}
                             for name, b in summary["backends"].items()}
     report["train_cuda"]["loss_max_rel_diff"] = summary["loss_max_rel_diff"]
+# Per cuDNN graph variant: cudnn's TFLOP/s over sdpa-cudnn's on each shape (bench_cuda_attention.py).
+variants = {}
+for path in sorted(out.glob("cudnn-variant-*.json")):
+    bench = load(path.name)
+    variants[path.stem.removeprefix("cudnn-variant-")] = bench.get("vs_sdpa_cudnn") if isinstance(bench, dict) else None
+if variants:
+    report["cudnn_variants"] = variants
 (out / "report.json").write_text(json.dumps(report, indent=1))
 lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
 for name, title in (("probe", "what the device offers"), ("configure-cuda", "configure"), ("build-cuda", "the CUDA build"),
                     ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel with distca's, cuDNN's and the sm_90a kernels)"),
-                    ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_EXACT_BATCH=1"), ("memcheck", "compute-sanitizer memcheck"),
+                    ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_GRAPH=exact-batch"), ("memcheck", "compute-sanitizer memcheck"),
                     ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
                     ("torch-cuda", "distca.torch on CUDA"),
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
@@ -285,6 +305,9 @@ for name, title in (("probe", "what the device offers"), ("configure-cuda", "con
     log = out / f"{name}.log"
     if log.exists():
         lines += ["", f"## {title}", "", "```", log.read_text().rstrip(), "```"]
+for log in sorted(out.glob("cudnn-variant-*.log")):
+    lines += ["", f"## cuDNN graph variant {log.stem.removeprefix('cudnn-variant-')} (DISTCA_CUDNN_GRAPH)", "", "```",
+              log.read_text().rstrip(), "```"]
 (out / "report.md").write_text("\n".join(lines) + "\n")
 PY
 echo "gpu-check: $([ $status -eq 0 ] && echo ok || echo FAILED): report in $out/report.md"

@@ -141,9 +141,41 @@ TEST(CudnnPlan, EachTaskIsOneSlotOfItsMaskKindsCall) {
 TEST(CudnnPlan, ExactBatchHasNoEmptySlots) {
   std::mt19937_64 rng(4);
   const std::vector<AttnTask> tasks = server_tasks(rng, {300, 77}, 50);
-  auto plan = plan_calls(dims_for(tasks), tasks, {.exact_batch = true});
+  auto plan = plan_calls(dims_for(tasks), tasks, {.variants = {.exact_batch = true}});
   ASSERT_TRUE(plan.is_ok());
   for (const Call& call : plan.value().calls) EXPECT_EQ(call.key.batch, static_cast<int64_t>(call.slots.size()));
+}
+
+TEST(CudnnPlan, GraphVariantsParseAndTopLeftOnlyWhereEverySequenceIsSquare) {
+  auto none = parse_graph_variants("");
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_FALSE(none.value().exact_batch || none.value().top_left || !none.value().max_total);
+  auto all = parse_graph_variants("top-left,no-max-total,exact-batch");
+  ASSERT_TRUE(all.is_ok());
+  EXPECT_TRUE(all.value().exact_batch && all.value().top_left && !all.value().max_total);
+  auto bad = parse_graph_variants("top-left,fast");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("no graph variant 'fast' (known: exact-batch, top-left, no-max-total)"),
+            std::string::npos) << bad.status().message();
+  // A whole document (square) and, in another pass, shards whose queries see a longer prefix.
+  const std::vector<AttnTask> whole = {{0, 300, 0, 300, true}};
+  const std::vector<AttnTask> shards = {{0, 100, 0, 200, true}, {100, 50, 0, 60, true}, {150, 64, 200, 64, false}};
+  for (bool backward : {false, true}) {
+    PlanOptions options{.backward = backward, .variants = all.value()};
+    auto square = plan_calls(dims_for(whole), whole, options);
+    ASSERT_TRUE(square.is_ok());
+    ASSERT_EQ(square.value().calls.size(), 1u);
+    EXPECT_TRUE(square.value().calls[0].key.top_left);
+    EXPECT_EQ(square.value().calls[0].key.max_total, !backward);
+    auto mixed = plan_calls(dims_for(shards), shards, options);
+    ASSERT_TRUE(mixed.is_ok());
+    for (const Call& call : mixed.value().calls) EXPECT_FALSE(call.key.top_left) << "a call with a non-square sequence";
+    auto plain = plan_calls(dims_for(whole), whole, {.backward = backward});
+    ASSERT_TRUE(plain.is_ok());
+    EXPECT_FALSE(plain.value().calls[0].key.top_left);
+    EXPECT_TRUE(plain.value().calls[0].key.max_total);
+    EXPECT_FALSE(plain.value().calls[0].key == square.value().calls[0].key) << "variants must not share a cached graph";
+  }
 }
 
 TEST(CudnnPlan, ATrainingRunBuildsABoundedNumberOfGraphs) {

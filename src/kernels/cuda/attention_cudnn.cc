@@ -105,7 +105,7 @@ Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
     fe::graph::SDPA_attributes opts;
     opts.set_name("distca_sdpa").set_generate_stats(true).set_attn_scale(k.scale).set_padding_mask(true)
         .set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
-    if (k.causal) opts.set_causal_mask_bottom_right(true);
+    if (k.causal) k.top_left ? opts.set_causal_mask(true) : opts.set_causal_mask_bottom_right(true);
     auto [o, stats] = g->sdpa(q, kk, v, opts);
     o->set_output(true).set_uid(kO);
     shape(o, k.h_q, k.s_q, k.d, q_off);
@@ -118,8 +118,9 @@ Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
     stats_shape(stats, stats_off);
     fe::graph::SDPA_backward_attributes opts;
     opts.set_name("distca_sdpa_backward").set_attn_scale(k.scale).set_padding_mask(true).set_seq_len_q(seq_q)
-        .set_seq_len_kv(seq_kv).set_max_total_seq_len_q(k.total_q).set_max_total_seq_len_kv(k.total_kv);
-    if (k.causal) opts.set_causal_mask_bottom_right(true);
+        .set_seq_len_kv(seq_kv);
+    if (k.max_total) opts.set_max_total_seq_len_q(k.total_q).set_max_total_seq_len_kv(k.total_kv);
+    if (k.causal) k.top_left ? opts.set_causal_mask(true) : opts.set_causal_mask_bottom_right(true);
     auto [dq, dk, dv] = g->sdpa_backward(q, kk, v, o, d_o, stats, opts);
     dq->set_output(true).set_uid(kDQ);
     shape(dq, k.h_q, k.s_q, k.d, q_off);
@@ -140,9 +141,10 @@ Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
 }
 
 std::string key_text(const GraphKey& k) {
-  return fmt::format("{} {} {} batch {} s_q {} s_kv {} heads {}/{} d {}", k.backward ? "backward" : "forward",
-                     k.causal ? "causal" : "non-causal", k.bf16 ? "bf16" : "fp16", k.batch, k.s_q, k.s_kv, k.h_q, k.h_kv,
-                     k.d);
+  return fmt::format("{} {} {} batch {} s_q {} s_kv {} heads {}/{} d {}{}{}", k.backward ? "backward" : "forward",
+                     k.causal ? (k.top_left ? "causal (top-left)" : "causal") : "non-causal", k.bf16 ? "bf16" : "fp16",
+                     k.batch, k.s_q, k.s_kv, k.h_q, k.h_kv, k.d, k.backward ? " total " : "",
+                     k.backward ? (k.max_total ? fmt::format("{}/{}", k.total_q, k.total_kv) : std::string("unset")) : "");
 }
 
 }  // namespace
@@ -159,7 +161,7 @@ struct CudnnAttention::State {
   int device = 0;
   std::string name;
   cudnnHandle_t handle = nullptr;
-  bool exact_batch = false;
+  cudnn::GraphVariants variants;  // DISTCA_CUDNN_GRAPH
   mutable std::mutex mutex;  // the handle, the cache and the stats
   std::unordered_map<GraphKey, Built, cudnn::GraphKeyHash> graphs;
   CudnnGraphStats stats;
@@ -221,9 +223,11 @@ Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int device) {
   auto state = std::make_unique<State>();
   state->device = device;
   state->name = opened.value().name;
+  const char* variants = std::getenv("DISTCA_CUDNN_GRAPH");
+  Result<cudnn::GraphVariants> parsed = cudnn::parse_graph_variants(variants ? variants : "");
+  if (!parsed.is_ok()) return parsed.status();
+  state->variants = parsed.value();
   DISTCA_RETURN_IF_ERROR(cudnn_status(cudnnCreate(&state->handle), "cudnnCreate"));
-  const char* exact = std::getenv("DISTCA_CUDNN_EXACT_BATCH");
-  state->exact_batch = exact && std::strcmp(exact, "1") == 0;
   return std::unique_ptr<CudnnAttention>(new CudnnAttention(std::move(state)));
 }
 
@@ -242,7 +246,7 @@ Status CudnnAttention::forward(const CudaFwdArgs& a, void* stream_ptr) {
   cudnn::PlanOptions options;
   options.bf16 = bf16;
   options.scale = softmax_scale(d, a.scale);
-  options.exact_batch = state_->exact_batch;
+  options.variants = state_->variants;
   Result<Plan> plan = cudnn::plan_calls(d, a.tasks, options);
   if (!plan.is_ok()) return plan.status();
   std::lock_guard lock(state_->mutex);
@@ -281,7 +285,7 @@ Status CudnnAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
   options.bf16 = bf16;
   options.scale = softmax_scale(d, a.scale);
   options.dkv_fp32 = a.dkv_fp32;
-  options.exact_batch = state_->exact_batch;
+  options.variants = state_->variants;
   Result<Plan> planned = cudnn::plan_calls(d, a.tasks, options);
   if (!planned.is_ok()) return planned.status();
   const Plan& plan = planned.value();

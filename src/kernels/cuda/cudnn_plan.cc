@@ -39,7 +39,28 @@ size_t GraphKeyHash::operator()(const GraphKey& k) const {
   mix(k.backward | (k.causal << 1) | (k.bf16 << 2));
   for (int64_t v : {k.batch, k.s_q, k.s_kv, k.total_q, k.total_kv, k.h_q, k.h_kv, k.d}) mix(v);
   mix(std::bit_cast<int32_t>(k.scale));
+  mix(k.top_left | (k.max_total << 1));
   return h;
+}
+
+Result<GraphVariants> parse_graph_variants(std::string_view names) {
+  GraphVariants v;
+  while (!names.empty()) {
+    const size_t comma = names.find(',');
+    const std::string_view name = names.substr(0, comma);
+    if (name == "exact-batch") {
+      v.exact_batch = true;
+    } else if (name == "top-left") {
+      v.top_left = true;
+    } else if (name == "no-max-total") {
+      v.max_total = false;
+    } else if (!name.empty()) {
+      return invalid_argument(fmt::format("DISTCA_CUDNN_GRAPH: no graph variant '{}' (known: exact-batch, top-left, "
+                                          "no-max-total)", name));
+    }
+    names = comma == std::string_view::npos ? std::string_view{} : names.substr(comma + 1);
+  }
+  return v;
 }
 
 int64_t bucket(int64_t n, int64_t floor) {
@@ -129,7 +150,10 @@ Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, c
     key.d = dims.head_dim;
     key.scale = options.scale;
     const auto n = static_cast<int64_t>(call.slots.size());
-    key.batch = options.exact_batch ? n : bucket(n);
+    key.batch = options.variants.exact_batch ? n : bucket(n);
+    key.top_left = options.variants.top_left && key.causal &&
+                   std::all_of(call.slots.begin(), call.slots.end(), [](const AttnTask& t) { return t.q_len == t.kv_len; });
+    key.max_total = !options.backward || options.variants.max_total;
     int64_t max_q = 0, max_kv = 0, q_end = 0, kv_end = 0, dkv_end = 0, scratch_rows = 0;
     for (const AttnTask& t : call.slots) {
       max_q = std::max(max_q, t.q_len);

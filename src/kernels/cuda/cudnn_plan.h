@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -47,6 +48,8 @@ struct GraphKey {
   int64_t total_kv = 0;    // rows of the dK/dV tensor written, bucketed (backward workspace bound)
   int64_t h_q = 0, h_kv = 0, d = 0;
   float scale = 0.f;
+  bool top_left = false;   // causal with cuDNN's top-left mask (every sequence of the call is square)
+  bool max_total = true;   // backward: the packed totals bound the workspace (set_max_total_seq_len_*)
   bool operator==(const GraphKey&) const = default;
 };
 struct GraphKeyHash {
@@ -85,12 +88,26 @@ struct Plan {
   std::vector<std::pair<int64_t, int64_t>> empty_kv_rows;
 };
 
+// Graph variants, for timing them against each other on a GPU (DISTCA_CUDNN_GRAPH, a comma list of
+// their names; each gives the same results):
+//   exact-batch   no empty slots: key.batch = the call's sequence count, not its power of two;
+//   top-left      cuDNN's top-left causal mask on calls whose sequences all have as many queries as
+//                 keys (where it is the bottom-right one), as PyTorch's SDPA asks for;
+//   no-max-total  the backward without set_max_total_seq_len_q/kv (its workspace sized by batch x s).
+struct GraphVariants {
+  bool exact_batch = false;
+  bool top_left = false;
+  bool max_total = true;
+};
+// "" is the default; an unknown name is an error naming the known ones.
+Result<GraphVariants> parse_graph_variants(std::string_view names);
+
 struct PlanOptions {
   bool backward = false;
   bool bf16 = true;
   float scale = 0.f;       // the softmax scale (resolved)
   bool dkv_fp32 = false;   // backward: the caller wants dK/dV as fp32 sums
-  bool exact_batch = false;  // no empty slots: key.batch = the task count (DISTCA_CUDNN_EXACT_BATCH=1)
+  GraphVariants variants = {};
 };
 
 // Plans the calls of one pass. The dims and tasks must have passed validate(); fails (a Status)
