@@ -288,9 +288,9 @@ struct Problem {
 // Documents cut into shards sharing K/V (lengths 1, primes, a full tile, several tiles), a
 // non-causal key-split piece of a document against an earlier key range, a non-causal task with
 // no keys, uncovered Q rows, and GQA 2:1.
-Problem mixed_problem(int64_t head_dim, std::vector<int64_t> docs = {1, 37, 64, 131}) {
+Problem mixed_problem(int64_t head_dim, std::vector<int64_t> docs = {1, 37, 64, 131}, int64_t num_q_heads = 2) {
   std::mt19937_64 rng(7);
-  testing::TaskSet set = testing::shard_documents(rng, docs, 70, 2, 1, head_dim, 3);
+  testing::TaskSet set = testing::shard_documents(rng, docs, 70, num_q_heads, 1, head_dim, 3);
   Problem p{set.dims, set.tasks};
   // A key-split piece: 20 new query rows against the first 64 keys of the 131-token document,
   // and a task with no keys.
@@ -535,10 +535,10 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
 }
 
 template <int D, typename Elt, bool kHopper = false>
-void check_backward() {
+void check_backward(int64_t num_q_heads = 2) {
   // The sm_90a kernel walks queries 64 at a time through a two-stage ring, over K/V tiles that
-  // several tasks read.
-  Problem pr = mixed_problem(D);
+  // several tasks read, and every query head of a K/V head's group (GQA 2:1, and 4:1 below).
+  Problem pr = mixed_problem(D, {1, 37, 64, 131}, num_q_heads);
   if (kHopper) {
     // A 300-token document in shards of 77 rows sharing its K/V (a tile read by up to 4 shards, the
     // ring taken round many times), and a causal key-split piece of 30 queries over its keys 50..249
@@ -675,6 +675,7 @@ TEST(CudaTileEmulated, BackwardMatchesTheReferenceFp16D64) { check_backward<64, 
 TEST(HopperTileEmulated, BackwardMatchesTheReferenceBf16D64) { check_backward<64, Bf16, true>(); }
 TEST(HopperTileEmulated, BackwardMatchesTheReferenceBf16D128) { check_backward<128, Bf16, true>(); }
 TEST(HopperTileEmulated, BackwardMatchesTheReferenceFp16D64) { check_backward<64, Fp16, true>(); }
+TEST(HopperTileEmulated, BackwardMatchesTheReferenceGqa4Bf16D64) { check_backward<64, Bf16, true>(4); }
 
 // The emulator itself: a barrier that not every thread reaches is an error, not a hang.
 TEST(CudaTileEmulated, TheEmulatorReportsADivergentBarrier) {
