@@ -210,9 +210,12 @@ if [ -f "$pkg/distca/__init__.py" ]; then
         "$python" python/bench/hopper_profile_case.py --tokens 300 --head-dim 64 --runs 1
     done
   fi
-  # A short profile of the sm_90a forward (issue 53): tensor-core use, memory throughput, stalls.
+  # A short profile of the sm_90a forward and backward (issue 53): tensor-core use, memory
+  # throughput, stalls; the second run's two launches (the kernels are hopper_kernel<FwdPass<..>>
+  # and hopper_kernel<BwdPass<..>>, matched on their demangled names).
   if command -v ncu >/dev/null 2>&1; then
-    step ncu-hopper 90 ncu --target-processes all --kernel-name regex:hopper_fwd_kernel --launch-skip 1 --launch-count 1 \
+    step ncu-hopper 90 ncu --target-processes all --kernel-name-base demangled \
+      --kernel-name "regex:hopper_kernel<.*(Fwd|Bwd)Pass" --launch-skip 2 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats \
       "$python" python/bench/hopper_profile_case.py --tokens 16384
   else
@@ -298,7 +301,7 @@ for name, title in (("probe", "what the device offers"), ("configure-cuda", "con
                     ("cuda-attention-mha", "the same with K/V heads = query heads (is GQA cuDNN's backward gap?)"),
                     ("memcheck-hopper", "compute-sanitizer memcheck on the sm_90a kernels"),
                     ("racecheck-hopper", "compute-sanitizer racecheck on the sm_90a kernels"),
-                    ("ncu-hopper", "Nsight Compute on the sm_90a forward (hopper_fwd_kernel)"),
+                    ("ncu-hopper", "Nsight Compute on the sm_90a forward and backward (hopper_kernel)"),
                     ("torch-multirank", "distca.torch on 2 and 4 processes sharing the GPU (check_torch_multirank.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
                     ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
                     ("megatron-cuda", "Megatron Core adapter"), ("torchtitan-cuda", "TorchTitan adapter")):

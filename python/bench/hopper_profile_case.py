@@ -1,7 +1,7 @@
 """One case of the `hopper` kernels for tools that watch a run (scripts/gpu-check.sh runs it under
 Nsight Compute and compute-sanitizer): forward and backward on one causal document of --tokens
-tokens (Hq 32, Hkv 8, D --head-dim, bf16), each run --runs times (ncu: --launch-skip 1
---launch-count 1 profiles the second forward).
+tokens (Hq 32, Hkv 8, D --head-dim, bf16), each run --runs times (ncu: --launch-skip 2
+--launch-count 2 on the kernels' names profiles the second forward and backward).
 
     python python/bench/hopper_profile_case.py [--tokens 16384] [--head-dim 128] [--runs 2]
 """
@@ -28,9 +28,8 @@ def main(argv=None) -> int:
     q, do = (torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     tasks = torch.tensor([[0, n, 0, n, 1]], dtype=torch.int64)
-    for _ in range(args.runs):
+    for _ in range(args.runs):   # forward, backward, forward, backward, ...
         o, lse = ops.attention_fwd(q, k, v, tasks, d ** -0.5, 0, "hopper")
-    for _ in range(args.runs):
         ops.attention_bwd(do, q, k, v, o, lse, tasks, d ** -0.5, 0, "hopper")
     torch.cuda.synchronize()
     print(f"hopper_profile_case: {n} tokens, D {d}: forward and backward run {args.runs} times each")
