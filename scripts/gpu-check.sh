@@ -203,11 +203,12 @@ if [ -f "$pkg/distca/__init__.py" ]; then
   # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
   [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
     "$out/cuda-attention.json" --out "$out/kernel-table.json"
-  # The sm_90a kernels under compute-sanitizer on a small case (memcheck, racecheck), forward and backward.
+  # The sm_90a kernels under compute-sanitizer on a small case (memcheck, racecheck), forward and
+  # backward: a 300-token document in shards of 77 rows sharing its K/V.
   if command -v compute-sanitizer >/dev/null 2>&1; then
     for tool in memcheck racecheck; do
       step "$tool-hopper" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 --target-processes all \
-        "$python" python/bench/hopper_profile_case.py --tokens 300 --head-dim 64 --runs 1
+        "$python" python/bench/hopper_profile_case.py --tokens 300 --shard 77 --head-dim 64 --runs 1
     done
   fi
   # A short profile of the sm_90a forward and backward (issue 53): tensor-core use, memory
