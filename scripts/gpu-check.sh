@@ -158,6 +158,9 @@ if [ -f build-gpu/build.ninja ] && step build-cuda 360 cmake --build build-gpu -
   # bucketed batch's empty slots apart from one of the kernel itself.
   step ctest-cudnn-exact 60 env DISTCA_CUDNN_GRAPH=exact-batch ctest --test-dir build-gpu --output-on-failure \
     -R "cudnn|Cudnn" --timeout 60
+  # The sm_90a backward with dQ in a pass of its own instead of atomic adds (DISTCA_HOPPER_DQ=pass).
+  step ctest-hopper-dq-pass 60 env DISTCA_HOPPER_DQ=pass ctest --test-dir build-gpu --output-on-failure \
+    -R "hopper" --timeout 60
   if command -v compute-sanitizer >/dev/null 2>&1; then
     step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
       --device cuda --docs 300,1000 --shard-doc 1000 --shards 64,128 --heads 8 --kv-heads 2 --repeats 1 --json
@@ -199,6 +202,11 @@ if [ -f "$pkg/distca/__init__.py" ]; then
       --tokens 16384 --shards 1024 --repeats 3 --backends distca,cudnn,sdpa-cudnn \
       --json "$out/cudnn-variant-${variant//,/+}.json"
   done
+  # The sm_90a backward's dQ: atomic adds from the K/V blocks (the cuda-attention step's hopper rows)
+  # against a pass of its own, on the same shapes.
+  step cuda-attention-hopper-dq-pass 120 env DISTCA_HOPPER_DQ=pass "$python" python/bench/bench_cuda_attention.py \
+    --tokens 16384,65536 --shards 128 --repeats 5 --backends distca,hopper,sdpa-cudnn \
+    --json "$out/cuda-attention-hopper-dq-pass.json"
   # The measured kernel table `auto` uses on this device (commit it as
   # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
   [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
@@ -271,6 +279,7 @@ if bench_log.exists():
 profiles = sorted((out / "profiles").glob("*.json")) if (out / "profiles").exists() else []
 report["profiles"] = [str(p.relative_to(out)) for p in profiles]
 report["cuda_attention"] = load("cuda-attention.json")
+report["cuda_attention_hopper_dq_pass"] = load("cuda-attention-hopper-dq-pass.json")
 report["torch_cuda"] = load("torch-cuda.json")
 report["torch_kernels"] = load("torch-kernels.json")
 report["kernel_table"] = load("kernel-table.json")
@@ -294,12 +303,15 @@ lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step |
 lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
 for name, title in (("probe", "what the device offers"), ("configure-cuda", "configure"), ("build-cuda", "the CUDA build"),
                     ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel with distca's, cuDNN's and the sm_90a kernels)"),
-                    ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_GRAPH=exact-batch"), ("memcheck", "compute-sanitizer memcheck"),
+                    ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_GRAPH=exact-batch"),
+                    ("ctest-hopper-dq-pass", "the sm_90a tests with dQ in its own pass (DISTCA_HOPPER_DQ=pass)"),
+                    ("memcheck", "compute-sanitizer memcheck"),
                     ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
                     ("torch-cuda", "distca.torch on CUDA"),
                     ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
                     ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"),
                     ("cuda-attention-mha", "the same with K/V heads = query heads (is GQA cuDNN's backward gap?)"),
+                    ("cuda-attention-hopper-dq-pass", "the sm_90a backward with dQ in its own pass (DISTCA_HOPPER_DQ=pass)"),
                     ("memcheck-hopper", "compute-sanitizer memcheck on the sm_90a kernels"),
                     ("racecheck-hopper", "compute-sanitizer racecheck on the sm_90a kernels"),
                     ("ncu-hopper", "Nsight Compute on the sm_90a forward and backward (hopper_kernel)"),

@@ -19,6 +19,7 @@
 #include "../../src/kernels/cuda/flash_bwd.cuh"
 #include "../../src/kernels/cuda/flash_fwd.cuh"
 #include "../../src/kernels/cuda/hopper_bwd.cuh"
+#include "../../src/kernels/cuda/hopper_bwd_dq.cuh"
 #include "../../src/kernels/cuda/hopper_fwd.cuh"
 #include "../../src/kernels/cuda/schedule.h"
 #include "cuda_emu.h"
@@ -502,7 +503,7 @@ template <int D, typename Elt>
 void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                              const uint16_t* d_o, const std::vector<float>& lse, const std::vector<float>& delta,
                              std::vector<float>& dq_acc, std::vector<float>& dk_acc, std::vector<float>& dv_acc,
-                             float scale) {
+                             float scale, bool dq_pass) {
   const cuda::KvTileSchedule schedule = cuda::kv_tile_schedule(pr.tasks, cuda::HopperBwdShape<D>::kBlockN);
   using Shape = cuda::HopperBwdShape<D>;
   auto view = [](const uint16_t* base, int64_t rows, int64_t heads) { return tma_view(base, rows, heads * D, 64); };
@@ -513,7 +514,7 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
   p.v_desc = view(v, pr.dims.num_kv_rows, pr.dims.num_kv_heads);
   p.lse = lse.data();
   p.delta = delta.data();
-  p.dq_acc = dq_acc.data();
+  p.dq_acc = dq_pass ? nullptr : dq_acc.data();
   p.dk_acc = dk_acc.data();
   p.dv_acc = dv_acc.data();
   p.items = schedule.items.data();
@@ -532,10 +533,37 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
     });
     ASSERT_EQ(error, "") << "work item " << work;
   }
+  if (!dq_pass) return;
+  // dQ in its own pass: 64-row query tiles, one block a tile and query head.
+  using DqShape = cuda::HopperBwdDqShape<D>;
+  const std::vector<cuda::FwdItem> items = cuda::fwd_schedule(pr.tasks, DqShape::kBlockM);
+  cuda::HopperBwdDqParams dp;
+  dp.q_desc = p.q_desc;
+  dp.do_desc = p.do_desc;
+  dp.k_desc = p.k_desc;
+  dp.v_desc = p.v_desc;
+  dp.lse = lse.data();
+  dp.delta = delta.data();
+  dp.dq_acc = dq_acc.data();
+  dp.items = items.data();
+  dp.num_items = static_cast<int64_t>(items.size());
+  dp.num_q_heads = p.num_q_heads;
+  dp.num_kv_heads = p.num_kv_heads;
+  dp.scale_log2 = p.scale_log2;
+  Smem dq_smem(DqShape::kSmemBytes + 1024);
+  for (int64_t work = 0; work < dp.num_items * dp.num_q_heads; ++work) {
+    char* raw = dq_smem.fresh();
+    char* s = raw + (1024 - reinterpret_cast<uintptr_t>(raw) % 1024) % 1024;
+    const std::string error = run_adversarially(work, [&] {
+      return cuda::emu::run_block(
+          work, DqShape::kThreads, [&] { cuda::hopper_bwd_dq_block<D, Elt>(dp, s, work); }, s, DqShape::kSmemBytes);
+    });
+    ASSERT_EQ(error, "") << "dQ work item " << work;
+  }
 }
 
 template <int D, typename Elt, bool kHopper = false>
-void check_backward(int64_t num_q_heads = 2) {
+void check_backward(int64_t num_q_heads = 2, bool dq_pass = false) {
   // The sm_90a kernel walks queries 64 at a time through a two-stage ring, over K/V tiles that
   // several tasks read, and every query head of a K/V head's group (GQA 2:1, and 4:1 below).
   Problem pr = mixed_problem(D, {1, 37, 64, 131}, num_q_heads);
@@ -590,7 +618,7 @@ void check_backward(int64_t num_q_heads = 2) {
   std::vector<float> dq_acc(q.values.size(), 0.f), dk_acc(k.values.size(), 0.f), dv_acc(v.values.size(), 0.f);
   if constexpr (kHopper) {
     emulate_backward_hopper<D, Elt>(pr, q.bits.data(), k.bits.data(), v.bits.data(), d_o.bits.data(), lse, delta,
-                                    dq_acc, dk_acc, dv_acc, scale);
+                                    dq_acc, dk_acc, dv_acc, scale, dq_pass);
   } else {
   const std::vector<cuda::BwdItem> items = cuda::bwd_schedule(pr.tasks, kCudaBwdBlockN);
   cuda::BwdKernelParams p;
@@ -676,6 +704,9 @@ TEST(HopperTileEmulated, BackwardMatchesTheReferenceBf16D64) { check_backward<64
 TEST(HopperTileEmulated, BackwardMatchesTheReferenceBf16D128) { check_backward<128, Bf16, true>(); }
 TEST(HopperTileEmulated, BackwardMatchesTheReferenceFp16D64) { check_backward<64, Fp16, true>(); }
 TEST(HopperTileEmulated, BackwardMatchesTheReferenceGqa4Bf16D64) { check_backward<64, Bf16, true>(4); }
+// dQ in a pass of its own (hopper_bwd_dq.cuh) instead of the K/V blocks' atomic adds.
+TEST(HopperTileEmulated, BackwardWithTheDqPassMatchesTheReferenceBf16D64) { check_backward<64, Bf16, true>(2, true); }
+TEST(HopperTileEmulated, BackwardWithTheDqPassMatchesTheReferenceFp16D128) { check_backward<128, Fp16, true>(2, true); }
 
 // The emulator itself: a barrier that not every thread reaches is an error, not a hang.
 TEST(CudaTileEmulated, TheEmulatorReportsADivergentBarrier) {

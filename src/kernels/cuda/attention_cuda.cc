@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -52,7 +54,8 @@ struct CudaAttention::State {
   int device = 0;
   std::string name;
   std::unique_ptr<CudnnAttention> cudnn;  // set when the kernel is cuDNN's: every call goes there
-  bool hopper = false;                    // the sm_90a forward (the backward stays the sm_80 one)
+  bool hopper = false;                    // the sm_90a kernels (hopper_fwd.cuh, hopper_bwd.cuh)
+  bool hopper_dq_pass = false;            // DISTCA_HOPPER_DQ=pass: dQ in its own pass (hopper_bwd_dq.cuh)
   int num_sms = 0;
 };
 
@@ -86,6 +89,14 @@ Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device, CudaKer
     }
     state->hopper = true;
     state->num_sms = prop.multiProcessorCount;
+    // How the backward sums dQ, for timing the two against each other on a GPU: fp32 atomic adds
+    // from the K/V blocks (atomic, the default) or a pass over query tiles of its own (pass).
+    const char* dq = std::getenv("DISTCA_HOPPER_DQ");
+    const std::string_view dq_mode = dq ? dq : "atomic";
+    if (dq_mode != "atomic" && dq_mode != "pass") {
+      return invalid_argument(fmt::format("DISTCA_HOPPER_DQ={}: expected atomic (the default) or pass", dq_mode));
+    }
+    state->hopper_dq_pass = dq_mode == "pass";
   }
   return std::unique_ptr<CudaAttention>(new CudaAttention(std::move(state)));
 }
@@ -166,6 +177,8 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
   const std::vector<BwdItem> items = state_->hopper ? std::vector<BwdItem>{} : cuda::bwd_schedule(a.tasks, kCudaBwdBlockN);
   const cuda::KvTileSchedule kv_tiles =
       state_->hopper ? cuda::kv_tile_schedule(a.tasks, cuda::kHopperBwdBlockN) : cuda::KvTileSchedule{};
+  const std::vector<FwdItem> dq_items =
+      state_->hopper && state_->hopper_dq_pass ? cuda::fwd_schedule(a.tasks, cuda::kHopperBwdDqBlockM) : std::vector<FwdItem>{};
   if (Status st = check_grid(static_cast<int64_t>(items.size()), d.num_q_heads); !st.is_ok()) return st;
   CudaDeviceScope scope(state_->device);
   if (!scope.status().is_ok()) return scope.status();
@@ -205,7 +218,7 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     l.d_o = a.d_o;
     l.lse = a.lse;
     l.delta = delta.value();
-    l.dq_acc = dq_acc.value();
+    l.dq_acc = state_->hopper_dq_pass ? nullptr : dq_acc.value();
     l.dk_acc = dk_acc;
     l.dv_acc = dv_acc;
     l.items = device_items.value();
@@ -220,6 +233,29 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     l.scale_log2 = scale * kLog2e;
     l.num_sms = state_->num_sms;
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_bwd(l, stream));
+  }
+  if (!dq_items.empty()) {
+    Result<const FwdItem*> device_items = scratch.upload(dq_items);
+    if (!device_items.is_ok()) return device_items.status();
+    cuda::HopperBwdDqLaunch l;
+    l.q = a.q;
+    l.k = a.k;
+    l.v = a.v;
+    l.d_o = a.d_o;
+    l.lse = a.lse;
+    l.delta = delta.value();
+    l.dq_acc = dq_acc.value();
+    l.items = device_items.value();
+    l.num_items = static_cast<int64_t>(dq_items.size());
+    l.num_q_rows = d.num_q_rows;
+    l.num_kv_rows = d.num_kv_rows;
+    l.num_q_heads = static_cast<int>(d.num_q_heads);
+    l.num_kv_heads = static_cast<int>(d.num_kv_heads);
+    l.head_dim = static_cast<int>(d.head_dim);
+    l.is_bf16 = is_bf16;
+    l.scale_log2 = scale * kLog2e;
+    l.num_sms = state_->num_sms;
+    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_bwd_dq(l, stream));
   }
   if (!items.empty()) {
     Result<const BwdItem*> device_items = scratch.upload(items);

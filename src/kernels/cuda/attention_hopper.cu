@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "hopper_bwd.cuh"
+#include "hopper_bwd_dq.cuh"
 #include "hopper_fwd.cuh"
 #include "launch.h"
 
@@ -22,6 +23,7 @@ static_assert(sizeof(CUtensorMap) == sizeof(TmaDesc) && alignof(CUtensorMap) <= 
 static_assert(HopperFwdShape<64>::kBlockM == kHopperFwdBlockM && HopperFwdShape<128>::kBlockM == kHopperFwdBlockM);
 static_assert(HopperBwdShape<64>::kBlockN == kHopperBwdBlockN && HopperBwdShape<128>::kBlockN == kHopperBwdBlockN);
 static_assert(HopperBwdShape<64>::kBlockM == HopperBwdShape<128>::kBlockM);
+static_assert(HopperBwdDqShape<64>::kBlockM == kHopperBwdDqBlockM && HopperBwdDqShape<128>::kBlockM == kHopperBwdDqBlockM);
 
 // What a persistent kernel runs: the block function of one pass, its parameters and shape.
 template <int D, typename Elt>
@@ -37,6 +39,14 @@ struct BwdPass {
   using Shape = HopperBwdShape<D>;
   static DISTCA_HOST_DEVICE int64_t work_items(const Params& p) { return p.num_items * p.num_kv_heads; }
   static DISTCA_DEV void block(const Params& p, char* smem, int64_t work) { hopper_bwd_block<D, Elt>(p, smem, work); }
+};
+
+template <int D, typename Elt>
+struct BwdDqPass {
+  using Params = HopperBwdDqParams;
+  using Shape = HopperBwdDqShape<D>;
+  static DISTCA_HOST_DEVICE int64_t work_items(const Params& p) { return p.num_items * p.num_q_heads; }
+  static DISTCA_DEV void block(const Params& p, char* smem, int64_t work) { hopper_bwd_dq_block<D, Elt>(p, smem, work); }
 };
 
 // One block per SM walks the (item, head) pairs (a forward item per query head, a backward K/V tile
@@ -144,6 +154,25 @@ cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
   p.num_kv_heads = l.num_kv_heads;
   p.scale_log2 = l.scale_log2;
   return launch_for<BwdPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
+}
+
+cudaError_t launch_hopper_bwd_dq(const HopperBwdDqLaunch& l, cudaStream_t stream) {
+  HopperBwdDqParams p;
+  for (cudaError_t e : {encode_view(p.q_desc, l.q, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16, 64),
+                        encode_view(p.do_desc, l.d_o, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16, 64),
+                        encode_view(p.k_desc, l.k, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 64),
+                        encode_view(p.v_desc, l.v, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 64)}) {
+    if (e != cudaSuccess) return e;
+  }
+  p.lse = l.lse;
+  p.delta = l.delta;
+  p.dq_acc = l.dq_acc;
+  p.items = l.items;
+  p.num_items = l.num_items;
+  p.num_q_heads = l.num_q_heads;
+  p.num_kv_heads = l.num_kv_heads;
+  p.scale_log2 = l.scale_log2;
+  return launch_for<BwdDqPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
 }
 
 }  // namespace distca::kernels::cuda

@@ -17,7 +17,8 @@
 //       dV += P^T dO and dK += dS^T Q (dO and Q read MN-major). dV and dK stay in fp32 registers
 //       for the whole walk;
 //     - dQ += dS K with dS straight from the registers, in 64-column halves of D, added to the fp32
-//       sums (atomics: every K/V tile a query sees adds to its row).
+//       sums (atomics: every K/V tile a query sees adds to its row); with dq_acc null, not at all
+//       (hopper_bwd_dq.cuh computes dQ in a pass of its own).
 //   - At the end, dK and dV of the tile's rows are stored into the fp32 sums (the tiles never
 //     overlap, so each row has one writer).
 //
@@ -41,7 +42,7 @@ struct HopperBwdParams {
   TmaDesc q_desc, k_desc, v_desc, do_desc;  // 2-D views [rows, heads * D], boxes of 64 x 64 rows
   const float* lse = nullptr;               // [Tq, Hq]
   const float* delta = nullptr;             // [Tq, Hq]
-  float* dq_acc = nullptr;                  // [Tq, Hq, D]
+  float* dq_acc = nullptr;                  // [Tq, Hq, D]; null: no dQ (hopper_bwd_dq.cuh's pass)
   float* dk_acc = nullptr;                  // [Tkv, Hkv, D]
   float* dv_acc = nullptr;
   const KvTileItem* items = nullptr;        // kv_tile_schedule(tasks, HopperBwdShape::kBlockN)
@@ -225,7 +226,7 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
       // dQ += dS K (in the first walk), 64 columns of D at a time: dS as A fragments (keys 16 a step),
       // K MN-major.
       wgmma_fence();
-      for (int c = 0; c < (half == 0 ? S::kBoxes : 0); ++c) {
+      for (int c = 0; c < (half == 0 && p.dq_acc ? S::kBoxes : 0); ++c) {
         float dq[32];
         for (int kk = 0; kk < 4; ++kk) {
           const float* x = s + 8 * kk;
