@@ -529,7 +529,15 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
     char* s = raw + (1024 - reinterpret_cast<uintptr_t>(raw) % 1024) % 1024;
     const std::string error = run_adversarially(work, [&] {
       return cuda::emu::run_block(
-          work, Shape::kThreads, [&] { cuda::hopper_bwd_block<D, Elt>(p, s, work); }, s, Shape::kSmemBytes);
+          work, Shape::kThreads,
+          [&] {
+            if (dq_pass) {
+              cuda::hopper_bwd_block<D, Elt, false>(p, s, work);
+            } else {
+              cuda::hopper_bwd_block<D, Elt>(p, s, work);
+            }
+          },
+          s, Shape::kSmemBytes);
     });
     ASSERT_EQ(error, "") << "work item " << work;
   }

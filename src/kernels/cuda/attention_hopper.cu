@@ -42,6 +42,13 @@ struct BwdPass {
 };
 
 template <int D, typename Elt>
+struct BwdNoDqPass {  // the K/V blocks when dQ has a pass of its own
+  using Params = HopperBwdParams;
+  using Shape = HopperBwdShape<D>;
+  static DISTCA_HOST_DEVICE int64_t work_items(const Params& p) { return p.num_items * p.num_kv_heads; }
+  static DISTCA_DEV void block(const Params& p, char* smem, int64_t work) { hopper_bwd_block<D, Elt, false>(p, smem, work); }
+};
+template <int D, typename Elt>
 struct BwdDqPass {
   using Params = HopperBwdDqParams;
   using Shape = HopperBwdDqShape<D>;
@@ -153,7 +160,8 @@ cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
   p.num_q_heads = l.num_q_heads;
   p.num_kv_heads = l.num_kv_heads;
   p.scale_log2 = l.scale_log2;
-  return launch_for<BwdPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
+  return p.dq_acc ? launch_for<BwdPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream)
+                  : launch_for<BwdNoDqPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
 }
 
 cudaError_t launch_hopper_bwd_dq(const HopperBwdDqLaunch& l, cudaStream_t stream) {

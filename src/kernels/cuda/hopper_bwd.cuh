@@ -17,8 +17,8 @@
 //       dV += P^T dO and dK += dS^T Q (dO and Q read MN-major). dV and dK stay in fp32 registers
 //       for the whole walk;
 //     - dQ += dS K with dS straight from the registers, in 64-column halves of D, added to the fp32
-//       sums (atomics: every K/V tile a query sees adds to its row); with dq_acc null, not at all
-//       (hopper_bwd_dq.cuh computes dQ in a pass of its own).
+//       sums (atomics: every K/V tile a query sees adds to its row); or not at all (kDq false:
+//       hopper_bwd_dq.cuh computes dQ in a pass of its own).
 //   - At the end, dK and dV of the tile's rows are stored into the fp32 sums (the tiles never
 //     overlap, so each row has one writer).
 //
@@ -42,7 +42,7 @@ struct HopperBwdParams {
   TmaDesc q_desc, k_desc, v_desc, do_desc;  // 2-D views [rows, heads * D], boxes of 64 x 64 rows
   const float* lse = nullptr;               // [Tq, Hq]
   const float* delta = nullptr;             // [Tq, Hq]
-  float* dq_acc = nullptr;                  // [Tq, Hq, D]; null: no dQ (hopper_bwd_dq.cuh's pass)
+  float* dq_acc = nullptr;                  // [Tq, Hq, D] (kDq only)
   float* dk_acc = nullptr;                  // [Tkv, Hkv, D]
   float* dv_acc = nullptr;
   const KvTileItem* items = nullptr;        // kv_tile_schedule(tasks, HopperBwdShape::kBlockN)
@@ -77,7 +77,8 @@ struct HopperBwdBarriers {
 
 // A position in the walk over one K/V tile: query head g of the K/V head's group, the item's entry
 // x, query tile `tile` of that entry (64 rows from its q_begin). The producer and the consumer walk
-// in the same order: per half of dK/dV, heads, then entries, then query tiles.
+// in the same order: per walk (64 columns of dK/dV, or all of D), heads, then entries, then query
+// tiles.
 struct KvTileWalk {
   int g = 0, x = 0, tile = 0;
 };
@@ -96,9 +97,14 @@ DISTCA_DEV uint32_t swizzled_64x64(uint32_t tile, int row, int col) {
   return swizzle_address(tile + static_cast<uint32_t>(row / 8 * 1024 + row % 8 * 128 + col * 2), Swizzle::k128B) - tile;
 }
 
-template <int D, typename Elt>
+// kDq: this pass adds dQ (atomics); without it, hopper_bwd_dq.cuh computes dQ. Holding all of D
+// 128's dK and dV in one walk without dQ's registers still spills (52 bytes), so D 128 walks twice
+// either way (kWalks below is where one walk would go).
+template <int D, typename Elt, bool kDq = true>
 DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t work) {
   using S = HopperBwdShape<D>;
+  constexpr int kWalks = S::kBoxes;  // walks of the query tiles, each for kCols columns of dK/dV
+  constexpr int kCols = D / kWalks;
   constexpr float kLog2e = 1.4426950408889634f;
   const KvTileItem item = p.items[work / p.num_kv_heads];
   const int hk = static_cast<int>(work % p.num_kv_heads);
@@ -134,9 +140,9 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
         tma_load_2d(sk + c * S::kBoxBytes, &p.k_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
         tma_load_2d(sv + c * S::kBoxBytes, &p.v_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
       }
-      // The walk, once per half of dK/dV.
+      // The walk, once per kCols columns of dK/dV.
       KvTileWalk at;
-      for (int64_t step = 0; step < S::kBoxes * walk_steps; ++step, walk_next(at, entries, item.num_entries, S::kBlockM)) {
+      for (int64_t step = 0; step < kWalks * walk_steps; ++step, walk_next(at, entries, item.num_entries, S::kBlockM)) {
         if (step % walk_steps == 0) at = KvTileWalk{};
         const int stage = static_cast<int>(step % 2);
         if (step >= 2) mbarrier_wait(&bars->q_empty[stage], static_cast<int>((step - 2) / 2) & 1);
@@ -164,14 +170,14 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
     return base + static_cast<uint32_t>(kk / 4 * S::kBoxBytes + kk % 4 * 32);
   };
 
-  // dK and dV 64 columns of D at a time (32 fp32 registers each, so that S and dP fit beside them):
-  // the walk runs once per half, S and dP computed again; dQ in the first walk.
-  for (int half = 0; half < S::kBoxes; ++half) {
-    float dk[32], dv[32];
-    for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
+  // dK and dV kCols (64) columns of D at a time (32 fp32 registers each, so that S, dP and dQ fit
+  // beside them): the walk runs once per 64 columns, S and dP computed again; dQ in the first walk.
+  for (int walk = 0; walk < kWalks; ++walk) {
+    float dk[kCols / 2], dv[kCols / 2];
+    for (int i = 0; i < kCols / 2; ++i) dk[i] = dv[i] = 0.f;
     KvTileWalk at;
     for (int64_t n = 0; n < walk_steps; ++n, walk_next(at, entries, item.num_entries, S::kBlockM)) {
-      const int64_t step = half * walk_steps + n;
+      const int64_t step = walk * walk_steps + n;
       const KvTileEntry& e = entries[at.x];
       const int h = hk * heads + at.g, shift = e.kv_len - e.q_len;  // causal: query i sees task keys j <= i + shift
       const int stage = static_cast<int>(step % 2), m0 = e.q_begin + at.tile * S::kBlockM;
@@ -215,18 +221,18 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
       wgmma_fence();
       for (int kk = 0; kk < 4; ++kk) {
         const uint32_t a_step = static_cast<uint32_t>(kk) * 32;
-        const uint32_t b_step = static_cast<uint32_t>(half * S::kBoxBytes + kk * 16 * 128);  // this half's box
-        wgmma_ss<1, 64>(dv, make_smem_desc(pt_base + a_step, Swizzle::k128B, 16, 1024),
-                        make_smem_desc(do_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
-        wgmma_ss<1, 64>(dk, make_smem_desc(dst_base + a_step, Swizzle::k128B, 16, 1024),
-                        make_smem_desc(q_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
+        const uint32_t b_step = static_cast<uint32_t>(walk * S::kBoxBytes + kk * 16 * 128);  // this walk's boxes
+        wgmma_ss<1, kCols>(dv, make_smem_desc(pt_base + a_step, Swizzle::k128B, 16, 1024),
+                           make_smem_desc(do_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
+        wgmma_ss<1, kCols>(dk, make_smem_desc(dst_base + a_step, Swizzle::k128B, 16, 1024),
+                           make_smem_desc(q_base + b_step, Swizzle::k128B, S::kBoxBytes, 1024), 1, Elt{});
       }
       wgmma_commit();
       wgmma_wait<0>();
       // dQ += dS K (in the first walk), 64 columns of D at a time: dS as A fragments (keys 16 a step),
       // K MN-major.
       wgmma_fence();
-      for (int c = 0; c < (half == 0 && p.dq_acc ? S::kBoxes : 0); ++c) {
+      for (int c = 0; c < (kDq && walk == 0 ? S::kBoxes : 0); ++c) {
         float dq[32];
         for (int kk = 0; kk < 4; ++kk) {
           const float* x = s + 8 * kk;
@@ -252,13 +258,13 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
       if (local == 0) mbarrier_arrive(&bars->q_empty[stage]);
     }
 
-    // This half of dK and dV of the tile's rows into the fp32 sums: one writer a row.
+    // This walk's columns of dK and dV of the tile's rows into the fp32 sums: one writer a row.
     for (int r = 0; r < 2; ++r) {
       const int col = 16 * w + lane_row + 8 * r;
       if (col >= item.rows) continue;
-      float* out_k = p.dk_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + 64 * half;
-      float* out_v = p.dv_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + 64 * half;
-      for (int j = 0; j < 8; ++j) {
+      float* out_k = p.dk_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + kCols * walk;
+      float* out_v = p.dv_acc + (item.kv_row + col) * kv_stride + static_cast<int64_t>(hk) * D + kCols * walk;
+      for (int j = 0; j < kCols / 8; ++j) {
         for (int c = 0; c < 2; ++c) {
           out_k[8 * j + 2 * t + c] = dk[4 * j + 2 * r + c];
           out_v[8 * j + 2 * t + c] = dv[4 * j + 2 * r + c];
