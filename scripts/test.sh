@@ -60,9 +60,9 @@ part install-python python_package
 # Work that counts work, not time, runs at the lowest priority beside ctest and pytest, on the CPU
 # time they leave idle (ranks waiting on each other, test hosts waiting on timeouts): the aarch64
 # kernels' build and tests (qemu-user, a shard per core) and the fuzz targets' clang build. At nice
-# 19 it yields to the tests; ctest still took about 40 s longer beside it (252-263 s against 209-221
-# s), where the work took about 150 s after pytest before. Fuzzing runs for a fixed time, so it runs
-# last, alone.
+# 19 it yields to the tests; ctest took about 45 s longer beside it (210-214 s against 165 s alone),
+# where the work took about 150 s after pytest before, and 28-54 s now. Fuzzing runs for a fixed
+# time, so it runs last, alone.
 background_log=build/test-background.log
 (
   nice -n 19 scripts/test-aarch64.sh "${aarch64_args[@]}" && echo "test.sh: aarch64 passed" &&
