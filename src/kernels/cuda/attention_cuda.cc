@@ -206,19 +206,25 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_delta(static_cast<const uint16_t*>(a.d_o), static_cast<const uint16_t*>(a.o), a.d_lse,
                                        delta.value(), rows_heads, static_cast<int>(d.head_dim), is_bf16, stream));
   }
-  if (!kv_tiles.items.empty()) {
+  if (!kv_tiles.items.empty() || !dq_items.empty()) {
     Result<const KvTileItem*> device_items = scratch.upload(kv_tiles.items);
     if (!device_items.is_ok()) return device_items.status();
     Result<const KvTileEntry*> device_entries = scratch.upload(kv_tiles.entries);
     if (!device_entries.is_ok()) return device_entries.status();
     cuda::HopperBwdLaunch l;
+    if (!dq_items.empty()) {  // DISTCA_HOPPER_DQ=pass
+      Result<const FwdItem*> device_dq_items = scratch.upload(dq_items);
+      if (!device_dq_items.is_ok()) return device_dq_items.status();
+      l.dq_items = device_dq_items.value();
+      l.num_dq_items = static_cast<int64_t>(dq_items.size());
+    }
     l.q = a.q;
     l.k = a.k;
     l.v = a.v;
     l.d_o = a.d_o;
     l.lse = a.lse;
     l.delta = delta.value();
-    l.dq_acc = state_->hopper_dq_pass ? nullptr : dq_acc.value();
+    l.dq_acc = dq_acc.value();
     l.dk_acc = dk_acc;
     l.dv_acc = dv_acc;
     l.items = device_items.value();
@@ -233,29 +239,6 @@ Status CudaAttention::backward(const CudaBwdArgs& a, void* stream_ptr) {
     l.scale_log2 = scale * kLog2e;
     l.num_sms = state_->num_sms;
     DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_bwd(l, stream));
-  }
-  if (!dq_items.empty()) {
-    Result<const FwdItem*> device_items = scratch.upload(dq_items);
-    if (!device_items.is_ok()) return device_items.status();
-    cuda::HopperBwdDqLaunch l;
-    l.q = a.q;
-    l.k = a.k;
-    l.v = a.v;
-    l.d_o = a.d_o;
-    l.lse = a.lse;
-    l.delta = delta.value();
-    l.dq_acc = dq_acc.value();
-    l.items = device_items.value();
-    l.num_items = static_cast<int64_t>(dq_items.size());
-    l.num_q_rows = d.num_q_rows;
-    l.num_kv_rows = d.num_kv_rows;
-    l.num_q_heads = static_cast<int>(d.num_q_heads);
-    l.num_kv_heads = static_cast<int>(d.num_kv_heads);
-    l.head_dim = static_cast<int>(d.head_dim);
-    l.is_bf16 = is_bf16;
-    l.scale_log2 = scale * kLog2e;
-    l.num_sms = state_->num_sms;
-    DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_hopper_bwd_dq(l, stream));
   }
   if (!items.empty()) {
     Result<const BwdItem*> device_items = scratch.upload(items);

@@ -151,7 +151,7 @@ cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
   }
   p.lse = l.lse;
   p.delta = l.delta;
-  p.dq_acc = l.dq_acc;
+  p.dq_acc = l.dq_items ? nullptr : l.dq_acc;
   p.dk_acc = l.dk_acc;
   p.dv_acc = l.dv_acc;
   p.items = l.items;
@@ -160,27 +160,27 @@ cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream) {
   p.num_q_heads = l.num_q_heads;
   p.num_kv_heads = l.num_kv_heads;
   p.scale_log2 = l.scale_log2;
-  return p.dq_acc ? launch_for<BwdPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream)
-                  : launch_for<BwdNoDqPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
-}
-
-cudaError_t launch_hopper_bwd_dq(const HopperBwdDqLaunch& l, cudaStream_t stream) {
-  HopperBwdDqParams p;
-  for (cudaError_t e : {encode_view(p.q_desc, l.q, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16, 64),
-                        encode_view(p.do_desc, l.d_o, l.num_q_rows, l.num_q_heads, l.head_dim, l.is_bf16, 64),
-                        encode_view(p.k_desc, l.k, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 64),
-                        encode_view(p.v_desc, l.v, l.num_kv_rows, l.num_kv_heads, l.head_dim, l.is_bf16, 64)}) {
+  if (p.num_items > 0) {
+    const cudaError_t e = l.dq_items ? launch_for<BwdNoDqPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream)
+                                     : launch_for<BwdPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
     if (e != cudaSuccess) return e;
   }
-  p.lse = l.lse;
-  p.delta = l.delta;
-  p.dq_acc = l.dq_acc;
-  p.items = l.items;
-  p.num_items = l.num_items;
-  p.num_q_heads = l.num_q_heads;
-  p.num_kv_heads = l.num_kv_heads;
-  p.scale_log2 = l.scale_log2;
-  return launch_for<BwdDqPass>(p, l.head_dim, l.is_bf16, l.num_sms, stream);
+  if (!l.dq_items || l.num_dq_items == 0) return cudaSuccess;
+  // dQ's own pass: the same views (64-row boxes), query tiles instead of K/V tiles.
+  HopperBwdDqParams dq;
+  dq.q_desc = p.q_desc;
+  dq.do_desc = p.do_desc;
+  dq.k_desc = p.k_desc;
+  dq.v_desc = p.v_desc;
+  dq.lse = l.lse;
+  dq.delta = l.delta;
+  dq.dq_acc = l.dq_acc;
+  dq.items = l.dq_items;
+  dq.num_items = l.num_dq_items;
+  dq.num_q_heads = l.num_q_heads;
+  dq.num_kv_heads = l.num_kv_heads;
+  dq.scale_log2 = l.scale_log2;
+  return launch_for<BwdDqPass>(dq, l.head_dim, l.is_bf16, l.num_sms, stream);
 }
 
 }  // namespace distca::kernels::cuda

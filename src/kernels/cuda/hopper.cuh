@@ -216,6 +216,37 @@ DISTCA_DEV void tma_load_2d(void* smem, const TmaDesc* desc, int x, int y, uint6
 #endif
 }
 
+// Two tiles (say K and V) of `boxes` 64-column boxes each, box_bytes apart in shared memory: the
+// views' rows from `row`, columns from `col`, all completing on `bar` (which expects their bytes).
+DISTCA_DEV void tma_load_pair(char* a, const TmaDesc* a_desc, char* b, const TmaDesc* b_desc, int boxes, int box_bytes,
+                              int col, int row, uint64_t* bar) {
+  mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(2 * boxes * box_bytes));
+  for (int c = 0; c < boxes; ++c) {
+    tma_load_2d(a + c * box_bytes, a_desc, col + 64 * c, row, bar);
+    tma_load_2d(b + c * box_bytes, b_desc, col + 64 * c, row, bar);
+  }
+}
+
+// The barriers of a block that loads one pair of tiles once and streams pairs through a two-stage
+// ring (the backward passes): `once` completes on the first pair's bytes, full[s] on stage s's,
+// and empty[s] when the consumer releases stage s (one arrival). init_pair_ring: thread 0 sets
+// them up, then the block syncs.
+struct PairRingBarriers {
+  uint64_t once;
+  uint64_t full[2], empty[2];
+};
+DISTCA_DEV void init_pair_ring(PairRingBarriers* b) {
+  if (thread_index() == 0) {
+    mbarrier_init(&b->once, 1);
+    for (int s = 0; s < 2; ++s) {
+      mbarrier_init(&b->full[s], 1);
+      mbarrier_init(&b->empty[s], 1);
+    }
+    fence_barrier_init();
+  }
+  sync_block();
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma.
 

@@ -70,10 +70,6 @@ struct HopperBwdShape {
   static_assert(D == 64 || D == 128, "head dims 64 and 128");
 };
 
-struct HopperBwdBarriers {
-  uint64_t kv_full;
-  uint64_t q_full[2], q_empty[2];
-};
 
 // A position in the walk over one K/V tile: query head g of the K/V head's group, the item's entry
 // x, query tile `tile` of that entry (64 rows from its q_begin). The producer and the consumer walk
@@ -89,6 +85,27 @@ DISTCA_DEV void walk_next(KvTileWalk& at, const KvTileEntry* entries, int num_en
   if (++at.x < num_entries) return;
   at.x = 0;
   ++at.g;
+}
+
+// The step of a K-major 64-row tile of D columns (D / 64 boxes of 64 rows x 128 bytes) that holds
+// columns 16 kk..: 32 bytes into a box row, or the next box.
+DISTCA_DEV uint32_t k_major_step(uint32_t base, int kk) { return base + static_cast<uint32_t>(kk / 4 * 64 * 128 + kk % 4 * 32); }
+
+// S = Q K^T and dP = dO V^T, 64 query rows x 64 keys each, by one wgmma group waited for: the
+// backward's first two matrix products (hopper_bwd.cuh, hopper_bwd_dq.cuh). Q, dO, K and V are
+// K-major 64-row tiles (128-byte swizzle).
+template <int D, typename Elt>
+DISTCA_DEV void s_and_dp(float (&s)[32], float (&dp)[32], uint32_t q_base, uint32_t do_base, uint32_t k_base,
+                         uint32_t v_base) {
+  wgmma_fence();
+  for (int kk = 0; kk < D / 16; ++kk) {
+    wgmma_ss<0, 64>(s, make_smem_desc(k_major_step(q_base, kk), Swizzle::k128B, 16, 1024),
+                    make_smem_desc(k_major_step(k_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
+    wgmma_ss<0, 64>(dp, make_smem_desc(k_major_step(do_base, kk), Swizzle::k128B, 16, 1024),
+                    make_smem_desc(k_major_step(v_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
 }
 
 // The byte offset of element (row, col) of a 64 x 64 tile of 16-bit elements stored K-major with
@@ -113,7 +130,7 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
   int64_t walk_steps = 0;  // query tiles of one walk
   for (int x = 0; x < item.num_entries; ++x) walk_steps += query_tiles(entries[x], S::kBlockM);
   walk_steps *= heads;
-  auto* bars = reinterpret_cast<HopperBwdBarriers*>(smem);
+  auto* bars = reinterpret_cast<PairRingBarriers*>(smem);  // once: K and V; the ring: Q and dO
   char* sk = smem + S::kKOffset;
   char* sv = smem + S::kVOffset;
   auto sq = [&](int stage) { return smem + S::kQOffset + 2 * stage * S::kTileBytes; };
@@ -122,37 +139,22 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
   char* sdst = smem + S::kDstOffset;
   const int tid = thread_index(), group = warpgroup_index();
 
-  if (tid == 0) {
-    mbarrier_init(&bars->kv_full, 1);
-    for (int s = 0; s < 2; ++s) {
-      mbarrier_init(&bars->q_full[s], 1);
-      mbarrier_init(&bars->q_empty[s], 1);
-    }
-    fence_barrier_init();
-  }
-  sync_block();
+  init_pair_ring(bars);
 
   if (group == 0) {  // the producer
     if (tid == 0) {
-      const int kv_col = hk * D;
-      mbarrier_arrive_expect_tx(&bars->kv_full, 2 * S::kTileBytes);
-      for (int c = 0; c < S::kBoxes; ++c) {
-        tma_load_2d(sk + c * S::kBoxBytes, &p.k_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
-        tma_load_2d(sv + c * S::kBoxBytes, &p.v_desc, kv_col + 64 * c, static_cast<int>(item.kv_row), &bars->kv_full);
-      }
+      tma_load_pair(sk, &p.k_desc, sv, &p.v_desc, S::kBoxes, S::kBoxBytes, hk * D, static_cast<int>(item.kv_row),
+                    &bars->once);
       // The walk, once per kCols columns of dK/dV.
       KvTileWalk at;
       for (int64_t step = 0; step < kWalks * walk_steps; ++step, walk_next(at, entries, item.num_entries, S::kBlockM)) {
         if (step % walk_steps == 0) at = KvTileWalk{};
         const int stage = static_cast<int>(step % 2);
-        if (step >= 2) mbarrier_wait(&bars->q_empty[stage], static_cast<int>((step - 2) / 2) & 1);
+        if (step >= 2) mbarrier_wait(&bars->empty[stage], static_cast<int>((step - 2) / 2) & 1);
         const KvTileEntry& e = entries[at.x];
-        const int row = static_cast<int>(e.q_row) + e.q_begin + at.tile * S::kBlockM, q_col = (hk * heads + at.g) * D;
-        mbarrier_arrive_expect_tx(&bars->q_full[stage], 2 * S::kTileBytes);
-        for (int c = 0; c < S::kBoxes; ++c) {
-          tma_load_2d(sq(stage) + c * S::kBoxBytes, &p.q_desc, q_col + 64 * c, row, &bars->q_full[stage]);
-          tma_load_2d(sdo(stage) + c * S::kBoxBytes, &p.do_desc, q_col + 64 * c, row, &bars->q_full[stage]);
-        }
+        const int row = static_cast<int>(e.q_row) + e.q_begin + at.tile * S::kBlockM;
+        tma_load_pair(sq(stage), &p.q_desc, sdo(stage), &p.do_desc, S::kBoxes, S::kBoxBytes, (hk * heads + at.g) * D, row,
+                      &bars->full[stage]);
       }
     }
     return;
@@ -163,12 +165,9 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
   const int local = tid % 128, w = local / 32, lane_row = (local % 32) / 4, t = local % 4;
   const int64_t q_stride = static_cast<int64_t>(p.num_q_heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(p.num_kv_heads) * D;
-  mbarrier_wait(&bars->kv_full, 0);
+  mbarrier_wait(&bars->once, 0);
   const uint32_t k_base = smem_address(sk), v_base = smem_address(sv);
   const uint32_t pt_base = smem_address(spt), dst_base = smem_address(sdst);
-  auto k_major_step = [](uint32_t base, int kk) {  // 16 columns of D: 32 bytes into a box row, or the next box
-    return base + static_cast<uint32_t>(kk / 4 * S::kBoxBytes + kk % 4 * 32);
-  };
 
   // dK and dV kCols (64) columns of D at a time (32 fp32 registers each, so that S, dP and dQ fit
   // beside them): the walk runs once per 64 columns, S and dP computed again; dQ in the first walk.
@@ -181,19 +180,10 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
       const KvTileEntry& e = entries[at.x];
       const int h = hk * heads + at.g, shift = e.kv_len - e.q_len;  // causal: query i sees task keys j <= i + shift
       const int stage = static_cast<int>(step % 2), m0 = e.q_begin + at.tile * S::kBlockM;
-      mbarrier_wait(&bars->q_full[stage], static_cast<int>(step / 2) & 1);
+      mbarrier_wait(&bars->full[stage], static_cast<int>(step / 2) & 1);
       const uint32_t q_base = smem_address(sq(stage)), do_base = smem_address(sdo(stage));
-      // S = Q K^T and dP = dO V^T: 64 queries x 64 keys each.
       float s[32], dp[32];
-      wgmma_fence();
-      for (int kk = 0; kk < D / 16; ++kk) {
-        wgmma_ss<0, 64>(s, make_smem_desc(k_major_step(q_base, kk), Swizzle::k128B, 16, 1024),
-                        make_smem_desc(k_major_step(k_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
-        wgmma_ss<0, 64>(dp, make_smem_desc(k_major_step(do_base, kk), Swizzle::k128B, 16, 1024),
-                        make_smem_desc(k_major_step(v_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+      s_and_dp<D, Elt>(s, dp, q_base, do_base, k_base, v_base);
       // P and dS (in s), P^T and dS^T into shared memory.
       for (int r = 0; r < 2; ++r) {
         const int row = 16 * w + lane_row + 8 * r, i = m0 + row;  // the task query
@@ -255,7 +245,7 @@ DISTCA_DEV void hopper_bwd_block(const HopperBwdParams& p, char* smem, int64_t w
       }
       // Every thread is done with the stage, P^T and dS^T: release the stage.
       warpgroup_sync();
-      if (local == 0) mbarrier_arrive(&bars->q_empty[stage]);
+      if (local == 0) mbarrier_arrive(&bars->empty[stage]);
     }
 
     // This walk's columns of dK and dV of the tile's rows into the fp32 sums: one writer a row.

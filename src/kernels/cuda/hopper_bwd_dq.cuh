@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "hopper.cuh"
+#include "hopper_bwd.cuh"  // s_and_dp
 #include "schedule.h"
 
 namespace distca::kernels::cuda {
@@ -52,10 +53,6 @@ struct HopperBwdDqShape {
   static_assert(D == 64 || D == 128, "head dims 64 and 128");
 };
 
-struct HopperBwdDqBarriers {
-  uint64_t q_full;
-  uint64_t kv_full[2], kv_empty[2];
-};
 
 template <int D, typename Elt>
 DISTCA_DEV void hopper_bwd_dq_block(const HopperBwdDqParams& p, char* smem, int64_t work) {
@@ -64,7 +61,7 @@ DISTCA_DEV void hopper_bwd_dq_block(const HopperBwdDqParams& p, char* smem, int6
   const FwdItem item = p.items[work / p.num_q_heads];
   const int h = static_cast<int>(work % p.num_q_heads);
   const int hk = h / (p.num_q_heads / p.num_kv_heads);
-  auto* bars = reinterpret_cast<HopperBwdDqBarriers*>(smem);
+  auto* bars = reinterpret_cast<PairRingBarriers*>(smem);  // once: Q and dO; the ring: K and V
   char* sq = smem + S::kQOffset;
   char* sdo = smem + S::kDoOffset;
   auto sk = [&](int stage) { return smem + S::kKOffset + 2 * stage * S::kTileBytes; };
@@ -72,33 +69,17 @@ DISTCA_DEV void hopper_bwd_dq_block(const HopperBwdDqParams& p, char* smem, int6
   const int num_tiles = static_cast<int>((fwd_item_keys(item) + S::kBlockN - 1) / S::kBlockN);
   const int tid = thread_index(), group = warpgroup_index();
 
-  if (tid == 0) {
-    mbarrier_init(&bars->q_full, 1);
-    for (int s = 0; s < 2; ++s) {
-      mbarrier_init(&bars->kv_full[s], 1);
-      mbarrier_init(&bars->kv_empty[s], 1);
-    }
-    fence_barrier_init();
-  }
-  sync_block();
+  init_pair_ring(bars);
 
   if (group == 0) {  // the producer
     if (tid == 0) {
-      const int q_col = h * D, kv_col = hk * D;
-      mbarrier_arrive_expect_tx(&bars->q_full, 2 * S::kTileBytes);
-      for (int c = 0; c < S::kBoxes; ++c) {
-        tma_load_2d(sq + c * S::kBoxBytes, &p.q_desc, q_col + 64 * c, static_cast<int>(item.q_row), &bars->q_full);
-        tma_load_2d(sdo + c * S::kBoxBytes, &p.do_desc, q_col + 64 * c, static_cast<int>(item.q_row), &bars->q_full);
-      }
+      tma_load_pair(sq, &p.q_desc, sdo, &p.do_desc, S::kBoxes, S::kBoxBytes, h * D, static_cast<int>(item.q_row),
+                    &bars->once);
       for (int tile = 0; tile < num_tiles; ++tile) {
         const int stage = tile % 2;
-        if (tile >= 2) mbarrier_wait(&bars->kv_empty[stage], ((tile - 2) / 2) & 1);
-        const int row = static_cast<int>(item.kv_row) + tile * S::kBlockN;
-        mbarrier_arrive_expect_tx(&bars->kv_full[stage], 2 * S::kTileBytes);
-        for (int c = 0; c < S::kBoxes; ++c) {
-          tma_load_2d(sk(stage) + c * S::kBoxBytes, &p.k_desc, kv_col + 64 * c, row, &bars->kv_full[stage]);
-          tma_load_2d(sv(stage) + c * S::kBoxBytes, &p.v_desc, kv_col + 64 * c, row, &bars->kv_full[stage]);
-        }
+        if (tile >= 2) mbarrier_wait(&bars->empty[stage], ((tile - 2) / 2) & 1);
+        tma_load_pair(sk(stage), &p.k_desc, sv(stage), &p.v_desc, S::kBoxes, S::kBoxBytes, hk * D,
+                      static_cast<int>(item.kv_row) + tile * S::kBlockN, &bars->full[stage]);
       }
     }
     return;
@@ -116,26 +97,14 @@ DISTCA_DEV void hopper_bwd_dq_block(const HopperBwdDqParams& p, char* smem, int6
   }
   float dq[D / 2];
   for (float& x : dq) x = 0.f;
-  mbarrier_wait(&bars->q_full, 0);
+  mbarrier_wait(&bars->once, 0);
   const uint32_t q_base = smem_address(sq), do_base = smem_address(sdo);
-  auto k_major_step = [](uint32_t base, int kk) {  // 16 columns of D: 32 bytes into a box row, or the next box
-    return base + static_cast<uint32_t>(kk / 4 * S::kBoxBytes + kk % 4 * 32);
-  };
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % 2, n0 = tile * S::kBlockN;
-    mbarrier_wait(&bars->kv_full[stage], (tile / 2) & 1);
+    mbarrier_wait(&bars->full[stage], (tile / 2) & 1);
     const uint32_t k_base = smem_address(sk(stage)), v_base = smem_address(sv(stage));
-    // S = Q K^T and dP = dO V^T: 64 queries x 64 keys each.
     float s[32], dp[32];
-    wgmma_fence();
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wgmma_ss<0, 64>(s, make_smem_desc(k_major_step(q_base, kk), Swizzle::k128B, 16, 1024),
-                      make_smem_desc(k_major_step(k_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
-      wgmma_ss<0, 64>(dp, make_smem_desc(k_major_step(do_base, kk), Swizzle::k128B, 16, 1024),
-                      make_smem_desc(k_major_step(v_base, kk), Swizzle::k128B, 16, 1024), kk > 0 ? 1 : 0, Elt{});
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+    s_and_dp<D, Elt>(s, dp, q_base, do_base, k_base, v_base);
     // P and dS (in s): keys past the task's end and, causal, past each row's diagonal are 0.
     for (int r = 0; r < 2; ++r) {
       const int row = 16 * w + lane_row + 8 * r;
@@ -163,7 +132,7 @@ DISTCA_DEV void hopper_bwd_dq_block(const HopperBwdDqParams& p, char* smem, int6
     wgmma_wait<0>();
     // Every thread is done with the stage: release it.
     warpgroup_sync();
-    if (local == 0) mbarrier_arrive(&bars->kv_empty[stage]);
+    if (local == 0) mbarrier_arrive(&bars->empty[stage]);
   }
 
   // dQ of the item's rows into the fp32 sums: one writer a row and head.

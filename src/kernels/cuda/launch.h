@@ -70,35 +70,19 @@ struct HopperBwdLaunch {
   const KvTileItem* items = nullptr;  // device memory
   const KvTileEntry* entries = nullptr;
   int64_t num_items = 0;
+  // dQ in a pass of its own (hopper_bwd_dq.cuh, after the K/V blocks, which then skip dQ): its
+  // 64-row query tiles, fwd_schedule(tasks, kHopperBwdDqBlockM), in device memory; null: the K/V
+  // blocks add dQ by atomics.
+  const FwdItem* dq_items = nullptr;
+  int64_t num_dq_items = 0;
   int64_t num_q_rows = 0, num_kv_rows = 0;
   int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
   bool is_bf16 = true;
   float scale_log2 = 0;
   int num_sms = 0;
 };
-cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream);
-
-// dQ of the sm_90a backward in a pass of its own (hopper_bwd_dq.cuh): 64-row query tiles from
-// fwd_schedule(tasks, kHopperBwdDqBlockM), each row's dQ stored once into dq_acc; the K/V blocks
-// then run with dq_acc null. A persistent grid.
 inline constexpr int kHopperBwdDqBlockM = 64;
-struct HopperBwdDqLaunch {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const void* d_o = nullptr;
-  const float* lse = nullptr;
-  const float* delta = nullptr;
-  float* dq_acc = nullptr;
-  const FwdItem* items = nullptr;  // device memory
-  int64_t num_items = 0;
-  int64_t num_q_rows = 0, num_kv_rows = 0;
-  int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
-  bool is_bf16 = true;
-  float scale_log2 = 0;
-  int num_sms = 0;
-};
-cudaError_t launch_hopper_bwd_dq(const HopperBwdDqLaunch& l, cudaStream_t stream);
+cudaError_t launch_hopper_bwd(const HopperBwdLaunch& l, cudaStream_t stream);
 cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream);
 
 }  // namespace distca::kernels::cuda
