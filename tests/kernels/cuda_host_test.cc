@@ -371,6 +371,22 @@ std::string run_adversarially(int64_t work, const std::function<std::string()>& 
 
 // The same problem through the sm_90a tile algorithm (hopper_fwd.cuh): 128-row items, TMA views
 // of [rows, heads x D] with 64 x 128 boxes, 128-byte swizzle, one emulated block of 384 threads each.
+// Runs `works` emulated sm_90a blocks of `threads` threads, each on fresh, 1024-byte-aligned shared
+// memory of `smem_bytes` (run_adversarially's schedules), as the persistent grid's items; block(s,
+// work) is the tile algorithm. Returns the first error, naming its item, or "".
+std::string run_hopper_blocks(int64_t works, int threads, int smem_bytes,
+                              const std::function<void(char*, int64_t)>& block) {
+  Smem smem(smem_bytes + 1024);
+  for (int64_t work = 0; work < works; ++work) {
+    char* raw = smem.fresh();
+    char* s = raw + (1024 - reinterpret_cast<uintptr_t>(raw) % 1024) % 1024;
+    const std::string error = run_adversarially(
+        work, [&] { return cuda::emu::run_block(work, threads, [&] { block(s, work); }, s, smem_bytes); });
+    if (!error.empty()) return "work item " + std::to_string(work) + ": " + error;
+  }
+  return "";
+}
+
 template <int D, typename Elt>
 void emulate_forward_hopper(const Problem& pr, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o,
                             float* lse, float scale) {
@@ -383,16 +399,9 @@ void emulate_forward_hopper(const Problem& pr, const uint16_t* q, const uint16_t
   p.k_desc = view(k, pr.dims.num_kv_rows, pr.dims.num_kv_heads);
   p.v_desc = view(v, pr.dims.num_kv_rows, pr.dims.num_kv_heads);
   set_forward_outputs(p, pr, o, lse, items, scale);
-  Smem smem(Shape::kSmemBytes + 1024);
-  for (int64_t work = 0; work < p.num_items * p.num_q_heads; ++work) {
-    char* raw = smem.fresh();
-    char* s = raw + (1024 - reinterpret_cast<uintptr_t>(raw) % 1024) % 1024;
-    const std::string error = run_adversarially(work, [&] {
-      return cuda::emu::run_block(
-          work, Shape::kThreads, [&] { cuda::hopper_fwd_block<D, Elt>(p, s, work); }, s, Shape::kSmemBytes);
-    });
-    ASSERT_EQ(error, "") << "work item " << work;
-  }
+  ASSERT_EQ(run_hopper_blocks(p.num_items * p.num_q_heads, Shape::kThreads, Shape::kSmemBytes,
+                              [&](char* s, int64_t work) { cuda::hopper_fwd_block<D, Elt>(p, s, work); }),
+            "");
 }
 
 template <int D, typename Elt, bool kHopper = false>
@@ -523,24 +532,15 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
   p.num_q_heads = static_cast<int>(pr.dims.num_q_heads);
   p.num_kv_heads = static_cast<int>(pr.dims.num_kv_heads);
   p.scale_log2 = scale * 1.4426950408889634f;
-  Smem smem(Shape::kSmemBytes + 1024);
-  for (int64_t work = 0; work < p.num_items * p.num_kv_heads; ++work) {
-    char* raw = smem.fresh();
-    char* s = raw + (1024 - reinterpret_cast<uintptr_t>(raw) % 1024) % 1024;
-    const std::string error = run_adversarially(work, [&] {
-      return cuda::emu::run_block(
-          work, Shape::kThreads,
-          [&] {
-            if (dq_pass) {
-              cuda::hopper_bwd_block<D, Elt, false>(p, s, work);
-            } else {
-              cuda::hopper_bwd_block<D, Elt>(p, s, work);
-            }
-          },
-          s, Shape::kSmemBytes);
-    });
-    ASSERT_EQ(error, "") << "work item " << work;
-  }
+  ASSERT_EQ(run_hopper_blocks(p.num_items * p.num_kv_heads, Shape::kThreads, Shape::kSmemBytes,
+                              [&](char* s, int64_t work) {
+                                if (dq_pass) {
+                                  cuda::hopper_bwd_block<D, Elt, false>(p, s, work);
+                                } else {
+                                  cuda::hopper_bwd_block<D, Elt>(p, s, work);
+                                }
+                              }),
+            "");
   if (!dq_pass) return;
   // dQ in its own pass: 64-row query tiles, one block a tile and query head.
   using DqShape = cuda::HopperBwdDqShape<D>;
@@ -558,16 +558,9 @@ void emulate_backward_hopper(const Problem& pr, const uint16_t* q, const uint16_
   dp.num_q_heads = p.num_q_heads;
   dp.num_kv_heads = p.num_kv_heads;
   dp.scale_log2 = p.scale_log2;
-  Smem dq_smem(DqShape::kSmemBytes + 1024);
-  for (int64_t work = 0; work < dp.num_items * dp.num_q_heads; ++work) {
-    char* raw = dq_smem.fresh();
-    char* s = raw + (1024 - reinterpret_cast<uintptr_t>(raw) % 1024) % 1024;
-    const std::string error = run_adversarially(work, [&] {
-      return cuda::emu::run_block(
-          work, DqShape::kThreads, [&] { cuda::hopper_bwd_dq_block<D, Elt>(dp, s, work); }, s, DqShape::kSmemBytes);
-    });
-    ASSERT_EQ(error, "") << "dQ work item " << work;
-  }
+  ASSERT_EQ(run_hopper_blocks(dp.num_items * dp.num_q_heads, DqShape::kThreads, DqShape::kSmemBytes,
+                              [&](char* s, int64_t work) { cuda::hopper_bwd_dq_block<D, Elt>(dp, s, work); }),
+            "") << "the dQ pass";
 }
 
 template <int D, typename Elt, bool kHopper = false>
