@@ -26,6 +26,9 @@
 //      of the band, or the whole band, moves as a causal task. Keys the receiver owns or
 //      already receives cost nothing. Cuts land on multiples of g. When the soft intakes are
 //      spent, a new water level over the rooms left covers the excess left.
+//      The rows [x, r1) left with keys [e, q] continue the block just cut: more of their keys
+//      for the same receiver extend that block (consider_extension) instead of making another
+//      task there, so a receiver never holds two tasks of the same rows over abutting keys.
 //   4b. With hosts (minlink's variant, MinbytesShape::host_fill): before step 4, a sender whose
 //      excess is many rooms' worth ships it in a few equal blocks to hosts, receivers that hand
 //      their own work on to the others first (reserve_hosts: which senders, how many blocks).
@@ -55,6 +58,7 @@ struct Band {  // causal task: rows [r0, r1), each row q sees keys [c, q]
   int64_t r0, r1, c;
   int32_t server;
   double seconds = 0;  // its cost (MinbytesPlanner::set_seconds), kept as the band changes
+  int32_t ext = -1;    // the block cut off it last (rows [r0, r1), keys [k0, c)), which its keys continue
 };
 
 struct Block {  // non-causal task: rows [q0, q1) see keys [k0, k1), k1 <= q0
@@ -73,6 +77,7 @@ struct Move {
   double shed = 0;     // what the sender loses (less than seconds when the cut adds a task there)
   double bytes = 0;    // all four phases (move_bytes)
   double score = 0;    // bytes per second of work moved
+  int32_t ext = -1;    // >= 0: keys [c, e) extend this block of dst's (consider_extension)
 };
 
 // The lists minbytes keeps between plans (scratch.h), with its arena's buffer.
@@ -156,7 +161,9 @@ class MinbytesPlanner {
     for (const Band& b : bands_) {
       if (b.r0 < b.r1) tasks.push_back(Task{b.doc, b.r0, b.r1, b.c, b.r1, b.server});
     }
-    for (const Block& b : blocks_) tasks.push_back(Task{b.doc, b.q0, b.q1, b.k0, b.k1, b.server});
+    for (const Block& b : blocks_) {
+      if (b.k0 < b.k1) tasks.push_back(Task{b.doc, b.q0, b.q1, b.k0, b.k1, b.server});
+    }
     Plan plan = finalize_plan("minbytes", options_.tolerance, batch_, cost_, std::move(tasks));
     if (budget_ > 0) {
       const auto& fwd = plan.traffic.forward;
@@ -417,17 +424,67 @@ class MinbytesPlanner {
     if (best.band < 0 || score < best.score) best = Move{id, true, b.r0, b.r1, dst, seconds, seconds, bytes, score};
   }
 
+  // Keys [c, e) of band `id` added to the block that dst already computes for the same rows
+  // (the block last cut off this band, to dst): the boundary between them moves, so dst takes
+  // no new task, no query row again and no short key range of its own; a new block of the same
+  // work costs dst a task's overhead, its rows' bytes again, and runs at the rate of its own,
+  // shorter key range. The largest e, a multiple of g up to the wanted work, whose added seconds
+  // fit the room.
+  void consider_extension(int32_t id, int32_t dst, double want, double room, Move& best) const {
+    const Band& b = bands_[id];
+    const int32_t ext = extendable(b, dst);
+    if (ext < 0) return;
+    const Block& k = blocks_[ext];
+    const int64_t rows = b.r1 - b.r0;
+    const double before = block_seconds(rows, k.k1 - k.k0);
+    auto gain = [&](int64_t e) { return block_seconds(rows, e - k.k0) - before; };
+    const double want_pairs = std::max(1.0, want / seconds_per_pair_);
+    int64_t lo = floor_g(b.c) + g_;  // the multiples of g in (c, r0]: a block ends at or before its first row
+    int64_t hi = std::min(floor_g(b.r0), ceil_g(b.c + static_cast<int64_t>(std::ceil(want_pairs / static_cast<double>(rows)))));
+    if (lo > hi || gain(lo) > room) return;
+    while (lo < hi) {  // lo fits; the largest multiple in [lo, hi] that fits
+      const int64_t mid = lo + (((hi - lo) / g_ + 1) / 2) * g_;
+      if (gain(mid) <= room) lo = mid; else hi = mid - g_;
+    }
+    const double shed = band_seconds(b) - causal_seconds(b.r0, b.r1, lo);
+    if (shed <= 0) return;
+    double bytes = 0;
+    for_each_missing_key(b.doc, b.c, lo, dst, [&](int32_t, int64_t n) { bytes += static_cast<double>(n) * kv_; });
+    const double score = price(bytes, shed, want);
+    if (best.band < 0 || score < best.score) best = Move{id, false, b.r0, lo, dst, gain(lo), shed, bytes, score, ext};
+  }
+
+  // The block of dst's whose keys band b's continue for the same rows (b.ext, where it still
+  // is one), else -1.
+  int32_t extendable(const Band& b, int32_t dst) const {
+    if (b.ext < 0) return -1;
+    const Block& k = blocks_[b.ext];
+    return k.server == dst && k.q0 == b.r0 && k.q1 == b.r1 && k.k1 == b.c && k.k0 < k.k1 ? b.ext : -1;
+  }
+
+  // Forward flows of a move (for_each_flow): an extension's rows are at dst already.
+  template <typename Fn>
+  void for_each_move_flow(const Move& m, Fn&& fn) const {
+    const Band& b = bands_[m.band];
+    const TokenBytes& tb = cost_.token_bytes();
+    if (m.ext >= 0) {
+      for_each_missing_key(b.doc, b.c, m.e, m.dst, [&](int32_t owner, int64_t rows) { fn(owner, m.dst, rows * tb.kv); });
+    } else if (m.is_whole) {
+      for_each_flow(b.doc, b.r0, b.r1, b.c, b.r1, m.dst, fn);
+    } else if (m.e < 0) {
+      for_each_flow(b.doc, m.x, b.r1, b.c, b.r1, m.dst, fn);
+    } else {
+      for_each_flow(b.doc, m.x, b.r1, b.c, m.e, m.dst, fn);
+    }
+  }
+
   bool fits_budget(const Move& m) const {
     if (budget_ == 0) return true;
-    const Band& b = bands_[m.band];
     std::vector<std::pair<int32_t, int64_t>> sends, recvs;
-    auto collect = [&](int32_t src, int32_t to, int64_t bytes) {
+    for_each_move_flow(m, [&](int32_t src, int32_t to, int64_t bytes) {
       sends.emplace_back(src, bytes);
       recvs.emplace_back(to, bytes);
-    };
-    if (m.is_whole) for_each_flow(b.doc, b.r0, b.r1, b.c, b.r1, m.dst, collect);
-    else if (m.e < 0) for_each_flow(b.doc, m.x, b.r1, b.c, b.r1, m.dst, collect);
-    else for_each_flow(b.doc, m.x, b.r1, b.c, m.e, m.dst, collect);
+    });
     return !exceeds_budget(sends, send_, budget_) && !exceeds_budget(recvs, recv_, budget_);
   }
 
@@ -455,6 +512,7 @@ class MinbytesPlanner {
       consider_block(id, dst, want, room, dst_holds, here);
       consider_suffix(id, dst, want, room, dst_holds, here);
       consider_whole(id, dst, want, std::min(room, std::max(want, intake)), dst_holds, here);
+      consider_extension(id, dst, want, room, here);
     }
     if (here.band >= 0 && !fits_budget(here)) here.band = -1;
     return here;
@@ -696,18 +754,37 @@ class MinbytesPlanner {
   void apply(const Move& m) {
     Band& b = bands_[m.band];
     const int32_t src = b.server;
+    // Work of the rows of dst's block that the band's keys continue joins that block: never two
+    // tasks of one server for the same rows over abutting key ranges.
+    const int32_t ext = m.is_whole || (m.e >= 0 && m.x == b.r0) ? extendable(b, m.dst) : -1;
     if (budget_ > 0) {
-      auto add = [&](int32_t from, int32_t to, int64_t bytes) {
+      Move counted = m;
+      counted.ext = m.is_whole ? -1 : ext;  // a whole band's rows travel again: counted whole
+      for_each_move_flow(counted, [&](int32_t from, int32_t to, int64_t bytes) {
         send_[from] += bytes;
         recv_[to] += bytes;
-      };
-      if (m.is_whole) for_each_flow(b.doc, b.r0, b.r1, b.c, b.r1, m.dst, add);
-      else if (m.e < 0) for_each_flow(b.doc, m.x, b.r1, b.c, b.r1, m.dst, add);
-      else for_each_flow(b.doc, m.x, b.r1, b.c, m.e, m.dst, add);
+      });
     }
     load_[src] -= band_seconds(b);
-    if (m.is_whole) {
-      const Band moved{b.doc, b.r0, b.r1, b.c, m.dst};
+    if (ext >= 0 && !m.is_whole) {  // the band's first keys join dst's block
+      Block& k = blocks_[ext];
+      const int64_t rows = b.r1 - b.r0;
+      load_[m.dst] += block_seconds(rows, m.e - k.k0) - block_seconds(rows, k.k1 - k.k0);
+      hold(b.doc, m.dst, k.k1, m.e);
+      k.k1 = m.e;
+      b.c = m.e;
+      set_seconds(b);
+      load_[src] += band_seconds(b);
+    } else if (m.is_whole) {
+      Band moved{b.doc, b.r0, b.r1, b.c, m.dst};
+      moved.ext = b.ext;  // the same rows and keys: a block its keys continue still does
+      if (ext >= 0) {  // the band and dst's block become one causal task from the block's first key
+        Block& k = blocks_[ext];
+        load_[m.dst] -= block_seconds(k.q1 - k.q0, k.k1 - k.k0);
+        moved.c = k.k0;
+        moved.ext = -1;
+        k.k1 = k.k0;  // empty: no task
+      }
       b.r1 = b.r0;  // dead
       set_seconds(b);
       add_band(moved);
@@ -720,6 +797,7 @@ class MinbytesPlanner {
     } else {
       Band upper{b.doc, m.x, b.r1, m.e, src};
       set_seconds(upper);
+      upper.ext = static_cast<int32_t>(blocks_.size());
       blocks_.push_back(Block{b.doc, m.x, b.r1, b.c, m.e, m.dst});
       load_[m.dst] += block_seconds(b.r1 - m.x, m.e - b.c);
       hold(b.doc, m.dst, b.c, m.e);
