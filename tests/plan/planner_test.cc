@@ -219,17 +219,24 @@ TEST(PlanMinmax, HonoursAByteBudgetOrReportsIt) {
   }
 }
 
+// A profile on which a task's rate grows with its key range (a third of the top rate at 128 keys)
+// and each task costs an overhead: cuts that add tasks or shorten key ranges cost seconds.
+ThroughputProfile short_keys_run_slower() {
+  ThroughputProfile profile;
+  profile.flops_per_second = 400e12;
+  profile.tile_rows = 64;
+  profile.task_overhead_seconds = 10e-6;
+  profile.rate_by_keys = {{128, 120e12}, {1024, 250e12}, {8192, 360e12}, {65536, 400e12}};
+  return profile;
+}
+
 // At a small eps the cap (1 + eps) x the mean of every document as one task can lie below the
 // mean a plan ends with (its cuts add tasks and shorter key ranges, which run slower here), and
 // no plan meets that cap; minbytes and minlink then plan once more at the first plan's own mean.
 // One 131072-token document over 8 servers: without that second plan minbytes ended at 1.011x
 // the mean at eps 0.0004, 1.0027x at 0.0008.
 TEST(PlanMinbytes, MeetsASmallEpsWhereCutsRaiseTheMeanAboveTheCap) {
-  ThroughputProfile profile;
-  profile.flops_per_second = 400e12;
-  profile.tile_rows = 64;
-  profile.task_overhead_seconds = 10e-6;
-  profile.rate_by_keys = {{128, 120e12}, {1024, 250e12}, {8192, 360e12}, {65536, 400e12}};
+  const ThroughputProfile profile = short_keys_run_slower();
   const CostModel cost(model_preset("llama-8b").value(), profile);
   const Batch batch = pack_documents({131072}, 8, 16384).value();
   for (const char* policy : {"minbytes", "minlink"}) {
@@ -255,11 +262,7 @@ TEST(PlanMinbytes, MeetsASmallEpsWhereCutsRaiseTheMeanAboveTheCap) {
 // the document as one task in all (above 1.01x in 13 of the 20 plans), now none and at most
 // 1.0097x.
 TEST(PlanMinbytes, NeverGivesAServerTwoTasksOfTheSameRowsOverAbuttingKeys) {
-  ThroughputProfile profile;
-  profile.flops_per_second = 400e12;
-  profile.tile_rows = 64;
-  profile.task_overhead_seconds = 10e-6;
-  profile.rate_by_keys = {{128, 120e12}, {1024, 250e12}, {8192, 360e12}, {65536, 400e12}};
+  const ThroughputProfile profile = short_keys_run_slower();
   ModelShape model = model_preset("llama-34b").value();
   model.tp = 8;
   model.grad_return = GradReturn::kBf16;
