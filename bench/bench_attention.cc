@@ -161,7 +161,7 @@ Status validate(const AttentionBenchOptions& o) {
   return Status::ok();
 }
 
-Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const Progress& progress) {
+Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const ProgressLine& progress) {
   DISTCA_RETURN_IF_ERROR(validate(o));
   const int all = o.threads > 0 ? o.threads : ThreadPool::hardware_threads();
   CpuAttention fused1({.num_threads = 1}), fused_all({.num_threads = all});

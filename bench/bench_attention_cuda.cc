@@ -117,14 +117,15 @@ struct DeviceBuffer {
   }
 };
 
-struct Problem {
+// A task list and its dimensions: what one timed call runs.
+struct TaskProblem {
   AttnDims dims;
   std::vector<AttnTask> tasks;
 };
 
 // One document of L tokens: one causal task, or shards of `shard` queries against the shared prefix.
-Problem document(const CudaAttentionBenchOptions& o, int64_t L, int64_t shard) {
-  Problem p{{L, L, o.q_heads, o.kv_heads, o.head_dim}, {}};
+TaskProblem document(const CudaAttentionBenchOptions& o, int64_t L, int64_t shard) {
+  TaskProblem p{{L, L, o.q_heads, o.kv_heads, o.head_dim}, {}};
   for (int64_t a = 0; a < L; a += shard > 0 ? shard : L) {
     const int64_t b = shard > 0 ? std::min(L, a + shard) : L;
     p.tasks.push_back({a, b - a, 0, b, true});
@@ -174,7 +175,7 @@ Status make_tensors(const AttnDims& d, CudaDType dtype, uint64_t seed, Tensors& 
   return Status::ok();
 }
 
-CudaFwdArgs fwd_args(const Problem& p, CudaDType dtype, Tensors& t) {
+CudaFwdArgs fwd_args(const TaskProblem& p, CudaDType dtype, Tensors& t) {
   CudaFwdArgs a;
   a.dims = p.dims;
   a.dtype = dtype;
@@ -187,7 +188,7 @@ CudaFwdArgs fwd_args(const Problem& p, CudaDType dtype, Tensors& t) {
   return a;
 }
 
-CudaBwdArgs bwd_args(const Problem& p, CudaDType dtype, Tensors& t) {
+CudaBwdArgs bwd_args(const TaskProblem& p, CudaDType dtype, Tensors& t) {
   CudaBwdArgs a;
   a.dims = p.dims;
   a.dtype = dtype;
@@ -252,7 +253,7 @@ Result<std::vector<float>> read_back(const void* src, CudaDType dtype, int64_t n
 // the storage type's: O within 2 eps max|V| (P and O rounded), LSE within 1e-4 relative, dQ/dK/dV
 // within 8 eps max|ref| (dS and P rounded before their products).
 Result<nlohmann::json> check_against_reference(CudaAttention& attn, const CudaAttentionBenchOptions& o, CudaDType dtype) {
-  Problem p = document(o, 300, 128);
+  TaskProblem p = document(o, 300, 128);
   p.dims = {377, 377, std::min<int64_t>(o.q_heads, 4 * (o.q_heads / o.kv_heads)), 0, o.head_dim};
   p.dims.num_kv_heads = p.dims.num_q_heads / (o.q_heads / o.kv_heads);
   p.tasks.push_back({300, 77, 300, 77, true});
@@ -367,7 +368,7 @@ Result<nlohmann::json> run_cuda_attention_bench(const CudaAttentionBenchOptions&
   nlohmann::json results = nlohmann::json::array();
   std::map<int64_t, nlohmann::json> whole;
   for (const auto& [L, shard] : cases) {
-    const Problem p = document(o, L, shard);
+    const TaskProblem p = document(o, L, shard);
     Tensors t;
     if (Status s = make_tensors(p.dims, dtype, o.seed, t); !s.is_ok()) return s;
     const CudaFwdArgs fa = fwd_args(p, dtype, t);

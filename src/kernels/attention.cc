@@ -62,18 +62,18 @@ Status validate(const AttnDims& dims, std::span<const AttnTask> tasks, RangeScra
 
 namespace {
 // A buffer to check: its pointer, whether it is query-sized ([Tq, Hq, D]) or key-sized, its name.
-struct Buffer {
+struct CheckedBuffer {
   const void* data;
   bool is_query_sized;
   const char* name;
 };
 
 Status validate_with_buffers(const AttnDims& dims, std::span<const AttnTask> tasks, RangeScratch* ranges,
-                             std::initializer_list<Buffer> buffers) {
+                             std::initializer_list<CheckedBuffer> buffers) {
   DISTCA_RETURN_IF_ERROR(validate(dims, tasks, ranges));
   const int64_t nq = dims.num_q_rows * dims.num_q_heads;
   const int64_t nkv = dims.num_kv_rows * dims.num_kv_heads;
-  for (const Buffer& b : buffers) {
+  for (const CheckedBuffer& b : buffers) {
     if ((b.is_query_sized ? nq : nkv) > 0 && b.data == nullptr) return invalid_argument(fmt::format("{} is null", b.name));
   }
   return Status::ok();

@@ -37,7 +37,8 @@ struct Run {
   bool is_alive() const { return lo < hi; }
 };
 
-struct Candidate {
+// A candidate move: the slice [a, b) off the front or back of a run, to server dst, and its score.
+struct SliceMove {
   int32_t run = -1;
   bool is_front = true;
   int64_t a = 0;  // slice [a, b)
@@ -244,7 +245,7 @@ class MinmaxPlanner {
     return slice(k);
   }
 
-  void consider(int32_t run_id, int32_t dst, double excess, Candidate& best) {
+  void consider(int32_t run_id, int32_t dst, double excess, SliceMove& best) {
     const Run& run = runs_[run_id];
     if (dst == run.server) return;
     const double dst_room = room(dst);
@@ -257,7 +258,7 @@ class MinmaxPlanner {
       const double score = bytes / seconds(a, b);
       if (best.run >= 0 && score >= best.score) continue;
       if (!fits_budget(run.doc, a, b, dst)) continue;
-      best = Candidate{run_id, is_front, a, b, dst, score};
+      best = SliceMove{run_id, is_front, a, b, dst, score};
     }
   }
 
@@ -276,7 +277,7 @@ class MinmaxPlanner {
       std::stable_sort(top.begin(), top.end(), [&](int32_t a, int32_t b) {
         return seconds(runs_[a].lo, runs_[a].hi) > seconds(runs_[b].lo, runs_[b].hi);
       });
-      Candidate best;
+      SliceMove best;
       const int32_t roomiest = rooms_.empty() ? -1 : rooms_.begin()->second;
       for (size_t i = 0; i < std::min(top.size(), kTopRuns); ++i) {
         const Run& run = runs_[top[i]];
@@ -301,7 +302,7 @@ class MinmaxPlanner {
     }
   }
 
-  void apply(const Candidate& c) {
+  void apply(const SliceMove& c) {
     if (options_.max_rank_bytes > 0) {
       for_each_flow(runs_[c.run].doc, c.a, c.b, c.dst, [&](int32_t src, int32_t to, int64_t bytes) {
         send_[src] += bytes;

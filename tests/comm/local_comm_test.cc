@@ -13,15 +13,14 @@
 #include <stdexcept>
 
 #include "collectives.h"
+#include "rank_status.h"
 
 namespace distca::comm {
 namespace {
 
 using namespace std::chrono_literals;
 
-void expect_all_ok(const std::vector<Status>& statuses) {
-  for (std::size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].message();
-}
+using distca::testing::expect_all_ok;
 
 TEST(LocalComm, AllToAllVDeliversEveryByteToItsPlace) {
   for (int R : {1, 2, 3, 4, 7}) {

@@ -12,6 +12,7 @@
 #include "distca/comm/local_comm.h"
 #include "distca/comm/nccl_comm.h"
 #include "nccl_checks.h"
+#include "rank_status.h"
 
 namespace distca::comm {
 namespace {
@@ -29,9 +30,7 @@ std::vector<Status> run_nccl(int num_ranks, const std::function<Status(NcclComm&
       std::chrono::seconds(60));
 }
 
-void expect_all_ok(const std::vector<Status>& statuses) {
-  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
-}
+using distca::testing::expect_all_ok;
 
 TEST(NcclCommGpu, OneRankMovesEveryByte) {
   DISTCA_SKIP_WITHOUT_CUDA_DEVICE();

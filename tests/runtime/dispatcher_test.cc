@@ -14,6 +14,7 @@
 #include "distca/plan/plan.h"
 #include "distca/plan/verify.h"
 #include "harness.h"
+#include "rank_status.h"
 
 namespace distca::runtime {
 namespace {
@@ -22,9 +23,7 @@ using comm::Communicator;
 using comm::LocalWorld;
 using plan::BackwardMode;
 
-void expect_all_ok(const std::vector<Status>& statuses) {
-  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
-}
+using distca::testing::expect_all_ok;
 
 // Random documents (some of one token, some longer than a rank) packed into R ranks of T.
 plan::Batch random_batch(uint64_t seed, int R, int64_t T) {

@@ -15,6 +15,7 @@
 #include "distca/core/bf16.h"
 #include "distca/plan/plan.h"
 #include "harness.h"
+#include "rank_status.h"
 
 namespace distca::runtime {
 namespace {
@@ -24,9 +25,7 @@ using comm::LocalWorld;
 using plan::BackwardMode;
 using plan::GradReturn;
 
-void expect_all_ok(const std::vector<Status>& statuses) {
-  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
-}
+using distca::testing::expect_all_ok;
 
 // Documents of 1 to 3 T tokens packed into R ranks of T: most of them span ranks, so K/V rows
 // have partial sums on several servers.
@@ -45,7 +44,7 @@ plan::Batch spanning_batch(uint64_t seed, int R, int64_t T) {
 
 // A key-split plan: minbytes' own splits, then more (harness.h), so that many K/V rows get
 // partial sums from several servers.
-plan::Plan split_plan(const plan::Batch& batch, uint64_t seed) {
+plan::Plan key_split_plan(const plan::Batch& batch, uint64_t seed) {
   auto base = testing::make_plan(batch, "minbytes");
   EXPECT_TRUE(base.is_ok()) << base.status().to_string();
   auto split = testing::split_key_ranges(batch, base.value(), seed);
@@ -113,7 +112,7 @@ TEST(GradReturn, Bf16IsWithinOneRoundingOfEachPartial) {
     for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
       SCOPED_TRACE(fmt::format("R={} mode={}", R, plan::backward_mode_name(mode)));
       const plan::Batch batch = spanning_batch(30 + R, R, 96);
-      const plan::Plan plan = split_plan(batch, 60 + R);
+      const plan::Plan plan = key_split_plan(batch, 60 + R);
       testing::DispatchCase c;
       c.seed = 5 * R + 2;
       c.mode = mode;
@@ -162,7 +161,7 @@ TEST(GradReturn, Bf16EqualsFp32WhenEveryPartialIsABf16Value) {
     for (BackwardMode mode : {BackwardMode::kStateless, BackwardMode::kStateful}) {
       SCOPED_TRACE(fmt::format("R={} mode={}", R, plan::backward_mode_name(mode)));
       const plan::Batch batch = spanning_batch(40 + R, R, 96);
-      const plan::Plan plan = split_plan(batch, 70 + R);
+      const plan::Plan plan = key_split_plan(batch, 70 + R);
       testing::DispatchCase c;
       c.seed = 3 * R + 1;
       c.mode = mode;
@@ -190,7 +189,7 @@ TEST(GradReturn, Bf16EqualsFp32WhenEveryPartialIsABf16Value) {
 TEST(GradReturn, OnlyTheBackwardReturnShrinksByHalfItsDkDvShare) {
   const int R = 4;
   const plan::Batch batch = spanning_batch(51, R, 128);
-  const plan::Plan plan = split_plan(batch, 52);
+  const plan::Plan plan = key_split_plan(batch, 52);
   testing::DispatchCase c;
   c.mode = BackwardMode::kStateful;
   const int64_t qw = c.heads.num_q_heads * c.heads.head_dim, kw = c.heads.num_kv_heads * c.heads.head_dim;
@@ -226,7 +225,7 @@ TEST(GradReturn, OnlyTheBackwardReturnShrinksByHalfItsDkDvShare) {
 
 TEST(GradReturn, AValueThatIsNeitherFp32NorBf16IsRefused) {
   const plan::Batch batch = spanning_batch(61, 2, 64);
-  const plan::Plan plan = split_plan(batch, 62);
+  const plan::Plan plan = key_split_plan(batch, 62);
   expect_all_ok(LocalWorld::run(2, [&](Communicator& comm) -> Status {
     DispatchOptions options;
     options.grad_return = static_cast<GradReturn>(7);

@@ -582,15 +582,11 @@ TEST(Cli, BenchCalibrationReportsPredictedAndMeasuredSteps) {
 }
 
 #ifdef DISTCA_MPIRUN
-CmdResult mpirun(int np, const std::string& args) {
-  return cli::run_shell(std::string("env -u OPENBLAS_CORETYPE ") + DISTCA_MPIRUN +
-                        " -q --allow-run-as-root --oversubscribe --bind-to none -np " + std::to_string(np) + " " +
-                        DISTCA_BIN + " " + args);
-}
+using cli::mpirun;
 
 // Every rank re-executes itself for OpenBLAS before MPI starts; the job runs as before.
 TEST(Cli, BenchDispatchUnderMpirunRunsTheAvx512BlasCore) {
-  CmdResult r = mpirun(2, "bench dispatch --quick --link off --repeats 1 --json");
+  CmdResult r = mpirun(2, "bench dispatch --quick --link off --repeats 1 --json", "env -u OPENBLAS_CORETYPE ");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["comm"], "mpi");

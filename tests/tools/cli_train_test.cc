@@ -368,13 +368,10 @@ TEST(Cli, TrainRuntimeFailureExitsOneWithTheRealError) {
 }
 
 #ifdef DISTCA_MPIRUN
+using cli::mpirun;
+
 // Under mpirun the same exit codes, one message, and no MPI_Abort banner for errors every rank
-// knows. (mpirun -q keeps mpirun's own "a process returned non-zero" note out; the docs'
-// commands use it.)
-CmdResult mpirun(int np, const std::string& args) {
-  return cli::run_shell(std::string(DISTCA_MPIRUN) + " -q --allow-run-as-root --oversubscribe --bind-to none -np " +
-                        std::to_string(np) + " " + DISTCA_BIN + " " + args);
-}
+// knows.
 
 TEST(Cli, TrainUnderMpirunReportsOnceWithTheSameExitCodes) {
   const std::string bad_jsonl = write("mpi_bad.jsonl", "{\"text\": \"fine\"}\nnot json\n");

@@ -45,6 +45,15 @@ inline CmdResult run_shell(const std::string& command) {
 
 inline CmdResult distca(const std::string& args) { return run_shell(std::string(DISTCA_BIN) + " " + args); }
 
+#ifdef DISTCA_MPIRUN
+// `distca ARGS` on np ranks under mpirun, after `prefix` (e.g. "env -u OPENBLAS_CORETYPE "). mpirun -q
+// keeps mpirun's own "a process returned non-zero" note out; the docs' commands use it.
+inline CmdResult mpirun(int np, const std::string& args, const std::string& prefix = "") {
+  return run_shell(prefix + DISTCA_MPIRUN + " -q --allow-run-as-root --oversubscribe --bind-to none -np " +
+                   std::to_string(np) + " " + DISTCA_BIN + " " + args);
+}
+#endif
+
 inline std::string write(const std::string& name, const std::string& text) {
   const std::string path = (scratch() / name).string();
   EXPECT_TRUE(distca::write_file_atomic(path, text).is_ok());
