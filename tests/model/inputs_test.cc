@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include "distca/core/file.h"
 #include "distca/model/checkpoint.h"
@@ -427,7 +428,12 @@ TEST(HeldOut, ValidationStepsArePackedLikeTrainingSteps) {
 class CheckpointHeader : public ::testing::Test {
  protected:
   void SetUp() override {
-    path_ = (fs::path(::testing::TempDir()) / "distca_inputs_header.ckpt").string();
+    // A file per test and process: ctest runs this fixture's tests as processes side by side, and
+    // with one shared file a test loaded another's header (CI, 2026-11-28).
+    path_ = (fs::path(::testing::TempDir()) /
+             fmt::format("distca_inputs_header_{}_{}.ckpt", ::testing::UnitTest::GetInstance()->current_test_info()->name(),
+                         static_cast<long>(::getpid())))
+                .string();
     config_ = find_preset("tiny").value().model;
     cad_ = ModelState<float>::create(config_);
     colocated_ = ModelState<float>::create(config_);
