@@ -194,9 +194,11 @@ if [ -f "$pkg/distca/__init__.py" ]; then
     --kv-heads 32 --plan-ranks 0 --repeats 5 --backends distca,cudnn,sdpa-cudnn --json "$out/cuda-attention-mha.json"
   # cuDNN's backward behind our interface runs at half of PyTorch's cuDNN SDPA (2026-11-27), through
   # the same cuDNN. Our graph differs from PyTorch's in its bottom-right causal mask, its workspace
-  # bound (set_max_total_seq_len) and its bucketed batch: each variant (DISTCA_CUDNN_GRAPH, same
-  # results) timed beside SDPA on a whole document and on the plan's server list, one process each.
-  for variant in default top-left no-max-total top-left,no-max-total top-left,no-max-total,exact-batch; do
+  # bound (set_max_total_seq_len), its bucketed batch and its ragged offsets with a padding mask
+  # (dense: none, on one-sequence calls; with top-left and head-major-lse, PyTorch's graph): each
+  # variant (DISTCA_CUDNN_GRAPH, same results) timed beside SDPA on a whole document and on the
+  # plan's server list, one process each.
+  for variant in default top-left no-max-total exact-batch dense dense,top-left dense,top-left,head-major-lse; do
     graph=$([ "$variant" = default ] && echo "" || echo "$variant")
     step "cudnn-variant-${variant//,/+}" 45 env DISTCA_CUDNN_GRAPH="$graph" "$python" python/bench/bench_cuda_attention.py \
       --tokens 16384 --shards 1024 --repeats 3 --backends distca,cudnn,sdpa-cudnn \

@@ -155,7 +155,8 @@ TEST(CudnnPlan, GraphVariantsParseAndTopLeftOnlyWhereEverySequenceIsSquare) {
   EXPECT_TRUE(all.value().exact_batch && all.value().top_left && !all.value().max_total);
   auto bad = parse_graph_variants("top-left,fast");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("no graph variant 'fast' (known: exact-batch, top-left, no-max-total)"),
+  EXPECT_NE(bad.status().message().find("no graph variant 'fast' (known: exact-batch, top-left, no-max-total, dense, "
+                                        "head-major-lse)"),
             std::string::npos) << bad.status().message();
   // A whole document (square) and, in another pass, shards whose queries see a longer prefix.
   const std::vector<AttnTask> whole = {{0, 300, 0, 300, true}};
@@ -176,6 +177,52 @@ TEST(CudnnPlan, GraphVariantsParseAndTopLeftOnlyWhereEverySequenceIsSquare) {
     EXPECT_TRUE(plain.value().calls[0].key.max_total);
     EXPECT_FALSE(plain.value().calls[0].key == square.value().calls[0].key) << "variants must not share a cached graph";
   }
+}
+
+// The dense variant: a call of one sequence gets a graph of its exact lengths, no workspace bound and
+// the same offsets (its pointers move by them); a call of several sequences keeps the ragged graph.
+TEST(CudnnPlan, DenseVariantOnlyForOneSequenceWithItsExactLengths) {
+  auto dense = parse_graph_variants("dense");
+  ASSERT_TRUE(dense.is_ok());
+  EXPECT_TRUE(dense.value().dense);
+  const std::vector<AttnTask> one = {{40, 77, 10, 300, true}};
+  const std::vector<AttnTask> two = {{0, 100, 0, 200, true}, {100, 50, 300, 50, true}};  // two causal sequences
+  for (bool backward : {false, true}) {
+    auto plan = plan_calls(dims_for(one), one, {.backward = backward, .variants = dense.value()});
+    ASSERT_TRUE(plan.is_ok());
+    ASSERT_EQ(plan.value().calls.size(), 1u);
+    const Call& call = plan.value().calls[0];
+    EXPECT_TRUE(call.key.dense);
+    EXPECT_EQ(call.key.batch, 1);
+    EXPECT_EQ(call.key.s_q, 77);
+    EXPECT_EQ(call.key.s_kv, 300);
+    EXPECT_FALSE(call.key.max_total);
+    auto ragged = plan_calls(dims_for(one), one, {.backward = backward});
+    ASSERT_TRUE(ragged.is_ok());
+    EXPECT_EQ(call.q_off, ragged.value().calls[0].q_off) << "a dense call starts at the sequence's rows";
+    EXPECT_EQ(call.kv_off, ragged.value().calls[0].kv_off);
+    EXPECT_EQ(call.stats_off, ragged.value().calls[0].stats_off);
+    EXPECT_FALSE(call.key == ragged.value().calls[0].key) << "variants must not share a cached graph";
+    auto mixed = plan_calls(dims_for(two), two, {.backward = backward, .variants = {.exact_batch = true, .dense = true}});
+    ASSERT_TRUE(mixed.is_ok());
+    ASSERT_EQ(mixed.value().calls.size(), 1u);
+    EXPECT_EQ(mixed.value().calls[0].slots.size(), 2u);
+    EXPECT_FALSE(mixed.value().calls[0].key.dense);
+    // head-major-lse: only with dense, and only on the calls dense applies to.
+    auto head_major = parse_graph_variants("dense,head-major-lse");
+    ASSERT_TRUE(head_major.is_ok());
+    auto hm_one = plan_calls(dims_for(one), one, {.backward = backward, .variants = head_major.value()});
+    ASSERT_TRUE(hm_one.is_ok());
+    EXPECT_TRUE(hm_one.value().calls[0].key.dense && hm_one.value().calls[0].key.head_major_lse);
+    EXPECT_FALSE(hm_one.value().calls[0].key == call.key) << "variants must not share a cached graph";
+    auto hm_two = plan_calls(dims_for(two), two, {.backward = backward, .variants = head_major.value()});
+    ASSERT_TRUE(hm_two.is_ok());
+    EXPECT_FALSE(hm_two.value().calls[0].key.head_major_lse);
+  }
+  auto alone = parse_graph_variants("head-major-lse");
+  ASSERT_FALSE(alone.is_ok());
+  EXPECT_NE(alone.status().message().find("head-major-lse applies to dense graphs only"), std::string::npos)
+      << alone.status().message();
 }
 
 TEST(CudnnPlan, ATrainingRunBuildsABoundedNumberOfGraphs) {

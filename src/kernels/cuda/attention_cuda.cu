@@ -89,6 +89,14 @@ __global__ void add_rows_kernel(const uint16_t* src, float* acc, const int64_t* 
   }
 }
 
+__global__ void transpose_f32_kernel(const float* src, float* dst, int64_t rows, int64_t cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    dst[c * rows + r] = src[i];
+  }
+}
+
 // Blocks for a grid-stride loop over n elements.
 unsigned grid_for(int64_t n, int threads = 256) {
   const int64_t blocks = (n + threads - 1) / threads;
@@ -182,6 +190,11 @@ cudaError_t launch_add_rows(const uint16_t* src, float* acc, const int64_t* span
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
+}
+
+cudaError_t launch_transpose_f32(const float* src, float* dst, int64_t rows, int64_t cols, cudaStream_t stream) {
+  transpose_f32_kernel<<<grid_for(rows * cols), 256, 0, stream>>>(src, dst, rows, cols);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_to_f32(const uint16_t* src, float* dst, int64_t n, bool is_bf16, cudaStream_t stream) {

@@ -82,29 +82,42 @@ Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
     return g->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim({n, 1, 1, 1})
                          .set_stride({1, 1, 1, 1}).set_data_type(fe::DataType_t::INT32));
   };
-  // [b, h, s, d] over packed THD rows: a token's heads are adjacent, its own offset per sequence.
+  // [b, h, s, d] over packed THD rows: a token's heads are adjacent, its own offset per sequence
+  // (none in a dense graph: its pointers are moved to the sequence's rows).
   auto shape = [&](const TensorPtr& t, int64_t h, int64_t s, int64_t d, const TensorPtr& offsets) {
-    t->set_dim({b, h, s, d}).set_stride({s * h * d, d, h * d, 1}).set_ragged_offset(offsets);
+    t->set_dim({b, h, s, d}).set_stride({s * h * d, d, h * d, 1});
+    if (!k.dense) t->set_ragged_offset(offsets);
   };
   auto input = [&](const char* name, int64_t uid, int64_t h, int64_t s, const TensorPtr& offsets) {
     TensorPtr t = g->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid));
     shape(t, h, s, k.d, offsets);
     return t;
   };
-  // LSE [Tq, Hq] fp32: [b, h, s, 1] with the token stride h.
+  // LSE [Tq, Hq] fp32: [b, h, s, 1] with the token stride h (head-major-lse: the head stride s).
   auto stats_shape = [&](const TensorPtr& t, const TensorPtr& offsets) {
-    t->set_dim({b, k.h_q, k.s_q, 1}).set_stride({k.s_q * k.h_q, 1, k.h_q, 1}).set_data_type(fe::DataType_t::FLOAT)
-        .set_ragged_offset(offsets);
+    t->set_dim({b, k.h_q, k.s_q, 1}).set_data_type(fe::DataType_t::FLOAT);
+    if (k.head_major_lse) {
+      t->set_stride({k.h_q * k.s_q, k.s_q, 1, 1});
+    } else {
+      t->set_stride({k.s_q * k.h_q, 1, k.h_q, 1});
+    }
+    if (!k.dense) t->set_ragged_offset(offsets);
   };
-  const TensorPtr q_off = index("q_offsets", kQOff, b + 1), kv_off = index("kv_offsets", kKvOff, b + 1),
-                  stats_off = index("stats_offsets", kStatsOff, b + 1);
-  const TensorPtr seq_q = index("seq_q", kSeqQ, b), seq_kv = index("seq_kv", kSeqKv, b);
+  TensorPtr q_off, kv_off, stats_off, seq_q, seq_kv, dkv_off;
+  if (!k.dense) {
+    q_off = index("q_offsets", kQOff, b + 1);
+    kv_off = index("kv_offsets", kKvOff, b + 1);
+    stats_off = index("stats_offsets", kStatsOff, b + 1);
+    seq_q = index("seq_q", kSeqQ, b);
+    seq_kv = index("seq_kv", kSeqKv, b);
+    if (k.backward) dkv_off = index("dkv_offsets", kDkvOff, b + 1);
+  }
   const TensorPtr q = input("Q", kQ, k.h_q, k.s_q, q_off), kk = input("K", kK, k.h_kv, k.s_kv, kv_off),
                   v = input("V", kV, k.h_kv, k.s_kv, kv_off);
   if (!k.backward) {
     fe::graph::SDPA_attributes opts;
-    opts.set_name("distca_sdpa").set_generate_stats(true).set_attn_scale(k.scale).set_padding_mask(true)
-        .set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+    opts.set_name("distca_sdpa").set_generate_stats(true).set_attn_scale(k.scale);
+    if (!k.dense) opts.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
     if (k.causal) k.top_left ? opts.set_causal_mask(true) : opts.set_causal_mask_bottom_right(true);
     auto [o, stats] = g->sdpa(q, kk, v, opts);
     o->set_output(true).set_uid(kO);
@@ -112,13 +125,12 @@ Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
     stats->set_output(true).set_uid(kStats);
     stats_shape(stats, stats_off);
   } else {
-    const TensorPtr dkv_off = index("dkv_offsets", kDkvOff, b + 1);
     const TensorPtr o = input("O", kO, k.h_q, k.s_q, q_off), d_o = input("dO", kDO, k.h_q, k.s_q, q_off);
     TensorPtr stats = g->tensor(fe::graph::Tensor_attributes().set_name("Stats").set_uid(kStats));
     stats_shape(stats, stats_off);
     fe::graph::SDPA_backward_attributes opts;
-    opts.set_name("distca_sdpa_backward").set_attn_scale(k.scale).set_padding_mask(true).set_seq_len_q(seq_q)
-        .set_seq_len_kv(seq_kv);
+    opts.set_name("distca_sdpa_backward").set_attn_scale(k.scale);
+    if (!k.dense) opts.set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
     if (k.max_total) opts.set_max_total_seq_len_q(k.total_q).set_max_total_seq_len_kv(k.total_kv);
     if (k.causal) k.top_left ? opts.set_causal_mask(true) : opts.set_causal_mask_bottom_right(true);
     auto [dq, dk, dv] = g->sdpa_backward(q, kk, v, o, d_o, stats, opts);
@@ -141,7 +153,9 @@ Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
 }
 
 std::string key_text(const GraphKey& k) {
-  return fmt::format("{} {} {} batch {} s_q {} s_kv {} heads {}/{} d {}{}{}", k.backward ? "backward" : "forward",
+  return fmt::format("{}{} {} {} batch {} s_q {} s_kv {} heads {}/{} d {}{}{}",
+                     k.dense ? (k.head_major_lse ? "dense (head-major LSE) " : "dense ") : "",
+                     k.backward ? "backward" : "forward",
                      k.causal ? (k.top_left ? "causal (top-left)" : "causal") : "non-causal", k.bf16 ? "bf16" : "fp16",
                      k.batch, k.s_q, k.s_kv, k.h_q, k.h_kv, k.d, k.backward ? " total " : "",
                      k.backward ? (k.max_total ? fmt::format("{}/{}", k.total_q, k.total_kv) : std::string("unset")) : "");
@@ -182,10 +196,45 @@ struct CudnnAttention::State {
     return &graphs.emplace(key, std::move(built).value()).first->second;
   }
 
-  // Runs one planned call: `ptrs` binds the data tensors; the call's lengths and offsets are uploaded.
+  // Runs one planned call: `ptrs` binds the data tensors; the call's lengths and offsets are uploaded
+  // (a dense call's pointers move to its one sequence's rows instead).
   Status run(const Call& call, std::unordered_map<int64_t, void*> ptrs, Scratch& scratch) {
     Result<const Built*> built = graph(call.key);
     if (!built.is_ok()) return built.status();
+    void* workspace = nullptr;
+    if (built.value()->workspace > 0) {
+      Result<char*> ws = scratch.alloc<char>(built.value()->workspace);
+      if (!ws.is_ok()) return ws.status();
+      workspace = ws.value();
+    }
+    ++stats.calls;
+    if (call.key.dense) {
+      auto move = [&ptrs](int64_t uid, int64_t elements, int64_t bytes) {
+        if (auto it = ptrs.find(uid); it != ptrs.end()) it->second = static_cast<char*>(it->second) + elements * bytes;
+      };
+      for (int64_t uid : {kQ, kO, kDO, kDQ}) move(uid, call.q_off[0], 2);
+      for (int64_t uid : {kK, kV}) move(uid, call.kv_off[0], 2);
+      if (call.key.backward) {
+        for (int64_t uid : {kDK, kDV}) move(uid, call.dkv_off[0], 2);
+      }
+      move(kStats, call.stats_off[0], 4);
+      if (!call.key.head_major_lse) return fe_status(built.value()->graph->execute(handle, ptrs, workspace), "SDPA execution");
+      // The LSE rows [s, h] of the sequence through an [h, s] buffer: in before the backward, out
+      // after the forward.
+      auto* rows = static_cast<float*>(ptrs[kStats]);
+      const int64_t s = call.key.s_q, h = call.key.h_q;
+      Result<float*> head_major = scratch.alloc<float>(s * h);
+      if (!head_major.is_ok()) return head_major.status();
+      if (call.key.backward) {
+        DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_transpose_f32(rows, head_major.value(), s, h, scratch.stream()));
+      }
+      ptrs[kStats] = head_major.value();
+      DISTCA_RETURN_IF_ERROR(fe_status(built.value()->graph->execute(handle, ptrs, workspace), "SDPA execution"));
+      if (!call.key.backward) {
+        DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_transpose_f32(head_major.value(), rows, h, s, scratch.stream()));
+      }
+      return Status::ok();
+    }
     std::vector<int32_t> ints;
     for (const auto* part : {&call.seq_q, &call.seq_kv, &call.q_off, &call.kv_off, &call.stats_off, &call.dkv_off}) {
       ints.insert(ints.end(), part->begin(), part->end());
@@ -200,13 +249,6 @@ struct CudnnAttention::State {
     ptrs[kKvOff] = at + 3 * b + 1;
     ptrs[kStatsOff] = at + 4 * b + 2;
     if (call.key.backward) ptrs[kDkvOff] = at + 5 * b + 3;
-    void* workspace = nullptr;
-    if (built.value()->workspace > 0) {
-      Result<char*> ws = scratch.alloc<char>(built.value()->workspace);
-      if (!ws.is_ok()) return ws.status();
-      workspace = ws.value();
-    }
-    ++stats.calls;
     return fe_status(built.value()->graph->execute(handle, ptrs, workspace), "SDPA execution");
   }
 };

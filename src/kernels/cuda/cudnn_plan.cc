@@ -39,7 +39,7 @@ size_t GraphKeyHash::operator()(const GraphKey& k) const {
   mix(k.backward | (k.causal << 1) | (k.bf16 << 2));
   for (int64_t v : {k.batch, k.s_q, k.s_kv, k.total_q, k.total_kv, k.h_q, k.h_kv, k.d}) mix(v);
   mix(std::bit_cast<int32_t>(k.scale));
-  mix(k.top_left | (k.max_total << 1));
+  mix(k.top_left | (k.max_total << 1) | (k.dense << 2) | (k.head_major_lse << 3));
   return h;
 }
 
@@ -54,11 +54,18 @@ Result<GraphVariants> parse_graph_variants(std::string_view names) {
       v.top_left = true;
     } else if (name == "no-max-total") {
       v.max_total = false;
+    } else if (name == "dense") {
+      v.dense = true;
+    } else if (name == "head-major-lse") {
+      v.head_major_lse = true;
     } else if (!name.empty()) {
       return invalid_argument(fmt::format("DISTCA_CUDNN_GRAPH: no graph variant '{}' (known: exact-batch, top-left, "
-                                          "no-max-total)", name));
+                                          "no-max-total, dense, head-major-lse)", name));
     }
     names = comma == std::string_view::npos ? std::string_view{} : names.substr(comma + 1);
+  }
+  if (v.head_major_lse && !v.dense) {
+    return invalid_argument("DISTCA_CUDNN_GRAPH: head-major-lse applies to dense graphs only: add dense");
   }
   return v;
 }
@@ -190,6 +197,15 @@ Result<Plan> plan_calls(const AttnDims& dims, std::span<const AttnTask> tasks, c
             "cuDNN's ragged offsets are int32: a sequence's dK/dV of {} rows x {} elements (bucketed) exceeds "
             "2^31-1; split the task list", key.total_kv, kv_row));
       }
+    }
+    if (options.variants.dense && call.slots.size() == 1) {  // the exact lengths; no workspace bound
+      key.dense = true;
+      key.batch = 1;
+      key.s_q = call.slots[0].q_len;
+      key.s_kv = call.slots[0].kv_len;
+      key.total_q = key.total_kv = 0;
+      key.max_total = false;
+      key.head_major_lse = options.variants.head_major_lse;
     }
     // Empty slots: length 0, offsets at the end of what the real slots address (non-decreasing).
     call.seq_q.resize(key.batch, 0);

@@ -50,6 +50,8 @@ struct GraphKey {
   float scale = 0.f;
   bool top_left = false;   // causal with cuDNN's top-left mask (every sequence of the call is square)
   bool max_total = true;   // backward: the packed totals bound the workspace (set_max_total_seq_len_*)
+  bool dense = false;      // one sequence as a dense [1, h, s, d] graph of exactly s_q x s_kv (no offsets)
+  bool head_major_lse = false;  // dense: the LSE through an [h, s] buffer (PyTorch's layout)
   bool operator==(const GraphKey&) const = default;
 };
 struct GraphKeyHash {
@@ -93,11 +95,18 @@ struct Plan {
 //   exact-batch   no empty slots: key.batch = the call's sequence count, not its power of two;
 //   top-left      cuDNN's top-left causal mask on calls whose sequences all have as many queries as
 //                 keys (where it is the bottom-right one), as PyTorch's SDPA asks for;
-//   no-max-total  the backward without set_max_total_seq_len_q/kv (its workspace sized by batch x s).
+//   no-max-total  the backward without set_max_total_seq_len_q/kv (its workspace sized by batch x s);
+//   dense         a call of one sequence as a dense graph of its exact lengths, at pointers moved to
+//                 its rows: no ragged offsets, no padding mask, no sequence lengths (PyTorch's SDPA
+//                 graph, with top-left its mask too; a graph per length, so for timing only);
+//   head-major-lse  with dense: cuDNN reads and writes the LSE as [h, s] (PyTorch's layout) in a
+//                 buffer transposed from and to distca's [T, H].
 struct GraphVariants {
   bool exact_batch = false;
   bool top_left = false;
   bool max_total = true;
+  bool dense = false;
+  bool head_major_lse = false;
 };
 // "" is the default; an unknown name is an error naming the known ones.
 Result<GraphVariants> parse_graph_variants(std::string_view names);

@@ -31,6 +31,8 @@ cudaError_t launch_finalize(float* acc, uint16_t* out, float scale, int64_t n, b
 cudaError_t launch_add_rows(const uint16_t* src, float* acc, const int64_t* spans, int64_t num_spans, int64_t max_rows,
                             int64_t row_elems, bool is_bf16, cudaStream_t stream);
 cudaError_t launch_from_f32(const float* src, uint16_t* dst, int64_t n, bool is_bf16, cudaStream_t stream);
+// dst[c * rows + r] = src[r * cols + c]: a [rows, cols] fp32 matrix transposed (LSE [T, H] <-> [H, T]).
+cudaError_t launch_transpose_f32(const float* src, float* dst, int64_t rows, int64_t cols, cudaStream_t stream);
 
 // The sm_90a forward (attention_hopper.cu, hopper_fwd.cuh): items from fwd_schedule(tasks,
 // kHopperFwdBlockM),

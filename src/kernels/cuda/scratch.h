@@ -23,6 +23,8 @@ class Scratch {
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
 
+  cudaStream_t stream() const { return stream_; }
+
   template <typename T>
   Result<T*> alloc(int64_t count) {
     void* p = nullptr;
