@@ -27,7 +27,7 @@ def scores(q, k, v, causal):
     """Scaled scores [HQ, Lq, Lk] (masked: -inf; causal is bottom-right aligned) and K, V with
     their heads repeated for GQA."""
     kk, vv = np.repeat(k, GROUP, axis=1), np.repeat(v, GROUP, axis=1)
-    s = np.einsum("qhd,khd->hqk", q, kk) * SCALE
+    s = (q.transpose(1, 0, 2) @ kk.transpose(1, 2, 0)) * SCALE  # [H, Lq, Lk]
     if causal:
         lq, lk = q.shape[0], k.shape[0]
         mask = np.arange(lk)[None, :] > (lk - lq + np.arange(lq))[:, None]
@@ -41,7 +41,7 @@ def attention(q, k, v, causal):
     m = s.max(axis=2, keepdims=True)
     lse = (m + np.log(np.exp(s - m).sum(axis=2, keepdims=True)))[..., 0]  # [H, Lq]
     p = np.exp(s - lse[..., None])
-    return np.einsum("hqk,khd->qhd", p, vv), lse.T, p
+    return (p @ vv.transpose(1, 0, 2)).transpose(1, 0, 2), lse.T, p
 
 
 def attention_backward(q, k, v, o, lse, d_o, causal):
@@ -50,12 +50,12 @@ def attention_backward(q, k, v, o, lse, d_o, causal):
     ones."""
     s, kk, vv = scores(q, k, v, causal)
     p = np.exp(s - lse.T[..., None])
-    dp = np.einsum("qhd,khd->hqk", d_o, vv)
-    delta = np.einsum("qhd,qhd->hq", d_o, o)[..., None]
+    dp = d_o.transpose(1, 0, 2) @ vv.transpose(1, 2, 0)  # [H, Lq, Lk]
+    delta = (d_o * o).sum(axis=2).T[..., None]  # [H, Lq, 1]
     ds = p * (dp - delta)
-    dq = np.einsum("hqk,khd->qhd", ds, kk) * SCALE
-    dk = np.einsum("hqk,qhd->khd", ds, q) * SCALE
-    dv = np.einsum("hqk,qhd->khd", p, d_o)
+    dq = (ds @ kk.transpose(1, 0, 2)).transpose(1, 0, 2) * SCALE
+    dk = (ds.transpose(0, 2, 1) @ q.transpose(1, 0, 2)).transpose(1, 0, 2) * SCALE
+    dv = (p.transpose(0, 2, 1) @ d_o.transpose(1, 0, 2)).transpose(1, 0, 2)
     fold = lambda x: x.reshape(x.shape[0], HKV, GROUP, D).sum(axis=2)  # noqa: E731 (GQA: heads of a kv head)
     return dq, fold(dk), fold(dv)
 
