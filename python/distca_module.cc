@@ -72,6 +72,14 @@ py::array_t<double> array(const std::vector<double>& v) {
   std::copy(v.begin(), v.end(), a.mutable_data());
   return a;
 }
+// The same without a copy: the array takes over `v`'s memory (a capsule owns the vector). A
+// rank's exchange layout at 512 ranks holds about a million rows.
+py::array_t<int64_t> array(std::vector<int64_t>&& v) {
+  if (v.empty()) return py::array_t<int64_t>(0);
+  auto* owned = new std::vector<int64_t>(std::move(v));
+  py::capsule owner(owned, [](void* p) { delete static_cast<std::vector<int64_t>*>(p); });
+  return py::array_t<int64_t>(static_cast<py::ssize_t>(owned->size()), owned->data(), owner);
+}
 // rows x cols int64, row-major.
 py::array_t<int64_t> matrix(const std::vector<int64_t>& v, py::ssize_t cols) {
   const py::ssize_t rows = cols > 0 ? static_cast<py::ssize_t>(v.size()) / cols : 0;
@@ -177,29 +185,29 @@ py::dict traffic_dict(const plan::Traffic& t) {
   return phases;
 }
 
-py::dict layout_dict(const runtime::ExchangeLayout& x) {
+py::dict layout_dict(runtime::ExchangeLayout&& x) {
   py::dict d;
   d["rank"] = x.rank;
   d["num_ranks"] = x.num_ranks;
   d["num_local_rows"] = x.num_local_rows;
-  d["q_send_index"] = array(x.q_send_index);
-  d["q_send_splits"] = array(x.q_send_splits);
-  d["kv_send_index"] = array(x.kv_send_index);
-  d["kv_send_splits"] = array(x.kv_send_splits);
-  d["copy_entries"] = array(x.copy_entries);
-  d["copy_rows"] = array(x.copy_rows);
-  d["merge_entries"] = array(x.merge_entries);
-  d["merge_rows"] = array(x.merge_rows);
-  d["q_recv_splits"] = array(x.q_recv_splits);
-  d["kv_recv_splits"] = array(x.kv_recv_splits);
-  d["q_gather"] = array(x.q_gather);
-  d["kv_gather"] = array(x.kv_gather);
+  d["q_send_index"] = array(std::move(x.q_send_index));
+  d["q_send_splits"] = array(std::move(x.q_send_splits));
+  d["kv_send_index"] = array(std::move(x.kv_send_index));
+  d["kv_send_splits"] = array(std::move(x.kv_send_splits));
+  d["copy_entries"] = array(std::move(x.copy_entries));
+  d["copy_rows"] = array(std::move(x.copy_rows));
+  d["merge_entries"] = array(std::move(x.merge_entries));
+  d["merge_rows"] = array(std::move(x.merge_rows));
+  d["q_recv_splits"] = array(std::move(x.q_recv_splits));
+  d["kv_recv_splits"] = array(std::move(x.kv_recv_splits));
+  d["q_gather"] = array(std::move(x.q_gather));
+  d["kv_gather"] = array(std::move(x.kv_gather));
   d["causal_q_rows"] = x.causal_q_rows;
   d["causal_kv_rows"] = x.causal_kv_rows;
   for (const auto& [name, g] : {std::pair{"causal", &x.causal}, std::pair{"noncausal", &x.noncausal}}) {
     py::dict v;
-    v["cu_seqlens_q"] = array(g->cu_seqlens_q);
-    v["cu_seqlens_k"] = array(g->cu_seqlens_k);
+    v["cu_seqlens_q"] = array(std::move(g->cu_seqlens_q));
+    v["cu_seqlens_k"] = array(std::move(g->cu_seqlens_k));
     v["max_seqlen_q"] = g->max_seqlen_q;
     v["max_seqlen_k"] = g->max_seqlen_k;
     d[name] = v;
@@ -223,7 +231,7 @@ py::dict layout_of(Build build) {
     }
   }
   if (!layout) raise(status);
-  return layout_dict(*layout);
+  return layout_dict(std::move(*layout));
 }
 
 // Rank `rank`'s exchange layout of a plan's tasks.
