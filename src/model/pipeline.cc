@@ -10,6 +10,7 @@
 #include <span>
 
 #include "distca/core/stopwatch.h"
+#include "distca/kernels/gemm_attention.h"
 #include "distca/model/nano_chain.h"
 #include "distca/model/optimizer.h"
 #include "distca/runtime/dispatcher.h"
@@ -190,6 +191,7 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
   DISTCA_RETURN_IF_ERROR(options.validate(world.size()));
   TrainOptions& o = options.train;
   if (o.granularity == 0) o.granularity = default_granularity(o.context);
+  kernels::blas_set_num_threads(o.threads);  // as Trainer::create
   auto t = std::unique_ptr<PipelineTrainer>(new PipelineTrainer(world, std::move(options)));
   const PipelineOptions& po = t->options_;
   DISTCA_ASSIGN_OR_RETURN(t->groups_, RankGroups::split(world, po.train.tp, po.pp, po.train.model));

@@ -10,6 +10,7 @@
 
 #include "distca/core/json.h"
 #include "distca/core/stopwatch.h"
+#include "distca/kernels/gemm_attention.h"
 #include "distca/model/checkpoint.h"
 #include "distca/model/nano_chain.h"
 #include "distca/model/optimizer.h"
@@ -191,6 +192,11 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
   options.optim.total_steps = options.steps;  // a decaying schedule ends at the last step
   DISTCA_RETURN_IF_ERROR(options.validate());
   if (options.granularity == 0) options.granularity = default_granularity(options.context);
+  // BLAS threads per rank, for every caller of the library (process-wide: ranks that are threads
+  // of one process all set the same value). OpenBLAS's default, a thread per core for each call,
+  // made the rank threads' BLAS workers spin against each other: 65 % of a LocalWorld test's CPU
+  // time in exec_blas_async and sched_yield (perf, 2026-11-28).
+  kernels::blas_set_num_threads(options.threads);
   auto t = std::unique_ptr<Trainer>(new Trainer(comm, std::move(options)));
   const TrainOptions& o = t->options_;
   DISTCA_ASSIGN_OR_RETURN(t->groups_, RankGroups::split(comm, o.tp, 1, o.model));

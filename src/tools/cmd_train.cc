@@ -561,7 +561,6 @@ int run_train(const TrainArgs& a) {
                        "take turns on the cores, and the times measure that\n", ranks_on_this_machine(a.ranks),
                options.value().threads, busy, cores);
   }
-  kernels::blas_set_num_threads(options.value().threads);
   WorldOptions world;
   world.is_ranks_given = a.given(a.ranks_opt);
   world.timeout = timeout_from_seconds(a.timeout_seconds).value();
