@@ -3,6 +3,7 @@
 // data sources and checkpoints report bad input precisely.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <cblas.h>
 
 #include <array>
 #include <cmath>
@@ -391,6 +392,20 @@ TEST(Train, CadBalancesAttentionWhereColocatedDoesNot) {
   EXPECT_EQ(b.pieces[0].rank, 0);
   EXPECT_GT(b.num_docs(), 3);
   for (size_t i = 1; i < b.pieces.size(); ++i) EXPECT_EQ(b.pieces[i].rank, 1);
+}
+
+// TrainOptions::threads is BLAS's threads too, for every caller of the library (not only distca
+// train): OpenBLAS's thread-per-core default made ranks that are threads spin on each other.
+TEST(Train, TheTrainerRunsBlasOnItsThreadsOption) {
+  for (int threads : {3, 1}) {
+    TrainOptions o = tiny(1);
+    o.threads = threads;
+    const auto statuses = comm::LocalWorld::run(1, [&](comm::Communicator& c) -> Status {
+      return Trainer::create(c, o).status();
+    });
+    ASSERT_TRUE(statuses[0].is_ok()) << statuses[0].message();
+    EXPECT_EQ(openblas_get_num_threads(), threads);
+  }
 }
 
 TEST(Train, ResumingFromACheckpointReproducesTheCurve) {
