@@ -52,7 +52,11 @@ def _worker(rank: int, world: int, store: str, out_dir: str, fn: Callable, args:
 # The ranks are forked from multiprocessing's fork server, which imports these once (PyTorch's import
 # alone costs about 2 s of CPU a process here) instead of once a rank as "spawn" does; the server
 # touches no device and starts no threads, so its children start as clean as spawned ones.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "distca", "distca.torch"]
+# torch._dynamo too: PyTorch imports it on a rank's first optimizer step (torch.optim's steps are
+# wrapped by torch._disable_dynamo) or DistributedDataParallel, another 2.2 s of CPU a rank (with
+# sympy), which was a fifth of the Python tests' CPU time. Its import queries no device and starts
+# no thread (checked with torch 2.15).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "distca", "distca.torch"]
 
 
 def _start_method() -> str:
