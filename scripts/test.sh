@@ -56,9 +56,9 @@ python_package() {  # waits for the PyPI packages, then installs distca
   scripts/install-python.sh
 }
 part build scripts/build.sh
-part install-python python_package
-# Work that counts work, not time, runs at the lowest priority beside ctest and pytest, on the CPU
-# time they leave idle (ranks waiting on each other, test hosts waiting on timeouts): the aarch64
+# Work that counts work, not time, runs at the lowest priority beside install-python, ctest and
+# pytest, on the CPU time they leave idle (install-python builds the module on one core, ranks wait
+# on each other, test hosts wait on timeouts): the aarch64
 # kernels' build and tests (qemu-user, a shard per core) and the fuzz targets' clang build. At nice
 # 19 it yields to the tests; ctest took about 45 s longer beside it (210-214 s against 165 s alone),
 # where the work took about 150 s after pytest before, and 28-54 s now. Fuzzing runs for a fixed
@@ -70,6 +70,7 @@ background_log=build/test-background.log
 ) >"$background_log" 2>&1 &
 background_pid=$!
 trap 'kill_tree "$deps_pid"; kill_tree "$background_pid"' EXIT
+part install-python python_package
 part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
 # The Python package's tests (pytest, on every core: pytest-xdist), after the C++ suite: they compare
 # with the distca binary.
