@@ -58,9 +58,8 @@ python_package() {  # waits for the PyPI packages, then installs distca
 part build scripts/build.sh
 # Work that counts work, not time, runs at the lowest priority beside install-python, ctest and
 # pytest, on the CPU time they leave idle (install-python builds the module on one core, ranks wait
-# on each other, test hosts wait on timeouts): the aarch64
-# kernels' build and tests (qemu-user, a shard per core) and the fuzz targets' clang build. At nice
-# 19 it yields to the tests; ctest took about 45 s longer beside it (210-214 s against 165 s alone),
+# on each other, test hosts wait on timeouts): the aarch64 kernels' build and tests (qemu-user, a
+# shard per core) and the fuzz targets' clang build. At nice 19 it yields to the tests; ctest took about 45 s longer beside it (210-214 s against 165 s alone),
 # where the work took about 150 s after pytest before, and 28-54 s now. Fuzzing runs for a fixed
 # time, so it runs last, alone.
 background_log=build/test-background.log
