@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "bench_attention.h"
 #include "bench_attention_cuda.h"
@@ -12,15 +13,23 @@
 #include "bench_planner.h"
 #include "bench_step.h"
 #include "cmd_profile.h"
+#include "distca/core/file.h"
 #include "memory_check.h"
 #include "world.h"
 
 namespace distca::tools {
 namespace {
 
+// Where a benchmark's report goes: the table (or with --json the JSON) on stdout, and with
+// --json-out the JSON also to a file, so that one run gives both.
+struct ReportOutput {
+  bool is_json = false;
+  std::string json_out;  // "": none
+};
+
 struct AttentionArgs {
   AttentionBenchOptions options;
-  bool is_json = false;
+  ReportOutput out;
   bool is_quick = false;
   std::string device = "cpu";
   CudaAttentionBenchOptions cuda;  // --device cuda: its own defaults (a GPU's shapes), the flags given override them
@@ -33,11 +42,44 @@ auto quick_default(const CLI::App& cmd) {
   };
 }
 
-// A one-process benchmark: the options checked (exit 2 with one line), the run, then its
-// report as JSON or as the table.
+void add_report_flags(CLI::App* cmd, ReportOutput& out) {
+  cmd->add_flag("--json", out.is_json, "print one JSON object instead of the table");
+  cmd->add_option("--json-out", out.json_out,
+                  "also write the JSON report to this file (written when the run ends; the table still prints)");
+}
+
+// --json-out checked before any work: a bad path fails in a second, not after the benchmark.
+Status check_report_output(const ReportOutput& out, const FlagPaths& other_outputs = {}, const FlagPaths& inputs = {}) {
+  if (out.json_out.empty()) return Status::ok();
+  FlagPaths outputs = other_outputs;
+  outputs.emplace_back("--json-out", out.json_out);
+  return check_output_paths(outputs, inputs);
+}
+
+// The report to the --json-out file (if any), then to stdout as JSON or as the table.
+template <typename Print>
+int emit_report(const char* name, const ReportOutput& out, const nlohmann::json& report, Print&& print) {
+  if (!out.json_out.empty()) {
+    if (Status s = write_file_atomic(out.json_out, report.dump(2) + "\n"); !s.is_ok()) {
+      fmt::print(stderr, "distca {}: error: {}\n", name, s.message());
+      return exit_code(s);
+    }
+  }
+  if (out.is_json) {
+    fmt::print("{}\n", report.dump(2));
+  } else {
+    print(report);
+  }
+  return kExitOk;
+}
+
+// A one-process benchmark: the options checked (exit 2 with one line), the run, then its report.
 template <typename Options, typename Run, typename Print>
-int run_report(const char* name, const Options& options, bool is_json, Run&& run, Print&& print) {
-  if (Status s = validate(options); !s.is_ok()) {
+int run_report(const char* name, const Options& options, const ReportOutput& out, Run&& run, Print&& print,
+               const FlagPaths& other_outputs = {}, const FlagPaths& inputs = {}) {
+  Status s = validate(options);
+  if (s.is_ok()) s = check_report_output(out, other_outputs, inputs);
+  if (!s.is_ok()) {
     print_usage_error(name, s.message());
     return kExitBadInput;
   }
@@ -46,19 +88,14 @@ int run_report(const char* name, const Options& options, bool is_json, Run&& run
     fmt::print(stderr, "distca {}: error: {}\n", name, report.status().message());
     return exit_code(report.status());
   }
-  if (is_json) {
-    fmt::print("{}\n", report.value().dump(2));
-  } else {
-    print(report.value());
-  }
-  return kExitOk;
+  return emit_report(name, out, report.value(), print);
 }
 
 // A multi-rank benchmark: `bench` on every rank (threads, or the processes of mpirun), then rank
-// 0's report as JSON or as the table.
+// 0's report (the caller has checked its options and --json-out).
 template <typename Bench, typename Print>
-int run_world_report(const char* name, int ranks, const CLI::App& cmd, std::chrono::milliseconds timeout, bool is_json,
-                     Bench&& bench, Print&& print) {
+int run_world_report(const char* name, int ranks, const CLI::App& cmd, std::chrono::milliseconds timeout,
+                     const ReportOutput& out, Bench&& bench, Print&& print) {
   std::optional<nlohmann::json> root_report;
   WorldOptions world;
   world.is_ranks_given = cmd.count("--ranks") > 0;
@@ -72,12 +109,7 @@ int run_world_report(const char* name, int ranks, const CLI::App& cmd, std::chro
       },
       world);
   if (code != kExitOk || !root_report) return code;  // under MPI only rank 0 reports
-  if (is_json) {
-    fmt::print("{}\n", root_report->dump(2));
-  } else {
-    print(*root_report);
-  }
-  return kExitOk;
+  return emit_report(name, out, *root_report, print);
 }
 
 // --device cuda: the sizes given on the command line replace the GPU defaults; CPU-only flags are refused.
@@ -105,8 +137,8 @@ int run_attention_cuda(AttentionArgs a, const CLI::App& cmd) {
   given("--seed", o.seed, a.options.seed);
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench attention cuda] {}\n", line); };
   return run_report(
-      "bench attention", o, a.is_json, [&] { return run_cuda_attention_bench(o, progress); },
-      print_cuda_attention_report);
+      "bench attention", o, a.out, [&] { return run_cuda_attention_bench(o, progress); },
+      print_cuda_attention_report, FlagPaths{{"--profile-out", o.profile_out}});
 }
 
 int run_attention(AttentionArgs a, const CLI::App& cmd) {
@@ -122,13 +154,13 @@ int run_attention(AttentionArgs a, const CLI::App& cmd) {
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench attention] {}\n", line); };
   return run_report(
-      "bench attention", a.options, a.is_json, [&] { return run_attention_bench(a.options, progress); },
+      "bench attention", a.options, a.out, [&] { return run_attention_bench(a.options, progress); },
       print_attention_report);
 }
 
 struct DispatchArgs {
   DispatchBenchOptions options;
-  bool is_json = false;
+  ReportOutput out;
   bool is_quick = false;
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
@@ -153,19 +185,20 @@ int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
   }
   Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
   if (s.is_ok()) s = timeout.status();
+  if (s.is_ok()) s = check_report_output(a.out);
   if (!s.is_ok()) {
     print_usage_error("bench dispatch", s.message());
     return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench dispatch] {}\n", line); };
   return run_world_report(
-      "bench dispatch", a.options.ranks, cmd, timeout.value(), a.is_json,
+      "bench dispatch", a.options.ranks, cmd, timeout.value(), a.out,
       [&](comm::Communicator& c) { return run_dispatch_bench(c, a.options, progress); }, print_dispatch_report);
 }
 
 struct StepArgs {
   StepBenchOptions options;
-  bool is_json = false;
+  ReportOutput out;
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
@@ -176,6 +209,7 @@ int run_step(const StepArgs& a, const CLI::App& cmd) {
   }
   Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
   if (s.is_ok()) s = timeout.status();
+  if (s.is_ok()) s = check_report_output(a.out);
   if (!s.is_ok()) {
     print_usage_error("bench step", s.message());
     return kExitBadInput;
@@ -186,13 +220,13 @@ int run_step(const StepArgs& a, const CLI::App& cmd) {
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench step] {}\n", line); };
   return run_world_report(
-      "bench step", a.options.ranks, cmd, timeout.value(), a.is_json,
+      "bench step", a.options.ranks, cmd, timeout.value(), a.out,
       [&](comm::Communicator& c) { return run_step_bench(c, a.options, progress); }, print_step_report);
 }
 
 struct LinkArgs {
   LinkBenchOptions options;
-  bool is_json = false;
+  ReportOutput out;
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
@@ -200,24 +234,26 @@ int run_link(const LinkArgs& a, const CLI::App& cmd) {
   Status s = validate(a.options);
   Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
   if (s.is_ok()) s = timeout.status();
+  if (s.is_ok()) s = check_report_output(a.out);
   if (!s.is_ok()) {
     print_usage_error("bench link", s.message());
     return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench link] {}\n", line); };
   return run_world_report(
-      "bench link", a.options.ranks, cmd, timeout.value(), a.is_json,
+      "bench link", a.options.ranks, cmd, timeout.value(), a.out,
       [&](comm::Communicator& c) { return run_link_bench(c, a.options, progress); }, print_link_report);
 }
 
 struct PlannerArgs {
   PlannerBenchOptions options;
-  bool is_json = false;
+  ReportOutput out;
 };
 
 int run_planner(const PlannerArgs& a) {
   return run_report(
-      "bench planner", a.options, a.is_json, [&] { return run_planner_bench(a.options); }, print_planner_report);
+      "bench planner", a.options, a.out, [&] { return run_planner_bench(a.options); }, print_planner_report, {},
+      FlagPaths{{"--reference-dir", a.options.reference_dir}});
 }
 
 // An unsigned option refuses "-1" (which would wrap around to 2^64 - 1).
@@ -264,7 +300,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   cmd->add_option("--seed", o.seed, "seed of the random inputs (>= 0)")->check(non_negative())->capture_default_str();
   cmd->add_flag("--quick", attention->is_quick,
                 "small sizes for a smoke run: --docs 1024,2048 --shard-doc 2048 unless given");
-  cmd->add_flag("--json", attention->is_json, "print one JSON object instead of the table");
+  add_report_flags(cmd, attention->out);
 
   auto dispatch = std::make_shared<DispatchArgs>();
   DispatchBenchOptions& d = dispatch->options;
@@ -296,7 +332,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->capture_default_str();
   dcmd->add_flag("--quick", dispatch->is_quick,
                  "small sizes for a smoke run: 2048 tokens per rank, 2 layers, 4 heads, 2 KV heads, D=64, 3 repeats, unless given");
-  dcmd->add_flag("--json", dispatch->is_json, "print one JSON object instead of the table");
+  add_report_flags(dcmd, dispatch->out);
   dcmd->add_option("--timeout", dispatch->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
   auto step = std::make_shared<StepArgs>();
@@ -331,7 +367,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
                    "in slices queued behind the attention exchanges) | eager (each layer's at once) | after (one "
                    "after the backward)")
       ->capture_default_str();
-  scmd->add_flag("--json", step->is_json, "print one JSON object instead of the table");
+  add_report_flags(scmd, step->out);
   scmd->add_option("--timeout", step->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
   auto link = std::make_shared<LinkArgs>();
@@ -356,7 +392,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   lcmd->add_option("--repeats", lo.repeats, "each exchange this many times (median, min..max; 1..1000)")
       ->capture_default_str();
   lcmd->add_option("--seed", lo.seed, "seed of the batch (>= 0)")->check(non_negative())->capture_default_str();
-  lcmd->add_flag("--json", link->is_json, "print one JSON object instead of the table");
+  add_report_flags(lcmd, link->out);
   lcmd->add_option("--timeout", link->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
   auto planner = std::make_shared<PlannerArgs>();
@@ -378,7 +414,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->capture_default_str();
   pcmd->add_option("--policies", po.policies, "the planners to run")->delimiter(',')->capture_default_str();
   pcmd->add_option("--repeats", po.repeats, "planning time: the median of this many runs (1..1000)")->capture_default_str();
-  pcmd->add_flag("--json", planner->is_json, "print one JSON object instead of the table");
+  add_report_flags(pcmd, planner->out);
 
   auto calibration = add_calibration_command(*bench);
 

@@ -243,11 +243,16 @@ TEST(Cli, BenchDispatchJsonHasTheDocumentedFields) {
 
 // --link auto: the bandwidth is chosen on the compute measured in the same runs and verified
 // on the repeats; the table says whether it met communication = compute, and names a hidden
-// fraction outside 0..100% a measurement error.
+// fraction outside 0..100% a measurement error. One run: the table on stdout, the same run's
+// JSON through --json-out.
 TEST(Cli, BenchDispatchCalibratesTheLinkOnMeasuredComputeAndSaysHowClose) {
-  CmdResult r = distca("bench dispatch --quick --repeats 1 --json");
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  auto j = nlohmann::json::parse(r.out);
+  const std::string json_path = (scratch() / "dispatch-calibrates.json").string();
+  fs::remove(json_path);
+  CmdResult text = distca("bench dispatch --quick --repeats 1 --json-out " + json_path);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  distca::Result<std::string> written = distca::read_text_file(json_path);
+  ASSERT_TRUE(written.is_ok()) << written.status().message();
+  auto j = nlohmann::json::parse(written.value());
   const auto& cal = j["emulated"]["calibration"];
   ASSERT_GE(cal["tries"].size(), 2u) << cal;  // the first guess comes from another run: always checked
   ASSERT_LE(cal["tries"].size(), 4u) << cal;
@@ -265,10 +270,8 @@ TEST(Cli, BenchDispatchCalibratesTheLinkOnMeasuredComputeAndSaysHowClose) {
     EXPECT_LE(std::abs(last["comm_over_compute"].get<double>() - 1), 0.05);
     EXPECT_DOUBLE_EQ(last["link_gbps"].get<double>(), j["emulated"]["link_gbps"].get<double>());
   }
-  EXPECT_NE(r.err.find("try 1:"), std::string::npos) << r.err;
+  EXPECT_NE(text.err.find("try 1:"), std::string::npos) << text.err;
 
-  CmdResult text = distca("bench dispatch --quick --repeats 1");
-  ASSERT_EQ(text.exit_code, 0) << text.err;
   EXPECT_NE(text.out.find("min..max"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("the other nano-batch's compute covers"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("calibration tries on the measured compute: communication / compute"), std::string::npos)
@@ -286,12 +289,43 @@ TEST(Cli, BenchDispatchCalibratesTheLinkOnMeasuredComputeAndSaysHowClose) {
     }
     ASSERT_FALSE(hidden.empty()) << line;
     const double percent = std::stod(hidden);
+    // The table and the file are one run: the cell is the JSON's fraction, rounded to a whole percent.
+    const double fraction = j[std::string(run) == "as is" ? "real" : "emulated"]["hidden_fraction"].get<double>();
+    EXPECT_NEAR(percent, 100 * fraction, 0.5 + 1e-9) << line;
     const std::string error = std::string("measurement error (") + (std::string(run) == "as is" ? "real" : "emulated");
     // The cell is rounded to a whole percent: "-0%" or "100%" may stand for a fraction just
     // outside 0..100 % (an error) or just inside it, so only cells clear of both ends decide.
     if (std::abs(percent) <= 0.5 || std::abs(percent - 100) <= 0.5) continue;
     EXPECT_EQ(text.out.find(error) != std::string::npos, percent < 0 || percent > 100) << text.out;
   }
+}
+
+// --json-out: a path that cannot be written is refused before any work, with one line and exit
+// 2, and a file that is there is not touched; with --json both outputs are the same report.
+TEST(Cli, BenchJsonOutRefusesBadPathsBeforeWorkAndMatchesJson) {
+  const std::string dir = (scratch() / "json-out-dir").string();
+  fs::create_directories(dir);
+  const std::string quick_dispatch = "bench dispatch --quick --link off --repeats 1 --layers 1 --tokens-per-rank 256";
+  for (const std::string& command : {quick_dispatch, std::string("bench link --repeats 1 --tokens-per-rank 1024"),
+                                     std::string("bench attention --quick --repeats 1"),
+                                     std::string("bench step --preset tiny --steps 1 --link off"),
+                                     std::string("bench planner --repeats 1")}) {
+    for (const std::string& bad : {dir, dir + "/missing-folder/out.json", std::string("/dev/null")}) {
+      CmdResult r = distca(command + " --json-out " + bad);
+      EXPECT_EQ(r.exit_code, 2) << command << " --json-out " << bad << "\n" << r.err;
+      EXPECT_EQ(count_lines(r.err), 1) << command << " --json-out " << bad << "\n" << r.err;
+      EXPECT_NE(r.err.find("--json-out"), std::string::npos) << r.err;
+      EXPECT_TRUE(r.out.empty()) << r.out;
+    }
+  }
+  EXPECT_TRUE(fs::is_directory(dir));
+  const std::string path = (scratch() / "dispatch.json").string();
+  fs::remove(path);
+  CmdResult r = distca(quick_dispatch + " --json --json-out " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  distca::Result<std::string> written = distca::read_text_file(path);
+  ASSERT_TRUE(written.is_ok()) << written.status().message();
+  EXPECT_EQ(nlohmann::json::parse(r.out), nlohmann::json::parse(written.value()));
 }
 
 // --linear-ratio 0 means no linear stage, not one column of it.
