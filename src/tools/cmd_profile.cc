@@ -84,12 +84,14 @@ struct CalibrationArgs {
   int64_t skip = 1;
   int ranks = 2;
   bool is_json = false;
+  std::string json_out;  // "": none
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
 // The calibration report of both backends' (schedules') mean predicted and measured step times:
-// one JSON object (`extra` fields added) or a table headed `head`.
-void print_calibration(const CalibrationArgs& a, const comm::Communicator& c, const sim::Profile& profile,
+// one JSON object (`extra` fields added) or a table headed `head`; with --json-out the JSON also
+// to that file.
+Status print_calibration(const CalibrationArgs& a, const comm::Communicator& c, const sim::Profile& profile,
                        const double predicted[2], const double measured[2], const nlohmann::json& steps,
                        const nlohmann::json& extra, const std::string& head, const std::string& column) {
   const double n = static_cast<double>(a.steps - a.skip);
@@ -109,9 +111,10 @@ void print_calibration(const CalibrationArgs& a, const comm::Communicator& c, co
                         {"steps", steps},
                         {"profile", sim::to_json(profile)}};
   out.update(extra);
+  if (!a.json_out.empty()) DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_out, out.dump(2) + "\n"));
   if (a.is_json) {
     fmt::print("{}\n", out.dump(2));
-    return;
+    return Status::ok();
   }
   if (!head.empty()) fmt::print("{}\n", head);
   fmt::print("{:<10} {:>12} {:>12} {:>8}\n", column, "measured (s)", "predicted", "error");
@@ -121,6 +124,7 @@ void print_calibration(const CalibrationArgs& a, const comm::Communicator& c, co
                100 * (predicted[i] / measured[i] - 1));
   }
   fmt::print("speedup: measured {:.2f}x, predicted {:.2f}x\n", measured[0] / measured[1], predicted[0] / predicted[1]);
+  return Status::ok();
 }
 
 // --pp P: pipeline-parallel training with both schedules (model::PipelineTrainer), each step
@@ -167,10 +171,10 @@ Status calibrate_pipeline(comm::Communicator& c, const CalibrationArgs& a, const
   }
   if (c.rank() != 0) return Status::ok();
   const int micro_batches = trainers[0]->options().micro_batches;
-  print_calibration(a, c, profile, predicted, measured, steps, {{"pp", a.pp}, {"micro_batches", micro_batches}},
-                    fmt::format("pipeline: {} stages x {} replicas, {} micro-batches per step", a.pp, dp, micro_batches),
-                    "schedule");
-  return Status::ok();
+  return print_calibration(a, c, profile, predicted, measured, steps, {{"pp", a.pp}, {"micro_batches", micro_batches}},
+                           fmt::format("pipeline: {} stages x {} replicas, {} micro-batches per step", a.pp, dp,
+                                       micro_batches),
+                           "schedule");
 }
 
 int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
@@ -188,6 +192,7 @@ int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
                                      model::find_preset(a.preset).value().model.num_layers));
   }
   if (s.is_ok()) s = timeout.status();
+  if (s.is_ok() && !a.json_out.empty()) s = check_output_paths({{"--json-out", a.json_out}});
   if (!s.is_ok()) {
     print_usage_error("bench calibration", s.message());
     return kExitBadInput;
@@ -234,8 +239,7 @@ int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
       }
     }
     if (c.rank() != 0) return Status::ok();
-    print_calibration(a, c, profile, predicted, measured, steps, nlohmann::json::object(), "", "backend");
-    return Status::ok();
+    return print_calibration(a, c, profile, predicted, measured, steps, nlohmann::json::object(), "", "backend");
   }, world);
 }
 
@@ -269,7 +273,9 @@ std::function<int()> add_calibration_command(CLI::App& bench) {
   cmd->add_option("--micro-batches", a.micro_batches, "with --pp: micro-batches per step (0: 2 x --pp)")->capture_default_str();
   cmd->add_option("--skip", a.skip, "warm-up steps left out of the means")->capture_default_str();
   cmd->add_option("--ranks", a.ranks, "ranks as threads when not started by mpirun")->capture_default_str();
-  cmd->add_flag("--json", a.is_json, "print one JSON object");
+  cmd->add_flag("--json", a.is_json, "print one JSON object instead of the table");
+  cmd->add_option("--json-out", a.json_out,
+                  "also write the JSON report to this file (written when the run ends; the table still prints)");
   cmd->add_option("--timeout", a.timeout_seconds, kTimeoutHelp)->capture_default_str();
   return [args, cmd] { return run_calibration(*args, *cmd); };
 }

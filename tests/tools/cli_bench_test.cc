@@ -309,7 +309,8 @@ TEST(Cli, BenchJsonOutRefusesBadPathsBeforeWorkAndMatchesJson) {
   for (const std::string& command : {quick_dispatch, std::string("bench link --repeats 1 --tokens-per-rank 1024"),
                                      std::string("bench attention --quick --repeats 1"),
                                      std::string("bench step --preset tiny --steps 1 --link off"),
-                                     std::string("bench planner --repeats 1")}) {
+                                     std::string("bench planner --repeats 1"),
+                                     std::string("bench calibration --preset tiny --steps 2")}) {
     for (const std::string& bad : {dir, dir + "/missing-folder/out.json", std::string("/dev/null")}) {
       CmdResult r = distca(command + " --json-out " + bad);
       EXPECT_EQ(r.exit_code, 2) << command << " --json-out " << bad << "\n" << r.err;
@@ -589,10 +590,18 @@ TEST(Cli, BenchCalibrationReportsPredictedAndMeasuredSteps) {
     EXPECT_GT(j[field].get<double>(), 0.0) << field;
   }
   EXPECT_EQ(j["steps"].size(), 6u);
-  // --pp: both pipeline schedules, each step measured and predicted.
-  CmdResult pp = distca("bench calibration --preset tiny --pp 2 --micro-batches 3 --steps 2 --skip 0 --ranks 2 --json");
+  // --pp: both pipeline schedules, each step measured and predicted; the table on stdout and the
+  // same run's JSON through --json-out.
+  const std::string json_path = (scratch() / "calibration-pp.json").string();
+  fs::remove(json_path);
+  CmdResult pp = distca("bench calibration --preset tiny --pp 2 --micro-batches 3 --steps 2 --skip 0 --ranks 2 --json-out " +
+                        json_path);
   ASSERT_EQ(pp.exit_code, 0) << pp.err;
-  auto p = nlohmann::json::parse(pp.out);
+  EXPECT_NE(pp.out.find("pipeline: 2 stages x 1 replicas, 3 micro-batches per step"), std::string::npos) << pp.out;
+  EXPECT_NE(pp.out.find("speedup: measured"), std::string::npos) << pp.out;
+  distca::Result<std::string> written = distca::read_text_file(json_path);
+  ASSERT_TRUE(written.is_ok()) << written.status().message();
+  auto p = nlohmann::json::parse(written.value());
   EXPECT_EQ(p["pp"], 2);
   EXPECT_EQ(p["micro_batches"], 3);
   for (const char* field : {"predicted_colocated", "measured_colocated", "predicted_cad", "measured_cad"}) {
