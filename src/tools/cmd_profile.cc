@@ -172,8 +172,8 @@ Status calibrate_pipeline(comm::Communicator& c, const CalibrationArgs& a, const
   if (c.rank() != 0) return Status::ok();
   const int micro_batches = trainers[0]->options().micro_batches;
   return print_calibration(a, c, profile, predicted, measured, steps, {{"pp", a.pp}, {"micro_batches", micro_batches}},
-                           fmt::format("pipeline: {} stages x {} replicas, {} micro-batches per step", a.pp, dp,
-                                       micro_batches),
+                           fmt::format("pipeline: {} stages x {} replica{}, {} micro-batches per step", a.pp, dp,
+                                       dp == 1 ? "" : "s", micro_batches),
                            "schedule");
 }
 

@@ -597,7 +597,7 @@ TEST(Cli, BenchCalibrationReportsPredictedAndMeasuredSteps) {
   CmdResult pp = distca("bench calibration --preset tiny --pp 2 --micro-batches 3 --steps 2 --skip 0 --ranks 2 --json-out " +
                         json_path);
   ASSERT_EQ(pp.exit_code, 0) << pp.err;
-  EXPECT_NE(pp.out.find("pipeline: 2 stages x 1 replicas, 3 micro-batches per step"), std::string::npos) << pp.out;
+  EXPECT_NE(pp.out.find("pipeline: 2 stages x 1 replica, 3 micro-batches per step"), std::string::npos) << pp.out;
   EXPECT_NE(pp.out.find("speedup: measured"), std::string::npos) << pp.out;
   distca::Result<std::string> written = distca::read_text_file(json_path);
   ASSERT_TRUE(written.is_ok()) << written.status().message();
