@@ -38,6 +38,7 @@ struct PlanArgs {
   SamplingOptions sampling;
   std::string profile_path;
   bool is_json = false;
+  std::string json_out;  // --json-out: the JSON report also to this file
   std::string out_path;
   // Which flags the user gave: a flag the run would ignore is refused.
   const CLI::App* cmd = nullptr;
@@ -96,11 +97,10 @@ Status check_args(const PlanArgs& a) {
     }
     if (a.request.policy == "all") return invalid_argument("--out writes one plan: pick one --policy, not all");
     DISTCA_RETURN_IF_ERROR(check_output_path("--out", a.out_path));  // refuses an empty name
-    DISTCA_RETURN_IF_ERROR(check_output_paths({{"--out", a.out_path}}, {{"--batch", a.batch_path},
-                                                                     {"--doc-lengths", a.doc_lengths_path},
-                                                                     {"--profile", a.profile_path}}));
   }
-  return Status::ok();
+  if (a.given("--json-out")) DISTCA_RETURN_IF_ERROR(check_output_path("--json-out", a.json_out));
+  return check_output_paths({{"--out", a.out_path}, {"--json-out", a.json_out}},
+                            {{"--batch", a.batch_path}, {"--doc-lengths", a.doc_lengths_path}, {"--profile", a.profile_path}});
 }
 
 Result<Batch> make_batch(const PlanArgs& a, std::string& workload_name) {
@@ -203,12 +203,17 @@ int run_plan(PlanArgs& a) {
                link.name, fmt::join(exposed, "; "));
   }
 
-  if (a.is_json) {
+  if (a.is_json || !a.json_out.empty()) {
     nlohmann::json out = sim::plan_run_json(run, batch);
     out["workload"] = workload_name;
     out["seed"] = a.seed;
-    fmt::print("{}\n", out.dump(2));
-    return exit_code;
+    if (!a.json_out.empty()) {
+      if (Status s = write_file_atomic(a.json_out, out.dump(2) + "\n"); !s.is_ok()) return fail(s, 1);
+    }
+    if (a.is_json) {
+      fmt::print("{}\n", out.dump(2));
+      return exit_code;
+    }
   }
 
   const std::vector<int64_t> tokens = rank_tokens(batch);
@@ -347,6 +352,7 @@ std::function<int()> add_plan_command(CLI::App& app) {
                   "GPUs per node, 1..1024: R x tp GPUs on more than one node use the inter-node link")
       ->capture_default_str();
   cmd->add_flag("--json", args->is_json, "print one JSON object instead of the tables");
+  cmd->add_option("--json-out", args->json_out, "also write the JSON report to this file (the tables still print)");
   cmd->add_option("--out", args->out_path, "write the full plan (format distca-plan, version 1) to this file");
   return [args] { return run_plan(*args); };
 }

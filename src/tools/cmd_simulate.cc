@@ -28,6 +28,7 @@ struct SimArgs {
   std::string tolerance_sweep = "on";
   std::string profile;
   bool is_json = false;
+  std::string json_out;  // --json-out: the JSON report also to this file
   bool is_paper = false;
   std::string plot;
   std::optional<int> iterations;  // default: 1, or 15 with --paper
@@ -496,6 +497,12 @@ int run_paper(const SimArgs& a, int iterations, const sim::Profile& profile) {
     fmt::print(stderr, "distca simulate --paper: warning: {} of {} configurations do not fit in {:.1f} GB per GPU\n",
                over_memory, records.size(), profile.device_memory_bytes / kGB);
   }
+  if (!a.json_out.empty()) {
+    if (Status st = write_file_atomic(a.json_out, records.dump(2) + "\n"); !st.is_ok()) {
+      fmt::print(stderr, "distca simulate --paper: error: {}\n", st.message());
+      return 1;
+    }
+  }
   if (a.is_json) {
     fmt::print("{}\n", records.dump(2));
   } else {
@@ -532,7 +539,7 @@ Status check_args(const SimArgs& a, int iterations) {
   sim::SimRequest request = a.request;
   request.iterations = iterations;
   DISTCA_RETURN_IF_ERROR(request.validate());
-  return check_output_paths({{"--plot", a.plot}}, {{"--profile", a.profile}});
+  return check_output_paths({{"--plot", a.plot}, {"--json-out", a.json_out}}, {{"--profile", a.profile}});
 }
 
 int run_simulate(const SimArgs& a) {
@@ -570,6 +577,12 @@ int run_simulate(const SimArgs& a) {
   const nlohmann::json j = sim::simulation_report(o, profile, rs->value());
   if (!a.plot.empty()) {
     if (Status st = write_file_atomic(a.plot, plot_svg(j)); !st.is_ok()) {
+      fmt::print(stderr, "distca simulate: error: {}\n", st.message());
+      return 1;
+    }
+  }
+  if (!a.json_out.empty()) {
+    if (Status st = write_file_atomic(a.json_out, j.dump(2) + "\n"); !st.is_ok()) {
       fmt::print(stderr, "distca simulate: error: {}\n", st.message());
       return 1;
     }
@@ -629,6 +642,7 @@ std::function<int()> add_simulate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--seed", a.request.seed, "sampling seed of the first iteration (iteration i uses seed + i)")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print JSON instead of the table");
+  cmd->add_option("--json-out", a.json_out, "also write the JSON report to this file (the table still prints)");
   cmd->add_option("--plot", a.plot,
                   "also draw an SVG into this file: per system, the iteration time and each unit's linear / attention / "
                   "communication / idle seconds (with --paper: each configuration's speedups beside the published range)");

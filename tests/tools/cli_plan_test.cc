@@ -75,6 +75,43 @@ TEST(Cli, PlanJsonHasTheDocumentedFields) {
   }
 }
 
+// --json-out: the JSON report to a file while the tables print, from one run (the plan's own
+// timings differ between runs); with --json both outputs are the same object. A path that cannot
+// be written, or one that names an input or --out, is refused before any work.
+TEST(Cli, PlanJsonOutWritesTheReportBesideTheTables) {
+  const std::string path = (scratch() / "plan-report.json").string();
+  fs::remove(path);
+  const std::string plan = "plan --ranks 8 --tokens-per-rank 32768 --workload prolong --policy minmax --tolerance 0.05";
+  CmdResult r = distca(plan + " --json-out " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("minmax"), std::string::npos) << r.out;
+  distca::Result<std::string> written = distca::read_text_file(path);
+  ASSERT_TRUE(written.is_ok()) << written.status().message();
+  const auto j = nlohmann::json::parse(written.value());
+  EXPECT_EQ(j["policy"], "minmax");
+  EXPECT_TRUE(j["verified"].get<bool>());
+  CmdResult both = distca(plan + " --json --json-out " + path);
+  ASSERT_EQ(both.exit_code, 0) << both.err;
+  EXPECT_EQ(nlohmann::json::parse(both.out), nlohmann::json::parse(distca::read_text_file(path).value()));
+
+  const std::string batch = write("json-out-batch.json", R"({"ranks": [[100, 28], [64, 64]]})");
+  const std::string out = (scratch() / "json-out-plan.json").string();
+  for (const std::string& args : {plan + " --json-out " + (scratch() / "no_such_folder" / "r.json").string(),
+                                  plan + " --json-out " + scratch().string(), plan + " --json-out /dev/null",
+                                  "plan --batch " + batch + " --json-out " + batch,
+                                  plan + " --out " + out + " --json-out " + out}) {
+    SCOPED_TRACE(args);
+    const std::string before = distca::read_text_file(batch).value();
+    CmdResult bad = distca(args);
+    EXPECT_EQ(bad.exit_code, 2) << bad.err;
+    EXPECT_EQ(count_lines(bad.err), 1) << bad.err;
+    EXPECT_NE(bad.err.find("--json-out"), std::string::npos) << bad.err;
+    EXPECT_TRUE(bad.out.empty()) << bad.out;
+    EXPECT_EQ(distca::read_text_file(batch).value(), before);
+  }
+  EXPECT_FALSE(fs::exists(out));
+}
+
 // The default eps is auto: the report names the eps each plan was made at and what auto tried,
 // and --tolerance 0.05 plans at 0.05 with no search.
 TEST(Cli, PlanToleranceIsAutoByDefaultAndReportsWhatItPicked) {

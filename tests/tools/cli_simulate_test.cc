@@ -240,11 +240,22 @@ TEST(Cli, SimulatePlotStacksEachUnitsPartsUpToTheIterationTime) {
   EXPECT_NEAR(pixels[fast]["0"] / pixels[slow]["0"], shortest / longest, 0.001);
 }
 
+// One --paper run: the table on stdout, the records through --json-out, the drawing through --plot.
 TEST(Cli, SimulatePaperPlotDrawsEveryConfiguration) {
   const std::string svg = (scratch() / "paper.svg").string();
-  CmdResult r = distca("simulate --paper --iterations 1 --json --plot " + svg);
+  const std::string json_path = (scratch() / "paper.json").string();
+  fs::remove(json_path);
+  CmdResult r = distca("simulate --paper --iterations 1 --json-out " + json_path + " --plot " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  const auto records = nlohmann::json::parse(r.out);
+  distca::Result<std::string> written = distca::read_text_file(json_path);
+  ASSERT_TRUE(written.is_ok()) << written.status().message();
+  const auto records = nlohmann::json::parse(written.value());
+  ASSERT_TRUE(records.is_array());
+  // The table has a row per record, each starting with its model.
+  size_t rows = 0;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) rows += line.starts_with("llama-") ? 1 : 0;
+  EXPECT_EQ(rows, records.size()) << r.out;
   const std::string drawing = distca::read_text_file(svg).value();
   for (const char* text : {"speedup over wlb", "published range", "cad-distca (simulated)", "cad (simulated)", "1.0x"}) {
     EXPECT_NE(drawing.find(text), std::string::npos) << text;
@@ -321,10 +332,41 @@ TEST(Cli, SimulateUnwritableOutputsAreRefusedBeforeAnyWork) {
     EXPECT_TRUE(r.out.empty()) << r.out;
   }
   EXPECT_FALSE(fs::exists(scratch() / "no_such_folder"));
+  // --json-out too, and against --plot and --profile.
+  const std::string plot = (scratch() / "same.svg").string();
+  for (const std::string& args : {"simulate --json-out " + missing, "simulate --paper --json-out " + missing,
+                                 "simulate --json-out " + scratch().string(), std::string("simulate --json-out /dev/null"),
+                                 "simulate --plot " + plot + " --json-out " + plot}) {
+    SCOPED_TRACE(args);
+    CmdResult r = distca(args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find("--json-out"), std::string::npos) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+  EXPECT_FALSE(fs::exists(plot));
   // --json prints to standard output and takes no path: a path after it is refused too.
   CmdResult json = distca("simulate --json " + (scratch() / "no_such_folder" / "x.json").string());
   EXPECT_EQ(json.exit_code, 2) << json.err;
   EXPECT_TRUE(json.out.empty()) << json.out;
+}
+
+// --json-out writes the JSON report to a file while the table prints (one run, both forms); with
+// --json both outputs are the same object. (--paper: SimulatePaperPlotDrawsEveryConfiguration.)
+TEST(Cli, SimulateJsonOutWritesTheReportBesideTheTable) {
+  const std::string path = (scratch() / "simulate.json").string();
+  fs::remove(path);
+  CmdResult r = distca("simulate --gpus 64 --tolerance-sweep off --json-out " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("speedup"), std::string::npos) << r.out;
+  distca::Result<std::string> written = distca::read_text_file(path);
+  ASSERT_TRUE(written.is_ok()) << written.status().message();
+  const auto j = nlohmann::json::parse(written.value());
+  EXPECT_EQ(j["systems"].size(), 5u);
+  EXPECT_EQ(j["gpus"], 64);
+  CmdResult both = distca("simulate --gpus 64 --tolerance-sweep off --json --json-out " + path);
+  ASSERT_EQ(both.exit_code, 0) << both.err;
+  EXPECT_EQ(nlohmann::json::parse(both.out), nlohmann::json::parse(distca::read_text_file(path).value()));
 }
 
 }  // namespace
