@@ -24,7 +24,8 @@ namespace {
 // --json-out the JSON also to a file, so that one run gives both.
 struct ReportOutput {
   bool is_json = false;
-  std::string json_out;  // "": none
+  std::string json_out;
+  const CLI::Option* json_out_option = nullptr;  // given on the command line: a file name is needed
 };
 
 struct AttentionArgs {
@@ -44,13 +45,14 @@ auto quick_default(const CLI::App& cmd) {
 
 void add_report_flags(CLI::App* cmd, ReportOutput& out) {
   cmd->add_flag("--json", out.is_json, "print one JSON object instead of the table");
-  cmd->add_option("--json-out", out.json_out,
-                  "also write the JSON report to this file (written when the run ends; the table still prints)");
+  out.json_out_option = cmd->add_option(
+      "--json-out", out.json_out, "also write the JSON report to this file (written when the run ends; the table still prints)");
 }
 
 // --json-out checked before any work: a bad path fails in a second, not after the benchmark.
 Status check_report_output(const ReportOutput& out, const FlagPaths& other_outputs = {}, const FlagPaths& inputs = {}) {
-  if (out.json_out.empty()) return Status::ok();
+  if (out.json_out_option == nullptr || out.json_out_option->count() == 0) return Status::ok();
+  DISTCA_RETURN_IF_ERROR(check_output_path("--json-out", out.json_out));  // refuses an empty name
   FlagPaths outputs = other_outputs;
   outputs.emplace_back("--json-out", out.json_out);
   return check_output_paths(outputs, inputs);

@@ -84,7 +84,7 @@ struct CalibrationArgs {
   int64_t skip = 1;
   int ranks = 2;
   bool is_json = false;
-  std::string json_out;  // "": none
+  std::string json_out;  // --json-out ("" when not given)
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
 
@@ -192,7 +192,7 @@ int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
                                      model::find_preset(a.preset).value().model.num_layers));
   }
   if (s.is_ok()) s = timeout.status();
-  if (s.is_ok() && !a.json_out.empty()) s = check_output_paths({{"--json-out", a.json_out}});
+  if (s.is_ok() && cmd.count("--json-out") > 0) s = check_output_path("--json-out", a.json_out);  // refuses ""
   if (!s.is_ok()) {
     print_usage_error("bench calibration", s.message());
     return kExitBadInput;

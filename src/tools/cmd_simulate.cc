@@ -29,6 +29,7 @@ struct SimArgs {
   std::string profile;
   bool is_json = false;
   std::string json_out;  // --json-out: the JSON report also to this file
+  const CLI::Option* json_out_option = nullptr;
   bool is_paper = false;
   std::string plot;
   std::optional<int> iterations;  // default: 1, or 15 with --paper
@@ -539,6 +540,7 @@ Status check_args(const SimArgs& a, int iterations) {
   sim::SimRequest request = a.request;
   request.iterations = iterations;
   DISTCA_RETURN_IF_ERROR(request.validate());
+  if (a.json_out_option->count() > 0) DISTCA_RETURN_IF_ERROR(check_output_path("--json-out", a.json_out));  // refuses ""
   return check_output_paths({{"--plot", a.plot}, {"--json-out", a.json_out}}, {{"--profile", a.profile}});
 }
 
@@ -642,7 +644,8 @@ std::function<int()> add_simulate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--seed", a.request.seed, "sampling seed of the first iteration (iteration i uses seed + i)")->capture_default_str();
   cmd->add_flag("--json", a.is_json, "print JSON instead of the table");
-  cmd->add_option("--json-out", a.json_out, "also write the JSON report to this file (the table still prints)");
+  a.json_out_option =
+      cmd->add_option("--json-out", a.json_out, "also write the JSON report to this file (the table still prints)");
   cmd->add_option("--plot", a.plot,
                   "also draw an SVG into this file: per system, the iteration time and each unit's linear / attention / "
                   "communication / idle seconds (with --paper: each configuration's speedups beside the published range)");

@@ -311,7 +311,7 @@ TEST(Cli, BenchJsonOutRefusesBadPathsBeforeWorkAndMatchesJson) {
                                      std::string("bench step --preset tiny --steps 1 --link off"),
                                      std::string("bench planner --repeats 1"),
                                      std::string("bench calibration --preset tiny --steps 2")}) {
-    for (const std::string& bad : {dir, dir + "/missing-folder/out.json", std::string("/dev/null")}) {
+    for (const std::string& bad : {dir, dir + "/missing-folder/out.json", std::string("/dev/null"), std::string("''")}) {
       CmdResult r = distca(command + " --json-out " + bad);
       EXPECT_EQ(r.exit_code, 2) << command << " --json-out " << bad << "\n" << r.err;
       EXPECT_EQ(count_lines(r.err), 1) << command << " --json-out " << bad << "\n" << r.err;

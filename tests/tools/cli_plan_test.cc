@@ -97,7 +97,7 @@ TEST(Cli, PlanJsonOutWritesTheReportBesideTheTables) {
   const std::string batch = write("json-out-batch.json", R"({"ranks": [[100, 28], [64, 64]]})");
   const std::string out = (scratch() / "json-out-plan.json").string();
   for (const std::string& args : {plan + " --json-out " + (scratch() / "no_such_folder" / "r.json").string(),
-                                  plan + " --json-out " + scratch().string(), plan + " --json-out /dev/null",
+                                  plan + " --json-out " + scratch().string(), plan + " --json-out /dev/null", plan + " --json-out ''",
                                   "plan --batch " + batch + " --json-out " + batch,
                                   plan + " --out " + out + " --json-out " + out}) {
     SCOPED_TRACE(args);

@@ -335,7 +335,7 @@ TEST(Cli, SimulateUnwritableOutputsAreRefusedBeforeAnyWork) {
   // --json-out too, and against --plot and --profile.
   const std::string plot = (scratch() / "same.svg").string();
   for (const std::string& args : {"simulate --json-out " + missing, "simulate --paper --json-out " + missing,
-                                 "simulate --json-out " + scratch().string(), std::string("simulate --json-out /dev/null"),
+                                 "simulate --json-out " + scratch().string(), std::string("simulate --json-out /dev/null"), std::string("simulate --json-out ''"),
                                  "simulate --plot " + plot + " --json-out " + plot}) {
     SCOPED_TRACE(args);
     CmdResult r = distca(args);
