@@ -80,6 +80,7 @@ Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, 
   d.backward_mode = options_.backward_mode;
   d.num_threads = options_.threads;
   d.grad_return = options_.grad_return;
+  d.poll = poll_;
   dispatcher_.reset();
   const auto check = Clock::now();
   DISTCA_ASSIGN_OR_RETURN(dispatcher_, runtime::Dispatcher::create(

@@ -321,6 +321,8 @@ Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(const st
   dopt.backward_mode = plan::BackwardMode::kStateless;
   dopt.grad_return = options_.train.grad_return;
   dopt.num_threads = options_.train.threads;
+  // Ping-pong: the server kernel polls the exchange in flight while it computes (--progress poll).
+  if (nano >= 0 && options_.train.progress == "poll") dopt.poll = [this] { (void)attention_comm().progress(); };
   const ModelConfig& c = state_.config;  // this TP rank's heads
   DISTCA_ASSIGN_OR_RETURN(auto dispatcher, runtime::Dispatcher::create(servers, pool.batch, p,
                                                                       runtime::HeadShape{c.num_q_heads, c.num_kv_heads, c.head_dim}, dopt));

@@ -232,6 +232,10 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
     if (run->pingpong) {
       for (auto& nano : run->nano) {
         DISTCA_ASSIGN_OR_RETURN(nano, DispatchAttention::create(attention_comm, shard, d));
+        // The server kernel polls the exchange in flight while it computes (--progress poll):
+        // MPI moves a message only inside MPI calls, and a rank's attention may run for a good
+        // part of a second while a peer waits on what it sent.
+        if (o.progress == "poll") nano->set_poll([c = &attention_comm] { (void)c->progress(); });
       }
     }
     run->state = ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);

@@ -191,7 +191,8 @@ void copy_own(const std::vector<Segment>& segments, bool from_local, const std::
 
 class CpuKernel final : public ServerKernel {
  public:
-  explicit CpuKernel(int num_threads) : attention_(kernels::CpuAttentionOptions{.num_threads = num_threads}) {}
+  CpuKernel(int num_threads, std::function<void()> poll)
+      : attention_(kernels::CpuAttentionOptions{.num_threads = num_threads, .poll = std::move(poll)}) {}
   Status forward(const kernels::AttnFwdParams<float>& p) override { return attention_.forward(p); }
   Status backward(const kernels::AttnBwdParams<float>& p) override { return attention_.backward(p); }
 
@@ -207,7 +208,7 @@ std::byte* bytes(std::vector<float>& v) { return reinterpret_cast<std::byte*>(v.
 Dispatcher::Dispatcher(comm::Communicator& comm, Route route, HeadShape heads, DispatchOptions options)
     : comm_(comm), route_(std::move(route)), heads_(heads), options_(options),
       exchange_(std::make_unique<Exchange>()) {
-  if (options_.kernel == nullptr) own_kernel_ = std::make_unique<CpuKernel>(options_.num_threads);
+  if (options_.kernel == nullptr) own_kernel_ = std::make_unique<CpuKernel>(options_.num_threads, options_.poll);
   kernel_ = options_.kernel ? options_.kernel : own_kernel_.get();
   const auto r = static_cast<size_t>(route_.num_ranks);
   std::array<Part, 3>& parts = exchange_->parts;

@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "distca/kernels/ref.h"
 #include "test_util.h"
@@ -238,6 +240,51 @@ TEST(CpuAttention, BitIdenticalForAnyThreadCount) {
       }
     }
   }
+}
+
+// CpuAttentionOptions::poll (ping-pong's MPI progress while a server computes) runs on the
+// calling thread only, during the forward and the backward, and changes no result.
+TEST(CpuAttention, PollRunsOnTheCallingThreadBetweenWorkItemsAndChangesNothing) {
+  std::mt19937_64 rng(5);
+  TaskSet set = testing::shard_documents(rng, {150, 45, 350}, 45, 4, 2, 64, 1);
+  const auto in = random_inputs<float>(rng, set.dims);
+  CpuAttention plain({.num_threads = 3});
+  const Outputs base = run_cpu(plain, set, in);
+  const std::thread::id caller = std::this_thread::get_id();
+  int polls = 0, elsewhere = 0;
+  CpuAttention polled({.num_threads = 3,
+                       .poll = [&] { std::this_thread::get_id() == caller ? ++polls : ++elsewhere; },
+                       .poll_interval = std::chrono::microseconds(0)});
+  const Outputs got = run_cpu(polled, set, in);
+  EXPECT_GE(polls, 1) << "one forward and one backward of " << set.tasks.size() << " tasks";
+  EXPECT_EQ(elsewhere, 0) << "a pool thread polled: MPI_THREAD_SERIALIZED allows the caller only";
+  for (auto [a, b] : {std::pair{&got.o, &base.o}, {&got.lse, &base.lse}, {&got.dq, &base.dq},
+                      {&got.dk, &base.dk}, {&got.dv, &base.dv}}) {
+    ASSERT_EQ(a->size(), b->size());
+    EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(float)));
+  }
+  // The interval holds the polls back: none more often than it allows.
+  int rare = 0;
+  CpuAttention throttled({.num_threads = 1, .poll = [&] { ++rare; }, .poll_interval = std::chrono::hours(1)});
+  (void)run_cpu(throttled, set, in);
+  EXPECT_LE(rare, 1);
+}
+
+// A backward work item can be long (a unit is a segment's key rows for one head: about 0.1 s on
+// the demo), so the calling thread also polls inside it, once per query block of a key sweep.
+TEST(CpuAttention, PollRunsInsideALongBackwardUnit) {
+  std::mt19937_64 rng(6);
+  // A causal document of 2048 rows in at most 3 shards, one head, D 64.
+  TaskSet set = testing::shard_documents(rng, {2048}, 2048, 1, 1, 64);
+  ASSERT_LE(set.tasks.size(), 3u);
+  const auto in = random_inputs<float>(rng, set.dims);
+  int polls = 0;
+  CpuAttention cpu({.num_threads = 1, .poll = [&] { ++polls; }, .poll_interval = std::chrono::microseconds(0)});
+  (void)run_cpu(cpu, set, in);
+  // Between work items alone: at most 34 query blocks (32 and one per cut), polled after the
+  // forward, the pack and the dQ store, and the units (at most one per 64 key rows: 32): 134.
+  // Inside the units: a poll per query block of each 256-row key sweep, about 140 more.
+  EXPECT_GT(polls, 134);
 }
 
 // Sets an environment variable for one scope and restores it.

@@ -344,6 +344,39 @@ TEST(Dispatcher, KeySplitRunsAreBitwiseDeterministic) {
   }
 }
 
+// DispatchOptions::poll reaches the default CPU kernel: every rank's server polls while it
+// computes its tasks (ping-pong's MPI progress), and the results are those of a run without it.
+TEST(Dispatcher, PollRunsInsideTheServerKernelAndChangesNothing) {
+  const int R = 3;
+  const plan::Batch batch = random_batch(91, R, 300);
+  const plan::Plan plan = must_plan(batch, "minmax");
+  const testing::GlobalLayout g = testing::global_layout(batch);
+  testing::DispatchCase c;
+  c.mode = BackwardMode::kStateful;
+  c.num_threads = 1;  // the calling thread runs every work item, so it polls
+  const testing::GlobalInputs in = testing::random_inputs(g, c);
+  expect_all_ok(LocalWorld::run(R, [&](Communicator& comm) -> Status {
+    int polls = 0;
+    std::array<testing::LocalOutputs, 2> runs;
+    for (int run = 0; run < 2; ++run) {
+      DispatchOptions options;
+      options.backward_mode = c.mode;
+      options.num_threads = c.num_threads;
+      if (run == 1) options.poll = [&polls, &comm] { ++polls, (void)comm.progress(); };
+      DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(comm, batch, plan, c.heads, options));
+      DISTCA_ASSIGN_OR_RETURN(runs[run], testing::run_local(*d, g.local_rows[comm.rank()], in));
+    }
+    if (polls == 0) return internal_error(fmt::format("rank {}: the server kernel never polled", comm.rank()));
+    for (auto [a, b] : {std::pair{&runs[0].o, &runs[1].o}, {&runs[0].dq, &runs[1].dq}, {&runs[0].dk, &runs[1].dk},
+                        {&runs[0].dv, &runs[1].dv}}) {
+      if (a->size() != b->size() || std::memcmp(a->data(), b->data(), a->size() * sizeof(float)) != 0) {
+        return internal_error(fmt::format("rank {}: polling changed a result", comm.rank()));
+      }
+    }
+    return Status::ok();
+  }));
+}
+
 // Stateful backward of a split row needs its merged O and LSE from the owner.
 TEST(Dispatcher, StatefulBackwardOfAKeySplitPlanNeedsTheMergedOutputs) {
   auto batch = plan::pack_documents({64}, 2, 32);

@@ -59,7 +59,9 @@ static const cpu_detail::BlockRoutines& routines_of(const std::string& isa) {
 struct CpuAttention::State {
   explicit State(const CpuAttentionOptions& options)
       : pool(options.num_threads),
-        routines(&routines_of(options.isa)) {
+        routines(&routines_of(options.isa)),
+        poll(options.poll),
+        poll_interval(options.poll_interval) {
     scratch_buffers.resize(pool.num_threads());
     scratch.resize(pool.num_threads());
     for (int t = 0; t < pool.num_threads(); ++t) {
@@ -68,10 +70,25 @@ struct CpuAttention::State {
       // s, dp, acc, qt, dk, dv
       scratch[t] = {base, base + n, base + 2 * n, base + 2 * n + f, base + 2 * n + 2 * f, base + 3 * n + 2 * f};
     }
+    if (poll) {
+      scratch[0].poll = [](void* self) { static_cast<State*>(self)->maybe_poll(0); };
+      scratch[0].poll_ctx = this;
+    }
   }
 
   ThreadPool pool;
   const cpu_detail::BlockRoutines* routines;
+  std::function<void()> poll;
+  std::chrono::microseconds poll_interval;
+  std::chrono::steady_clock::time_point last_poll{};
+  // CpuAttentionOptions::poll, on the calling thread (thread 0 of the pool), between work items.
+  void maybe_poll(int thread) {
+    if (!poll || thread != 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_poll < poll_interval) return;
+    last_poll = now;
+    poll();
+  }
   std::vector<Buffer> scratch_buffers;
   std::vector<cpu_detail::Scratch> scratch;
   // Working copies (bf16 inputs as fp32, fp32 outputs before rounding to bf16) and packs.
@@ -355,6 +372,7 @@ Status CpuAttention::forward(const AttnFwdParams<T>& p) {
   const auto* r = s.routines;
   s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()), [&](int64_t i, int thread) {
     r->forward(prob, s.query_blocks[i], o, p.lse, s.scratch[thread]);
+    s.maybe_poll(thread);
   });
   s.store_out(o, nq, p.o);
   return Status::ok();
@@ -392,8 +410,10 @@ Status CpuAttention::backward(const AttnBwdParams<T>& p) {
   pk.delta = pk.lse2 + num_packed * kBlockQ;
   pk.block_base = s.block_base.data();
   const auto* r = s.routines;
-  s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()),
-                      [&](int64_t i, int) { r->backward_pack(prob, s.query_blocks[i], pk); });
+  s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()), [&](int64_t i, int thread) {
+    r->backward_pack(prob, s.query_blocks[i], pk);
+    s.maybe_poll(thread);
+  });
   // 2. dK, dV and dQ^T together, one unit (a segment's key rows, a KV or query head) per item:
   //    P and dS are computed once for the three gradients.
   const int64_t partial_floats = s.build_units(n, p.tasks, prob.scale, dk, dv);
@@ -410,11 +430,13 @@ Status CpuAttention::backward(const AttnBwdParams<T>& p) {
   std::fill(dv + next_row * row_floats, dv + nkv, 0.0f);
   s.pool.parallel_for(static_cast<int64_t>(s.units.size()), [&](int64_t i, int thread) {
     r->backward_unit(prob, s.units[s.unit_order[i]], pk, s.scratch[thread]);
+    s.maybe_poll(thread);
   });
   if (partial_floats > 0) s.reduce_partials(n, prob.scale, dk, dv);
   // 3. dQ rows from dQ^T.
-  s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()), [&](int64_t i, int) {
+  s.pool.parallel_for(static_cast<int64_t>(s.query_blocks.size()), [&](int64_t i, int thread) {
     r->backward_store_dq(prob, s.query_blocks[i], pk, dq);
+    s.maybe_poll(thread);
   });
   s.store_out(dq, nq, p.dq);
   s.store_out(dk, nkv, p.dk);

@@ -446,6 +446,7 @@ void backward_unit(const Problem& p, const BwdUnit& u, const Packed& pk, const S
             rows_acc_block<D>(s.dk + (a - s0) * D, s.dp, nk, p.q + row0, q_stride, rows);
             acc_t_block<D>(pk.dqt + packed * D * kBlockQ, nullptr, k, kv_stride, s.dp, nk);
           }
+          if (s.poll) s.poll(s.poll_ctx);
         }
       }
     }

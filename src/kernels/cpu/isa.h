@@ -78,6 +78,10 @@ struct Scratch {
   float* qt = nullptr;  // [heads, D, kBlockQ] the forward's packed Q^T (kFwdScratchFloats)
   float* dk = nullptr;  // [kBlockK, D]
   float* dv = nullptr;  // [kBlockK, D]
+  // The calling thread's scratch only: CpuAttentionOptions::poll (throttled), called inside a
+  // long work item (a backward unit runs up to about 0.1 s on the demo).
+  void (*poll)(void*) = nullptr;
+  void* poll_ctx = nullptr;
 };
 constexpr int64_t kScratchFloats = kBlockK * kMaxHeadDim;
 // The forward's O^T and Q^T scratch: kFwdScratchFloats / (D * kBlockQ) query heads at once (16 at

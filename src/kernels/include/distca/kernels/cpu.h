@@ -13,6 +13,8 @@
 // Thread safety: one call at a time per object.
 #pragma once
 
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -42,6 +44,12 @@ struct CpuAttentionOptions {
   // The build of the block routines: "" (DISTCA_CPU_ISA, else the fastest this CPU runs), "auto",
   // or one of cpu_isas_supported(). REQUIRES: resolve_cpu_isa(isa) is ok (callers check input).
   std::string isa = {};
+  // Called by the calling thread between work items and inside the backward's long ones, at most
+  // every `poll_interval` (none when empty): a caller whose communication moves only inside its
+  // own calls (MPI) keeps it moving while the kernel computes (ping-pong,
+  // runtime::DispatchOptions::poll). Results do not depend on it.
+  std::function<void()> poll = {};
+  std::chrono::microseconds poll_interval{200};
 };
 
 class CpuAttention {

@@ -3,6 +3,7 @@
 // rank, and one Dispatcher per step moves every layer's Q/K/V to the attention servers and
 // O/LSE back (the backward mirrored). fp32.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,6 +75,9 @@ class DispatchAttention final : public StagedAttention {
   Status finish_return() override;
 
   const DispatchAttentionOptions& options() const { return options_; }
+  // From the next begin_step: called by the CPU server kernel between its work items
+  // (runtime::DispatchOptions::poll), e.g. the communicator's progress under ping-pong.
+  void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
   // This step's plan and dispatcher (after begin_step).
   const plan::Plan& plan() const { return plan_; }
   const runtime::Dispatcher* dispatcher() const { return dispatcher_.get(); }
@@ -98,6 +102,7 @@ class DispatchAttention final : public StagedAttention {
   plan::CostModel cost_;
   plan::Plan plan_;
   std::unique_ptr<runtime::Dispatcher> dispatcher_;
+  std::function<void()> poll_;
   DispatchAttention* earlier_ = nullptr;  // whose servers' K/V this step's dispatcher holds
   std::vector<runtime::ServerBuffers> servers_;  // one per layer (a stateful backward keeps them)
   // Stateful: the backward buffers (dO, dQ, dK, dV) of the layer in its backward; every layer

@@ -29,6 +29,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -94,6 +95,10 @@ struct DispatchOptions {
   int num_threads = 0;          // CpuAttention threads; <= 0: one per hardware thread
   std::optional<float> scale;   // softmax scale; default 1 / sqrt(D)
   ServerKernel* kernel = nullptr;  // not owned; nullptr: a CpuAttention of num_threads
+  // With kernel == nullptr: called by the CpuAttention between its work items (kernels::
+  // CpuAttentionOptions::poll), so that an exchange in flight moves while this rank computes its
+  // tasks (ping-pong over MPI, which moves a message only inside MPI calls).
+  std::function<void()> poll;
   // The dtype dK/dV partial sums cross ranks in on the backward return. Rows a rank serves
   // itself never travel and are summed unrounded.
   plan::GradReturn grad_return = plan::GradReturn::kFp32;
