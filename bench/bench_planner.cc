@@ -44,6 +44,20 @@ std::string reference_dir(const PlannerBenchOptions& o) {
   return std::string(shared != nullptr ? shared : "../shared/data") + "/reference";
 }
 
+constexpr const char* kFreshSamples[] = {"dist_wlbllm.json", "dist_prolong.json"};
+
+std::vector<PlannerBenchInput> planner_bench_inputs(const PlannerBenchOptions& o) {
+  const std::string dir = reference_dir(o);
+  const std::string flag = o.reference_dir.empty() ? "the default --reference-dir" : "--reference-dir";
+  std::vector<PlannerBenchInput> inputs{{flag, dir}};
+  if (o.fresh_seeds > 0) {
+    for (const char* sample : kFreshSamples) {
+      inputs.push_back({"--fresh (a sample beside the --reference-dir folder)", (std::filesystem::path(dir).parent_path() / sample).string()});
+    }
+  }
+  return inputs;
+}
+
 namespace {
 
 double max_of(const std::vector<int64_t>& v) { return static_cast<double>(*std::max_element(v.begin(), v.end())); }
@@ -163,7 +177,7 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
     cases.push_back({name, std::move(batch), ref});
   }
   // Fresh batches from the shipped samples, drawn as `distca plan --doc-lengths F --seed S` draws.
-  for (const char* sample : {"dist_wlbllm.json", "dist_prolong.json"}) {
+  for (const char* sample : kFreshSamples) {
     if (o.fresh_seeds == 0) break;
     const std::string path = (std::filesystem::path(dir).parent_path() / sample).string();
     DISTCA_ASSIGN_OR_RETURN(LengthDistribution dist, load_doc_lengths(path));

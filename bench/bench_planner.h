@@ -23,6 +23,12 @@ struct PlannerBenchOptions {
 Status validate(const PlannerBenchOptions& o);
 // The folder the options name, after defaults.
 std::string reference_dir(const PlannerBenchOptions& o);
+// What a run reads, for the output guard: the reference folder (the explicit --reference-dir, or
+// the default one, named so in `flag`) and, with --fresh, the two samples beside it.
+struct PlannerBenchInput {
+  std::string flag, path;
+};
+std::vector<PlannerBenchInput> planner_bench_inputs(const PlannerBenchOptions& o);
 Result<nlohmann::json> run_planner_bench(const PlannerBenchOptions& o);
 void print_planner_report(const nlohmann::json& report);
 

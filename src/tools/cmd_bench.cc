@@ -253,9 +253,12 @@ struct PlannerArgs {
 };
 
 int run_planner(const PlannerArgs& a) {
+  // Every file the run reads, the default folder's included: --json-out never replaces one.
+  FlagPaths inputs;
+  for (const PlannerBenchInput& in : planner_bench_inputs(a.options)) inputs.emplace_back(in.flag, in.path);
   return run_report(
       "bench planner", a.options, a.out, [&] { return run_planner_bench(a.options); }, print_planner_report, {},
-      FlagPaths{{"--reference-dir", a.options.reference_dir}});
+      inputs);
 }
 
 // An unsigned option refuses "-1" (which would wrap around to 2^64 - 1).

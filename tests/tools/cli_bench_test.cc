@@ -446,6 +446,48 @@ TEST(Cli, BenchPlannerAtAutoReportsEachPlansEps) {
   EXPECT_NE(text.out.find("eps auto"), std::string::npos) << text.out;
 }
 
+// Issue 72 row 1: --json-out naming a file the run reads from its DEFAULT reference folder
+// ($DISTCA_SHARED_DATA/reference, no --reference-dir given) is refused before any work, and the
+// input is left as it was; so is a --fresh sample beside it. On a copy of the shared data.
+TEST(Cli, BenchPlannerJsonOutIntoTheDefaultReferenceFolderIsRefused) {
+  const char* shared = std::getenv("DISTCA_SHARED_DATA");
+  ASSERT_NE(shared, nullptr);
+  const fs::path data = scratch() / "shared-copy" / "data";
+  fs::remove_all(data.parent_path());
+  fs::create_directories(data);
+  fs::copy(fs::path(shared) / "reference", data / "reference", fs::copy_options::recursive);
+  for (const char* sample : {"dist_wlbllm.json", "dist_prolong.json"}) fs::copy(fs::path(shared) / sample, data / sample);
+  const std::string env = "DISTCA_SHARED_DATA=" + data.string() + " ";
+  const std::string input = (data / "reference" / "reference_planner.json").string();
+  const std::string before = distca::read_text_file(input).value();
+  struct Case {
+    std::string args, output;
+  };
+  const Case cases[] = {
+      {"", input},
+      {"", (data / "reference" / "report.json").string()},  // a new file inside the folder read
+      {"--fresh 1", (data / "dist_prolong.json").string()},
+  };
+  for (const Case& c : cases) {
+    const std::string sample_before = fs::exists(c.output) ? distca::read_text_file(c.output).value() : "";
+    CmdResult r = cli::run_shell("env " + env + DISTCA_BIN + " bench planner --repeats 1 " + c.args + " --json-out " + c.output);
+    EXPECT_EQ(r.exit_code, 2) << c.output << "\n" << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find("--reference-dir"), std::string::npos) << r.err;
+    if (sample_before.empty()) {
+      EXPECT_FALSE(fs::exists(c.output)) << c.output;
+    } else {
+      EXPECT_EQ(distca::read_text_file(c.output).value(), sample_before) << c.output;
+    }
+  }
+  EXPECT_EQ(distca::read_text_file(input).value(), before);
+  // The same run writing elsewhere works, and reads the copy.
+  const std::string elsewhere = (scratch() / "planner-report.json").string();
+  CmdResult ok = cli::run_shell("env " + env + DISTCA_BIN + " bench planner --repeats 1 --policies minbytes --json-out " + elsewhere);
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(nlohmann::json::parse(distca::read_text_file(elsewhere).value())["reference_dir"], (data / "reference").string());
+}
+
 TEST(Cli, BenchPlannerBadInputGetsOneLineErrorExitTwo) {
   const BadInput cases[] = {
       {"tolerance a word", "--tolerance balanced", "--tolerance must be a number in [0, 1] or auto"},
