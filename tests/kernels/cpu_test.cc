@@ -1,18 +1,22 @@
 // The fast CPU attention against the reference: random task lists (documents cut into shards
 // that share K/V, non-causal pieces, uncovered rows), fp32 and bf16, every instruction-set build
 // this CPU runs (avx512, avx2, portable), builds agreeing with each other, bit-identical results
-// across thread counts per build, and the choice of build (DISTCA_CPU_ISA).
+// across thread counts per build, NaN and infinities where the reference puts them, and the
+// choice of build (DISTCA_CPU_ISA).
 #include "distca/kernels/cpu.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "distca/kernels/ref.h"
 #include "test_util.h"
@@ -240,6 +244,64 @@ TEST(CpuAttention, BitIdenticalForAnyThreadCount) {
       }
     }
   }
+}
+
+// What an element is, for the NaN/inf propagation test: finite, NaN, +inf or -inf.
+char kind(float x) { return std::isnan(x) ? 'n' : x == std::numeric_limits<float>::infinity() ? '+' : std::isinf(x) ? '-' : 'f'; }
+
+// Issue 72 row 2: one NaN, +inf or -inf element in Q, K, V or dO gives NaN and infinities exactly
+// where the reference puts them, element for element, in O, LSE, dQ, dK and dV, forward and
+// backward, on every build this CPU runs; a NaN is never hidden as 0 (before: exp2 read a NaN
+// score as 2^-127, a NaN row sum as "no keys") and never reaches a pair the causal mask hides
+// (0 * inf). Causal shards sharing K/V, with the mask inside 64-key blocks, GQA and non-causal
+// tasks; positions in the first row of a document (one key), a middle row and the last.
+TEST(CpuAttention, NonFiniteInputsPropagateExactlyAsTheReference) {
+  std::mt19937_64 rng(72);
+  TaskSet set = testing::shard_documents(rng, {150, 45, 1}, 45, 4, 2, 64, 1);
+  add_noncausal(rng, set, 2);
+  const Inputs<float> clean = random_inputs<float>(rng, set.dims);
+  const AttnDims& n = set.dims;
+  const int64_t q_row = n.num_q_heads * n.head_dim, kv_row = n.num_kv_heads * n.head_dim;
+  struct Where {
+    const char* tensor;
+    int64_t row;  // Q/dO rows for q and d_o, K/V rows for k and v
+  };
+  // K/V row 0 is key 0 of the first document (every query of it sees it); 149 its last key; 150
+  // the first key of the 45-token document. Q row 0 is that document's first query.
+  const Where wheres[] = {{"q", 0}, {"q", 70}, {"k", 0}, {"k", 100}, {"k", 149}, {"v", 0}, {"v", 120},
+                          {"v", 150}, {"d_o", 3}, {"d_o", n.num_q_rows - 1}};
+  const float values[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()};
+  std::vector<std::unique_ptr<CpuAttention>> kernels;
+  for (const std::string& isa : isas()) kernels.push_back(std::make_unique<CpuAttention>(CpuAttentionOptions{.isa = isa}));
+  int non_finite_outputs = 0;
+  for (const Where& w : wheres) {
+    for (const float value : values) {
+      Inputs<float> in = clean;
+      std::vector<float>& t = w.tensor == std::string("q") ? in.q : w.tensor == std::string("k") ? in.k
+                              : w.tensor == std::string("v") ? in.v : in.d_o;
+      const int64_t stride = (t.size() == in.q.size()) ? q_row : kv_row;
+      t[w.row * stride + 5] = value;  // head 0, d 5
+      const Outputs want = run_ref<float, double>(set, in);
+      for (const auto& cpu : kernels) {
+        const Outputs got = run_cpu(*cpu, set, in);
+        const std::string what = fmt::format("{}: {}[{}] = {}", cpu->isa(), w.tensor, w.row, value);
+        for (auto [name, g, r] : {std::tuple{"O", &got.o, &want.o}, {"LSE", &got.lse, &want.lse},
+                                  {"dQ", &got.dq, &want.dq}, {"dK", &got.dk, &want.dk}, {"dV", &got.dv, &want.dv}}) {
+          ASSERT_EQ(g->size(), r->size());
+          int mismatches = 0;
+          std::size_t first = 0;
+          for (std::size_t i = 0; i < g->size(); ++i) {
+            if (kind((*g)[i]) != kind((*r)[i]) && mismatches++ == 0) first = i;
+            non_finite_outputs += kind((*r)[i]) != 'f' && !(std::string(name) == "LSE" && (*r)[i] < 0);
+          }
+          EXPECT_EQ(mismatches, 0) << what << ": " << name << " differs in " << mismatches << " elements, first at "
+                                   << first << ": got " << (*g)[first] << ", the reference " << (*r)[first];
+        }
+      }
+    }
+  }
+  EXPECT_GT(non_finite_outputs, 0);  // the cases reach the outputs at all
 }
 
 // CpuAttentionOptions::poll (ping-pong's MPI progress while a server computes) runs on the

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <new>
@@ -47,6 +48,24 @@ class Buffer {
 };
 
 int64_t num_query_blocks(const AttnTask& t) { return (t.q_len + kBlockQ - 1) / kBlockQ; }
+
+// Whether x[0, n) holds a NaN or an infinity (all exponent bits set; -inf counts unless
+// `is_neg_inf_finite`), a chunk per work item.
+bool has_non_finite(ThreadPool& pool, const float* x, int64_t n, bool is_neg_inf_finite = false) {
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<char> found(static_cast<std::size_t>(chunks), 0);
+  pool.parallel_for(chunks, [&](int64_t c, int) {
+    uint32_t bad = 0;
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, x + i, sizeof bits);
+      bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u && !(is_neg_inf_finite && bits == 0xff800000u));
+    }
+    found[static_cast<std::size_t>(c)] = static_cast<char>(bad);
+  });
+  return std::find(found.begin(), found.end(), 1) != found.end();
+}
 
 }  // namespace
 
@@ -364,6 +383,8 @@ Status CpuAttention::forward(const AttnFwdParams<T>& p) {
   prob.q = s.as_f32(p.q, nq, s.q32);
   prob.k = s.as_f32(p.k, nkv, s.k32);
   prob.v = s.as_f32(p.v, nkv, s.v32);
+  prob.is_careful = has_non_finite(s.pool, prob.q, nq) || has_non_finite(s.pool, prob.k, nkv) ||
+                    has_non_finite(s.pool, prob.v, nkv);
   float* o = s.out_f32(p.o, nq, s.o32);
   // Rows no task covers: O = 0, LSE = -inf. Covered rows are overwritten below.
   std::fill(o, o + nq, 0.0f);
@@ -394,6 +415,11 @@ Status CpuAttention::backward(const AttnBwdParams<T>& p) {
   prob.o = s.as_f32(p.o, nq, s.o32);
   prob.d_o = s.as_f32(p.d_o, nq, s.do32);
   prob.lse = p.lse;
+  // The LSE of a row without keys is -inf, a finite value here.
+  prob.is_careful = has_non_finite(s.pool, prob.q, nq) || has_non_finite(s.pool, prob.k, nkv) ||
+                    has_non_finite(s.pool, prob.v, nkv) || has_non_finite(s.pool, prob.o, nq) ||
+                    has_non_finite(s.pool, prob.d_o, nq) ||
+                    has_non_finite(s.pool, p.lse, n.num_q_rows * n.num_q_heads, /*is_neg_inf_finite=*/true);
   float* dq = s.out_f32(p.dq, nq, s.dq32);
   float* dk = s.out_f32(p.dk, nkv, s.dk32);
   float* dv = s.out_f32(p.dv, nkv, s.dv32);

@@ -67,9 +67,11 @@ inline vf splat(float x) { return vf{} + x; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 
-// 2^x, relative error ~2e-7; 0 for x <= -127 (and -inf), saturates at 2^127.
+// 2^x, relative error ~2e-7; 0 for x <= -127 (and -inf), saturates at 2^127; NaN stays NaN (the
+// clamps keep x where a comparison with NaN is false, so a NaN score is never read as 2^-127).
 inline vf exp2v(vf x) {
-  x = vmin(vmax(x, splat(-127.0f)), splat(127.0f));
+  x = x < splat(-127.0f) ? splat(-127.0f) : x;
+  x = x > splat(127.0f) ? splat(127.0f) : x;
   const vf r = (x + 12582912.0f) - 12582912.0f;  // round to nearest integer
   const vf f = x - r;                            // [-0.5, 0.5]
   vf p = splat(1.525273380405984e-05f);
@@ -253,6 +255,64 @@ inline void mask_causal(float* s, int64_t num_rows, int64_t k0, int64_t off, int
   }
 }
 
+// Problem::is_careful: a block the causal mask cuts, with the masked (key, query) pairs left out
+// of every product rather than multiplied by a zero probability, so that a non-finite value of a
+// pair no query sees (0 * inf = NaN) reaches no output, as in the reference, which loops over
+// visible pairs only. Lane i of key row j is visible when i >= visible_from(j).
+inline int64_t visible_from(int64_t j, int64_t k0, int64_t off, int64_t q0) {
+  return std::clamp<int64_t>(k0 + j - off - q0, 0, kBlockQ);
+}
+
+// Zeroes the masked entries of s ([num_rows, kBlockQ]).
+inline void zero_masked(float* s, int64_t num_rows, int64_t k0, int64_t off, int64_t q0) {
+  for (int64_t j = 0; j < num_rows; ++j) {
+    const int32_t from = static_cast<int32_t>(visible_from(j, k0, off, q0));
+    for (int v = 0; v < kQVecs; ++v) {
+      float* row = s + j * kBlockQ + v * kLanes;
+      store(row, lane_index(v) < from ? splat(0.0f) : load(row));
+    }
+  }
+}
+
+// acc_t[d][i] = acc_t[d][i] * alpha[i] + sum over visible j of a[j][d] * pt[j][i] (alpha ==
+// nullptr: no rescale): acc_t_block over a masked block, the careful way.
+template <int D>
+void acc_t_block_masked(float* acc_t, const vf* alpha, const float* a, int64_t a_stride, const float* pt,
+                        int64_t num_rows, int64_t k0, int64_t off, int64_t q0) {
+  for (int d = 0; d < D; ++d) {
+    vf acc[kQVecs];
+    for (int w = 0; w < kQVecs; ++w) {
+      acc[w] = load(acc_t + d * kBlockQ + w * kLanes);
+      if (alpha != nullptr) acc[w] *= alpha[w];
+    }
+    for (int64_t j = 0; j < num_rows; ++j) {
+      const int32_t from = static_cast<int32_t>(visible_from(j, k0, off, q0));
+      const vf x = splat(a[j * a_stride + d]);
+      for (int w = 0; w < kQVecs; ++w) {
+        const vi seen = lane_index(w) >= from;
+        acc[w] += (seen ? x : splat(0.0f)) * (seen ? load(pt + j * kBlockQ + w * kLanes) : splat(0.0f));
+      }
+    }
+    for (int w = 0; w < kQVecs; ++w) store(acc_t + d * kBlockQ + w * kLanes, acc[w]);
+  }
+}
+
+// acc[j][:] += sum over the queries i < num_cols that see key j of pt[j][i] * b[i][:]:
+// rows_acc_block over a masked block, the careful way (acc rows are D long).
+template <int D>
+void rows_acc_block_masked(float* acc_rows, const float* pt, int64_t num_rows, const float* b, int64_t b_stride,
+                           int64_t num_cols, int64_t k0, int64_t off, int64_t q0) {
+  for (int64_t j = 0; j < num_rows; ++j) {
+    vf acc[D / kLanes];
+    for (int c = 0; c < D / kLanes; ++c) acc[c] = load(acc_rows + j * D + c * kLanes);
+    for (int64_t i = visible_from(j, k0, off, q0); i < num_cols; ++i) {
+      const float x = pt[j * kBlockQ + i];
+      for (int c = 0; c < D / kLanes; ++c) acc[c] += x * load(b + i * b_stride + c * kLanes);
+    }
+    for (int c = 0; c < D / kLanes; ++c) store(acc_rows + j * D + c * kLanes, acc[c]);
+  }
+}
+
 // Keys of the task a query block can see: [0, key_end).
 inline int64_t key_end(const AttnTask& t, int64_t q0, int64_t rows) {
   return t.is_causal ? t.kv_len - t.q_len + q0 + rows : t.kv_len;
@@ -316,10 +376,16 @@ void forward_block(const Problem& p, const QueryBlock& b, float* o, float* lse, 
         l[j][w] = l[j][w] * alpha[w] + sum[w];
         m[j][w] = m_new[w];
       }
-      acc_t_block<D>(s.acc + j * kHeadFloats, alpha, v + k0 * kv_stride, kv_stride, s.s, nk);
+      if (p.is_careful && t.is_causal && k0 + nk - 1 > off + b.q0) {
+        acc_t_block_masked<D>(s.acc + j * kHeadFloats, alpha, v + k0 * kv_stride, kv_stride, s.s, nk, k0, off, b.q0);
+      } else {
+        acc_t_block<D>(s.acc + j * kHeadFloats, alpha, v + k0 * kv_stride, kv_stride, s.s, nk);
+      }
     }
   }
-  // 3. O = O^T / l, LSE = (m + log2 l) ln 2; no keys at all: O = 0, LSE = -inf.
+  // 3. O = O^T / l, LSE = (m + log2 l) ln 2; no keys at all: O = 0, LSE = -inf. A row with keys
+  //    whose scores are all -inf (an infinite input) has l = 0: NaN, as exp(-inf - -inf) gives.
+  //    A NaN l (a NaN input) gives NaN through the arithmetic.
   for (int64_t j = 0; j < b.heads; ++j) {
     float* out = o + (t.q_offset + b.q0) * q_stride + (b.head + j) * D;
     float* out_lse = lse + (t.q_offset + b.q0) * p.num_q_heads + b.head + j;
@@ -330,12 +396,16 @@ void forward_block(const Problem& p, const QueryBlock& b, float* o, float* lse, 
       store(ll + w * kLanes, l[j][w]);
     }
     for (int64_t i = 0; i < b.rows; ++i) {
-      const bool has_keys = ll[i] > 0.0f;
-      const float inv = has_keys ? 1.0f / ll[i] : 0.0f;
+      const bool has_keys = (t.is_causal ? off + b.q0 + i + 1 : t.kv_len) > 0;
+      if (!has_keys) {
+        for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = 0.0f;
+        out_lse[i * p.num_q_heads] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      const float inv = ll[i] == 0.0f ? std::numeric_limits<float>::quiet_NaN() : 1.0f / ll[i];
       for (int64_t d = 0; d < D; ++d) out[i * q_stride + d] = acc[d * kBlockQ + i] * inv;
-      out_lse[i * p.num_q_heads] =
-          has_keys ? (mm[i] + std::log2(ll[i])) * static_cast<float>(M_LN2)
-                   : -std::numeric_limits<float>::infinity();
+      out_lse[i * p.num_q_heads] = ll[i] == 0.0f ? std::numeric_limits<float>::quiet_NaN()
+                                                 : (mm[i] + std::log2(ll[i])) * static_cast<float>(M_LN2);
     }
   }
 }
@@ -376,7 +446,7 @@ void backward_pack(const Problem& p, const QueryBlock& b, const Packed& pk) {
 template <int D>
 void probabilities_and_ds(const float* k, const float* v, int64_t kv_stride, int64_t nk,
                           const float* qt, const float* dot, const float* lse2, const float* delta,
-                          bool needs_mask, int64_t k0, int64_t off, int64_t q0, const Scratch& s) {
+                          bool needs_mask, bool is_careful, int64_t k0, int64_t off, int64_t q0, const Scratch& s) {
   st_block<D>(k, kv_stride, qt, nk, s.s);
   if (needs_mask) mask_causal(s.s, nk, k0, off, q0);
   st_block<D>(v, kv_stride, dot, nk, s.dp);
@@ -393,6 +463,10 @@ void probabilities_and_ds(const float* k, const float* v, int64_t kv_stride, int
       store(srow, prob);
       store(drow, prob * (load(drow) - dl[w]));
     }
+  }
+  if (needs_mask && is_careful) {  // a NaN LSE or dP of a masked pair: 0 there, as never computed
+    zero_masked(s.s, nk, k0, off, q0);
+    zero_masked(s.dp, nk, k0, off, q0);
   }
 }
 
@@ -441,10 +515,16 @@ void backward_unit(const Problem& p, const BwdUnit& u, const Packed& pk, const S
             const float* v = p.v + a * kv_stride + u.kv_head * D;
             probabilities_and_ds<D>(k, v, kv_stride, nk, pk.qt + packed * D * kBlockQ,
                                     pk.dot + packed * D * kBlockQ, pk.lse2 + packed * kBlockQ,
-                                    pk.delta + packed * kBlockQ, needs_mask, k0, off, q0, s);
-            rows_acc_block<D>(s.dv + (a - s0) * D, s.s, nk, p.d_o + row0, q_stride, rows);
-            rows_acc_block<D>(s.dk + (a - s0) * D, s.dp, nk, p.q + row0, q_stride, rows);
-            acc_t_block<D>(pk.dqt + packed * D * kBlockQ, nullptr, k, kv_stride, s.dp, nk);
+                                    pk.delta + packed * kBlockQ, needs_mask, p.is_careful, k0, off, q0, s);
+            if (needs_mask && p.is_careful) {
+              rows_acc_block_masked<D>(s.dv + (a - s0) * D, s.s, nk, p.d_o + row0, q_stride, rows, k0, off, q0);
+              rows_acc_block_masked<D>(s.dk + (a - s0) * D, s.dp, nk, p.q + row0, q_stride, rows, k0, off, q0);
+              acc_t_block_masked<D>(pk.dqt + packed * D * kBlockQ, nullptr, k, kv_stride, s.dp, nk, k0, off, q0);
+            } else {
+              rows_acc_block<D>(s.dv + (a - s0) * D, s.s, nk, p.d_o + row0, q_stride, rows);
+              rows_acc_block<D>(s.dk + (a - s0) * D, s.dp, nk, p.q + row0, q_stride, rows);
+              acc_t_block<D>(pk.dqt + packed * D * kBlockQ, nullptr, k, kv_stride, s.dp, nk);
+            }
           }
           if (s.poll) s.poll(s.poll_ctx);
         }

@@ -28,6 +28,9 @@ struct Problem {
   const float* lse = nullptr;  // [Tq, Hq]    (backward)
   const AttnTask* tasks = nullptr;
   int64_t num_tasks = 0;
+  // An input holds a NaN or an infinity: the blocks the causal mask cuts leave the masked pairs
+  // out of every product (finite inputs take the fast path, which multiplies them by 0).
+  bool is_careful = false;
 };
 
 // A block of up to kBlockQ queries of one task and one query head.
