@@ -231,11 +231,14 @@ class CADAttention(torch.autograd.Function):
             part_lse[i] = lse_ret.index_select(0, p.merge_entries)
         _merge(layout, part_o, part_lse, out, lse)
         ctx.order = order
-        ctx.layout, ctx.kernel, ctx.scale, ctx.server_state, ctx.num_kv_heads = layout, kernel, scale, saved, k.shape[1]
+        ctx.layout, ctx.kernel, ctx.scale, ctx.num_kv_heads = layout, kernel, scale, k.shape[1]
+        # Saved through autograd, the stateful server Q/K/V too: the engine frees them after the
+        # backward unless the graph is retained (retain_graph=True), so a second backward finds
+        # them, as it finds any op's saved tensors (saved-tensor hooks apply to them as well).
         if layout.backward == "stateless":
             ctx.save_for_backward(out, lse, q, k, v)
         else:
-            ctx.save_for_backward(out, lse)
+            ctx.save_for_backward(out, lse, *(x for state in saved for x in state))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -255,6 +258,8 @@ class CADAttention(torch.autograd.Function):
         if stateless:
             q, k, v = inputs
             kv = torch.stack((k, v), dim=1)
+        else:
+            server_state = [inputs[3 * i:3 * i + 3] for i in range(len(layout.parts))]   # (q, k, v) per part
         # 1. Dispatch dO with the merged O and LSE (stateless: Q and K/V again), every nano-batch.
         dispatch = []
         pool, stage = layout.buffers, layout.host_staging
@@ -284,7 +289,7 @@ class CADAttention(torch.autograd.Function):
                 kv_var = kv_recv.index_select(0, p.kv_gather)
                 k_var, v_var = kv_var[:, 0].contiguous(), kv_var[:, 1].contiguous()
             else:
-                q_var, k_var, v_var = ctx.server_state[i]
+                q_var, k_var, v_var = server_state[i]
             do_var, o_var, lse_var = (x.index_select(0, p.q_gather) for x in (do_recv, o_recv, lse_recv))
             dq_var, dk_var, dv_var = kernel.backward(do_var, q_var, k_var, v_var, o_var, lse_var, p.tasks, scale)
             dq_send = dq_var.new_empty((p.num_q_recv, hq, d)).index_copy_(0, p.q_gather, dq_var)
@@ -294,7 +299,6 @@ class CADAttention(torch.autograd.Function):
                             _Exchange(dkv_send.to(wire), p.kv_recv_splits, p.kv_send_splits, group, pool,
                                       ("bwd_return", i, "dkv"), stage),
                             dkv_send))
-        ctx.server_state = None
         # 3. Owner: sum each row's entries (fp32).
         dq = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
         dkv = torch.zeros((out.shape[0], 2, hkv, d), dtype=torch.float32, device=out.device)
@@ -316,7 +320,8 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Ste
     o [T, Hq, D] (and, with return_lse, the LSE [T, Hq] fp32, not differentiable). scale: a finite
     positive number (default 1/sqrt(D)). backend: a name (the planner's by default) or a
     ServerKernel instance. Collective over the layout's group: every rank calls it with the same
-    step's layout. Differentiable in q, k, v (once: no double backward).
+    step's layout. Differentiable in q, k, v to first order (no double backward); a graph kept
+    with retain_graph=True can be backpropagated again, in both backward modes.
 
     Every argument is checked before the first collective; with the planner's check_inputs (the
     default) the call then starts with the call header (one all_gather of 4 int64 per rank over
