@@ -1,15 +1,18 @@
-"""Faults that used to get through distca.torch (issue 72), one test per case:
+"""Faults that used to get through distca.torch (issue 72, its rows 7 and 14), one test per case:
 
 - row 7: a second backward through cad_attention's default (stateful) backward with
   retain_graph=True: it raised TypeError; now it gives the same gradients again (2x one backward's,
   accumulated), equal to the reference kernel's, and a third without retain_graph PyTorch's own
-  "backward through the graph a second time" error.
+  "backward through the graph a second time" error;
+- row 14: a scale that is inf or 0 once rounded to float32 (1e300, 1e-300), the precision the
+  kernels compute in, is refused by cad_attention and by the distca ops.
 """
 from __future__ import annotations
 
 import pytest
 
 torch = pytest.importorskip("torch")
+from distca.torch import ops  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
 from torch_cases import COST_MODEL, HKV, HQ, doc_data, local_rows, whole_document  # noqa: E402
 
@@ -68,6 +71,17 @@ def faults_worker(rank, world):
                 case["third"] = str(e).splitlines()[0]
         except Exception as e:  # noqa: BLE001 (the test reports it)
             case["error"] = f"{type(e).__name__}: {e}"
+    # Row 14: scales that float32 turns into inf or 0, refused on every rank; a tiny finite one runs.
+    planner = StepPlanner(model=model, cost_model=COST_MODEL, policy="minbytes", granularity=16)
+    layout = planner.plan(pieces=pieces)
+    for name, scale, dtype in (("1e300", 1e300, torch.float32), ("1e-300", 1e-300, torch.float32),
+                               ("1e-300 bf16", 1e-300, torch.bfloat16), ("1e39", 1e39, torch.float32),
+                               ("10**400", 10 ** 400, torch.float32), ("1e-30", 1e-30, torch.float32)):
+        try:
+            o = cad_attention(*leaves(dtype), layout, scale=scale)
+            out[f"row14 {name}"] = {"accepted": True, "finite": bool(torch.isfinite(o).all())}
+        except ValueError as e:   # InputError is a ValueError
+            out[f"row14 {name}"] = {"accepted": False, "error": str(e)}
     return out
 
 
@@ -94,3 +108,37 @@ def test_row7_stateful_backward_twice_with_retain_graph(faults, pingpong):
         assert case["twice_is_2x_once"], case   # the second backward computed exactly the first's gradients
         # Without retain_graph the saved state is freed, as for any PyTorch op.
         assert case["third"] is not None and "backward through the graph a second time" in case["third"], case
+
+
+# --- Row 14 ---
+
+@pytest.mark.parametrize("name, fp32", [("1e300", "inf"), ("1e-300", "0"), ("1e-300 bf16", "0"), ("1e39", "inf"),
+                                        ("10**400", None)])
+def test_row14_scale_not_finite_and_positive_in_float32_is_refused(faults, name, fp32):
+    for result in faults:
+        case = result[f"row14 {name}"]
+        assert not case["accepted"], f"scale {name} accepted ({case})"
+        message = case["error"]
+        assert "\n" not in message and message.startswith("cad_attention: rank ") and \
+            "scale must be a finite positive number" in message, message
+        if fp32 is not None:
+            assert f"which is {fp32} in float32" in message, message
+
+
+def test_row14_scale_finite_in_float32_still_runs(faults):
+    for result in faults:
+        assert result["row14 1e-30"] == {"accepted": True, "finite": True}
+
+
+@pytest.mark.parametrize("scale, fp32", [(1e300, "inf"), (1e-300, "0"), (float("inf"), None), (-1.0, None), (0.0, None)])
+def test_row14_scale_refused_by_the_distca_ops(scale, fp32):
+    g = torch.Generator().manual_seed(14)
+    q, do = (torch.randn(64, 4, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(64, 2, D, generator=g) for _ in range(2))
+    tasks = torch.tensor([[0, 64, 0, 64, 1]], dtype=torch.int64)
+    for call in (lambda: ops.attention_fwd(q, k, v, tasks, scale),
+                 lambda: ops.attention_bwd(do, q, k, v, q, torch.zeros(64, 4), tasks, scale)):
+        with pytest.raises(ValueError, match="scale must be a finite positive number") as e:
+            call()
+        assert fp32 is None or f"which is {fp32} in float32" in str(e.value)
+    assert ops.scale_problem(D ** -0.5) is None and ops.scale_problem(None) is None

@@ -25,7 +25,6 @@ phase is one all_to_all_single per nano-batch and tensor kind.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional, Union
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from .backends import ServerKernel, default_scale, get_backend
 from .buffers import ExchangeBuffers
 from .layout import CALL_CAD_ATTENTION, InputError, PartLayout, StepLayout, _error_message, _latest_planner, call_header
+from .ops import scale_problem
 
 # The dtypes cad_attention takes: every CPU and CUDA backend's forward and backward run them
 # (float64's backward does not run on the CPU kernels).
@@ -138,9 +138,9 @@ def _check(q, k, v, layout: StepLayout, scale, backend, return_lse) -> Optional[
     if q.dtype not in SUPPORTED_DTYPES:
         return (f"q, k and v are {q.dtype}: cad_attention supports {', '.join(map(str, SUPPORTED_DTYPES))} "
                 f"(cast them, e.g. q.float())")
-    if scale is not None and (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real)
-                              or not math.isfinite(scale) or scale <= 0):
-        return f"scale must be a finite positive number (default 1/sqrt(head_dim)), got {scale!r}"
+    scale_error = scale_problem(scale)   # finite and positive in float32, the kernels' precision
+    if scale_error is not None:
+        return scale_error
     if backend is not None and not isinstance(backend, (str, ServerKernel)):
         return f"backend must be a backend's name or a ServerKernel instance, got {type(backend).__name__}"
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -317,11 +317,12 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Ste
 
     q [T, Hq, D], k/v [T, Hkv, D]: this rank's rows (after RoPE at layout.positions), in the
     order of the documents given to StepPlanner.plan, float32, bfloat16 or float16; returns
-    o [T, Hq, D] (and, with return_lse, the LSE [T, Hq] fp32, not differentiable). scale: a finite
-    positive number (default 1/sqrt(D)). backend: a name (the planner's by default) or a
-    ServerKernel instance. Collective over the layout's group: every rank calls it with the same
-    step's layout. Differentiable in q, k, v to first order (no double backward); a graph kept
-    with retain_graph=True can be backpropagated again, in both backward modes.
+    o [T, Hq, D] (and, with return_lse, the LSE [T, Hq] fp32, not differentiable). scale: a number
+    finite and positive in float32, the kernels' precision (default 1/sqrt(D)). backend: a name (the
+    planner's by default) or a ServerKernel instance. Collective over the layout's group: every rank
+    calls it with the same step's layout. Differentiable in q, k, v to first order (no double
+    backward); a graph kept with retain_graph=True can be backpropagated again, in both backward
+    modes.
 
     Every argument is checked before the first collective; with the planner's check_inputs (the
     default) the call then starts with the call header (one all_gather of 4 int64 per rank over

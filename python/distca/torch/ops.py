@@ -8,7 +8,8 @@ tensor of (q_offset, q_len, kv_offset, kv_len, is_causal) rows, the task list of
 (tasks may share key rows; the C++ side checks them). o has q's dtype, lse [Tq, Hq] fp32 (natural
 log; -inf where a row sees no key); dq has q's dtype, dk/dv are fp32 (summed over the tasks that
 read a row). The backward takes the O and LSE it is given (a key-split row's merged ones), as
-distca.torch.backends describes. `scale` None is 1/sqrt(D); `num_threads` is the CPU kernels'
+distca.torch.backends describes. `scale` None is 1/sqrt(D), else a number finite and positive in
+float32 (the kernels' precision: 1e300 and 1e-300 are refused); `num_threads` is the CPU kernels'
 thread count (0: torch.get_num_threads()), ignored on CUDA; `kernel` picks the CUDA implementation:
 "distca" (distca's own kernels) or "cudnn" (cuDNN's fused attention on the same task list, in builds
 that found cuDNN), ignored on CPU.
@@ -25,9 +26,11 @@ passes the merged O and LSE to the backward instead, as cad_attention does).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import re
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -151,6 +154,34 @@ def task_tensor(tasks) -> torch.Tensor:
     return tasks
 
 
+def scale_problem(scale: Any) -> Optional[str]:
+    """None where `scale` is None (1/sqrt(D)) or a real number that is finite and positive once
+    rounded to float32, the precision every kernel multiplies in whatever the inputs' dtype (1e300
+    is inf there, 1e-300 is 0: uniform attention); else what is wrong, in one line."""
+    if scale is None:
+        return None
+    wanted = "scale must be a finite positive number (default 1/sqrt(head_dim))"
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        return f"{wanted}, got {scale!r}"
+    try:
+        value = float(scale)
+    except OverflowError:   # an int past a double's range
+        value = math.inf
+    if not math.isfinite(value) or value <= 0:
+        return f"{wanted}, got {scale!r}"
+    with np.errstate(over="ignore", under="ignore"):
+        in_fp32 = float(np.float32(value))
+    if not math.isfinite(in_fp32) or in_fp32 <= 0:
+        return f"{wanted}, got {scale!r}, which is {in_fp32:g} in float32 (the kernels compute in float32)"
+    return None
+
+
+def _check_scale(scale: Any) -> None:
+    problem = scale_problem(scale)
+    if problem is not None:
+        raise ValueError(f"{_PREFIX}{problem}")
+
+
 def _check_tensor(name: str, x, device: torch.device, shape: tuple, dtype: torch.dtype) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{_PREFIX}{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -216,6 +247,7 @@ def _dims(x) -> tuple:
 @torch.library.custom_op("distca::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tasks: torch.Tensor, scale: Optional[float] = None,
                   num_threads: int = 0, kernel: str = "distca") -> tuple[torch.Tensor, torch.Tensor]:
+    _check_scale(scale)
     dims = _dims(check_inputs(q, k, v, tasks))
     tq, _, hq, _, d = dims
     o = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
@@ -235,6 +267,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tasks: torc
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, tasks, scale=None, num_threads=0, kernel="distca"):
+    _check_scale(scale)
     check_inputs(q, k, v, tasks, is_fake=True)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
@@ -243,6 +276,7 @@ def _attention_fwd_fake(q, k, v, tasks, scale=None, num_threads=0, kernel="distc
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, tasks: torch.Tensor, scale: Optional[float] = None,
                   num_threads: int = 0, kernel: str = "distca") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_scale(scale)
     dims = _dims(check_inputs(q, k, v, tasks, (("o", o, "q"), ("lse", lse, "lse"), ("do", do, "q"))))
     tq, tkv, hq, hkv, d = dims
     dq = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
@@ -268,6 +302,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, lse, tasks, scale=None, num_threads=0, kernel="distca"):
+    _check_scale(scale)
     check_inputs(q, k, v, tasks, (("o", o, "q"), ("lse", lse, "lse"), ("do", do, "q")), is_fake=True)
     return (q.new_empty(q.shape), k.new_empty(k.shape, dtype=torch.float32),
             k.new_empty(k.shape, dtype=torch.float32))
@@ -302,5 +337,5 @@ def flops(tasks, num_q_heads: int, head_dim: int) -> tuple[float, float]:
     return forward, 2.5 * forward
 
 
-__all__ = ["attention_fwd", "attention_bwd", "check_inputs", "unavailable", "task_tensor", "pairs", "flops",
+__all__ = ["attention_fwd", "attention_bwd", "check_inputs", "scale_problem", "unavailable", "task_tensor", "pairs", "flops",
            "cpu_isa", "cpu_native", "cuda_native", "CUDA_KERNELS", "DTYPES", "HEAD_DIMS"]
