@@ -20,7 +20,7 @@ def row(backend, layout, tokens, shard, fwd, bwd, tasks=1):
 
 
 def report(rows):
-    return {"format": "distca-bench-cuda-attention", "device": "NVIDIA Test GPU", "capability": [9, 0],
+    return {"format": "distca-bench-cuda-attention", "version": 2, "device": "NVIDIA Test GPU", "capability": [9, 0],
             "dtype": "bfloat16", "torch": "2.11", "date": "2026-11-27", "rows": rows}
 
 
@@ -118,12 +118,12 @@ def test_find_table_reads_the_env_file_and_refuses_bad_ones(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="no such file"):
         kt.find_table("anything")
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"format": kt.FORMAT, "kinds": {"long": {"fastest": "magic"}}}))
+    bad.write_text(json.dumps({"format": kt.FORMAT, "version": 1, "kinds": {"long": {"fastest": "magic"}}}))
     monkeypatch.setenv("DISTCA_KERNEL_TABLE", str(bad))
     with pytest.raises(ValueError, match="names 'magic'"):
         kt.find_table("anything")
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="kernel table"):
+    with pytest.raises(ValueError, match="DISTCA_KERNEL_TABLE=.*: malformed JSON"):
         kt.find_table("anything")
     assert kt.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
@@ -138,10 +138,10 @@ def test_the_command_writes_a_table_and_never_overwrites_other_files(tmp_path, c
     assert kt.main([str(bench), "--out", str(out)]) == 0   # its own table: replaced
     notes = tmp_path / "notes.json"
     notes.write_text('{"mine": 1}')
-    assert kt.main([str(bench), "--out", str(notes)]) == 1
+    assert kt.main([str(bench), "--out", str(notes)]) == 2   # bad input (docs/cli.md's exit codes)
     assert notes.read_text() == '{"mine": 1}'
     assert "not overwritten" in capsys.readouterr().err
-    assert kt.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "x.json")]) == 1
+    assert kt.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "x.json")]) == 2
     assert not (tmp_path / "x.json").exists()
 
 

@@ -1,17 +1,30 @@
-"""Faults that used to get through distca.torch (issue 72, its rows 7 and 14), one test per case:
+"""Faults that used to get through distca.torch (issue 72, its rows 7, 11 and 14), one test per case:
 
 - row 7: a second backward through cad_attention's default (stateful) backward with
   retain_graph=True: it raised TypeError; now it gives the same gradients again (2x one backward's,
   accumulated), equal to the reference kernel's, and a third without retain_graph PyTorch's own
   "backward through the graph a second time" error;
+- row 11: crafted kernel tables (DISTCA_KERNEL_TABLE) and bench reports given to
+  `python -m distca.torch.kernel_table`: each is one line naming the file (and the variable), exit
+  status 2, nothing written; --out never the report, and written atomically;
 - row 14: a scale that is inf or 0 once rounded to float32 (1e300, 1e-300), the precision the
   kernels compute in, is refused by cad_attention and by the distca ops.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from distca.torch import kernel_table as kt  # noqa: E402
 from distca.torch import ops  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
 from torch_cases import COST_MODEL, HKV, HQ, doc_data, local_rows, whole_document  # noqa: E402
@@ -142,3 +155,194 @@ def test_row14_scale_refused_by_the_distca_ops(scale, fp32):
             call()
         assert fp32 is None or f"which is {fp32} in float32" in str(e.value)
     assert ops.scale_problem(D ** -0.5) is None and ops.scale_problem(None) is None
+
+
+# --- Row 11: kernel tables ---
+
+def _table(**change):
+    table = {"format": kt.FORMAT, "version": 1, "kinds": {"long": {"fastest": "cudnn"}}}
+    table.update(change)
+    return json.dumps(table).encode()
+
+
+# Each a file's bytes; every one is one ValueError naming DISTCA_KERNEL_TABLE and the file.
+TABLES = {
+    "json_list": (b'[{"format": "distca-kernel-table"}]', "not a distca kernel table"),
+    "string_entry": (_table(kinds={"long": "cudnn"}), "kind 'long' names 'cudnn'"),
+    "deep_nesting": (b"[" * 100_000 + b"]" * 100_000, "nested more than 64 levels deep"),
+    "non_utf8": (b'{"format": "distca-kernel-table\xff"}', "not UTF-8"),
+    "version_99": (_table(version=99), "version 99; this distca reads version 1"),
+    "kinds_list": (_table(kinds=["long"]), "kinds must be an object"),
+    "too_large": (_table(pad="x" * (1 << 20)), "too large"),
+}
+
+
+@pytest.mark.parametrize("case", list(TABLES))
+def test_row11_kernel_table_through_the_env(case, tmp_path, monkeypatch):
+    data, reason = TABLES[case]
+    path = tmp_path / f"{case}.json"
+    path.write_bytes(data)
+    monkeypatch.setenv("DISTCA_KERNEL_TABLE", str(path))
+    monkeypatch.setenv("DISTCA_MAX_INPUT_MB", "1")
+    with pytest.raises(Exception) as e:
+        kt.find_table("NVIDIA Test GPU")
+    assert type(e.value) is ValueError, f"{type(e.value).__name__}: {e.value}"
+    message = str(e.value)
+    assert message.startswith(f"DISTCA_KERNEL_TABLE={path}: ") and "\n" not in message, message
+    assert reason in message, message
+
+
+# --- Row 11: the command's bench reports ---
+
+def _row(backend, layout, tokens, shard, fwd, bwd):
+    return {"backend": backend, "layout": layout, "tokens": tokens, "shard": shard, "tasks": 1,
+            "fwd": {"seconds": fwd}, "bwd": {"seconds": bwd}}
+
+
+def _report(rows, **change):
+    report = {"format": "distca-bench-cuda-attention", "version": 2, "device": "NVIDIA Test GPU", "rows": rows}
+    report.update(change)
+    return report
+
+
+GOOD_ROWS = [_row("distca", "whole", 8192, None, 2.0, 2.0), _row("varlen", "whole", 8192, None, 1.0, 4.0)]
+
+
+def _bench_bytes(report) -> bytes:
+    return json.dumps(report).encode()
+
+
+def _with_time(seconds):
+    rows = [dict(r) for r in GOOD_ROWS]
+    rows[1] = dict(rows[1], fwd={"seconds": seconds})
+    return _report(rows)
+
+
+BENCHES = {
+    "json_list": (b"[1, 2]", "not a bench_cuda_attention.py report"),
+    "string_row": (_bench_bytes(_report(["distca whole 8192"])), "rows[0] must be an object"),
+    "rows_not_a_list": (_bench_bytes(_report({"distca": 1})), "rows must be a list"),
+    "deep_nesting": (b"[" * 100_000 + b"]" * 100_000, "nested more than 64 levels deep"),
+    "non_utf8": (b'{"format": "distca-bench-cuda-attention\xfe"}', "not UTF-8"),
+    "version_99": (_bench_bytes(_report(GOOD_ROWS, version=99)), "version 99"),
+    # A negative time gave varlen a negative score, which won.
+    "negative_time": (_bench_bytes(_with_time(-1.0)), "fwd seconds must be a positive finite number, got -1.0"),
+    "zero_time": (_bench_bytes(_with_time(0)), "fwd seconds must be a positive finite number, got 0"),
+    "nan_time": (_bench_bytes(_with_time(float("nan"))), "NaN is not JSON"),
+    "string_time": (_bench_bytes(_with_time("1.0")), "fwd seconds must be a positive finite number"),
+    "missing_seconds": (_bench_bytes(_report([GOOD_ROWS[0], dict(GOOD_ROWS[1], bwd={})])), "no bwd time"),
+    "missing_layout": (_bench_bytes(_report([{k: v for k, v in GOOD_ROWS[0].items() if k != "layout"}])),
+                       "layout must be one of"),
+    "missing_shard": (_bench_bytes(_report([_row("distca", "shards", 8192, None, 1.0, 1.0)])),
+                      "shard must be a positive integer"),
+    "bad_check": (_bench_bytes(_report(GOOD_ROWS, checks=["distca"])), "checks[0] must be an object"),
+    "too_large": (_bench_bytes(_report(GOOD_ROWS, pad="x" * (1 << 20))), "too large"),
+    "empty": (b"\n", "is empty, expected JSON"),
+}
+
+
+def _run(capsys, bench, out) -> tuple:
+    rc = kt.main([str(bench), "--out", str(out)])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize("case", list(BENCHES))
+def test_row11_kernel_table_command_refuses_a_crafted_report(case, tmp_path, capsys, monkeypatch):
+    data, reason = BENCHES[case]
+    bench, out = tmp_path / f"{case}.json", tmp_path / "table.json"
+    bench.write_bytes(data)
+    monkeypatch.setenv("DISTCA_MAX_INPUT_MB", "1")
+    rc, stdout, stderr = _run(capsys, bench, out)
+    assert rc == 2 and stdout == "", (rc, stdout, stderr)
+    assert stderr.startswith(f"kernel_table: {bench}: ") and stderr.count("\n") == 1, stderr
+    assert reason in stderr, stderr
+    assert not out.exists()
+
+
+def test_row11_kernel_table_command_exits_2_in_one_line_from_the_shell(tmp_path):
+    bench = tmp_path / "deep.json"
+    bench.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    run = subprocess.run([sys.executable, "-m", "distca.torch.kernel_table", str(bench), "--out", str(tmp_path / "t.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr == f"kernel_table: {bench}: malformed JSON: nested more than 64 levels deep\n"
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("spelling", ["same", "relative", "symlink", "hardlink"])
+def test_row11_kernel_table_command_out_pointing_at_the_input(spelling, tmp_path, capsys, monkeypatch):
+    bench = tmp_path / "bench.json"
+    bench.write_bytes(_bench_bytes(_report(GOOD_ROWS)))
+    out = {"same": bench, "relative": tmp_path / "sub" / ".." / "bench.json", "symlink": tmp_path / "link.json",
+           "hardlink": tmp_path / "hard.json"}[spelling]
+    (tmp_path / "sub").mkdir()
+    if spelling == "symlink":
+        out.symlink_to(bench)
+    elif spelling == "hardlink":
+        os.link(bench, out)
+    rc, stdout, stderr = _run(capsys, bench, out)
+    assert rc == 2 and stdout == "", (rc, stderr)
+    assert stderr == f"kernel_table: --out {out} names the report it reads ({bench}): not overwritten\n"
+    assert bench.read_bytes() == _bench_bytes(_report(GOOD_ROWS))
+
+
+@pytest.mark.parametrize("case", ["deep_nesting", "version_99", "json_list"])
+def test_row11_kernel_table_command_out_a_crafted_table_is_not_overwritten(case, tmp_path, capsys):
+    bench, out = tmp_path / "bench.json", tmp_path / "table.json"
+    bench.write_bytes(_bench_bytes(_report(GOOD_ROWS)))
+    out.write_bytes(TABLES[case][0])
+    rc, _, stderr = _run(capsys, bench, out)
+    assert rc == 2 and stderr == f"kernel_table: --out {out} exists and is not a kernel table: not overwritten\n"
+    assert out.read_bytes() == TABLES[case][0]
+
+
+@contextlib.contextmanager
+def _file_size_limit(num_bytes):
+    """Writes past num_bytes of a file fail with EFBIG (SIGXFSZ ignored) while inside."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_row11_kernel_table_command_out_atomic_a_failed_write_leaves_the_old_table(tmp_path, capsys):
+    bench, out = tmp_path / "bench.json", tmp_path / "table.json"
+    bench.write_bytes(_bench_bytes(_report(GOOD_ROWS)))
+    old = json.dumps(kt.table_from_bench(_report([_row("cudnn", "whole", 4096, None, 1.0, 1.0)])), indent=1) + "\n"
+    out.write_text(old)
+    new_size = len(json.dumps(kt.table_from_bench(_report(GOOD_ROWS)), indent=1))
+    assert new_size > 128
+    with _file_size_limit(128):   # the new table cannot be written whole
+        rc, stdout, stderr = _run(capsys, bench, out)
+    assert rc == 1 and stdout == "", (rc, stderr)   # the run failed (docs/cli.md), after the checks passed
+    assert stderr == f"kernel_table: {out}: write failed (File too large)\n", stderr
+    assert out.read_text() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "table.json"]   # no partial file left
+    # Without the limit the same command replaces it.
+    rc, stdout, _ = _run(capsys, bench, out)
+    assert rc == 0 and stdout.startswith("long: ") and json.loads(out.read_text())["kinds"]["long"]["fastest"] in (
+        "distca", "varlen")
+
+
+def test_row11_kernel_table_command_out_that_is_no_file(tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_bytes(_bench_bytes(_report(GOOD_ROWS)))
+    for out, reason in ((tmp_path, "is not a regular file"), ("", "--out needs a file name"),
+                        (tmp_path / "no" / "t.json", "no such folder")):
+        rc, _, stderr = _run(capsys, bench, out)
+        assert rc == 2 and reason in stderr and stderr.count("\n") == 1, stderr
+
+
+def test_row11_kernel_table_good_report_still_chooses(tmp_path, capsys):
+    bench, out = tmp_path / "bench.json", tmp_path / "table.json"
+    bench.write_bytes(_bench_bytes(_report(GOOD_ROWS)))
+    rc, stdout, _ = _run(capsys, bench, out)
+    table = json.loads(out.read_text())
+    assert rc == 0 and table["version"] == kt.VERSION and table["kinds"]["long"]["fastest"] == "distca", stdout
+    assert kt.check_table(table) == table
+    assert np.isclose(table["kinds"]["long"]["scores"]["varlen"], 1.25)
