@@ -319,9 +319,9 @@ def test_row11_kernel_table_command_out_atomic_a_failed_write_leaves_the_old_tab
     assert new_size > 128
     with _file_size_limit(128):   # the new table cannot be written whole
         rc, stdout, stderr = _run(capsys, bench, out)
+    assert out.read_text() == old
     assert rc == 1 and stdout == "", (rc, stderr)   # the run failed (docs/cli.md), after the checks passed
     assert stderr == f"kernel_table: {out}: write failed (File too large)\n", stderr
-    assert out.read_text() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "table.json"]   # no partial file left
     # Without the limit the same command replaces it.
     rc, stdout, _ = _run(capsys, bench, out)
