@@ -21,12 +21,21 @@ header on the planner's gloo control group: an all_gather of [call, planner_id, 
 bad input on one rank, all see every header and raise the same InputError instead of waiting in
 mismatched collectives.
 
+Process groups. A planner holds its groups (and its layouts theirs) until close(), and a planner
+or layout still alive at exit lets go of them then (release_groups, registered with atexit): a
+gloo group that something still references after dist.destroy_process_group() keeps its worker
+threads running into the interpreter's teardown, where one that takes the GIL to free a finished
+all-to-all's tensor is ended by Python inside C++, and the process aborts ("terminate called
+without an active exception", SIGABRT: a script that finished reports failure). Let go, the group
+is freed there, joining its threads while the interpreter is whole.
+
 This module holds StepPlanner and its planning; the layout itself (StepLayout, rank_layout) is in
 step_layout, the nano-batch split (split_tasks) in nanobatch, and the call header (call_header,
 InputError, agree) in agreement. Every name of those is re-exported here.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import hashlib
 import json
@@ -57,6 +66,9 @@ _PLANNER_COUNTS: dict = {}
 # Weak references to this process's planners, oldest first: a rank whose cad_attention gets no
 # planner's layout agrees over the newest live planner's control group.
 _PLANNERS: list = []
+# Every live planner and planned layout, by id(): what release_groups lets go of at exit (a
+# layout, a dataclass, is not hashable, so not a WeakSet).
+_GROUP_HOLDERS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 GRAD_RETURNS = ("fp32", "bf16")   # StepPlanner's grad_return (attention.GRAD_RETURN_DTYPES)
@@ -191,13 +203,29 @@ def _global_batch(gathered: list) -> tuple:
 
 
 def _latest_planner() -> Optional["StepPlanner"]:
-    """This process's most recently constructed planner that is still alive, or None."""
+    """This process's most recently constructed planner that is still alive and open, or None."""
     while _PLANNERS:
         planner = _PLANNERS[-1]()
-        if planner is not None:
+        if planner is not None and not planner.closed:
             return planner
         _PLANNERS.pop()
     return None
+
+
+def release_groups() -> None:
+    """Every planner of this process is closed and every layout it made lets go of its process
+    groups (see "Process groups" in the module docstring). Registered with atexit, so a script
+    whose planner outlives dist.destroy_process_group() (one at module level) still exits cleanly;
+    calling it earlier ends every planner and layout of the process."""
+    for holder in list(_GROUP_HOLDERS.values()):
+        if isinstance(holder, StepPlanner):
+            holder.close()
+        else:
+            holder.group = holder.control_group = None
+    _GROUP_HOLDERS.clear()
+
+
+atexit.register(release_groups)
 
 
 def _memory_limit(device: torch.device) -> tuple:
@@ -347,7 +375,15 @@ class StepPlanner:
         digest = hashlib.sha256(json.dumps([self._config_digest, list(key), self._ordinal]).encode()).digest()
         self.planner_id = (int.from_bytes(digest[:8], "little") >> 1) or 1
         self._serial = 0              # plan/plan_async calls that passed their header
+        self._layouts: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # live layouts it made, by id()
         _PLANNERS.append(weakref.ref(self))
+        _GROUP_HOLDERS[id(self)] = self
+
+    def __enter__(self) -> "StepPlanner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def plan(self, cu_seqlens: Any = None, *, pieces: Optional[Sequence] = None) -> StepLayout:
         """Collective over the group: this rank's documents -> the step's layout.
@@ -380,6 +416,9 @@ class StepPlanner:
     def _begin(self, call: int, cu_seqlens: Any, pieces: Any) -> tuple:
         """The local checks and the call header, in the caller's thread -> (this rank's pieces, the
         step's serial). The serial is taken only when the header passes, on every rank alike."""
+        if self.closed:
+            raise RuntimeError(f"{_CALL_NAMES[call]}: the planner is closed (close(), or the process is exiting), "
+                               f"and so are its layouts: make a new StepPlanner")
         local, message = None, None
         if call == CALL_PLAN_ASYNC and self._executor is None:
             message = "plan_async needs StepPlanner(..., prefetch=True) (and a planner not closed)"
@@ -415,12 +454,27 @@ class StepPlanner:
         layout.grad_return = self.grad_return
         layout.plan_ms, layout.buffers = plan_ms, self.buffers
         layout.backend_note, layout.host_staging = self.backend_note, self.host_staging
+        self._layouts[id(layout)] = layout
+        _GROUP_HOLDERS[id(layout)] = layout
         return layout
 
+    @property
+    def closed(self) -> bool:
+        return self.control_group is None
+
     def close(self) -> None:
+        """Ends the planner: its planning thread (prefetch) is joined, and the planner and every
+        layout it made let go of their process groups, so dist.destroy_process_group() frees them
+        (see "Process groups" in the module docstring). Neither can be used after; closing twice
+        is harmless. `with StepPlanner(...) as planner:` closes it at the block's end."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        for layout in list(self._layouts.values()):
+            layout.group = layout.control_group = None
+        self._layouts.clear()
+        self.group = self.control_group = self._plan_group = None
+        _GROUP_HOLDERS.pop(id(self), None)
 
 
 class PlannedStep:
