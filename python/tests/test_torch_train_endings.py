@@ -1,23 +1,139 @@
-"""How distca.torch ends when something goes wrong (issue 72's row 3): a script whose
-StepPlanner outlives dist.destroy_process_group() exits 0. It needs a real interpreter exit, so
-it runs two plain Python processes."""
+"""How distca.torch ends when something goes wrong (issue 72's rows 3 and 12): a script whose
+StepPlanner outlives dist.destroy_process_group() exits 0; the trainer's save on a full disk is
+one line and leaves the old checkpoint and no scratch folder.
+
+The trainer's ranks are forked gloo processes of the tiny preset (the fork server of
+distca.torch.spawn, so no rank pays PyTorch's import), each rank's output in a file of its own and
+its pid at hand. Row 3 needs a real interpreter exit, so it runs two plain Python processes."""
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from distca.torch import checkpoint  # noqa: E402
+
+PROG = "distca.torch.train"
+TINY = ["--preset", "tiny", "--workload", "packed"]
 
 
 def _need_gloo():
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip(f"torch.distributed.is_gloo_available() is False (torch {torch.__version__})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks whose processes a test can signal
+
+
+def _rank_main(rank, world, store, out_dir, fn, args, group_timeout):
+    """One rank: its stdout and stderr (the file descriptors: C++ too) into rankN.out, Ctrl-C
+    raising KeyboardInterrupt (a suite started in the background inherits SIGINT ignored), a gloo
+    group over a FileStore, fn's result or traceback into rankN.json, then out without the
+    interpreter's teardown (as distca.torch.spawn's ranks)."""
+    out = open(os.path.join(out_dir, f"rank{rank}.out"), "w", buffering=1)
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=group_timeout))
+    try:
+        result, error = fn(rank, world, *args), None
+    except BaseException as e:  # noqa: BLE001 (reported to the test with its traceback)
+        result, error = None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"result": result, "error": error}, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class Ranks:
+    """`world` forked ranks running fn(rank, world, *args); pids for signals, each rank's output."""
+
+    def __init__(self, fn, world, *args, group_timeout=30):
+        from distca.torch.spawn import _start_method
+        self._tmp = tempfile.TemporaryDirectory(prefix="distca-endings-")
+        self.dir = Path(self._tmp.name)
+        self.world = world
+        self._ctx = mp.start_processes(_rank_main, args=(world, str(self.dir / "store"), str(self.dir), fn, args,
+                                                         group_timeout),
+                                       nprocs=world, join=False, start_method=_start_method())
+        self.pids = [p.pid for p in self._ctx.processes]
+
+    def output(self, rank) -> str:
+        path = self.dir / f"rank{rank}.out"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    def wait_for(self, rank, text, timeout=60):
+        """Until rank `rank` has printed `text` (fails the test if it ends or takes too long)."""
+        deadline = time.time() + timeout
+        while text not in self.output(rank):
+            if time.time() > deadline or not self._ctx.processes[rank].is_alive():
+                self.kill()
+                pytest.fail(f"rank {rank} did not print {text!r}:\n{self.output(rank)[-3000:]}")
+            time.sleep(0.05)
+
+    def results(self, timeout=60, ranks=None) -> list:
+        """Each rank's {"result", "error", "output"} once the ranks in `ranks` (all) have ended."""
+        ranks = range(self.world) if ranks is None else ranks
+        deadline = time.time() + timeout
+        while any(self._ctx.processes[r].is_alive() for r in ranks):
+            if time.time() > deadline:
+                outputs = "\n".join(f"rank {r}:\n{self.output(r)[-3000:]}" for r in range(self.world))
+                self.kill()
+                pytest.fail(f"the ranks ran past {timeout} s:\n{outputs}")
+            time.sleep(0.05)
+        out = []
+        for r in range(self.world):
+            path = self.dir / f"rank{r}.json"
+            done = json.loads(path.read_text()) if path.is_file() else {"result": None, "error": "no result"}
+            out.append(dict(done, output=self.output(r)))
+        return out
+
+    def kill(self):
+        for p in self._ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+        self._tmp.cleanup()
+
+
+def _one_line(text):
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def _no_traceback(results):
+    for r, res in enumerate(results):
+        assert res["error"] is None, f"rank {r}: {res['error']}"
+        assert "Traceback" not in res["output"] and "terminate called" not in res["output"], \
+            f"rank {r}:\n{res['output']}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,3 +193,44 @@ def test_row3_planner_outliving_destroyed_group_exits_0(tmp_path):
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{out}"
         assert f"rank {r} done" in out and "terminate called" not in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Row 12: a save on a full disk
+
+
+def full_disk_worker(rank, world, folder, ck, limit):
+    """A checkpoint of step 1; then, with no file allowed past `limit` bytes (a full disk to the
+    writer: EFBIG, SIGXFSZ ignored), a resumed run whose save fails."""
+    import resource
+    from distca.torch.train import main
+    os.chdir(folder)
+    out = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    for argv in (["--steps", "1", "--checkpoint", ck], ["--steps", "2", "--resume", ck, "--checkpoint", ck]):
+        if out:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            out.append({"code": main(TINY + argv), "stdout": printed.getvalue()})
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return out
+
+
+def test_row12_a_save_on_a_full_disk_leaves_the_old_checkpoint_and_no_scratch(tmp_path):
+    _need_gloo()
+    ck = tmp_path / "ck"
+    with Ranks(full_disk_worker, 1, str(tmp_path), str(ck), 256 << 10, group_timeout=30) as ranks:
+        res = ranks.results(timeout=90)
+    _no_traceback(res)
+    first, failed = res[0]["result"]
+    assert first["code"] == 0, first["stdout"]
+    assert (ck / checkpoint.DATA).stat().st_size > 256 << 10          # the limit cuts the new state.bin short
+    assert failed["code"] == 1, failed
+    line = failed["stdout"].strip().splitlines()[-1]
+    assert line.startswith(f"{PROG}: error: --checkpoint {ck}: the save after step 2 failed ("), failed["stdout"]
+    assert "error" not in "".join(failed["stdout"].strip().splitlines()[:-1])
+    assert checkpoint.read_header(str(ck))["steps_done"] == 1
+    checkpoint.load(str(ck), checkpoint.read_header(str(ck)))          # whole: its size and SHA-256 check
+    assert sorted(os.listdir(tmp_path)) == ["ck"], os.listdir(tmp_path)   # no scratch folder left

@@ -162,8 +162,36 @@ def save(path: str, header: dict, tensors: dict) -> None:
     _remove_stale_scratch(parent, target.name)
     new = parent / f".{target.name}.distca-new-{uuid.uuid4().hex[:12]}"
     os.mkdir(new)                          # fails if it exists: never a folder of the user's
+    try:
+        _write(new, header, tensors)
+    except BaseException:
+        # A full disk, a failed write, Ctrl-C: the scratch goes, the old checkpoint stays as it was.
+        _remove_own_folder(new)
+        raise
+    old: Optional[Path] = None
+    # Ctrl-C waits for both renames: between them no checkpoint is at `path`.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if target.is_dir():
+            old = parent / f".{target.name}.distca-old-{uuid.uuid4().hex[:12]}"
+            os.rename(target, old)
+        try:
+            os.rename(new, target)
+        except OSError:
+            if old is not None:            # put the old checkpoint back where it was
+                os.rename(old, target)
+            _remove_own_folder(new)
+            raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if old is not None:                    # ours: only our two files (checked above), or empty
+        _remove_own_folder(old)
+
+
+def _write(folder: Path, header: dict, tensors: dict) -> None:
+    """The tensors' bytes and the header into `folder` (a save's scratch), each synced to disk."""
     table, digest, offset = [], hashlib.sha256(), 0
-    with open(new / DATA, "wb") as f:
+    with open(folder / DATA, "wb") as f:
         for name, t in tensors.items():
             if t.dtype not in _NAMES:
                 raise CheckpointError(f"{name}: dtype {t.dtype} is not one a checkpoint holds")
@@ -176,25 +204,21 @@ def save(path: str, header: dict, tensors: dict) -> None:
         os.fsync(f.fileno())
     doc = dict(header, format=FORMAT, version=VERSION,
                tensors={"file": DATA, "bytes": offset, "sha256": digest.hexdigest(), "entries": table})
-    with open(new / META, "w") as f:
+    with open(folder / META, "w") as f:
         json.dump(doc, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    old: Optional[Path] = None
-    # Ctrl-C waits for both renames: between them no checkpoint is at `path`.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _remove_own_folder(folder: Path) -> None:
+    """A folder a save made: its files of ours, then the folder (left where anything else is in it)."""
+    for name in OWN_FILES:
+        if (folder / name).exists():
+            os.unlink(folder / name)
     try:
-        if target.is_dir():
-            old = parent / f".{target.name}.distca-old-{uuid.uuid4().hex[:12]}"
-            os.rename(target, old)
-        os.rename(new, target)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    if old is not None:                    # ours: only our two files (checked above), or empty
-        for name in OWN_FILES:
-            if (old / name).exists():
-                os.unlink(old / name)
-        os.rmdir(old)
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def read_header(path: str) -> dict:
