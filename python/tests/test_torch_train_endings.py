@@ -1,6 +1,8 @@
-"""How distca.torch ends when something goes wrong (issue 72's rows 3 and 12): a script whose
-StepPlanner outlives dist.destroy_process_group() exits 0; the trainer's save on a full disk is
-one line and leaves the old checkpoint and no scratch folder.
+"""How distca.torch ends when something goes wrong (issue 72's rows 3, 6 and 12): a script
+whose StepPlanner outlives dist.destroy_process_group() exits 0; the trainer refuses, in one line
+and before the first step, ranks that read different data and a resume on other data (named by
+its content, not its path); its save on a full disk is one line and leaves the old checkpoint and
+no scratch folder.
 
 The trainer's ranks are forked gloo processes of the tiny preset (the fork server of
 distca.torch.spawn, so no rank pays PyTorch's import), each rank's output in a file of its own and
@@ -123,6 +125,31 @@ class Ranks:
         self._tmp.cleanup()
 
 
+def runs_worker(rank, world, runs):
+    """Several runs in turn, each refused before training (so the group stays usable): run i
+    with runs[i]["argv"][rank], in the folder runs[i]["cwd"][rank], with runs[i]["env"][rank]
+    added to the environment; each run's exit status and what it printed."""
+    from distca.torch.train import main
+    out = []
+    for run in runs:
+        os.chdir(run["cwd"][rank])
+        env = run.get("env", [{}] * world)[rank]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                code = main(list(run["argv"][rank]))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        out.append({"code": code, "stdout": printed.getvalue()})
+    return out
+
+
 def _one_line(text):
     lines = text.strip().splitlines()
     assert len(lines) == 1, text
@@ -193,6 +220,97 @@ def test_row3_planner_outliving_destroyed_group_exits_0(tmp_path):
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{out}"
         assert f"rank {r} done" in out and "terminate called" not in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Row 6: the data, named by its content
+
+
+def test_row6b_ranks_that_read_different_data_are_refused_before_training(tmp_path):
+    """--data d.jsonl names other bytes on each rank (another machine's copy, or the file rewritten
+    while the ranks read it): one line with both fingerprints, exit 2 on every rank, no step."""
+    _need_gloo()
+    folders = []
+    for r, text in enumerate(("first version of the documents", "second version, rewritten")):
+        folder = tmp_path / f"rank{r}"
+        folder.mkdir()
+        (folder / "d.jsonl").write_text(json.dumps({"text": text}) + "\n")
+        folders.append(str(folder))
+    argv = TINY[:2] + ["--data", "d.jsonl", "--steps", "2"]
+    with Ranks(runs_worker, 2, [{"argv": [argv, argv], "cwd": folders}], group_timeout=20) as ranks:
+        res = ranks.results(timeout=60)
+    _no_traceback(res)
+    run = [r["result"][0] for r in res]
+    assert [r["code"] for r in run] == [2, 2], run
+    line = _one_line(run[0]["stdout"])
+    assert line.startswith(f"{PROG}: error: --data d.jsonl: the ranks read different data (rank 0: 1 document, "
+                           f"30 bytes, sha256 "), line
+    assert "rank 1: 1 document, 25 bytes, sha256 " in line and "step" not in line, line
+    assert run[1]["stdout"] == ""
+
+
+def resume_worker(rank, world, folder, data, ck):
+    """Train 3 steps with a checkpoint; rank 0 reverses the data file's lines; resume."""
+    from distca.torch.train import main
+    os.chdir(folder)
+    out = []
+    for argv in (["--steps", "3", "--checkpoint", ck], ["--steps", "5", "--resume", ck]):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            out.append({"code": main(TINY[:2] + ["--data", data] + argv), "stdout": printed.getvalue()})
+        dist.barrier()
+        if rank == 0 and len(out) == 1:
+            lines = Path(data).read_text().splitlines()
+            Path(data).write_text("\n".join(reversed(lines)) + "\n")
+        dist.barrier()
+    return out
+
+
+def test_row6a_resume_on_rewritten_data_is_refused(tmp_path):
+    """The same path, the same bytes in another order: the checkpoint's data fingerprint differs
+    and the resume is refused on every rank in one line, exit 2."""
+    _need_gloo()
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}: " + "abc " * (5 + i)}) + "\n" for i in range(40)))
+    with Ranks(resume_worker, 2, str(tmp_path), str(data), str(tmp_path / "ck"), group_timeout=30) as ranks:
+        res = ranks.results(timeout=90)
+    _no_traceback(res)
+    trained, resumed = zip(*(r["result"] for r in res))
+    assert [r["code"] for r in trained] == [0, 0], trained[0]["stdout"]
+    assert [r["code"] for r in resumed] == [2, 2], resumed
+    head = json.loads((tmp_path / "ck" / checkpoint.META).read_text())
+    assert head["version"] == checkpoint.VERSION == 3 and head["data"].startswith("40 documents, "), head["data"]
+    line = _one_line(resumed[0]["stdout"])
+    assert line.startswith(f'{PROG}: error: {tmp_path / "ck" / checkpoint.META}: field "data" is "40 documents, '), line
+    assert "this run has \"40 documents, " in line and "resume with the same flags, ranks and data" in line, line
+    assert resumed[1]["stdout"] == ""
+
+
+def test_row6_the_fingerprint_is_the_content_not_the_path(tmp_path):
+    from distca.torch.data import read_jsonl
+    texts = {"a.jsonl": ["abc", "de"], "moved.jsonl": ["abc", "de"], "cut.jsonl": ["ab", "cde"],
+             "reversed.jsonl": ["de", "abc"]}
+    prints = {}
+    for name, docs in texts.items():
+        (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+        prints[name] = read_jsonl(str(tmp_path / name)).fingerprint()
+    assert prints["a.jsonl"] == prints["moved.jsonl"]
+    assert prints["a.jsonl"].startswith("2 documents, 5 bytes, sha256 ")
+    assert len({prints[n] for n in ("a.jsonl", "cut.jsonl", "reversed.jsonl")}) == 3, prints
+
+
+def test_row6_an_older_checkpoint_is_refused_saying_why(tmp_path):
+    folder = tmp_path / "ck"
+    checkpoint.save(str(folder), {"steps_done": 1}, {"a": torch.zeros(2)})
+    head = json.loads((folder / checkpoint.META).read_text())
+    for version, why in ((2, "version 2 named the --data file by its path"),
+                         (1, "pickled metadata could run code on load")):
+        (folder / checkpoint.META).write_text(json.dumps(dict(head, version=version)))
+        with pytest.raises(checkpoint.CheckpointError) as raised:
+            checkpoint.read_header(str(folder))
+        message = str(raised.value)
+        assert f"version {version}; this trainer reads version 3 (" in message and why in message, message
+        assert "\n" not in message and message.endswith("retrain, or resume with the distca that wrote it")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,15 @@
 """The trainer's checkpoints: a folder distca owns, holding tensors in a form that cannot run code.
 
-    DIR/distca_train.json   the header: what run it continues (checked on --resume) and a table of
-                            the tensors (name, dtype, shape, byte offset), the data file's size and
-                            SHA-256
+    DIR/distca_train.json   the header: the format name and version, what run it continues (checked
+                            on --resume: steps done, backends, ranks, context, model, and the data:
+                            the --data file's content fingerprint, or the synthetic workload and
+                            seed) and a table of the tensors (name, dtype, shape, byte offset) with
+                            state.bin's size and SHA-256
     DIR/state.bin           the tensors' bytes, end to end (little-endian, C order)
+
+Versions: 3 names --data by its content (distca.torch.data.Documents.fingerprint, agreed by every
+rank after reading); 2 named it by its path, so a resume on a rewritten file went unnoticed; 1 was
+torch.distributed.checkpoint. A reader refuses every version but its own, saying why.
 
 Why not torch.distributed.checkpoint or torch.save: both unpickle on load (DCP's `.metadata`, a
 pickle; torch.load's restricted unpickler is still an unpickler), so a crafted checkpoint could run
@@ -37,7 +43,13 @@ import torch
 META = "distca_train.json"
 DATA = "state.bin"
 FORMAT = "distca-torch-train-checkpoint"
-VERSION = 2
+VERSION = 3
+# Why a reader of VERSION refuses the versions before it.
+_OLD_VERSIONS = {
+    1: "version 1 was torch.distributed.checkpoint, whose pickled metadata could run code on load",
+    2: "version 2 named the --data file by its path, so a resume on a rewritten file went unnoticed; version 3 "
+       "names it by its content",
+}
 OWN_FILES = frozenset({META, DATA})
 MAX_META_BYTES = 64 << 20          # the header: names and shapes, far below this for any model here
 
@@ -237,10 +249,11 @@ def read_header(path: str) -> dict:
         raise CheckpointError(f"{meta}: not JSON ({str(e).splitlines()[0][:120]})") from None
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise CheckpointError(f"{meta}: not a {FORMAT} header")
-    if head.get("version") != VERSION:
-        raise CheckpointError(f"{meta}: version {head.get('version')!r}; this trainer reads version {VERSION} "
-                              f"(version 1 was torch.distributed.checkpoint, whose pickled metadata could run code "
-                              f"on load: retrain or resume with the distca that wrote it)")
+    version = head.get("version")
+    if version != VERSION:
+        why = _OLD_VERSIONS.get(version, "") if isinstance(version, int) and not isinstance(version, bool) else ""
+        raise CheckpointError(f"{meta}: version {version!r}; this trainer reads version {VERSION}"
+                              f"{f' ({why})' if why else ''}: retrain, or resume with the distca that wrote it")
     return head
 
 

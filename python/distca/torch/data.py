@@ -9,6 +9,7 @@ document that overflows a rank continuing on the next.
 from __future__ import annotations
 
 import array
+import hashlib
 import json
 import os
 import time
@@ -160,6 +161,17 @@ class Documents:
     def nbytes(self) -> int:
         return self.buffer.nbytes + self.offsets.nbytes + self.lines.nbytes
 
+    def fingerprint(self) -> str:
+        """The documents' identity from their content, as `distca train`'s (src/model/data.cc:
+        their count and a hash of every document): the count, the bytes and a SHA-256 over every
+        document's length and then all their bytes, so both the text and where each document ends
+        count. Not the path: a moved file is the same data, a rewritten one is not."""
+        digest = hashlib.sha256()
+        digest.update(np.diff(self.offsets).astype("<i8").tobytes())
+        digest.update(np.ascontiguousarray(self.buffer).data)
+        n = len(self)
+        return f"{n} document{'s' if n != 1 else ''}, {self.buffer.nbytes} bytes, sha256 {digest.hexdigest()[:16]}"
+
 
 PROGRESS_SECONDS = 2.0
 
@@ -228,6 +240,7 @@ class JsonlData:
         self.docs = docs if isinstance(docs, Documents) else Documents.of(docs)
         self.offsets = self.docs.offsets
         self.total = int(self.offsets[-1])
+        self.fingerprint = self.docs.fingerprint()   # what a checkpoint names the data by
 
     def describe(self) -> str:
         return f"{self.path} ({len(self.docs)} documents, {self.total} tokens, JSON lines)"

@@ -229,21 +229,7 @@ def run(cfg: Config) -> int:
     ctl_group = dist.new_group(backend="gloo")
     _same_settings(a, ctl_group)
 
-    # Data and resume checks: every rank reads the same inputs; any rank's error stops all.
-    error, steps_done = None, 0
-    data: Union[JsonlData, SyntheticData, None] = None
-    try:
-        if a.data:
-            data = JsonlData(a.data, read_jsonl(a.data, progress=say), world, cfg.context)
-        else:
-            assert cfg.workload is not None and cfg.seed is not None
-            data = SyntheticData(cfg.workload, cfg.seed, world, cfg.context)
-        if a.resume:
-            steps_done = check_resume(a.resume, cfg, world)
-    except (UsageError, DataError) as e:
-        error = str(e)
-    _agree(error, ctl_group)
-    assert data is not None
+    data, steps_done = _read_data(cfg, world, ctl_group)
 
     backends = [Backend(name, cfg, device, dist.group.WORLD, ddp_group) for name in cfg.backends]
     if a.resume:
@@ -310,6 +296,44 @@ def run(cfg: Config) -> int:
     if a.json:
         _agree(json_error, ctl_group, RunError)
     return 0
+
+
+def _read_data(cfg: Config, world: int, ctl_group) -> tuple:
+    """The data, identical on every rank, and the steps a resumed run has done; any rank's error
+    stops all (UsageError, DataError: exit 2)."""
+    a = cfg.args
+    error, steps_done = None, 0
+    data: Union[JsonlData, SyntheticData, None] = None
+    try:
+        if a.data:
+            data = JsonlData(a.data, read_jsonl(a.data, progress=say), world, cfg.context)
+        else:
+            assert cfg.workload is not None and cfg.seed is not None
+            data = SyntheticData(cfg.workload, cfg.seed, world, cfg.context)
+    except DataError as e:
+        error = str(e)
+    _agree(error, ctl_group)
+    assert data is not None
+    if isinstance(data, JsonlData):
+        # Every rank read the same bytes (a file that differs between the ranks' machines, or one
+        # rewritten while they read it, would train each rank on other data): its content's
+        # fingerprint, agreed here, is what a checkpoint names the data by.
+        every: list = [None] * dist.get_world_size(ctl_group)
+        dist.all_gather_object(every, data.fingerprint, group=ctl_group)
+        other = next((r for r, f in enumerate(every) if f != every[0]), None)
+        if other is not None:
+            raise UsageError(f"--data {a.data}: the ranks read different data (rank 0: {every[0]}; rank {other}: "
+                             f"{every[other]}): the file differs between their machines or changed while they read "
+                             f"it; give every rank the same file")
+        cfg.data_fingerprint = data.fingerprint
+    if a.resume:
+        error = None
+        try:
+            steps_done = check_resume(a.resume, cfg, world)
+        except UsageError as e:
+            error = str(e)
+        _agree(error, ctl_group)
+    return data, steps_done
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -163,11 +163,14 @@ class Config:
     pingpong: Any               # "auto", True or False
     grad_return: str = "fp32"   # fp32 | bf16: the dK/dV return's dtype
     saved_step: Optional[int] = None   # the step of the last checkpoint this run saved
+    data_fingerprint: Optional[str] = None   # --data: its content's (JsonlData.fingerprint), agreed by every rank
 
     @property
     def data_identity(self) -> dict:
+        """What a checkpoint names the data by: the --data file's content, or the synthetic stream."""
         if self.args.data:
-            return {"data": os.path.abspath(self.args.data)}
+            assert self.data_fingerprint is not None, "the data is read (and agreed on) before its identity is used"
+            return {"data": self.data_fingerprint}
         return {"workload": self.workload, "seed": self.seed}
 
 
