@@ -1,12 +1,12 @@
-"""How distca.torch ends when something goes wrong (issue 72's rows 3, 6 and 12): a script
-whose StepPlanner outlives dist.destroy_process_group() exits 0; the trainer refuses, in one line
-and before the first step, ranks that read different data and a resume on other data (named by
-its content, not its path); its save on a full disk is one line and leaves the old checkpoint and
-no scratch folder.
+"""How the distca.torch trainer ends when something goes wrong (issue 72's rows 3-6, 12 and 13):
+every ending is one line naming the rank, with the exit status `--help` promises (0 done, 2 bad
+input, 1 the run failed, 130 interrupted), and nothing is left behind.
 
-The trainer's ranks are forked gloo processes of the tiny preset (the fork server of
-distca.torch.spawn, so no rank pays PyTorch's import), each rank's output in a file of its own and
-its pid at hand. Row 3 needs a real interpreter exit, so it runs two plain Python processes."""
+The ranks are forked gloo processes of the tiny preset (the fork server of distca.torch.spawn, so
+no rank pays PyTorch's import), each rank's output in a file of its own and its pid at hand, so a
+test can stop (SIGSTOP) or interrupt (SIGINT) one rank at a chosen step. Row 3 needs a real
+interpreter exit, so it runs two plain Python processes; row 5's rank that is alone with its bad
+flags (torchrun's case, before any process group) runs one."""
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +34,7 @@ from distca.torch import checkpoint  # noqa: E402
 
 PROG = "distca.torch.train"
 TINY = ["--preset", "tiny", "--workload", "packed"]
+TIMEOUT = 2          # --timeout of the runs that stall a rank: seconds
 
 
 def _need_gloo():
@@ -125,6 +126,12 @@ class Ranks:
         self._tmp.cleanup()
 
 
+def train_worker(rank, world, argv):
+    """main(argv), its output where the rank's goes (the test reads it as it comes)."""
+    from distca.torch.train import main
+    return {"code": main(argv)}
+
+
 def runs_worker(rank, world, runs):
     """Several runs in turn, each refused before training (so the group stays usable): run i
     with runs[i]["argv"][rank], in the folder runs[i]["cwd"][rank], with runs[i]["env"][rank]
@@ -161,6 +168,16 @@ def _no_traceback(results):
         assert res["error"] is None, f"rank {r}: {res['error']}"
         assert "Traceback" not in res["output"] and "terminate called" not in res["output"], \
             f"rank {r}:\n{res['output']}"
+
+
+def test_help_states_every_exit_status(capsys):
+    from distca.torch.train import main
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    ending = out[out.index("exit status"):]
+    for status, what in (("0", "done"), ("2", "bad input"), ("1", "the run failed"), ("130", "interrupted")):
+        assert f"  {status:<4} {what}" in ending, ending
+    assert "timed out (--timeout; the line names the rank" in ending, ending
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +237,70 @@ def test_row3_planner_outliving_destroyed_group_exits_0(tmp_path):
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{out}"
         assert f"rank {r} done" in out and "terminate called" not in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Row 4: a rank stopped mid-run
+
+
+def test_row4_a_stalled_rank_is_named_in_one_line_exit_1():
+    """SIGSTOP rank 1 as step 6 begins: rank 0's collective times out after --timeout and it ends
+    with one line naming the step's phase, the timeout and rank 1, exit 1; no traceback."""
+    _need_gloo()
+    argv = TINY + ["--steps", "100000", "--timeout", str(TIMEOUT)]
+    with Ranks(train_worker, 2, argv, group_timeout=TIMEOUT) as ranks:
+        ranks.wait_for(0, "step    5/")
+        os.kill(ranks.pids[1], signal.SIGSTOP)
+        stopped = time.time()
+        res = ranks.results(timeout=30, ranks=[0])
+        took = time.time() - stopped
+    _no_traceback(res[:1])
+    assert res[0]["result"] == {"code": 1}, res[0]
+    last = res[0]["output"].strip().splitlines()[-1]
+    assert last.startswith(f"{PROG}: error: rank 0: a collective in step "), res[0]["output"]
+    assert f"timed out after {TIMEOUT} s (--timeout), waiting for rank 1: no sign of life" in last, last
+    step = int(last.split("in step ")[1].split("'")[0])
+    assert step in (5, 6), last          # stopped after step 5's line: in step 6, or step 5's last gather
+    assert "error" not in res[0]["output"].strip().splitlines()[-2], res[0]["output"]   # the one line
+    assert took < TIMEOUT + 10, took
+
+
+# ---------------------------------------------------------------------------------------------
+# Row 5: what only one rank finds, before the first step
+
+
+def test_row5_an_error_only_one_rank_finds_names_that_rank(tmp_path):
+    """--data missing on rank 1's machine, DISTCA_CPU_ISA=bogus there, --steps 0 there: every
+    rank exits 2 at once and rank 0 prints one line naming rank 1 and its error (ranks in one
+    process group). Under torchrun, before any group exists, rank 1 alone prints its line with
+    its rank after 3 s (where rank 0 failed the same way torchrun has ended it by then)."""
+    _need_gloo()
+    alone = subprocess.Popen([sys.executable, "-m", "distca.torch.train", *TINY, "--steps", "0"], cwd=tmp_path,
+                             env=dict(os.environ, RANK="1", WORLD_SIZE="2", OMP_NUM_THREADS="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    here, there = tmp_path / "rank0", tmp_path / "rank1"
+    here.mkdir()
+    there.mkdir()
+    (here / "d.jsonl").write_text('{"text": "the same documents on every rank"}\n' * 8)
+    data = TINY[:2] + ["--data", "d.jsonl", "--steps", "2"]
+    folders = [str(here), str(there)]
+    runs = [{"argv": [data, data], "cwd": folders},
+            {"argv": [TINY + ["--steps", "2"]] * 2, "cwd": folders, "env": [{}, {"DISTCA_CPU_ISA": "bogus"}]},
+            {"argv": [TINY + ["--steps", "2"], TINY + ["--steps", "0"]], "cwd": folders}]
+    with Ranks(runs_worker, 2, runs, group_timeout=20) as ranks:
+        res = ranks.results(timeout=60)
+    _no_traceback(res)
+    missing, isa, steps = zip(*(r["result"] for r in res))
+    for run, message in ((missing, "rank 1: --data d.jsonl: no such data file"),
+                         (isa, "rank 1: --kernel auto: DISTCA_CPU_ISA=bogus: no 'bogus' build"),
+                         (steps, "rank 1: --steps must be 1..100000000, got 0")):
+        assert [r["code"] for r in run] == [2, 2], run
+        assert _one_line(run[0]["stdout"]).startswith(f"{PROG}: error: {message}"), run
+        assert run[1]["stdout"] == "", run
+    out, err = alone.communicate(timeout=60)
+    assert alone.returncode == 2, (out, err)
+    assert _one_line(out) == f"{PROG}: error: rank 1: --steps must be 1..100000000, got 0", (out, err)
+    assert err == "", err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,3 +433,53 @@ def test_row12_a_save_on_a_full_disk_leaves_the_old_checkpoint_and_no_scratch(tm
     assert checkpoint.read_header(str(ck))["steps_done"] == 1
     checkpoint.load(str(ck), checkpoint.read_header(str(ck)))          # whole: its size and SHA-256 check
     assert sorted(os.listdir(tmp_path)) == ["ck"], os.listdir(tmp_path)   # no scratch folder left
+
+
+# ---------------------------------------------------------------------------------------------
+# Row 13: Ctrl-C
+
+
+def stop_in_backward_worker(rank, world, argv, step):
+    """main(argv); rank 0 stops itself (SIGSTOP) as step `step`'s backward begins: a hook on its
+    loss, so its peer, past the forward, waits for it inside the backward's exchanges."""
+    import distca.torch.train as train
+    if rank == 0:
+        real, calls = train.packed_cross_entropy, [0]
+
+        def stopping(logits, targets):
+            loss = real(logits, targets)
+            calls[0] += 1
+            if calls[0] == step:
+                loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGSTOP))
+            return loss
+        train.packed_cross_entropy = stopping
+    return {"code": train.main(argv)}
+
+
+def _stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_row13_ctrl_c_while_a_rank_waits_on_its_peer_is_one_line():
+    """torchrun passes Ctrl-C on to every rank, rank 0 first. Made deterministic: rank 0 stops as
+    step 4's backward begins, so rank 1 waits for it inside its backward when both get SIGINT;
+    rank 0 goes on, prints its "interrupted" line and leaves; rank 1's collective then fails
+    inside autograd's engine before its own KeyboardInterrupt is raised (before: that error, then
+    the KeyboardInterrupt, a 30-line traceback). Both exit 130; rank 1 prints nothing."""
+    _need_gloo()
+    with Ranks(stop_in_backward_worker, 2, TINY + ["--steps", "100000"], 4, group_timeout=30) as ranks:
+        deadline = time.time() + 60
+        while not _stopped(ranks.pids[0]):
+            assert time.time() < deadline, ranks.output(0)
+            time.sleep(0.05)
+        time.sleep(0.5)                      # rank 1 reaches the backward's exchange and waits there
+        for pid in ranks.pids:
+            os.kill(pid, signal.SIGINT)
+        os.kill(ranks.pids[0], signal.SIGCONT)
+        res = ranks.results(timeout=30)
+    _no_traceback(res)
+    assert [r["result"] for r in res] == [{"code": 130}, {"code": 130}], res
+    assert res[0]["output"].strip().splitlines()[-1] == f"{PROG}: interrupted", res[0]["output"]
+    assert "step    3/" in res[0]["output"] and "step    4/" not in res[0]["output"], res[0]["output"]
+    assert res[1]["output"].strip() == "", res[1]["output"]

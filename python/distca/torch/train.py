@@ -35,17 +35,22 @@ Per step and backend rank 0 prints the loss, the step seconds (the longest rank'
 straggler's attention seconds (inside cad_attention, forward + backward, waiting included; the
 straggler is the rank whose server kernels ran longest) and the attention imbalance (max/mean over
 ranks of the server-kernel seconds); the run ends with a table and the speedup of CAD over
-colocated. Bad flags or data: one line and exit status 2 on every rank.
+colocated. Every ending is one line and an exit status (--help and docs/torch.md list them): bad
+flags, data or checkpoint 2, a failed or timed-out collective 1 (naming the rank waited for:
+train_watch), Ctrl-C 130; a rank that alone finds its flags bad names itself.
 
 This module holds the training itself (Backend, run, main); the flags and their checks are in
-train_config, the records and reports in train_report, the checkpoints in train_checkpoint.
+train_config, the records and reports in train_report, the checkpoints in train_checkpoint, the
+heartbeat that names a stalled rank in train_watch.
 """
 from __future__ import annotations
 
 import datetime
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Optional, Union
 
@@ -66,6 +71,7 @@ from .train_report import (PER_RANK, _write_report, gather_record, print_summary
                            si, step_line, summarise, write_json)
 from .train_checkpoint import (step_on_disk, _checkpoint_meta, _expected_tensors, _state_tensors, check_resume,  # noqa: F401
                                load_checkpoint, save_checkpoint)
+from .train_watch import CollectiveFailure, Watch, collective_failure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,9 +172,13 @@ class Backend:
             q.register_hook(self.watch._end)
         return o
 
-    def train_step(self, step: int, data: StepData, rank: int, world: int, ctl_group) -> dict:
+    def train_step(self, step: int, data: StepData, rank: int, world: int, ctl_group, watch: Watch) -> dict:
         """One optimizer step on this rank's slice -> this rank's measurements."""
         cfg = self.cfg
+
+        def at(phase: str) -> None:
+            watch.at(f"step {step + 1}'s {phase} ({self.name})")
+        at("barrier")
         tokens, targets, pieces, cu = data.rank_slice(rank, cfg.context)
         tokens_t = torch.from_numpy(tokens).to(self.device)
         targets_t = torch.from_numpy(targets).to(self.device)
@@ -178,8 +188,10 @@ class Backend:
         sync()
         dist.barrier(group=ctl_group)
         t0 = time.perf_counter()
+        at("planning")
         layout = self.layout = self.planner.plan(cu) if cu is not None else self.planner.plan(pieces=pieces)
         t_plan = time.perf_counter()
+        at("forward")
         logits = self.ddp(tokens_t, layout.positions, self.attention)
         loss_sum = packed_cross_entropy(logits, targets_t)
         # The mean over every rank's targets; DDP averages gradients over ranks, hence x world.
@@ -187,9 +199,11 @@ class Backend:
         sync()
         t_fwd = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        at("backward")
         loss.backward()
         sync()
         t_bwd = time.perf_counter()
+        at("optimizer step")
         params = list(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.args.clip if cfg.args.clip > 0 else math.inf)
         lr = lr_at(step, cfg.args.lr, cfg.args.warmup)
@@ -223,15 +237,82 @@ def run(cfg: Config) -> int:
     else:
         device = torch.device("cpu")
     # Groups: attention (the world: cad_attention and planning), DDP's own, and a gloo one for the
-    # trainer's barriers, statistics, agreement and checkpoints.
+    # trainer's barriers, statistics, agreement and checkpoints; each times out after --timeout
+    # (new_group's default is PyTorch's 30 minutes, not the world's).
     backend = dist.get_backend()
-    ddp_group = dist.new_group(backend=backend)
-    ctl_group = dist.new_group(backend="gloo")
+    timeout = datetime.timedelta(seconds=a.timeout)
+    ddp_group = dist.new_group(backend=backend, timeout=timeout)
+    ctl_group = dist.new_group(backend="gloo", timeout=timeout)
     _same_settings(a, ctl_group)
+    watch = Watch(rank, world)
+    try:
+        return _train(cfg, rank, world, device, backend, ddp_group, ctl_group, watch)
+    except RuntimeError as e:
+        kind = collective_failure(e)
+        if kind is None:
+            raise
+        raise watch.failure(kind, watch.where, a.timeout) from e
+    finally:
+        watch.close()
 
-    data, steps_done = _read_data(cfg, world, ctl_group)
 
-    backends = [Backend(name, cfg, device, dist.group.WORLD, ddp_group) for name in cfg.backends]
+def _read_data(cfg: Config, world: int, ctl_group, watch: Watch) -> tuple:
+    """The data, identical on every rank, and the steps a resumed run has done; any rank's error
+    stops all (UsageError, DataError: exit 2)."""
+    a = cfg.args
+    watch.at("reading the data")
+    error, steps_done = None, 0
+    data: Union[JsonlData, SyntheticData, None] = None
+    try:
+        if a.data:
+            data = JsonlData(a.data, read_jsonl(a.data, progress=say), world, cfg.context)
+        else:
+            assert cfg.workload is not None and cfg.seed is not None
+            data = SyntheticData(cfg.workload, cfg.seed, world, cfg.context)
+    except DataError as e:
+        error = str(e)
+    _agree(error, ctl_group)
+    assert data is not None
+    if isinstance(data, JsonlData):
+        # Every rank read the same bytes (a file that differs between the ranks' machines, or one
+        # rewritten while they read it, would train each rank on other data): its content's
+        # fingerprint, agreed here, is what a checkpoint names the data by.
+        every: list = [None] * dist.get_world_size(ctl_group)
+        dist.all_gather_object(every, data.fingerprint, group=ctl_group)
+        other = next((r for r, f in enumerate(every) if f != every[0]), None)
+        if other is not None:
+            raise UsageError(f"--data {a.data}: the ranks read different data (rank 0: {every[0]}; rank {other}: "
+                             f"{every[other]}): the file differs between their machines or changed while they read "
+                             f"it; give every rank the same file")
+        cfg.data_fingerprint = data.fingerprint
+    if a.resume:
+        error = None
+        try:
+            steps_done = check_resume(a.resume, cfg, world)
+        except UsageError as e:
+            error = str(e)
+        _agree(error, ctl_group)
+    return data, steps_done
+
+
+def _train(cfg: Config, rank: int, world: int, device: torch.device, backend: str, ddp_group, ctl_group,
+           watch: Watch) -> int:
+    data, steps_done = _read_data(cfg, world, ctl_group, watch)
+    watch.at("the set-up (models, planners, the resumed checkpoint)")
+    backends: list = []
+    try:
+        for name in cfg.backends:
+            backends.append(Backend(name, cfg, device, dist.group.WORLD, ddp_group))
+        return _train_steps(cfg, rank, world, device, backend, ctl_group, watch, data, steps_done, backends)
+    finally:
+        # The planners let go of their groups, so destroy_process_group frees them (StepPlanner.close).
+        for b in backends:
+            b.planner.close()
+
+
+def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backend: str, ctl_group, watch: Watch,
+                 data: Union[JsonlData, SyntheticData], steps_done: int, backends: list) -> int:
+    a = cfg.args
     if a.resume:
         error = None
         try:
@@ -268,7 +349,8 @@ def run(cfg: Config) -> int:
         order = backends if step % 2 == 0 else backends[::-1]
         step_records = {}
         for b in order:
-            local = b.train_step(step, batch, rank, world, ctl_group)
+            local = b.train_step(step, batch, rank, world, ctl_group, watch)
+            watch.at(f"step {step + 1}'s statistics ({b.name})")
             step_records[b.name] = gather_record(local, step, b.name, batch, cfg, world, ctl_group)
         elapsed = time.perf_counter() - start
         remaining = elapsed / (i + 1) * (run_steps - i - 1)
@@ -277,9 +359,11 @@ def run(cfg: Config) -> int:
             if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
                 say(step_line(step_records[name], a.steps, elapsed, remaining if step + 1 < a.steps else None))
         if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
+            watch.at(f"the checkpoint after step {step + 1}")
             save_checkpoint(a.checkpoint, backends, step + 1, cfg, world, rank, ctl_group)
     wall = time.perf_counter() - start
     if a.checkpoint:
+        watch.at(f"the checkpoint after step {a.steps}")
         save_checkpoint(a.checkpoint, backends, a.steps, cfg, world, rank, ctl_group)
         say(f"checkpoint: {a.checkpoint} (step {a.steps})")
     summary = summarise(records, cfg, steps_done, wall)
@@ -291,61 +375,100 @@ def run(cfg: Config) -> int:
             say(f"json: {a.json}")
         except (OSError, ValueError) as e:
             json_error = f"--json {a.json}: the report could not be written ({e})"
-    for b in backends:
-        b.planner.close()
     if a.json:
+        watch.at("the report")
         _agree(json_error, ctl_group, RunError)
     return 0
 
 
-def _read_data(cfg: Config, world: int, ctl_group) -> tuple:
-    """The data, identical on every rank, and the steps a resumed run has done; any rank's error
-    stops all (UsageError, DataError: exit 2)."""
-    a = cfg.args
-    error, steps_done = None, 0
-    data: Union[JsonlData, SyntheticData, None] = None
-    try:
-        if a.data:
-            data = JsonlData(a.data, read_jsonl(a.data, progress=say), world, cfg.context)
-        else:
-            assert cfg.workload is not None and cfg.seed is not None
-            data = SyntheticData(cfg.workload, cfg.seed, world, cfg.context)
-    except DataError as e:
-        error = str(e)
-    _agree(error, ctl_group)
-    assert data is not None
-    if isinstance(data, JsonlData):
-        # Every rank read the same bytes (a file that differs between the ranks' machines, or one
-        # rewritten while they read it, would train each rank on other data): its content's
-        # fingerprint, agreed here, is what a checkpoint names the data by.
-        every: list = [None] * dist.get_world_size(ctl_group)
-        dist.all_gather_object(every, data.fingerprint, group=ctl_group)
-        other = next((r for r, f in enumerate(every) if f != every[0]), None)
-        if other is not None:
-            raise UsageError(f"--data {a.data}: the ranks read different data (rank 0: {every[0]}; rank {other}: "
-                             f"{every[other]}): the file differs between their machines or changed while they read "
-                             f"it; give every rank the same file")
-        cfg.data_fingerprint = data.fingerprint
-    if a.resume:
-        error = None
+# How long a rank other than 0 that alone found its flags bad waits before it prints (as `distca`'s
+# ranks do, src/tools/world.cc): long enough for torchrun to end it if rank 0 failed the same way
+# and said so; if rank 0 did not, rank 0 waits in init_process_group and only this rank knows.
+ALONE_SECONDS = 3.0
+
+
+def _usage_verdict(error: Optional[str], is_help: bool) -> tuple:
+    """(exit status or None to go on, the line to print or None) once the ranks' flags are
+    judged: in a process that already has a gloo process group (distca.torch.run_ranks) the
+    ranks compare verdicts over it, so one rank's bad flags end all at once, rank 0 naming it;
+    else (torchrun, before the group exists) a rank decides alone."""
+    if dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, error if error is not None else ("--help" if is_help else None))
+        rank = dist.get_rank()
+        bad = [(r, v) for r, v in enumerate(every) if v is not None and v != "--help"]
+        if bad:
+            r, message = bad[0]
+            shown = message if len(bad) == len(every) else f"rank {r}: {message}"
+            return 2, (f"{PROG}: error: {shown}" if rank == 0 else None)
+        helped = [r for r, v in enumerate(every) if v == "--help"]
+        if helped and len(helped) < len(every):
+            return 2, (f"{PROG}: error: the ranks were started with different settings: --help on rank {helped[0]} "
+                       f"only; start every rank with the same command line" if rank == 0 else None)
+        return (0, None) if is_help else (None, None)
+    if error is None:
+        return (0, None) if is_help else (None, None)
+    rank = _env_rank()
+    if rank == 0 or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return 2, f"{PROG}: error: {error}"
+    time.sleep(ALONE_SECONDS)
+    return 2, f"{PROG}: error: rank {rank}: {error}"
+
+
+class _Interrupts:
+    """Ctrl-C during a run: a KeyboardInterrupt, as by default, that is also remembered. torchrun
+    passes Ctrl-C on to every rank; a rank waiting in a collective for a peer that was interrupted
+    first gets the collective's error (the peer left) before its own KeyboardInterrupt, which
+    is raised at the next Python call, or lost where that call is a hook inside autograd's
+    backward, whose engine keeps only the first error. Either way `seen()` tells, and the rank
+    ends as interrupted (130, silent but on rank 0), not with the collective's error."""
+
+    def __init__(self):
+        self._seen, self._old = False, None
+
+    def __enter__(self) -> "_Interrupts":
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+    def _handle(self, signum, frame):
+        self._seen = True
+        raise KeyboardInterrupt
+
+    def seen(self) -> bool:
+        """Whether this rank was interrupted, running a SIGINT still pending (a Python call does)."""
         try:
-            steps_done = check_resume(a.resume, cfg, world)
-        except UsageError as e:
-            error = str(e)
-        _agree(error, ctl_group)
-    return data, steps_done
+            _touch()
+        except KeyboardInterrupt:
+            return True
+        return self._seen
+
+
+def _touch() -> None:
+    """A Python call: where the interpreter runs a pending signal's handler."""
 
 
 def main(argv: Optional[list] = None) -> int:
     """The command line; returns the exit status. Under torchrun it initialises the process group
-    from the environment; inside a process that already has one (distca.torch.run_ranks) it uses it."""
+    from the environment; inside a process that already has one (distca.torch.run_ranks) it uses it.
+    Every ending prints one line (bad flags or data: 2; a failed collective: 1; Ctrl-C: 130)."""
+    error: Optional[str] = None
+    cfg: Optional[Config] = None
     try:
         cfg = parse_args(argv)
     except UsageError as e:
-        say(f"{PROG}: error: {e}")
-        return 2
-    if cfg is None:
-        return 0
+        error = str(e)
+    status, line = _usage_verdict(error, cfg is None and error is None)
+    if line is not None:
+        print(line, flush=True)
+    if status is not None:
+        return status
+    assert cfg is not None
     threads = cfg.args.threads or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     torch.set_num_threads(threads)
     created = False
@@ -358,31 +481,49 @@ def main(argv: Optional[list] = None) -> int:
     elif cfg.args.device == "cuda" and dist.get_backend() != "nccl":
         say(f"{PROG}: error: --device cuda needs an NCCL process group, this one is {dist.get_backend()}")
         return 2
+    interrupts = _Interrupts()
     try:
-        return run(cfg)
+        with interrupts:
+            return run(cfg)
     except (UsageError, InputError, DataError) as e:
         say(f"{PROG}: error: {e}")
         return 2
     except RunError as e:
         say(f"{PROG}: error: {e}")
         return 1
+    except CollectiveFailure as e:
+        if interrupts.seen():
+            return _interrupted(cfg)
+        if e.line is not None:
+            print(f"{PROG}: error: {e.line}", flush=True)
+        created = False        # no teardown: the group's collectives may never end
+        return 1
     except KeyboardInterrupt:
-        # The last checkpoint written is whole: a save renames a complete folder into place. Its
-        # step is read back from it (the interrupt may have landed after a rename, before the run
-        # noted the step).
-        step = step_on_disk(cfg.args.checkpoint) if cfg.args.checkpoint else None
-        step = cfg.saved_step if step is None else step
-        last = (f"; {cfg.args.checkpoint} holds the checkpoint of step {step}, saved whole"
-                if step is not None else "; no checkpoint was saved" if cfg.args.checkpoint else "")
-        say(f"{PROG}: interrupted{last}")
         created = False        # no teardown: a collective cut short by the interrupt may never end
-        return 130
+        return _interrupted(cfg)
+    except RuntimeError:
+        if interrupts.seen():   # a peer interrupted first: this rank's error is its leaving
+            created = False
+            return _interrupted(cfg)
+        raise
     finally:
         if created:
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 (a peer that already failed)
                 pass
+
+
+def _interrupted(cfg: Config) -> int:
+    """Ctrl-C: rank 0's one line, exit 130. The last checkpoint written is whole: a save renames
+    a complete folder into place. Its step is read back from it (the interrupt may have landed
+    after a rename, before the run noted the step)."""
+    step = step_on_disk(cfg.args.checkpoint) if cfg.args.checkpoint else None
+    step = cfg.saved_step if step is None else step
+    last = (f"; {cfg.args.checkpoint} holds the checkpoint of step {step}, saved whole"
+            if step is not None else "; no checkpoint was saved" if cfg.args.checkpoint else "")
+    say(f"{PROG}: interrupted{last}")
+    return 130
 
 
 def _free_port() -> int:
@@ -394,7 +535,10 @@ def _free_port() -> int:
 
 if __name__ == "__main__":
     status = main()
-    if status == 130:          # interrupted: leave at once, as the checkpoint on disk is whole
+    if status == 130 or dist.is_initialized():
+        # Interrupted, or a collective failed (the group is left as it is: tearing it down could
+        # wait on a peer forever, and a live gloo group at the interpreter's teardown can abort
+        # it): leave at once; the checkpoint on disk is whole.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

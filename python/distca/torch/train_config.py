@@ -86,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog="examples:\n"
                        "  torchrun --nproc-per-node 2 -m distca.torch.train --preset demo --compare --json t.json\n"
                        "  torchrun --nproc-per-node 4 -m distca.torch.train --preset tiny --data docs.jsonl\n"
-                       "exit status: 0 done, 2 bad flags or data (one line, every rank), 1 anything else")
+                       "exit status (every ending but 0 is one line, naming the rank where one rank alone knows):\n"
+                       "  0    done\n"
+                       "  2    bad input, found before the first step: a flag (also one that only one rank was\n"
+                       "       started with), the data (also data that differs between ranks), a checkpoint\n"
+                       "  1    the run failed: a collective that timed out (--timeout; the line names the rank\n"
+                       "       waited for), a rank that failed or left, an output that could not be written\n"
+                       "  130  interrupted (Ctrl-C); the last checkpoint saved is whole")
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", choices=sorted(PRESETS), default="demo",
                    help="demo: 2 layers, d 256, 4/1 heads of 64, FFN 512, 6144 tokens per rank, skewed data; "
