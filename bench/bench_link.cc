@@ -52,11 +52,11 @@ struct Exchange {
   int64_t send_total = 0, recv_total = 0;
 };
 
-Exchange exchange_of(const plan::PhaseTraffic& p, int rank, int R) {
+Exchange exchange_of(const std::vector<plan::Flow>& flows, int rank, int R) {
   Exchange e;
   e.send_counts.assign(R, 0);
   e.recv_counts.assign(R, 0);
-  for (const plan::Flow& f : p.flows) {
+  for (const plan::Flow& f : flows) {
     if (f.src == rank) e.send_counts[f.dst] += f.bytes;
     if (f.dst == rank) e.recv_counts[f.src] += f.bytes;
   }
@@ -121,7 +121,7 @@ Result<json> run_link_bench(comm::Communicator& c, const LinkBenchOptions& o,
   std::array<Exchange, plan::kNumPhases> ex;
   int64_t buffer = 1;
   for (int ph = 0; ph < plan::kNumPhases; ++ph) {
-    ex[ph] = exchange_of(traffic.phases[ph], c.rank(), R);
+    ex[ph] = exchange_of(plan::count_flows(batch, tb, p.tasks, static_cast<plan::Phase>(ph), mode), c.rank(), R);
     buffer = std::max({buffer, ex[ph].send_total, ex[ph].recv_total});
   }
   // Memory, before the buffers: every rank holds a send and a receive buffer of its largest

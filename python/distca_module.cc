@@ -169,12 +169,16 @@ PyPlan make_plan(std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& req
   return p;
 }
 
-py::dict traffic_dict(const plan::Traffic& t) {
+// The plan's traffic, with each phase's flows counted again (plans do not hold them: plan.h).
+py::dict traffic_dict(const plan::Batch& batch, const plan::CostModel& cost, const plan::Plan& plan) {
+  const plan::Traffic& t = plan.traffic;
   py::dict phases;
   for (int i = 0; i < plan::kNumPhases; ++i) {
     const plan::PhaseTraffic& p = t.phases[i];
     std::vector<int64_t> flows;
-    for (const plan::Flow& f : p.flows) flows.insert(flows.end(), {f.src, f.dst, f.bytes});
+    for (const plan::Flow& f : plan::count_flows(batch, cost.token_bytes(), plan.tasks, static_cast<plan::Phase>(i))) {
+      flows.insert(flows.end(), {f.src, f.dst, f.bytes});
+    }
     py::dict d;
     d["flows"] = matrix(flows, 3);
     d["total_bytes"] = p.total_bytes;
@@ -517,7 +521,7 @@ PYBIND11_MODULE(_distca, m) {
         return py::dict(py::arg("max") = l.max, py::arg("mean") = l.mean, py::arg("imbalance") = l.imbalance,
                         py::arg("pairs_imbalance") = l.pairs_imbalance);
       })
-      .def("traffic", [](const PyPlan& p) { return traffic_dict(p.plan().traffic); })
+      .def("traffic", [](const PyPlan& p) { return traffic_dict(*p.batch, p.run.cost, p.plan()); })
       .def("report_json", [](PyPlan& p) { return dump(sim::plan_run_json(p.complete(), *p.batch)); })
       .def("plan_json", [](const PyPlan& p) { return dump(plan::plan_to_json(p.plan(), *p.batch, p.run.cost)); })
       .def("verify", [](const PyPlan& p) { check(plan::verify_tasks(*p.batch, p.plan().tasks)); })

@@ -22,57 +22,6 @@ const char* phase_name(Phase phase) {
   return "?";
 }
 
-namespace {
-
-// Accumulates (src, dst, bytes) entries of one phase and folds them into flows: bucketed by
-// sender (a counting sort), then each sender's few entries sorted by receiver. (A sort of all
-// entries by (src, dst) was three quarters of count_traffic at 512 ranks.)
-class FlowAccumulator {
- public:
-  explicit FlowAccumulator(int32_t num_ranks) : num_ranks_(num_ranks) {}
-  void add(int32_t src, int32_t dst, int64_t bytes) {
-    if (src != dst && bytes > 0) entries_.push_back(Entry{src, dst, bytes});
-  }
-  PhaseTraffic fold() {
-    PhaseTraffic t;
-    t.send_bytes.assign(num_ranks_, 0);
-    t.recv_bytes.assign(num_ranks_, 0);
-    std::vector<size_t> start(static_cast<size_t>(num_ranks_) + 1, 0);
-    for (const Entry& e : entries_) ++start[static_cast<size_t>(e.src) + 1];
-    for (int32_t k = 0; k < num_ranks_; ++k) start[k + 1] += start[k];
-    std::vector<std::pair<int32_t, int64_t>> by_src(entries_.size());  // (dst, bytes), grouped by src
-    std::vector<size_t> at(start.begin(), start.end() - 1);
-    for (const Entry& e : entries_) by_src[at[e.src]++] = {e.dst, e.bytes};
-    for (int32_t src = 0; src < num_ranks_; ++src) {
-      const auto first = by_src.begin() + static_cast<ptrdiff_t>(start[src]);
-      const auto last = by_src.begin() + static_cast<ptrdiff_t>(start[src + 1]);
-      std::sort(first, last, [](const auto& a, const auto& b) { return a.first < b.first; });
-      for (auto it = first; it != last; ++it) {
-        const auto [dst, bytes] = *it;
-        if (it != first && t.flows.back().dst == dst) {
-          t.flows.back().bytes += bytes;
-        } else {
-          t.flows.push_back(Flow{src, dst, bytes});
-        }
-        t.send_bytes[src] += bytes;
-        t.recv_bytes[dst] += bytes;
-        t.total_bytes += bytes;
-      }
-    }
-    return t;
-  }
-
- private:
-  struct Entry {
-    int32_t src, dst;
-    int64_t bytes;
-  };
-  int32_t num_ranks_;
-  std::vector<Entry> entries_;
-};
-
-}  // namespace
-
 const char* backward_mode_name(BackwardMode mode) {
   return mode == BackwardMode::kStateful ? "stateful" : "stateless";
 }
@@ -186,22 +135,28 @@ void for_each_transfer(const Batch& batch, const TokenBytes& bytes, const std::v
 Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
                       BackwardMode mode) {
   const int32_t r = batch.num_ranks;
-  std::array<FlowAccumulator, kNumPhases> acc{FlowAccumulator(r), FlowAccumulator(r),
-                                              FlowAccumulator(r), FlowAccumulator(r)};
+  Traffic traffic;
+  for (PhaseTraffic& t : traffic.phases) {
+    t.send_bytes.assign(r, 0);
+    t.recv_bytes.assign(r, 0);
+  }
   CommSummary fwd;
   std::vector<int64_t> other_send(r, 0), other_recv(r, 0);  // the other mode's backward dispatch
   int64_t other_total = 0;
+  // Summed per rank as they come (for_each_transfer gives no self transfers): the flows, which
+  // may number R^2, are never held (count_flows).
   for_each_transfer<true>(batch, bytes, tasks, mode, fwd, [&](int phase, int32_t src, int32_t dst, int64_t n) {
     if (phase < kNumPhases) {
-      acc[phase].add(src, dst, n);
-    } else if (src != dst) {
+      PhaseTraffic& t = traffic.phases[phase];
+      t.send_bytes[src] += n;
+      t.recv_bytes[dst] += n;
+      t.total_bytes += n;
+    } else {
       other_send[src] += n;
       other_recv[dst] += n;
       other_total += n;
     }
   });
-  Traffic traffic;
-  for (int p = 0; p < kNumPhases; ++p) traffic.phases[p] = acc[p].fold();
   const int counted = static_cast<int>(mode), other = 1 - counted;
   LinkSummary& links = traffic.links[counted];
   links = busiest_links(traffic);
@@ -222,6 +177,64 @@ Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::ve
   }
   traffic.forward = fwd;
   return traffic;
+}
+
+namespace {
+
+// Accumulates (src, dst, bytes) entries of one phase and folds them into flows: bucketed by
+// sender (a counting sort), then each sender's few entries sorted by receiver. (A sort of all
+// entries by (src, dst) was three quarters of counting the flows at 512 ranks.)
+class FlowAccumulator {
+ public:
+  explicit FlowAccumulator(int32_t num_ranks) : num_ranks_(num_ranks) {}
+  void add(int32_t src, int32_t dst, int64_t bytes) {
+    if (src != dst && bytes > 0) entries_.push_back(Entry{src, dst, bytes});
+  }
+  std::vector<Flow> fold() {
+    std::vector<Flow> flows;
+    std::vector<size_t> start(static_cast<size_t>(num_ranks_) + 1, 0);
+    for (const Entry& e : entries_) ++start[static_cast<size_t>(e.src) + 1];
+    for (int32_t k = 0; k < num_ranks_; ++k) start[k + 1] += start[k];
+    std::vector<std::pair<int32_t, int64_t>> by_src(entries_.size());  // (dst, bytes), grouped by src
+    std::vector<size_t> at(start.begin(), start.end() - 1);
+    for (const Entry& e : entries_) by_src[at[e.src]++] = {e.dst, e.bytes};
+    entries_ = {};  // by_src holds them now
+    for (int32_t src = 0; src < num_ranks_; ++src) {
+      const auto first = by_src.begin() + static_cast<ptrdiff_t>(start[src]);
+      const auto last = by_src.begin() + static_cast<ptrdiff_t>(start[src + 1]);
+      std::sort(first, last, [](const auto& a, const auto& b) { return a.first < b.first; });
+      for (auto it = first; it != last; ++it) {
+        const auto [dst, bytes] = *it;
+        if (it != first && flows.back().dst == dst) {
+          flows.back().bytes += bytes;
+        } else {
+          flows.push_back(Flow{src, dst, bytes});
+        }
+      }
+    }
+    return flows;
+  }
+
+ private:
+  struct Entry {
+    int32_t src, dst;
+    int64_t bytes;
+  };
+  int32_t num_ranks_;
+  std::vector<Entry> entries_;
+};
+
+}  // namespace
+
+std::vector<Flow> count_flows(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks, Phase phase,
+                              BackwardMode mode) {
+  FlowAccumulator acc(batch.num_ranks);
+  CommSummary fwd;
+  const int wanted = static_cast<int>(phase);
+  for_each_transfer(batch, bytes, tasks, mode, fwd, [&](int p, int32_t src, int32_t dst, int64_t n) {
+    if (p == wanted) acc.add(src, dst, n);
+  });
+  return acc.fold();
 }
 
 LinkSummary busiest_links(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,

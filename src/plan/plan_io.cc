@@ -82,17 +82,14 @@ json plan_report_json(const Plan& before, const Plan& after, const Batch& batch,
             {"out_bytes", c.out_bytes}}}};
 }
 
-json plan_to_json(const Plan& plan, const Batch& batch, const CostModel& cost) {
+namespace {
+
+// Every field of a plan file but flows_per_layer.
+json plan_json_without_flows(const Plan& plan, const Batch& batch, const CostModel& cost) {
   json pieces = json::array();
   for (const Piece& p : batch.pieces) pieces.push_back({p.doc, p.begin, p.end, p.rank});
   json tasks = json::array();
   for (const Task& t : plan.tasks) tasks.push_back({t.doc, t.q0, t.q1, t.k0, t.k1, t.server});
-  json phases = json::object();
-  for (int p = 0; p < kNumPhases; ++p) {
-    json flows = json::array();
-    for (const Flow& f : plan.traffic.phases[p].flows) flows.push_back({f.src, f.dst, f.bytes});
-    phases[phase_name(static_cast<Phase>(p))] = flows;
-  }
   return {{"format", kPlanFormat},
           {"version", kPlanVersion},
           {"policy", plan.policy},
@@ -108,8 +105,70 @@ json plan_to_json(const Plan& plan, const Batch& batch, const CostModel& cost) {
           {"task_fields", {"doc", "q0", "q1", "k0", "k1", "server"}},
           {"tasks", tasks},
           {"server_seconds", plan.server_seconds},
-          {"flow_fields", {"src", "dst", "bytes"}},
-          {"flows_per_layer", phases}};
+          {"flow_fields", {"src", "dst", "bytes"}}};
+}
+
+// The phases in the order nlohmann::json keeps an object's keys (sorted), as a file lists them.
+std::vector<Phase> phases_in_key_order() {
+  std::vector<Phase> phases;
+  for (int p = 0; p < kNumPhases; ++p) phases.push_back(static_cast<Phase>(p));
+  std::sort(phases.begin(), phases.end(),
+            [](Phase a, Phase b) { return std::string_view(phase_name(a)) < std::string_view(phase_name(b)); });
+  return phases;
+}
+
+}  // namespace
+
+json plan_to_json(const Plan& plan, const Batch& batch, const CostModel& cost) {
+  json j = plan_json_without_flows(plan, batch, cost);
+  json phases = json::object();
+  for (int p = 0; p < kNumPhases; ++p) {
+    json flows = json::array();
+    for (const Flow& f : count_flows(batch, cost.token_bytes(), plan.tasks, static_cast<Phase>(p))) {
+      flows.push_back({f.src, f.dst, f.bytes});
+    }
+    phases[phase_name(static_cast<Phase>(p))] = flows;
+  }
+  j["flows_per_layer"] = phases;
+  return j;
+}
+
+std::string plan_file_text(const Plan& plan, const Batch& batch, const CostModel& cost) {
+  const json j = plan_json_without_flows(plan, batch, cost);
+  std::string text = "{";
+  auto write_flows = [&] {
+    text += "\"flows_per_layer\":{";
+    bool is_first_phase = true;
+    for (const Phase phase : phases_in_key_order()) {
+      text += fmt::format("{}\"{}\":[", is_first_phase ? "" : ",", phase_name(phase));
+      is_first_phase = false;
+      // One phase's flows at a time, written as they come: never the whole plan's as JSON values.
+      bool is_first = true;
+      for (const Flow& f : count_flows(batch, cost.token_bytes(), plan.tasks, phase)) {
+        fmt::format_to(std::back_inserter(text), "{}[{},{},{}]", is_first ? "" : ",", f.src, f.dst, f.bytes);
+        is_first = false;
+      }
+      text += "]";
+    }
+    text += "}";
+  };
+  bool is_first = true;
+  bool is_flows_written = false;
+  for (const auto& [key, value] : j.items()) {
+    if (!is_flows_written && key > std::string_view("flows_per_layer")) {
+      text += is_first ? "" : ",";
+      write_flows();
+      is_flows_written = true;
+      is_first = false;
+    }
+    text += (is_first ? "" : ",") + json(key).dump() + ":" + value.dump();
+    is_first = false;
+  }
+  if (!is_flows_written) {
+    text += is_first ? "" : ",";
+    write_flows();
+  }
+  return text + "}\n";
 }
 
 namespace {
@@ -278,7 +337,7 @@ std::vector<Task> read_tasks(const json& j, const Batch& batch) {
 // server_seconds and flows_per_layer follow from the tasks, the model and the profile: the file's
 // must be what finalize_plan computes again (seconds to 1e-9 relative, as another machine's libm
 // may round a logarithm differently; bytes exactly).
-void check_derived(const json& j, const Plan& plan) {
+void check_derived(const json& j, const Plan& plan, const Batch& batch, const TokenBytes& bytes) {
   const int64_t ranks = static_cast<int64_t>(plan.server_seconds.size());
   const json& seconds = array(j["server_seconds"], "server_seconds", ranks);
   for (size_t r = 0; r < seconds.size(); ++r) {
@@ -295,7 +354,7 @@ void check_derived(const json& j, const Plan& plan) {
   for (int p = 0; p < kNumPhases; ++p) {
     const std::string path = at("flows_per_layer", phases[p]);
     const json& flows = array(flows_per_layer[phases[p]], path);
-    const std::vector<Flow>& want = plan.traffic.phases[p].flows;
+    const std::vector<Flow> want = count_flows(batch, bytes, plan.tasks, static_cast<Phase>(p));
     bool same = flows.size() == want.size();
     for (size_t i = 0; same && i < flows.size(); ++i) {
       const std::string fpath = item(path, i);
@@ -355,7 +414,7 @@ Result<LoadedPlan> read_plan(const json& j) {
     fail(fmt::format("hash {} does not match its contents ({}); the file was edited or truncated", hash,
                      hex(out.plan.hash)));
   }
-  check_derived(j, out.plan);
+  check_derived(j, out.plan, out.batch, cost.token_bytes());
   return out;
 }
 

@@ -31,6 +31,16 @@ TEST(PlanIo, RoundTripKeepsTasksAndHash) {
   EXPECT_EQ(back.plan.traffic.forward.total_bytes, f.plan.traffic.forward.total_bytes);
 }
 
+// `distca plan --out` writes the file without holding its flows as JSON values: the same bytes as
+// plan_to_json's dump, flows included (the fixture's plan moves rows in every phase).
+TEST(PlanIo, FileTextIsTheJsonDumpByteForByte) {
+  Fixture f;
+  const nlohmann::json j = plan_to_json(f.plan, f.batch, f.cost);
+  for (const auto& [phase, flows] : j["flows_per_layer"].items()) EXPECT_FALSE(flows.empty()) << phase;
+  EXPECT_EQ(plan_file_text(f.plan, f.batch, f.cost), j.dump() + "\n");
+  EXPECT_EQ(plan_from_text(plan_file_text(f.plan, f.batch, f.cost), "plan").value().plan.hash, f.plan.hash);
+}
+
 // The file names the return its bytes were counted at; a file without it (written before the
 // option) counts fp32, and a value other than bf16 or fp32 is refused.
 TEST(PlanIo, GradReturnRoundTripsAndDefaultsToFp32) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <random>
+#include <tuple>
 
 #include "distca/plan/bounds.h"
 #include "distca/plan/planner.h"
@@ -159,7 +160,7 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
       // So do the busiest-link bounds, of the forward dispatch and of a stateful step.
       const Traffic stateful = count_traffic(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateful);
       const LinkSummary links = busiest_links(stateful);
-      // The flow-free form (what minlink compares its candidates by) agrees with the flows.
+      // The busiest links alone (what minlink compares its candidates by) agree with the traffic.
       int64_t total = 0, flows_total = 0;
       const LinkSummary direct =
           busiest_links(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateful, &total);
@@ -167,6 +168,24 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
       ASSERT_EQ(direct.busiest, links.busiest);
       ASSERT_EQ(direct.step, links.step);
       ASSERT_EQ(total, flows_total);
+      // The flows (counted apart, count_flows) sum to the per-rank bytes, sorted by (src, dst),
+      // neither zero nor to the sender itself.
+      for (int p = 0; p < kNumPhases; ++p) {
+        const PhaseTraffic& t = stateful.phases[p];
+        std::vector<int64_t> send(t.send_bytes.size(), 0), recv(t.recv_bytes.size(), 0);
+        const std::vector<Flow> flows =
+            count_flows(c.batch, c.cost.token_bytes(), plan.tasks, static_cast<Phase>(p), BackwardMode::kStateful);
+        for (size_t f = 0; f < flows.size(); ++f) {
+          ASSERT_TRUE(flows[f].src != flows[f].dst && flows[f].bytes > 0);
+          if (f > 0) {
+            ASSERT_LT(std::tie(flows[f - 1].src, flows[f - 1].dst), std::tie(flows[f].src, flows[f].dst));
+          }
+          send[flows[f].src] += flows[f].bytes;
+          recv[flows[f].dst] += flows[f].bytes;
+        }
+        ASSERT_EQ(send, t.send_bytes) << phase_name(static_cast<Phase>(p));
+        ASSERT_EQ(recv, t.recv_bytes) << phase_name(static_cast<Phase>(p));
+      }
       // Each backward mode's summary, counted in one pass with the other mode's flows (the plan's
       // own traffic is stateless), agrees with that mode's flows.
       const Traffic stateless = count_traffic(c.batch, c.cost.token_bytes(), plan.tasks, BackwardMode::kStateless);

@@ -230,7 +230,8 @@ inline Status check_against_colocated(comm::Communicator& base, const plan::Batc
                                         plan::phase_name(phase), st.bytes_sent, st.bytes_received, t.send_bytes[rank],
                                         t.recv_bytes[rank]));
     }
-    for (const plan::Flow& f : t.flows) {
+    for (const plan::Flow& f : plan::count_flows(batch, plan::token_bytes(hq, hkv, d, 4, plan::GradReturn::kFp32), plan.tasks,
+                                                 phase, c.mode)) {
       if (f.src == rank) want_to[f.dst] += f.bytes;
     }
   }

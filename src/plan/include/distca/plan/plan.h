@@ -46,9 +46,11 @@ struct Flow {
   int64_t bytes = 0;
 };
 
-// One phase's traffic: flows sorted by (src, dst), no zero and no self flows.
+// One phase's traffic: the bytes each rank sends and receives. Its flows (src, dst, bytes) are
+// not kept here: where documents span many ranks they number up to R^2 (a server needs K/V from
+// every rank its document spans), far more than the tasks and ranks a plan holds, so
+// count_flows gives them to the few callers that need them (plan files, distca.Plan.traffic).
 struct PhaseTraffic {
-  std::vector<Flow> flows;
   int64_t total_bytes = 0;
   std::vector<int64_t> send_bytes;  // (R)
   std::vector<int64_t> recv_bytes;  // (R)
@@ -96,12 +98,18 @@ const char* backward_mode_name(BackwardMode mode);
 // Stateful backward dispatch: dO per task row, plus O and LSE (bytes.out) for the rows of a
 // split task (k0 > 0 or non-causal), since the server's own O/LSE of those rows are partial.
 // The runtime sends exactly these bytes.
+// Memory: O(R + tasks), whatever the number of flows.
 Traffic count_traffic(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
                       BackwardMode mode = BackwardMode::kStateless);
 
+// The flows of one phase of the same count: sorted by (src, dst), no zero and no self flows; the
+// flows' bytes sum to count_traffic's per-rank bytes. Memory: O(the phase's flows + R + tasks).
+std::vector<Flow> count_flows(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks, Phase phase,
+                              BackwardMode mode = BackwardMode::kStateless);
+
 LinkSummary busiest_links(const Traffic& traffic);  // of the mode counted: traffic.links[mode]
-// The same from the tasks directly, without the flows (what a planner comparing plans needs);
-// total_bytes, if given, gets the bytes of all four phases.
+// The same from the tasks directly, the busiest links alone (what a planner comparing plans
+// needs); total_bytes, if given, gets the bytes of all four phases.
 LinkSummary busiest_links(const Batch& batch, const TokenBytes& bytes, const std::vector<Task>& tasks,
                           BackwardMode mode, int64_t* total_bytes = nullptr);
 

@@ -25,6 +25,10 @@ nlohmann::json plan_report_json(const Plan& before, const Plan& after, const Bat
 
 // The whole plan: batch layout, model, tasks, loads, per-phase flows.
 nlohmann::json plan_to_json(const Plan& plan, const Batch& batch, const CostModel& cost);
+// What `distca plan --out` writes: plan_to_json(...).dump() + "\n", byte for byte, without
+// holding the flows as JSON values: where documents span many ranks they number up to R^2, and
+// as JSON values they take several times the text's memory.
+std::string plan_file_text(const Plan& plan, const Batch& batch, const CostModel& cost);
 
 struct LoadedPlan {
   Batch batch;
