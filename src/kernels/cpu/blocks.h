@@ -264,7 +264,7 @@ inline int64_t visible_from(int64_t j, int64_t k0, int64_t off, int64_t q0) {
 }
 
 // Zeroes the masked entries of s ([num_rows, kBlockQ]).
-inline void zero_masked(float* s, int64_t num_rows, int64_t k0, int64_t off, int64_t q0) {
+[[gnu::noinline, gnu::cold]] inline void zero_masked(float* s, int64_t num_rows, int64_t k0, int64_t off, int64_t q0) {
   for (int64_t j = 0; j < num_rows; ++j) {
     const int32_t from = static_cast<int32_t>(visible_from(j, k0, off, q0));
     for (int v = 0; v < kQVecs; ++v) {
@@ -277,7 +277,7 @@ inline void zero_masked(float* s, int64_t num_rows, int64_t k0, int64_t off, int
 // acc_t[d][i] = acc_t[d][i] * alpha[i] + sum over visible j of a[j][d] * pt[j][i] (alpha ==
 // nullptr: no rescale): acc_t_block over a masked block, the careful way.
 template <int D>
-void acc_t_block_masked(float* acc_t, const vf* alpha, const float* a, int64_t a_stride, const float* pt,
+[[gnu::noinline, gnu::cold]] void acc_t_block_masked(float* acc_t, const vf* alpha, const float* a, int64_t a_stride, const float* pt,
                         int64_t num_rows, int64_t k0, int64_t off, int64_t q0) {
   for (int d = 0; d < D; ++d) {
     vf acc[kQVecs];
@@ -300,7 +300,7 @@ void acc_t_block_masked(float* acc_t, const vf* alpha, const float* a, int64_t a
 // acc[j][:] += sum over the queries i < num_cols that see key j of pt[j][i] * b[i][:]:
 // rows_acc_block over a masked block, the careful way (acc rows are D long).
 template <int D>
-void rows_acc_block_masked(float* acc_rows, const float* pt, int64_t num_rows, const float* b, int64_t b_stride,
+[[gnu::noinline, gnu::cold]] void rows_acc_block_masked(float* acc_rows, const float* pt, int64_t num_rows, const float* b, int64_t b_stride,
                            int64_t num_cols, int64_t k0, int64_t off, int64_t q0) {
   for (int64_t j = 0; j < num_rows; ++j) {
     vf acc[D / kLanes];
