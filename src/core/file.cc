@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 
 namespace distca {
@@ -189,7 +190,7 @@ Result<std::string> read_text_file(const std::string& path, int64_t max_bytes) {
   return text;
 }
 
-Status write_file_atomic(const std::string& path, const std::string& text) {
+Status write_file_atomic_streamed(const std::string& path, const std::function<Status(const WriteFn&)>& produce) {
   if (path.empty()) return invalid_argument("an output needs a file name");
   DISTCA_ASSIGN_OR_RETURN(const fs::path target, resolve_links(path));
   std::optional<mode_t> keep_mode;
@@ -212,11 +213,24 @@ Status write_file_atomic(const std::string& path, const std::string& text) {
     ::unlink(tmp.c_str());
     return internal_error(fmt::format("{}: {} ({})", path, what, std::strerror(err)));
   };
-  for (size_t done = 0; done < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail("write failed", errno);
-    done += static_cast<size_t>(n);
+  int write_error = 0;
+  const WriteFn write = [&](std::string_view text) {
+    for (size_t done = 0; done < text.size();) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        write_error = errno;
+        return internal_error("write failed");
+      }
+      done += static_cast<size_t>(n);
+    }
+    return Status::ok();
+  };
+  if (Status produced = produce(write); !produced.is_ok()) {
+    if (write_error != 0) return fail("write failed", write_error);
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return produced;
   }
   if (keep_mode && ::fchmod(fd, *keep_mode) != 0) return fail("cannot keep the file's permissions", errno);
   if (::close(fd) != 0) {
@@ -230,6 +244,10 @@ Status write_file_atomic(const std::string& path, const std::string& text) {
     return internal_error(fmt::format("{}: cannot rename into place ({})", path, std::strerror(err)));
   }
   return Status::ok();
+}
+
+Status write_file_atomic(const std::string& path, const std::string& text) {
+  return write_file_atomic_streamed(path, [&](const WriteFn& write) { return write(text); });
 }
 
 Status check_output_path(const std::string& flag, const std::string& path) {

@@ -5,10 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <iterator>
 #include <limits>
 #include <span>
 #include <string_view>
 
+#include "distca/core/check.h"
 #include "distca/core/json.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
@@ -133,42 +136,64 @@ json plan_to_json(const Plan& plan, const Batch& batch, const CostModel& cost) {
   return j;
 }
 
-std::string plan_file_text(const Plan& plan, const Batch& batch, const CostModel& cost) {
+Status write_plan_text(const Plan& plan, const Batch& batch, const CostModel& cost,
+                       const std::function<Status(std::string_view)>& write) {
   const json j = plan_json_without_flows(plan, batch, cost);
-  std::string text = "{";
-  auto write_flows = [&] {
+  std::string text = "{";  // what is not yet written, passed on in pieces of about 1 MiB
+  auto flush = [&](size_t at_least) {
+    if (text.size() < at_least) return Status::ok();
+    Status s = write(text);
+    text.clear();
+    return s;
+  };
+  constexpr size_t kPiece = size_t{1} << 20;
+  auto write_flows = [&]() -> Status {
     text += "\"flows_per_layer\":{";
     bool is_first_phase = true;
     for (const Phase phase : phases_in_key_order()) {
       text += fmt::format("{}\"{}\":[", is_first_phase ? "" : ",", phase_name(phase));
       is_first_phase = false;
-      // One phase's flows at a time, written as they come: never the whole plan's as JSON values.
+      // One phase's flows at a time: never the whole plan's, nor any as JSON values.
       bool is_first = true;
       for (const Flow& f : count_flows(batch, cost.token_bytes(), plan.tasks, phase)) {
         fmt::format_to(std::back_inserter(text), "{}[{},{},{}]", is_first ? "" : ",", f.src, f.dst, f.bytes);
         is_first = false;
+        DISTCA_RETURN_IF_ERROR(flush(kPiece));
       }
       text += "]";
     }
     text += "}";
+    return Status::ok();
   };
   bool is_first = true;
   bool is_flows_written = false;
   for (const auto& [key, value] : j.items()) {
     if (!is_flows_written && key > std::string_view("flows_per_layer")) {
       text += is_first ? "" : ",";
-      write_flows();
+      DISTCA_RETURN_IF_ERROR(write_flows());
       is_flows_written = true;
       is_first = false;
     }
     text += (is_first ? "" : ",") + json(key).dump() + ":" + value.dump();
     is_first = false;
+    DISTCA_RETURN_IF_ERROR(flush(kPiece));
   }
   if (!is_flows_written) {
     text += is_first ? "" : ",";
-    write_flows();
+    DISTCA_RETURN_IF_ERROR(write_flows());
   }
-  return text + "}\n";
+  text += "}\n";
+  return flush(0);
+}
+
+std::string plan_file_text(const Plan& plan, const Batch& batch, const CostModel& cost) {
+  std::string text;
+  const Status s = write_plan_text(plan, batch, cost, [&](std::string_view piece) {
+    text += piece;
+    return Status::ok();
+  });
+  DISTCA_CHECK(s.is_ok()) << s.to_string();  // appending to a string does not fail
+  return text;
 }
 
 namespace {

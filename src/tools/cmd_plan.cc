@@ -185,8 +185,9 @@ int run_plan(PlanArgs& a) {
     }
   }
   if (!a.out_path.empty() && exit_code == 0) {
-    const std::string text = plan_to_json(run.runs[0].plan, batch, run.cost).dump() + "\n";
-    if (Status s = write_file_atomic(a.out_path, text); !s.is_ok()) return fail(s, 1);
+    Status s = write_file_atomic_streamed(
+        a.out_path, [&](const WriteFn& write) { return write_plan_text(run.runs[0].plan, batch, run.cost, write); });
+    if (!s.is_ok()) return fail(s, 1);
   }
 
   // One warning line naming every policy whose communication cannot hide behind its compute.

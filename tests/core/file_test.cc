@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <iterator>
 
 namespace distca {
 namespace {
@@ -14,6 +15,28 @@ TEST(File, AtomicWriteThenReadBack) {
   ASSERT_TRUE(write_file_atomic(path, "hello\n").is_ok());
   EXPECT_EQ(read_text_file(path).value(), "hello\n");
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  std::filesystem::remove_all(dir);
+}
+
+// A file written in pieces is the pieces in order; a producer that fails leaves the old file
+// as it was and no temporary file beside it.
+TEST(File, StreamedWriteIsAllThePiecesOrNothing) {
+  const auto dir = std::filesystem::temp_directory_path() / "distca_file_test_streamed";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "a.txt").string();
+  ASSERT_TRUE(write_file_atomic_streamed(path, [](const WriteFn& write) {
+                for (const char* piece : {"one ", "two ", "three\n"}) DISTCA_RETURN_IF_ERROR(write(piece));
+                return Status::ok();
+              }).is_ok());
+  EXPECT_EQ(read_text_file(path).value(), "one two three\n");
+  const Status failed = write_file_atomic_streamed(path, [](const WriteFn& write) {
+    DISTCA_RETURN_IF_ERROR(write("half"));
+    return internal_error("the producer failed");
+  });
+  EXPECT_EQ(failed.message(), "the producer failed");
+  EXPECT_EQ(read_text_file(path).value(), "one two three\n");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()), 1);
   std::filesystem::remove_all(dir);
 }
 

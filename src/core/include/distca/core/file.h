@@ -14,7 +14,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -45,6 +47,10 @@ Status check_input_file(const std::string& flag, const std::string& path, bool a
 // write leaves no file and changes nothing. An existing target that is not a regular file is
 // refused (kInvalidArgument); an existing regular file keeps its permissions. Errors name `path`.
 Status write_file_atomic(const std::string& path, const std::string& text);
+// The same for a file made in pieces, never held whole: `produce` passes each piece to `write` in
+// order; if it fails (or a write does), no file is left and the target is unchanged.
+using WriteFn = std::function<Status(std::string_view)>;
+Status write_file_atomic_streamed(const std::string& path, const std::function<Status(const WriteFn&)>& produce);
 
 // Checks, before any work starts, that `path` can be written later: not empty, not a directory,
 // device, FIFO or socket (after following symbolic links), its folder exists and is writable, and

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -25,9 +26,13 @@ nlohmann::json plan_report_json(const Plan& before, const Plan& after, const Bat
 
 // The whole plan: batch layout, model, tasks, loads, per-phase flows.
 nlohmann::json plan_to_json(const Plan& plan, const Batch& batch, const CostModel& cost);
-// What `distca plan --out` writes: plan_to_json(...).dump() + "\n", byte for byte, without
-// holding the flows as JSON values: where documents span many ranks they number up to R^2, and
-// as JSON values they take several times the text's memory.
+// What `distca plan --out` writes: plan_to_json(...).dump() + "\n", byte for byte, passed to
+// `write` in pieces of about 1 MiB, holding one phase's flows at a time and none as JSON values
+// (where documents span many ranks they number up to R^2, and as JSON values they take several
+// times their text's memory). A failed write ends it with that error.
+Status write_plan_text(const Plan& plan, const Batch& batch, const CostModel& cost,
+                       const std::function<Status(std::string_view)>& write);
+// The same text whole.
 std::string plan_file_text(const Plan& plan, const Batch& batch, const CostModel& cost);
 
 struct LoadedPlan {
