@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <memory>
 #include <charconv>
@@ -17,6 +18,7 @@
 #include "distca/plan/workload.h"
 #include "distca/sim/plan_request.h"
 #include "distca/sim/profile.h"
+#include "memory_check.h"
 
 namespace distca::tools {
 namespace {
@@ -103,6 +105,45 @@ Status check_args(const PlanArgs& a) {
                             {{"--batch", a.batch_path}, {"--doc-lengths", a.doc_lengths_path}, {"--profile", a.profile_path}});
 }
 
+// Planning's memory beyond what the process holds when it starts, from the batch's size: per
+// document and two per rank (a batch's pieces are its documents and at most one cut per rank,
+// and a plan's tasks about as many as the pieces and ranks), 0.9-1.5 KiB measured with one policy
+// and 1.7 KiB with --policy all (reports/cpu/2026-12-01-plan-memory), counted at 2 KiB and 3 KiB.
+// The flows --out writes are not counted: they are known only once the plan is (its file holds
+// them; writing it holds one phase's, about 50 bytes each).
+constexpr int64_t kPlanBytesPerUnit = 2048;
+
+Status check_plan_memory(const PlanArgs& a, int64_t docs, int64_t ranks, bool is_expected) {
+  const double per_unit = (a.request.policy == "all" ? 1.5 : 1.0) * kPlanBytesPerUnit;
+  const auto bytes = static_cast<int64_t>(per_unit * static_cast<double>(docs + 2 * ranks));
+  return check_memory(
+      "plan", bytes,
+      fmt::format("{} ranks and {}{} documents, at {:.0f} KiB per document and two per rank{}", ranks,
+                  is_expected ? "about " : "", docs, per_unit / 1024, a.request.policy == "all" ? " for --policy all" : ""),
+      1.0, a.batch_path.empty() ? "lower --ranks or --tokens-per-rank" : "plan a smaller batch");
+}
+
+// The documents a sampled batch of R x T tokens holds, expected from the distribution before
+// drawing them: R x T over the mean length as the sampling weights and stretches it, taken at
+// 1024 quantiles (a long tail above the last one makes the mean larger, so fewer documents).
+int64_t expected_documents(const LengthDistribution& dist, const SamplingOptions& sampling, int64_t ranks,
+                           int64_t tokens) {
+  const double elongation =
+      sampling.elongation > 0 ? sampling.elongation : std::max(1.0, static_cast<double>(tokens) / 65536.0);
+  double weights = 0, weighted_length = 0;
+  constexpr int kPoints = 1024;
+  for (int i = 0; i < kPoints; ++i) {
+    const int64_t length = dist.quantile((i + 0.5) / kPoints);
+    const double w = length > sampling.long_threshold ? sampling.upsample : sampling.keep_short;
+    weights += w;
+    weighted_length += w * std::max(1.0, static_cast<double>(length) * elongation);
+  }
+  const double mean = weights > 0 ? weighted_length / weights : 1.0;
+  return static_cast<int64_t>(std::ceil(static_cast<double>(ranks) * static_cast<double>(tokens) / mean));
+}
+
+// The batch to plan, refused (exit 2) before it is planned, or for a sampled one before it is
+// drawn, when planning it would not fit in memory.
 Result<Batch> make_batch(const PlanArgs& a, std::string& workload_name) {
   if (!a.batch_path.empty()) {
     workload_name = a.batch_path;
@@ -112,6 +153,7 @@ Result<Batch> make_batch(const PlanArgs& a, std::string& workload_name) {
       return invalid_argument(fmt::format("{} holds {} ranks but --ranks is {}", a.batch_path,
                                           batch.num_ranks, *a.ranks));
     }
+    DISTCA_RETURN_IF_ERROR(check_plan_memory(a, batch.num_docs(), batch.num_ranks, false));
     return batch;
   }
   const auto ranks = static_cast<int32_t>(a.ranks.value_or(8));
@@ -126,6 +168,9 @@ Result<Batch> make_batch(const PlanArgs& a, std::string& workload_name) {
   }
   SamplingOptions sampling = a.sampling;
   sampling.seed = static_cast<uint64_t>(a.seed);
+  if (int64_t{ranks} * tokens <= kMaxTokens) {  // else sample_batch refuses the size itself
+    DISTCA_RETURN_IF_ERROR(check_plan_memory(a, expected_documents(*dist, sampling, ranks, tokens), ranks, true));
+  }
   return sample_batch(*dist, sampling, ranks, tokens);
 }
 
