@@ -51,7 +51,25 @@ TEST(Cli, PlanSaysWhatItIsDoingOnStderr) {
   EXPECT_EQ(quiet.err.find("s: planning"), std::string::npos) << quiet.err;
   for (const char* bad : {"-1", "soon", "7200"}) {
     CmdResult b = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=") + bad + " " + DISTCA_BIN + args);
-    cli::expect_refused(b, BadInput{bad, "", "DISTCA_PROGRESS_INTERVAL must be a number of seconds in 0..3600"});
+    cli::expect_refused(b, BadInput{bad, "", "DISTCA_PROGRESS_INTERVAL must be 0 (every stage at once) or a number of "
+                                             "seconds in 0.1..3600"});
+  }
+}
+
+// Issue 72 row 9: a positive interval has a floor of 0.1 s (before, 1e-300 was taken and printed
+// 26,262 progress lines in 1.9 s): below it the run is refused, exit 2, one line naming the
+// variable; 0 (every stage at once) and 0.1 run.
+TEST(Cli, ProgressIntervalBelowATenthOfASecondIsRefused) {
+  const std::string args = " plan --ranks 8 --tokens-per-rank 4096 --policy minmax --tolerance 0.1 --json";
+  for (const char* bad : {"1e-300", "0.05", "0.0999"}) {
+    CmdResult b = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=") + bad + " " + DISTCA_BIN + args);
+    cli::expect_refused(b, BadInput{bad, "", "DISTCA_PROGRESS_INTERVAL must be 0 (every stage at once) or a number of "
+                                             "seconds in 0.1..3600"});
+    EXPECT_NE(b.err.find(std::string("got '") + bad + "'"), std::string::npos) << b.err;
+  }
+  for (const char* good : {"0", "0.1", "3600"}) {
+    CmdResult g = cli::run_shell(std::string("DISTCA_PROGRESS_INTERVAL=") + good + " " + DISTCA_BIN + args);
+    EXPECT_EQ(g.exit_code, 0) << good << ": " << g.err;
   }
 }
 

@@ -11,8 +11,8 @@
 // (nullptr: no lines) and calls stage(). Lines go out only at log level info or below (not with
 // --quiet).
 //
-// DISTCA_PROGRESS_INTERVAL sets the interval in seconds, 0..3600 (default 1); 0 prints every
-// stage at once, with no delay and no heartbeat (what the tests use).
+// DISTCA_PROGRESS_INTERVAL sets the interval in seconds: 0.1..3600 (default 1), or 0, which prints
+// every stage at once, with no delay and no heartbeat (what the tests use).
 #pragma once
 
 #include <chrono>
@@ -27,10 +27,12 @@ namespace distca {
 
 inline constexpr const char* kProgressIntervalEnv = "DISTCA_PROGRESS_INTERVAL";
 inline constexpr double kDefaultProgressInterval = 1.0;
+inline constexpr double kMinProgressInterval = 0.1;  // a positive interval's floor
+inline constexpr double kMaxProgressInterval = 3600;
 inline constexpr int kProgressHeartbeat = 10;  // an unchanged stage is shown again after this many intervals
 
 // The interval DISTCA_PROGRESS_INTERVAL sets, else the default; kInvalidArgument naming the
-// variable for anything but a number in 0..3600.
+// variable for anything but 0 or a number in 0.1..3600.
 Result<double> progress_interval_from_env();
 
 class Progress {
