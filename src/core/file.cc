@@ -252,6 +252,17 @@ Status write_file_atomic(const std::string& path, const std::string& text) {
 
 Status check_output_path(const std::string& flag, const std::string& path) {
   if (path.empty()) return invalid_argument(fmt::format("{} needs a file name", flag));
+  // "-" is not standard output: an output flag names a file (replaced atomically), and a file
+  // named "-" is never what was meant. --json-out's report has --json for stdout, where the table
+  // would otherwise go too.
+  if (path == "-") {
+    return invalid_argument(
+        flag == "--json-out"
+            ? std::string("--json-out -: '-' is not standard output here: --json prints the JSON report on stdout "
+                          "(in place of the table); give --json-out a file name")
+            : fmt::format("{} -: '-' is not standard output here (it would write a file named '-'); give a file name",
+                          flag));
+  }
   Result<fs::path> resolved = resolve_links(path);
   if (!resolved.is_ok()) return invalid_argument(fmt::format("{} {}", flag, resolved.status().message()));
   const fs::path p = resolved.value();

@@ -192,6 +192,29 @@ TEST(Cli, PlanJsonOutWritesTheReportBesideTheTables) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// Issue 72 row 10: "-" is not standard output for an output flag, and never a file named "-"
+// (before, `--json-out -` on plan and simulate wrote one): refused before any work, exit 2, one
+// line; for --json-out it points at --json, which prints the JSON report on stdout. The bench
+// commands and every other output flag alike (one check, core/file.h's check_output_path).
+TEST(Cli, JsonOutDashIsRefusedNotWrittenAsAFileNamedDash) {
+  const fs::path dir = scratch() / "dash";
+  fs::create_directories(dir);
+  for (const std::string args :
+       {"plan --ranks 8 --tokens-per-rank 4096 --json-out -", "simulate --gpus 64 --json-out -",
+        "simulate --paper --json-out -", "bench planner --json-out -", "bench dispatch --quick --json-out -",
+        "bench attention --json-out -", "bench calibration --preset tiny --json-out -"}) {
+    CmdResult r = cli::run_shell("cd " + dir.string() + " && " + DISTCA_BIN + " " + args);
+    cli::expect_refused(r, BadInput{"--json-out -", args, "--json-out -: '-' is not standard output here: --json prints"});
+    EXPECT_FALSE(fs::exists(dir / "-")) << args;
+  }
+  for (const std::string args : {"simulate --gpus 64 --plot -", "train --preset tiny --steps 1 --json -",
+                                 "train --preset tiny --steps 1 --checkpoint -", "profile --out -"}) {
+    CmdResult r = cli::run_shell("cd " + dir.string() + " && " + DISTCA_BIN + " " + args);
+    cli::expect_refused(r, BadInput{"-", args, " -: '-' is not standard output here (it would write a file named '-')"});
+    EXPECT_FALSE(fs::exists(dir / "-")) << args;
+  }
+}
+
 // The default eps is auto: the report names the eps each plan was made at and what auto tried,
 // and --tolerance 0.05 plans at 0.05 with no search.
 TEST(Cli, PlanToleranceIsAutoByDefaultAndReportsWhatItPicked) {

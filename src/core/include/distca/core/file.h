@@ -52,9 +52,10 @@ Status write_file_atomic(const std::string& path, const std::string& text);
 using WriteFn = std::function<Status(std::string_view)>;
 Status write_file_atomic_streamed(const std::string& path, const std::function<Status(const WriteFn&)>& produce);
 
-// Checks, before any work starts, that `path` can be written later: not empty, not a directory,
-// device, FIFO or socket (after following symbolic links), its folder exists and is writable, and
-// an existing file there is writable. `flag` names the option in the message ("--json"). Nothing
+// Checks, before any work starts, that `path` can be written later: not empty, not "-" (an output
+// flag never means standard output by it, nor a file named "-"), not a directory, device, FIFO or
+// socket (after following symbolic links), its folder exists and is writable, and an existing
+// file there is writable. `flag` names the option in the message ("--json"). Nothing
 // is created. kInvalidArgument on failure.
 Status check_output_path(const std::string& flag, const std::string& path);
 
