@@ -9,6 +9,7 @@
 #include <map>
 #include <new>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "blas_setup.h"
@@ -30,11 +31,12 @@ namespace {
 // The CPU kernels' build in use (and why), the builds compiled in and the ones this CPU runs.
 std::string cpu_kernels_text() {
   const distca::Result<std::string> isa = distca::kernels::resolve_cpu_isa("");
-  const char* forced = std::getenv(distca::kernels::kCpuIsaEnv);
+  // DISTCA_CPU_ISA=auto asks for what unset gives: the fastest build this CPU runs.
+  const char* env = std::getenv(distca::kernels::kCpuIsaEnv);
+  const bool is_forced = env != nullptr && *env != '\0' && std::string_view(env) != "auto";
   return fmt::format("{} (built: {}; this CPU runs: {})",
-                     isa.is_ok() ? isa.value() + (forced != nullptr && *forced != '\0'
-                                                      ? fmt::format(", forced by {}", distca::kernels::kCpuIsaEnv)
-                                                      : std::string(", the fastest this CPU runs"))
+                     isa.is_ok() ? isa.value() + (is_forced ? fmt::format(", forced by {}", distca::kernels::kCpuIsaEnv)
+                                                            : std::string(", the fastest this CPU runs"))
                                  : fmt::format("none: {}", isa.status().message()),
                      fmt::join(distca::kernels::cpu_isas_built(), ", "),
                      fmt::join(distca::kernels::cpu_isas_supported(), ", "));
@@ -84,10 +86,12 @@ std::string check_command_word(int argc, char** argv, const std::vector<std::str
   const std::vector<std::string> global = {"-v", "--verbose", "-q", "--quiet", "-h", "--help", "--help-all", "--version"};
   const std::string valid = fmt::format("{}", fmt::join(commands, ", "));
   bool is_help_or_version = false;
+  bool is_version = false;
   for (int i = 1; i < argc; ++i) {
     const std::string word = argv[i];
     if (std::find(global.begin(), global.end(), word) != global.end()) {
       is_help_or_version = is_help_or_version || (word != "-v" && word != "--verbose" && word != "-q" && word != "--quiet");
+      is_version = is_version || word == "--version";
       continue;
     }
     if (word.starts_with("-")) {
@@ -95,7 +99,15 @@ std::string check_command_word(int argc, char** argv, const std::vector<std::str
                          "--version and --help, and each command's options follow it (distca <command> --help lists them)",
                          word);
     }
-    if (std::find(commands.begin(), commands.end(), word) != commands.end()) return "";
+    if (std::find(commands.begin(), commands.end(), word) != commands.end()) {
+      // `distca --version plan ...` would print the version and run nothing: say so instead.
+      if (is_version) {
+        return fmt::format("--version prints the version and runs no command, so '{}' would not run: drop --version, "
+                           "or run `distca --version` alone",
+                           word);
+      }
+      return "";
+    }
     std::string hint;
     for (const std::string& c : commands) {
       if (edit_distance(word, c) <= 2) hint = fmt::format(" (did you mean '{}'?)", c);

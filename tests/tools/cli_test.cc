@@ -87,4 +87,29 @@ TEST(Cli, DistcaCpuIsaForcesABuildAndABadOneIsRefused) {
   EXPECT_EQ(bad.out, "") << "nothing runs before the check";
 }
 
+// Issue 72 row 15: DISTCA_CPU_ISA=auto asks for what unset gives, so --version says "the fastest
+// this CPU runs", not "forced by DISTCA_CPU_ISA".
+TEST(Cli, DistcaCpuIsaAutoIsTheFastestThisCpuRunsNotForced) {
+  const CmdResult r = cli::run_shell("DISTCA_CPU_ISA=auto " + std::string(DISTCA_BIN) + " --version");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("CPU attention kernels: " + distca::kernels::cpu_isas_supported().front() +
+                       ", the fastest this CPU runs"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("forced"), std::string::npos) << r.out;
+}
+
+// Issue 72 row 15: a command after --version is an error (exit 2, one line, nothing on stdout),
+// not the version with the command silently skipped.
+TEST(Cli, VersionFollowedByACommandIsAnError) {
+  for (const std::string args : {"--version plan --ranks 2", "-v --version simulate", "--version bench planner"}) {
+    const CmdResult r = distca(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.out;
+    EXPECT_EQ(count_lines(r.err), 1) << args << ": " << r.err;
+    EXPECT_NE(r.err.find("--version prints the version and runs no command"), std::string::npos) << r.err;
+    EXPECT_TRUE(r.out.empty()) << args << ": " << r.out;
+  }
+  EXPECT_EQ(distca("-q --version").exit_code, 0);
+}
+
 }  // namespace
