@@ -195,7 +195,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(comm::Communicator& comm, Train
   // BLAS threads per rank, for every caller of the library (process-wide: ranks that are threads
   // of one process all set the same value). OpenBLAS's default, a thread per core for each call,
   // made the rank threads' BLAS workers spin against each other: 65 % of a LocalWorld test's CPU
-  // time in exec_blas_async and sched_yield (perf, 2026-11-28).
+  // time in exec_blas_async and sched_yield (perf).
   kernels::blas_set_num_threads(options.threads);
   auto t = std::unique_ptr<Trainer>(new Trainer(comm, std::move(options)));
   const TrainOptions& o = t->options_;

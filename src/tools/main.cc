@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "blas_setup.h"
+#include "build_info.h"
 #include "cmd_bench.h"
 #include "cmd_plan.h"
 #include "cmd_profile.h"
@@ -22,6 +23,7 @@
 #include "distca/core/progress.h"
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/cuda.h"
+#include "distca/kernels/cudnn.h"
 #include "distca_git_hash.h"
 #include "memory_check.h"
 #include "world.h"
@@ -43,6 +45,11 @@ std::string cpu_kernels_text() {
 }
 
 std::string version_text() {
+#if defined(DISTCA_HAVE_NCCL)
+  constexpr bool kNcclBuilt = true;
+#else
+  constexpr bool kNcclBuilt = false;
+#endif
   return fmt::format(
       "distca {} (git {}, {} build)\n"
       "  CPU attention kernels: {}\n"
@@ -50,17 +57,9 @@ std::string version_text() {
       "  CUDA attention kernels: {}\n"
       "  NcclComm: {}\n",
       DISTCA_VERSION, DISTCA_GIT_HASH, DISTCA_BUILD_TYPE, cpu_kernels_text(), DISTCA_BUILT_MPI ? "built" : "not built (no MPI at configure time)",
-      distca::kernels::cuda_kernels_built()
-          ? fmt::format("built for {}; sm_90a validated on an NVIDIA H100 on 2026-11-25 (reports/gpu/2026-11-25-h100), "
-                        "other architectures not run on a GPU",
-                        distca::kernels::cuda_kernels_archs())
-          : std::string("not built (no nvcc at configure time)"),
-#if defined(DISTCA_HAVE_NCCL)
-      "built; its one-GPU tests passed on an NVIDIA H100 on 2026-11-25, not yet run across GPUs"
-#else
-      "not built (no nvcc or libnccl at configure time)"
-#endif
-  );
+      distca::tools::cuda_kernels_text(distca::kernels::cuda_kernels_built(), distca::kernels::cuda_kernels_archs(),
+                                       distca::kernels::cudnn_built()),
+      distca::tools::nccl_text(kNcclBuilt));
 }
 
 // Levenshtein distance, for "did you mean".

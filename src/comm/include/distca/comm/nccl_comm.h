@@ -1,7 +1,6 @@
 // NcclComm: the Communicator over NCCL, for buffers in CUDA device memory (one GPU per rank).
 // Built when CMake finds the CUDA toolkit and libnccl (DISTCA_HAVE_NCCL); it compiles and links
-// without a GPU, and create() then says that there is none. Its one-GPU tests passed on an NVIDIA
-// H100 (2026-11-25); it has not yet run across GPUs (the device had one).
+// without a GPU, and create() then says that there is none. What it has run on: reports/gpu/.
 //
 // Every buffer passed to an operation is device memory of device(). Operations run in posting
 // order on one CUDA stream (stream(): a private one, or the caller's): the caller orders the

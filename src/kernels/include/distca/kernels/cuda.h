@@ -17,9 +17,8 @@
 // splits by a caller that differentiates through the merge; a caller that passes the merged O and
 // LSE instead (distca.torch does) leaves it null.
 //
-// Built only when CMake finds nvcc (DISTCA_HAVE_CUDA); otherwise `create` says so. Validated for
-// sm_90a on an NVIDIA H100 (scripts/gpu-check.sh, 2026-11-25: reports/gpu/2026-11-25-h100); the
-// sm_80 build has not run on a GPU.
+// Built only when CMake finds nvcc (DISTCA_HAVE_CUDA), for every architecture DISTCA_CUDA_ARCHS
+// lists; otherwise `create` says so. What has run on which GPU (scripts/gpu-check.sh): reports/gpu/.
 #pragma once
 
 #include <cstdint>
@@ -40,8 +39,8 @@ const char* cuda_dtype_name(CudaDType dtype);
 // Which implementation a CudaAttention runs: distca's own kernels (this file's), or cuDNN's fused
 // attention (CudnnAttention, cudnn.h) behind the same contract.
 // distca's own kernels (mma.sync, sm_80 and up), cuDNN's fused attention, or distca's sm_90a
-// kernels (TMA, wgmma, warp specialisation: hopper_fwd.cuh, hopper_bwd.cuh); not yet validated on
-// a GPU.
+// kernels (TMA, wgmma, warp specialisation: hopper_fwd.cuh, hopper_bwd.cuh; built where
+// DISTCA_CUDA_ARCHS lists 90a). Which of them has run on a GPU: reports/gpu/.
 enum class CudaKernel { kDistca, kCudnn, kHopper };
 const char* cuda_kernel_name(CudaKernel kernel);  // "distca", "cudnn" or "hopper"
 Result<CudaKernel> parse_cuda_kernel(std::string_view name);

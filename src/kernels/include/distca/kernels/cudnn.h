@@ -12,8 +12,8 @@
 // through per-task scratch rows summed in fp32.
 //
 // Built when CMake finds cuDNN and cudnn-frontend's headers beside nvcc (DISTCA_HAVE_CUDNN);
-// otherwise `create` says so. Host-side planning is tested everywhere; the GPU path is validated
-// by scripts/gpu-check.sh (see docs/kernels.md for what ran where).
+// otherwise `create` says so. Host-side planning is tested everywhere; the GPU path is checked by
+// scripts/gpu-check.sh (what ran where: reports/gpu/).
 #pragma once
 
 #include <cstdint>
