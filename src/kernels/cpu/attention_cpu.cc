@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -50,14 +51,13 @@ class Buffer {
 int64_t num_query_blocks(const AttnTask& t) { return (t.q_len + kBlockQ - 1) / kBlockQ; }
 
 // Whether x[0, n) holds a NaN or an infinity (all exponent bits set; -inf counts unless
-// `is_neg_inf_finite`), a chunk per work item.
+// `is_neg_inf_finite`), a chunk per work item; allocates nothing.
 bool has_non_finite(ThreadPool& pool, const float* x, int64_t n, bool is_neg_inf_finite = false) {
   constexpr int64_t kChunk = 1 << 16;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<char> found(static_cast<std::size_t>(chunks), 0);
   const uint32_t finite_bits = is_neg_inf_finite ? 0xff800000u : 0u;  // 0: no such exception
   typedef uint32_t vu __attribute__((vector_size(16)));  // the baseline's vectors; branch-free
-  pool.parallel_for(chunks, [&](int64_t c, int) {
+  std::atomic<bool> found{false};
+  pool.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c, int) {
     const int64_t end = std::min(n, (c + 1) * kChunk);
     vu bad{};
     int64_t i = c * kChunk;
@@ -72,9 +72,9 @@ bool has_non_finite(ThreadPool& pool, const float* x, int64_t n, bool is_neg_inf
       std::memcpy(&bits, x + i, sizeof bits);
       any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u && bits != finite_bits);
     }
-    found[static_cast<std::size_t>(c)] = static_cast<char>(any != 0);
+    if (any != 0) found.store(true, std::memory_order_relaxed);
   });
-  return std::find(found.begin(), found.end(), 1) != found.end();
+  return found.load(std::memory_order_relaxed);
 }
 
 }  // namespace
