@@ -3,7 +3,7 @@
 // as fused shards that share K/V; beside it, in the same run, GEMM-based attention (OpenBLAS
 // sgemm, materialized scores) and OpenBLAS sgemm itself on a square 2048 problem, this machine's
 // practical ceiling. Checks the kernels against the reference once before timing.
-#include "bench_attention.h"
+#include "distca/bench/bench_attention.h"
 
 #include <cblas.h>
 #include <fmt/format.h>
@@ -18,9 +18,9 @@
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/kernels/ref.h"
-#include "blas_setup.h"
+#include "distca/kernels/blas_setup.h"
 
-namespace distca::tools {
+namespace distca::bench {
 namespace {
 
 using namespace distca::kernels;
@@ -172,7 +172,7 @@ Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const
   out["version"] = 1;
   // The sgemm ceiling is the machine's only if OpenBLAS runs the kernels of the CPU's widest
   // vector unit (blas_setup.h).
-  const BlasCheck blas = blas_check();
+  const kernels::BlasCheck blas = kernels::blas_check();
   out["machine"] = {{"threads", all}, {"isa", fused1.isa()}, {"cpu_isa", blas.cpu_isa},
                     {"openblas_coretype", blas.coretype}, {"coretype_set_by_distca", blas.is_set_by_distca}};
   out["blas_core"] = blas.core;
@@ -305,4 +305,4 @@ void print_attention_report(const nlohmann::json& r) {
   }
 }
 
-}  // namespace distca::tools
+}  // namespace distca::bench

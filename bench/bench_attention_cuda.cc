@@ -1,4 +1,4 @@
-#include "bench_attention_cuda.h"
+#include "distca/bench/bench_attention_cuda.h"
 
 #include <fmt/format.h>
 
@@ -19,7 +19,7 @@
 #include <cuda_runtime.h>
 #endif
 
-namespace distca::tools {
+namespace distca::bench {
 
 Status validate(const CudaAttentionBenchOptions& o) {
   if (o.docs.empty()) return invalid_argument("--docs needs at least one length");
@@ -429,4 +429,4 @@ void print_cuda_attention_report(const nlohmann::json& r) {
   if (r.contains("profile_out")) fmt::print("profile written to {}\n", r["profile_out"].get<std::string>());
 }
 
-}  // namespace distca::tools
+}  // namespace distca::bench

@@ -1,4 +1,4 @@
-#include "bench_dispatch.h"
+#include "distca/bench/bench_dispatch.h"
 
 #include <cblas.h>
 #include <fmt/format.h>
@@ -13,10 +13,10 @@
 #include "distca/plan/workload.h"
 #include "distca/runtime/dispatcher.h"
 #include "distca/runtime/pingpong.h"
-#include "blas_setup.h"
-#include "spread.h"
+#include "distca/kernels/blas_setup.h"
+#include "distca/bench/spread.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 using nlohmann::json;
 
@@ -244,7 +244,7 @@ Result<Series> measure(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, int
   return out;
 }
 
-using tools::spread_of;  // the values' (spread.h), beside the samples' below
+using bench::spread_of;  // the values' (spread.h), beside the samples' below
 
 template <typename Get>
 Spread spread_of(const std::vector<Sample>& samples, Get get) {
@@ -464,7 +464,7 @@ Result<json> run_dispatch_bench(comm::Communicator& c, const DispatchBenchOption
   report["threads"] = o.threads;
   report["linear_ratio"] = o.linear_ratio;
   // The linear stand-in is OpenBLAS sgemm: on the wrong kernel family compute is too slow.
-  const BlasCheck blas = blas_check();
+  const kernels::BlasCheck blas = kernels::blas_check();
   report["blas_core"] = blas.core;
   if (!blas.is_trusted) {
     report["blas_warning"] = blas.warning;
@@ -586,4 +586,4 @@ void print_dispatch_report(const json& r) {
   for (const std::string& line : errors) fmt::print("{}\n", line);
 }
 
-}  // namespace distca::tools
+}  // namespace distca::bench

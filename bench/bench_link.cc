@@ -1,4 +1,4 @@
-#include "bench_link.h"
+#include "distca/bench/bench_link.h"
 
 #include <fmt/format.h>
 
@@ -10,10 +10,10 @@
 #include "distca/plan/planner.h"
 #include "distca/plan/workload.h"
 #include "distca/sim/timing.h"
-#include "memory_check.h"
-#include "spread.h"
+#include "distca/core/memory.h"
+#include "distca/bench/spread.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 using nlohmann::json;
 
@@ -250,4 +250,4 @@ void print_link_report(const json& j) {
                                                          : "-");
 }
 
-}  // namespace distca::tools
+}  // namespace distca::bench

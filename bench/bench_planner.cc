@@ -1,4 +1,4 @@
-#include "bench_planner.h"
+#include "distca/bench/bench_planner.h"
 
 #include <fmt/format.h>
 
@@ -14,15 +14,15 @@
 #include "distca/plan/verify.h"
 #include "distca/plan/workload.h"
 #include "distca/sim/auto_tolerance.h"
-#include "distca/sim/plan_request.h"
+#include "distca/facade/plan_request.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 using nlohmann::json;
 using namespace distca::plan;
 
 Status validate(const PlannerBenchOptions& o) {
-  DISTCA_ASSIGN_OR_RETURN(const std::optional<double> eps, sim::parse_tolerance(o.tolerance));
+  DISTCA_ASSIGN_OR_RETURN(const std::optional<double> eps, facade::parse_tolerance(o.tolerance));
   if (eps && !(*eps >= 0 && *eps <= 1)) return invalid_argument(fmt::format("--tolerance must be in [0, 1] or auto, got {}", *eps));
   if (o.repeats < 1 || o.repeats > 1000) return invalid_argument(fmt::format("--repeats must be 1..1000, got {}", o.repeats));
   if (o.fresh_seeds < 0 || o.fresh_seeds > 100) {
@@ -153,7 +153,7 @@ Result<json> run_planner_bench(const PlannerBenchOptions& o) {
                                         q_row, cost.token_bytes().q));
   }
   DISTCA_RETURN_IF_ERROR(validate(o));
-  const std::optional<double> eps = sim::parse_tolerance(o.tolerance).value();  // unset: auto
+  const std::optional<double> eps = facade::parse_tolerance(o.tolerance).value();  // unset: auto
   json report{{"tolerance", eps ? json(*eps) : json("auto")}, {"reference_dir", dir}, {"repeats", o.repeats}, {"batches", json::array()}};
   // Every batch the reference ran, once; its figures where it ran at this eps (0.02 and 0.1).
   std::vector<std::string> names;
@@ -363,4 +363,4 @@ void print_planner_report(const json& report) {
   }
 }
 
-}  // namespace distca::tools
+}  // namespace distca::bench

@@ -1,4 +1,4 @@
-#include "bench_step.h"
+#include "distca/bench/bench_step.h"
 
 #include <fmt/format.h>
 
@@ -10,10 +10,10 @@
 
 #include "distca/model/config.h"
 #include "distca/model/trainer.h"
-#include "memory_check.h"
-#include "spread.h"
+#include "distca/core/memory.h"
+#include "distca/bench/spread.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 namespace {
 
@@ -300,4 +300,4 @@ void print_step_report(const nlohmann::json& j) {
              j["whole_attention_bytes"]["median"].get<double>() / 1e6, j["pingpong_over_whole_bytes_max"].get<double>());
 }
 
-}  // namespace distca::tools
+}  // namespace distca::bench

@@ -37,9 +37,9 @@
 #include "distca/plan/verify.h"
 #include "distca/runtime/exchange.h"
 #include "distca/runtime/route.h"
-#include "distca/sim/plan_request.h"
+#include "distca/facade/plan_request.h"
 #include "distca/sim/profile.h"
-#include "distca/sim/sim_request.h"
+#include "distca/facade/sim_request.h"
 
 namespace py = pybind11;
 using namespace distca;
@@ -134,14 +134,14 @@ int32_t rank_in(int64_t rank, int32_t num_ranks) {
 struct PyPlan {
   std::shared_ptr<const plan::Batch> batch;
   sim::Profile profile;
-  sim::PlanRun run;
+  facade::PlanRun run;
   bool is_complete = false;
   double native_ms = 0;  // the C++ side of the call: checks, cost model, link, planning
 
   const plan::Plan& plan() const { return run.runs.front().plan; }
-  const sim::PlanRun& complete() {
+  const facade::PlanRun& complete() {
     if (!is_complete) {
-      sim::complete_plan_run(run, *batch, profile);
+      facade::complete_plan_run(run, *batch, profile);
       is_complete = true;
     }
     return run;
@@ -155,15 +155,15 @@ struct PyLoadedPlan {
   std::string model;
 };
 
-PyPlan make_plan(std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& request, const std::string& profile_path) {
+PyPlan make_plan(std::shared_ptr<plan::Batch> batch, const facade::PlanRequest& request, const std::string& profile_path) {
   const auto start = std::chrono::steady_clock::now();
   if (request.policy == "all") {
     throw py::value_error("distca.plan makes one plan: pick one policy (none, distca, minmax, minbytes or minlink), not all");
   }
   check(request.validate());
   sim::Profile profile = profile_path.empty() ? sim::default_h200_profile() : take(sim::load_profile(profile_path));
-  sim::PlanRun run = take(sim::prepare_plan_run(request, *batch, profile));
-  run.runs.push_back(sim::plan_policy(run, *batch, take(plan::find_planner(request.policy)), profile));
+  facade::PlanRun run = take(facade::prepare_plan_run(request, *batch, profile));
+  run.runs.push_back(facade::plan_policy(run, *batch, take(plan::find_planner(request.policy)), profile));
   PyPlan p{std::move(batch), std::move(profile), std::move(run)};
   p.native_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return p;
@@ -464,25 +464,25 @@ PYBIND11_MODULE(_distca, m) {
   }, py::arg("lengths"), py::arg("num_ranks"), py::arg("tokens_per_rank"), py::arg("is_cut_allowed") = false);
   m.def("batch_from_pieces", &batch_from_pieces);
 
-  py::class_<sim::PlanRequest>(m, "PlanRequest")
+  py::class_<facade::PlanRequest>(m, "PlanRequest")
       .def(py::init<>())
-      .def_readwrite("policy", &sim::PlanRequest::policy)
-      .def_readwrite("tolerance", &sim::PlanRequest::tolerance)
-      .def_readwrite("granularity", &sim::PlanRequest::granularity)
-      .def_readwrite("max_rank_bytes", &sim::PlanRequest::max_rank_bytes)
-      .def_readwrite("model", &sim::PlanRequest::model)
-      .def_readwrite("layers", &sim::PlanRequest::layers)
-      .def_readwrite("hidden", &sim::PlanRequest::hidden)
-      .def_readwrite("heads", &sim::PlanRequest::heads)
-      .def_readwrite("kv_heads", &sim::PlanRequest::kv_heads)
-      .def_readwrite("head_dim", &sim::PlanRequest::head_dim)
-      .def_readwrite("ffn_hidden", &sim::PlanRequest::ffn_hidden)
-      .def_readwrite("dtype_bytes", &sim::PlanRequest::dtype_bytes)
-      .def_readwrite("tp", &sim::PlanRequest::tp)
-      .def_readwrite("grad_return", &sim::PlanRequest::grad_return)
-      .def_readwrite("gpus_per_node", &sim::PlanRequest::gpus_per_node)
+      .def_readwrite("policy", &facade::PlanRequest::policy)
+      .def_readwrite("tolerance", &facade::PlanRequest::tolerance)
+      .def_readwrite("granularity", &facade::PlanRequest::granularity)
+      .def_readwrite("max_rank_bytes", &facade::PlanRequest::max_rank_bytes)
+      .def_readwrite("model", &facade::PlanRequest::model)
+      .def_readwrite("layers", &facade::PlanRequest::layers)
+      .def_readwrite("hidden", &facade::PlanRequest::hidden)
+      .def_readwrite("heads", &facade::PlanRequest::heads)
+      .def_readwrite("kv_heads", &facade::PlanRequest::kv_heads)
+      .def_readwrite("head_dim", &facade::PlanRequest::head_dim)
+      .def_readwrite("ffn_hidden", &facade::PlanRequest::ffn_hidden)
+      .def_readwrite("dtype_bytes", &facade::PlanRequest::dtype_bytes)
+      .def_readwrite("tp", &facade::PlanRequest::tp)
+      .def_readwrite("grad_return", &facade::PlanRequest::grad_return)
+      .def_readwrite("gpus_per_node", &facade::PlanRequest::gpus_per_node)
       .def("set_throughput",
-           [](sim::PlanRequest& r, double flops_per_second, int64_t tile_rows, double task_overhead_seconds,
+           [](facade::PlanRequest& r, double flops_per_second, int64_t tile_rows, double task_overhead_seconds,
               const std::string& source) {
              plan::ThroughputProfile t;
              t.flops_per_second = flops_per_second;
@@ -522,7 +522,7 @@ PYBIND11_MODULE(_distca, m) {
                         py::arg("pairs_imbalance") = l.pairs_imbalance);
       })
       .def("traffic", [](const PyPlan& p) { return traffic_dict(*p.batch, p.run.cost, p.plan()); })
-      .def("report_json", [](PyPlan& p) { return dump(sim::plan_run_json(p.complete(), *p.batch)); })
+      .def("report_json", [](PyPlan& p) { return dump(facade::plan_run_json(p.complete(), *p.batch)); })
       .def("plan_json", [](const PyPlan& p) { return dump(plan::plan_to_json(p.plan(), *p.batch, p.run.cost)); })
       .def("verify", [](const PyPlan& p) { check(plan::verify_tasks(*p.batch, p.plan().tasks)); })
       .def("layout", [](const PyPlan& p, int64_t rank) { return rank_layout(*p.batch, p.plan().tasks, rank); });
@@ -530,7 +530,7 @@ PYBIND11_MODULE(_distca, m) {
   // Planning runs without the GIL (a data loader or a planner prefetching the next step on
   // another Python thread keeps running while C++ plans) and can be interrupted with Ctrl-C.
   m.def("make_plan",
-        [](std::shared_ptr<plan::Batch> batch, const sim::PlanRequest& request, const std::string& profile_path) {
+        [](std::shared_ptr<plan::Batch> batch, const facade::PlanRequest& request, const std::string& profile_path) {
           if (batch == nullptr) throw py::type_error("batch must be a Batch, got None");
           return run_interruptible([batch, request, profile_path] { return make_plan(batch, request, profile_path); });
         },
@@ -575,36 +575,36 @@ PYBIND11_MODULE(_distca, m) {
     });
   });
 
-  py::class_<sim::SimRequest>(m, "SimRequest")
+  py::class_<facade::SimRequest>(m, "SimRequest")
       .def(py::init<>())
-      .def_readwrite("model", &sim::SimRequest::model)
-      .def_readwrite("gpus", &sim::SimRequest::gpus)
-      .def_readwrite("gpus_per_node", &sim::SimRequest::gpus_per_node)
-      .def_readwrite("tp", &sim::SimRequest::tp)
-      .def_readwrite("pp", &sim::SimRequest::pp)
-      .def_readwrite("cp", &sim::SimRequest::cp)
-      .def_readwrite("wlb_cp", &sim::SimRequest::wlb_cp)
-      .def_readwrite("context", &sim::SimRequest::context)
-      .def_readwrite("batch", &sim::SimRequest::batch)
-      .def_readwrite("workload", &sim::SimRequest::workload)
-      .def_readwrite("system", &sim::SimRequest::system)
-      .def_readwrite("seed", &sim::SimRequest::seed)
-      .def_readwrite("tolerance", &sim::SimRequest::tolerance)
-      .def_readwrite("tolerance_sweep", &sim::SimRequest::tolerance_sweep)
-      .def_readwrite("iterations", &sim::SimRequest::iterations)
-      .def_property("keep_short", [](const sim::SimRequest& r) { return r.sampling.keep_short; },
-                    [](sim::SimRequest& r, double v) { r.sampling.keep_short = v; })
-      .def_property("upsample", [](const sim::SimRequest& r) { return r.sampling.upsample; },
-                    [](sim::SimRequest& r, double v) { r.sampling.upsample = v; })
-      .def_property("elongation", [](const sim::SimRequest& r) { return r.sampling.elongation; },
-                    [](sim::SimRequest& r, double v) { r.sampling.elongation = v; })
-      .def_property("full_context_share", [](const sim::SimRequest& r) { return r.sampling.full_context_share; },
-                    [](sim::SimRequest& r, double v) { r.sampling.full_context_share = v; });
+      .def_readwrite("model", &facade::SimRequest::model)
+      .def_readwrite("gpus", &facade::SimRequest::gpus)
+      .def_readwrite("gpus_per_node", &facade::SimRequest::gpus_per_node)
+      .def_readwrite("tp", &facade::SimRequest::tp)
+      .def_readwrite("pp", &facade::SimRequest::pp)
+      .def_readwrite("cp", &facade::SimRequest::cp)
+      .def_readwrite("wlb_cp", &facade::SimRequest::wlb_cp)
+      .def_readwrite("context", &facade::SimRequest::context)
+      .def_readwrite("batch", &facade::SimRequest::batch)
+      .def_readwrite("workload", &facade::SimRequest::workload)
+      .def_readwrite("system", &facade::SimRequest::system)
+      .def_readwrite("seed", &facade::SimRequest::seed)
+      .def_readwrite("tolerance", &facade::SimRequest::tolerance)
+      .def_readwrite("tolerance_sweep", &facade::SimRequest::tolerance_sweep)
+      .def_readwrite("iterations", &facade::SimRequest::iterations)
+      .def_property("keep_short", [](const facade::SimRequest& r) { return r.sampling.keep_short; },
+                    [](facade::SimRequest& r, double v) { r.sampling.keep_short = v; })
+      .def_property("upsample", [](const facade::SimRequest& r) { return r.sampling.upsample; },
+                    [](facade::SimRequest& r, double v) { r.sampling.upsample = v; })
+      .def_property("elongation", [](const facade::SimRequest& r) { return r.sampling.elongation; },
+                    [](facade::SimRequest& r, double v) { r.sampling.elongation = v; })
+      .def_property("full_context_share", [](const facade::SimRequest& r) { return r.sampling.full_context_share; },
+                    [](facade::SimRequest& r, double v) { r.sampling.full_context_share = v; });
 
-  m.def("simulate_json", [](const sim::SimRequest& request, const std::string& profile_json) {
+  m.def("simulate_json", [](const facade::SimRequest& request, const std::string& profile_json) {
     sim::Profile profile = sim::default_h200_profile();
     if (!profile_json.empty()) profile = take(sim::profile_from_json(take(parse_json(profile_json, "profile")), "profile"));
-    return run_interruptible([request, profile = std::move(profile)] { return dump(take(sim::run_simulation(request, profile))); });
+    return run_interruptible([request, profile = std::move(profile)] { return dump(take(facade::run_simulation(request, profile))); });
   });
 
   // Profiles as JSON text: the built-in one, one read from a file (checked), one checked.

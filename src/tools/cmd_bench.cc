@@ -6,15 +6,15 @@
 #include <optional>
 #include <string>
 
-#include "bench_attention.h"
-#include "bench_attention_cuda.h"
-#include "bench_dispatch.h"
-#include "bench_link.h"
-#include "bench_planner.h"
-#include "bench_step.h"
+#include "distca/bench/bench_attention.h"
+#include "distca/bench/bench_attention_cuda.h"
+#include "distca/bench/bench_dispatch.h"
+#include "distca/bench/bench_link.h"
+#include "distca/bench/bench_planner.h"
+#include "distca/bench/bench_step.h"
 #include "cmd_profile.h"
 #include "distca/core/file.h"
-#include "memory_check.h"
+#include "distca/core/memory.h"
 #include "world.h"
 
 namespace distca::tools {
@@ -29,11 +29,11 @@ struct ReportOutput {
 };
 
 struct AttentionArgs {
-  AttentionBenchOptions options;
+  bench::AttentionBenchOptions options;
   ReportOutput out;
   bool is_quick = false;
   std::string device = "cpu";
-  CudaAttentionBenchOptions cuda;  // --device cuda: its own defaults (a GPU's shapes), the flags given override them
+  bench::CudaAttentionBenchOptions cuda;  // --device cuda: its own defaults (a GPU's shapes), the flags given override them
 };
 
 // --quick sets the sizes that were not given on the command line.
@@ -116,7 +116,7 @@ int run_world_report(const char* name, int ranks, const CLI::App& cmd, std::chro
 
 // --device cuda: the sizes given on the command line replace the GPU defaults; CPU-only flags are refused.
 int run_attention_cuda(AttentionArgs a, const CLI::App& cmd) {
-  CudaAttentionBenchOptions& o = a.cuda;
+  bench::CudaAttentionBenchOptions& o = a.cuda;
   if (cmd.count("--threads") > 0) {
     print_usage_error("bench attention", "--threads is for --device cpu (the CUDA kernels use the whole GPU)");
     return kExitBadInput;
@@ -139,8 +139,8 @@ int run_attention_cuda(AttentionArgs a, const CLI::App& cmd) {
   given("--seed", o.seed, a.options.seed);
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench attention cuda] {}\n", line); };
   return run_report(
-      "bench attention", o, a.out, [&] { return run_cuda_attention_bench(o, progress); },
-      print_cuda_attention_report, FlagPaths{{"--profile-out", o.profile_out}});
+      "bench attention", o, a.out, [&] { return bench::run_cuda_attention_bench(o, progress); },
+      bench::print_cuda_attention_report, FlagPaths{{"--profile-out", o.profile_out}});
 }
 
 int run_attention(AttentionArgs a, const CLI::App& cmd) {
@@ -156,12 +156,12 @@ int run_attention(AttentionArgs a, const CLI::App& cmd) {
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench attention] {}\n", line); };
   return run_report(
-      "bench attention", a.options, a.out, [&] { return run_attention_bench(a.options, progress); },
-      print_attention_report);
+      "bench attention", a.options, a.out, [&] { return bench::run_attention_bench(a.options, progress); },
+      bench::print_attention_report);
 }
 
 struct DispatchArgs {
-  DispatchBenchOptions options;
+  bench::DispatchBenchOptions options;
   ReportOutput out;
   bool is_quick = false;
   double timeout_seconds = kDefaultTimeoutSeconds;
@@ -195,11 +195,11 @@ int run_dispatch(DispatchArgs a, const CLI::App& cmd) {
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench dispatch] {}\n", line); };
   return run_world_report(
       "bench dispatch", a.options.ranks, cmd, timeout.value(), a.out,
-      [&](comm::Communicator& c) { return run_dispatch_bench(c, a.options, progress); }, print_dispatch_report);
+      [&](comm::Communicator& c) { return bench::run_dispatch_bench(c, a.options, progress); }, bench::print_dispatch_report);
 }
 
 struct StepArgs {
-  StepBenchOptions options;
+  bench::StepBenchOptions options;
   ReportOutput out;
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
@@ -216,18 +216,18 @@ int run_step(const StepArgs& a, const CLI::App& cmd) {
     print_usage_error("bench step", s.message());
     return kExitBadInput;
   }
-  if (Status m = check_step_memory(a.options); !m.is_ok()) {
+  if (Status m = bench::check_step_memory(a.options); !m.is_ok()) {
     print_usage_error("bench step", m.message());
     return kExitBadInput;
   }
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench step] {}\n", line); };
   return run_world_report(
       "bench step", a.options.ranks, cmd, timeout.value(), a.out,
-      [&](comm::Communicator& c) { return run_step_bench(c, a.options, progress); }, print_step_report);
+      [&](comm::Communicator& c) { return bench::run_step_bench(c, a.options, progress); }, bench::print_step_report);
 }
 
 struct LinkArgs {
-  LinkBenchOptions options;
+  bench::LinkBenchOptions options;
   ReportOutput out;
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
@@ -244,20 +244,20 @@ int run_link(const LinkArgs& a, const CLI::App& cmd) {
   auto progress = [](const std::string& line) { fmt::print(stderr, "[bench link] {}\n", line); };
   return run_world_report(
       "bench link", a.options.ranks, cmd, timeout.value(), a.out,
-      [&](comm::Communicator& c) { return run_link_bench(c, a.options, progress); }, print_link_report);
+      [&](comm::Communicator& c) { return bench::run_link_bench(c, a.options, progress); }, bench::print_link_report);
 }
 
 struct PlannerArgs {
-  PlannerBenchOptions options;
+  bench::PlannerBenchOptions options;
   ReportOutput out;
 };
 
 int run_planner(const PlannerArgs& a) {
   // Every file the run reads, the default folder's included: --json-out never replaces one.
   FlagPaths inputs;
-  for (const PlannerBenchInput& in : planner_bench_inputs(a.options)) inputs.emplace_back(in.flag, in.path);
+  for (const bench::PlannerBenchInput& in : bench::planner_bench_inputs(a.options)) inputs.emplace_back(in.flag, in.path);
   return run_report(
-      "bench planner", a.options, a.out, [&] { return run_planner_bench(a.options); }, print_planner_report, {},
+      "bench planner", a.options, a.out, [&] { return bench::run_planner_bench(a.options); }, bench::print_planner_report, {},
       inputs);
 }
 
@@ -274,7 +274,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   bench->require_subcommand(1);
 
   auto attention = std::make_shared<AttentionArgs>();
-  AttentionBenchOptions& o = attention->options;
+  bench::AttentionBenchOptions& o = attention->options;
   CLI::App* cmd = bench->add_subcommand(
       "attention",
       "attention kernels, causal-aware FLOP counts: on cpu, fused CPU attention vs GEMM attention vs sgemm (GFLOP/s); "
@@ -308,7 +308,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   add_report_flags(cmd, attention->out);
 
   auto dispatch = std::make_shared<DispatchArgs>();
-  DispatchBenchOptions& d = dispatch->options;
+  bench::DispatchBenchOptions& d = dispatch->options;
   CLI::App* dcmd = bench->add_subcommand(
       "dispatch",
       "the CAD runtime: bytes per phase, sequential vs ping-pong over the communicator as it is "
@@ -341,7 +341,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   dcmd->add_option("--timeout", dispatch->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
   auto step = std::make_shared<StepArgs>();
-  StepBenchOptions& so = step->options;
+  bench::StepBenchOptions& so = step->options;
   CLI::App* scmd = bench->add_subcommand(
       "step",
       "ping-pong inside the real CAD training step: sequential nano-batches vs ping-pong vs a zero-cost link vs the "
@@ -376,7 +376,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   scmd->add_option("--timeout", step->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
   auto link = std::make_shared<LinkArgs>();
-  LinkBenchOptions& lo = link->options;
+  bench::LinkBenchOptions& lo = link->options;
   CLI::App* lcmd = bench->add_subcommand(
       "link",
       "the CAD exchange alone (one layer's four all-to-alls of a planned batch) over the communicator as it is, e.g. "
@@ -401,7 +401,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   lcmd->add_option("--timeout", link->timeout_seconds, kTimeoutHelp)->capture_default_str();
 
   auto planner = std::make_shared<PlannerArgs>();
-  PlannerBenchOptions& po = planner->options;
+  bench::PlannerBenchOptions& po = planner->options;
   CLI::App* pcmd = bench->add_subcommand(
       "planner",
       "every policy on the batches the paper's planner was run on (shared/data/reference), beside its figures and "

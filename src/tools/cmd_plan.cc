@@ -16,9 +16,9 @@
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
 #include "distca/plan/workload.h"
-#include "distca/sim/plan_request.h"
+#include "distca/facade/plan_request.h"
 #include "distca/sim/profile.h"
-#include "memory_check.h"
+#include "distca/core/memory.h"
 
 namespace distca::tools {
 namespace {
@@ -34,7 +34,7 @@ struct PlanArgs {
   std::string workload = "pretrain";
   std::string doc_lengths_path;
   std::string batch_path;
-  sim::PlanRequest request;  // policy, tolerance, granularity, budget, model, gpus per node
+  facade::PlanRequest request;  // policy, tolerance, granularity, budget, model, gpus per node
   std::string tolerance = "auto";  // --tolerance as given: auto or a number
   int64_t seed = 0;
   SamplingOptions sampling;
@@ -188,7 +188,7 @@ int fail(const Status& status, int exit_code = 2) {
 }
 
 int run_plan(PlanArgs& a) {
-  if (auto eps = sim::parse_tolerance(a.tolerance); eps.is_ok()) {
+  if (auto eps = facade::parse_tolerance(a.tolerance); eps.is_ok()) {
     a.request.tolerance = eps.value();
   } else {
     return fail(eps.status());
@@ -208,21 +208,21 @@ int run_plan(PlanArgs& a) {
   auto batch_or = make_batch(a, workload_name);
   if (!batch_or.is_ok()) return fail(batch_or.status());
   const Batch& batch = batch_or.value();
-  auto run_or = sim::run_plan_request(a.request, batch, profile, &progress);
+  auto run_or = facade::run_plan_request(a.request, batch, profile, &progress);
   if (!run_or.is_ok()) return fail(run_or.status());
   progress.stage("writing the report");
-  const sim::PlanRun& run = run_or.value();
-  const sim::LinkChoice& link = run.link;
+  const facade::PlanRun& run = run_or.value();
+  const facade::LinkChoice& link = run.link;
   const int64_t budget = run.budget;
 
   // The rows the report shows: with one policy other than none, none first as the baseline.
   const std::string& policy = a.request.policy;
-  std::vector<const sim::PolicyRun*> rows;
+  std::vector<const facade::PolicyRun*> rows;
   if (policy != "all" && policy != "none") rows.push_back(&run.before);
-  for (const sim::PolicyRun& r : run.runs) rows.push_back(&r);
+  for (const facade::PolicyRun& r : run.runs) rows.push_back(&r);
 
   int exit_code = 0;
-  for (const sim::PolicyRun& r : run.runs) {
+  for (const facade::PolicyRun& r : run.runs) {
     if (!r.is_verified) {
       fmt::print(stderr, "distca plan: internal error: {} plan fails verification: {}\n", r.plan.policy,
                  r.verify_error);
@@ -237,7 +237,7 @@ int run_plan(PlanArgs& a) {
 
   // One warning line naming every policy whose communication cannot hide behind its compute.
   std::vector<std::string> exposed;
-  for (const sim::PolicyRun* r : rows) {
+  for (const facade::PolicyRun* r : rows) {
     if (r->time.is_hidden()) continue;
     exposed.push_back(fmt::format("{}: {:.1f} ms of communication vs {:.1f} ms of compute", r->plan.policy,
                                   1e3 * r->time.comm, 1e3 * (r->time.linear + r->time.attention)));
@@ -250,7 +250,7 @@ int run_plan(PlanArgs& a) {
   }
 
   if (a.is_json || !a.json_out.empty()) {
-    nlohmann::json out = sim::plan_run_json(run, batch);
+    nlohmann::json out = facade::plan_run_json(run, batch);
     out["workload"] = workload_name;
     out["seed"] = a.seed;
     if (!a.json_out.empty()) {
@@ -285,7 +285,7 @@ int run_plan(PlanArgs& a) {
   fmt::print("{:<8} {:>7} {:>8} {:>10} {:>10} {:>13} {:>12} {:>10} {:>15} {:>15} {:>9}\n", "policy", "tasks",
              "plan ms", "imbalance", "pairs imb", "max load (s)", "total (MiB)", "KV (MiB)", "max send (MiB)",
              "max recv (MiB)", "verified");
-  for (const sim::PolicyRun* r : rows) {
+  for (const facade::PolicyRun* r : rows) {
     const Plan& p = r->plan;
     const CommSummary& c = p.traffic.forward;
     fmt::print("{:<8} {:>7} {:>8.2f} {:>10.4f} {:>10.4f} {:>13.4f} {:>12.1f} {:>10.1f} {:>15.1f} {:>15.1f} {:>9}\n",
@@ -306,8 +306,8 @@ int run_plan(PlanArgs& a) {
              batch.num_ranks, m.tp, link.gpus, link.nodes, link.nodes == 1 ? "" : "s", a.request.gpus_per_node);
   fmt::print("{:<8} {:>10} {:>12} {:>15} {:>15} {:>7}\n", "policy", "comm (ms)", "linear (ms)", "attention (ms)",
              "comm / compute", "hidden");
-  for (const sim::PolicyRun* r : rows) {
-    const sim::LayerTime& t = r->time;
+  for (const facade::PolicyRun* r : rows) {
+    const facade::LayerTime& t = r->time;
     fmt::print("{:<8} {:>10.2f} {:>12.2f} {:>15.2f} {:>14.2f}x {:>7}\n", r->plan.policy, 1e3 * t.comm,
                1e3 * t.linear, 1e3 * t.attention, t.comm / (t.linear + t.attention), t.is_hidden() ? "yes" : "NO");
   }
@@ -316,7 +316,7 @@ int run_plan(PlanArgs& a) {
   fmt::print("  compute = linear + attention, all that ping-pong can overlap the communication with; hidden: comm <= "
              "compute\n");
   fmt::print("\n");
-  for (const sim::PolicyRun& r : run.runs) {
+  for (const facade::PolicyRun& r : run.runs) {
     fmt::print("{}: {} (max {:.4f} s vs mean {:.4f} s per step; hash {:016x})\n", r.plan.policy, r.plan.note,
                r.plan.load.max, r.plan.load.mean, r.plan.hash);
     if (!r.auto_tolerance) continue;

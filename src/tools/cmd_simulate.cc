@@ -16,7 +16,7 @@
 #include "distca/core/file.h"
 #include "distca/plan/model_shape.h"
 #include "distca/plan/planner.h"
-#include "distca/sim/sim_request.h"
+#include "distca/facade/sim_request.h"
 #include "distca/sim/simulate.h"
 
 namespace distca::tools {
@@ -24,7 +24,7 @@ namespace distca::tools {
 namespace {
 
 struct SimArgs {
-  sim::SimRequest request;  // one configuration (iterations set from --iterations below)
+  facade::SimRequest request;  // one configuration (iterations set from --iterations below)
   std::string tolerance_sweep = "on";
   std::string profile;
   bool is_json = false;
@@ -67,7 +67,7 @@ std::string config_text(const nlohmann::json& j) {
   const int batch = j["batch"].get<int>();
   return fmt::format("{} on {} GPUs (tp {}, pp {}, cp {}, dp {}), context {}, {} micro-batch{} per replica, {} workload",
                      j["model"].get<std::string>(), j["gpus"].get<int>(), j["tp"].get<int>(), j["pp"].get<int>(),
-                     j["cp"].get<int>(), j["dp"].get<int>(), sim::context_text(j["context"].get<int64_t>()), batch,
+                     j["cp"].get<int>(), j["dp"].get<int>(), facade::context_text(j["context"].get<int64_t>()), batch,
                      batch == 1 ? "" : "es", j["workload"].get<std::string>());
 }
 
@@ -326,7 +326,7 @@ std::string paper_svg(const nlohmann::json& records, int iterations, const std::
     const int y = top_y + i * row;
     svg += fmt::format(R"(<text x="{}" y="{}" text-anchor="end">{} {} GPUs pp {} {} {} {}</text>)", left - 8, y + 4,
                        r["model"].get<std::string>(), r["gpus"].get<int>(), r["pp"].get<int>(),
-                       sim::context_text(r["context"].get<int64_t>()), r["dataset"].get<std::string>(), r["parallelism"].get<std::string>());
+                       facade::context_text(r["context"].get<int64_t>()), r["dataset"].get<std::string>(), r["parallelism"].get<std::string>());
     svg += fmt::format(R"(<rect x="{:.2f}" y="{}" width="{:.2f}" height="10" fill="#c8c8c8"/>)", x_of(r["paper_low"].get<double>()), y - 5,
                        x_of(r["paper_high"].get<double>()) - x_of(r["paper_low"].get<double>()));
     svg += fmt::format(R"(<rect x="{:.2f}" y="{}" width="10" height="10" fill="#f58518" data-record="{}" data-speedup-cad="{:.9g}"/>)",
@@ -537,7 +537,7 @@ Status check_args(const SimArgs& a, int iterations) {
                                           fmt::join(fixed, ", "), fixed.size() == 1 ? "it" : "them"));
     }
   }
-  sim::SimRequest request = a.request;
+  facade::SimRequest request = a.request;
   request.iterations = iterations;
   DISTCA_RETURN_IF_ERROR(request.validate());
   if (a.json_out_option->count() > 0) DISTCA_RETURN_IF_ERROR(check_output_path("--json-out", a.json_out));  // refuses ""
@@ -552,7 +552,7 @@ int run_simulate(const SimArgs& a) {
   const int iterations = a.iterations.value_or(a.is_paper ? 15 : 1);
   if (Status st = check_args(a, iterations); !st.is_ok()) return fail(st);
   sim::SimOptions o;
-  sim::SimRequest request = a.request;
+  facade::SimRequest request = a.request;
   request.iterations = iterations;
   request.tolerance_sweep = a.tolerance_sweep == "on";
   if (!a.is_paper) {
@@ -576,7 +576,7 @@ int run_simulate(const SimArgs& a) {
     fmt::print(stderr, "distca simulate: error: {}\n", rs->status().message());
     return 1;
   }
-  const nlohmann::json j = sim::simulation_report(o, profile, rs->value());
+  const nlohmann::json j = facade::simulation_report(o, profile, rs->value());
   if (!a.plot.empty()) {
     if (Status st = write_file_atomic(a.plot, plot_svg(j)); !st.is_ok()) {
       fmt::print(stderr, "distca simulate: error: {}\n", st.message());

@@ -23,7 +23,7 @@
 #include "distca/model/pipeline.h"
 #include "distca/plan/planner.h"
 #include "distca/runtime/pipeline_schedule.h"
-#include "memory_check.h"
+#include "distca/core/memory.h"
 #include "world.h"
 
 namespace distca::tools {

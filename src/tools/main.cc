@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "blas_setup.h"
+#include "distca/kernels/blas_setup.h"
 #include "build_info.h"
 #include "cmd_bench.h"
 #include "cmd_plan.h"
@@ -25,7 +25,7 @@
 #include "distca/kernels/cuda.h"
 #include "distca/kernels/cudnn.h"
 #include "distca_git_hash.h"
-#include "memory_check.h"
+#include "distca/core/memory.h"
 #include "world.h"
 
 namespace {
@@ -119,7 +119,7 @@ std::string check_command_word(int argc, char** argv, const std::vector<std::str
 }  // namespace
 
 int main(int argc, char** argv) {
-  distca::tools::prepare_blas(argv);  // first: may re-execute this binary (blas_setup.h)
+  distca::kernels::prepare_blas(argv);  // first: may re-execute this binary (kernels/blas_setup.h)
   CLI::App app{"distca: core attention disaggregation for long-context LLM training"};
   app.require_subcommand(1);
   bool is_verbose = false;
@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
       distca::tools::print_error_line(fmt::format(
           "distca {}: error: out of memory: this machine could not give the run the memory it asked for ({} "
           "available now); make the run smaller",
-          sub->get_name(), distca::tools::memory_text(distca::tools::available_memory_bytes())));
+          sub->get_name(), distca::memory_text(distca::available_memory_bytes())));
     } catch (const std::exception& e) {
       distca::tools::print_error_line(fmt::format("distca {}: internal error: {}", sub->get_name(), e.what()));
     }

@@ -12,7 +12,7 @@
 #include "distca/kernels/gemm_attention.h"
 #include "distca/model/model.h"
 #include "distca/model/optimizer.h"
-#include "blas_setup.h"
+#include "distca/kernels/blas_setup.h"
 
 namespace distca::tools {
 
@@ -76,7 +76,7 @@ Result<sim::Profile> measure_cpu_profile(comm::Communicator& c, const CpuProfile
   sim::Profile p;
   p.name = fmt::format("cpu-measured ({} rank(s), {} thread(s) each)", c.size(), o.threads);
   // The linear work runs on OpenBLAS: on the wrong kernel family it is not this machine's.
-  const BlasCheck blas = blas_check();
+  const kernels::BlasCheck blas = kernels::blas_check();
   if (!blas.is_trusted) say(blas.warning);
   p.source = fmt::format("measured by distca profile on this machine: CpuAttention ({}), OpenBLAS {}{}, {} communicator",
                          kernels::CpuAttention(kernels::CpuAttentionOptions{.num_threads = o.threads}).isa(), blas.core,

@@ -27,13 +27,6 @@ Result<std::chrono::milliseconds> timeout_from_seconds(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-bool is_under_mpi() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
-    if (std::getenv(var) != nullptr) return true;
-  }
-  return false;
-}
-
 bool is_primary_process() {
   for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
     if (const char* v = std::getenv(var)) return std::strcmp(v, "0") == 0;

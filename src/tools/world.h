@@ -11,6 +11,7 @@
 #include <string>
 
 #include "distca/comm/communicator.h"
+#include "distca/core/memory.h"  // is_under_mpi
 
 namespace distca::tools {
 
@@ -18,7 +19,6 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailed = 1;
 inline constexpr int kExitBadInput = 2;
 
-bool is_under_mpi();
 // This process prints usage errors: it is rank 0 of an MPI launch, or there is no launch. Under
 // mpirun every process parses the same flags and finds the same error; only one says so.
 bool is_primary_process();

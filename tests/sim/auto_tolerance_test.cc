@@ -9,7 +9,6 @@
 #include "distca/plan/planner.h"
 #include "distca/plan/workload.h"
 #include "distca/sim/auto_tolerance.h"
-#include "distca/sim/plan_request.h"
 #include "distca/sim/profile.h"
 
 namespace distca::sim {
@@ -242,33 +241,6 @@ TEST(AutoTolerance, KeepsAPlanThatMovesNothingOnlyWhereAPlanThatMovedWasSlower) 
   EXPECT_GT(moving->step.seconds, kept->step.seconds);
   EXPECT_LE(t.tried.size(), static_cast<size_t>(kAutoMaxPlans));
   EXPECT_EQ(t.to_json()["moves_work"], false);
-}
-
-// `distca plan` and distca.plan: auto unless a number is given; none has nothing to pick.
-TEST(AutoTolerance, IsThePlanRequestsDefault) {
-  const Profile profile = default_h200_profile();
-  const Batch batch = prolong_batch(16, 1);
-  PlanRequest request;
-  EXPECT_FALSE(request.tolerance.has_value());
-  request.policy = "all";
-  const PlanRun run = run_plan_request(request, batch, profile).value();
-  for (const PolicyRun& r : run.runs) {
-    SCOPED_TRACE(r.plan.policy);
-    EXPECT_EQ(r.auto_tolerance.has_value(), r.plan.policy != "none");
-    if (r.auto_tolerance) {
-      EXPECT_EQ(r.plan.tolerance, r.auto_tolerance->tolerance);
-    }
-  }
-  request.tolerance = 0.1;
-  for (const PolicyRun& r : run_plan_request(request, batch, profile).value().runs) {
-    EXPECT_FALSE(r.auto_tolerance.has_value());
-    EXPECT_EQ(r.plan.tolerance, 0.1);
-  }
-  EXPECT_FALSE(parse_tolerance("auto").value().has_value());
-  EXPECT_EQ(parse_tolerance("0.25").value(), 0.25);
-  for (const char* bad : {"", "fast", "0.1x", "nan", "inf"}) EXPECT_FALSE(parse_tolerance(bad).is_ok()) << bad;
-  request.tolerance = 1.5;
-  EXPECT_FALSE(request.validate().is_ok());
 }
 
 }  // namespace

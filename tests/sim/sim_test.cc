@@ -8,7 +8,6 @@
 
 #include "distca/core/file.h"
 #include "distca/sim/profile.h"
-#include "distca/sim/sim_request.h"
 #include "distca/sim/simulate.h"
 #include "distca/sim/timing.h"
 
@@ -418,14 +417,6 @@ TEST(Simulate, Bf16GradReturnMovesFewerBytesForOurSystemsOnly) {
     SCOPED_TRACE(systems[k]);
     EXPECT_LT(bf16.value()[k].bytes, fp32.value()[k].bytes);
   }
-  // The request: bf16 unless told, and a clear error for anything else.
-  SimRequest request;
-  EXPECT_EQ(request.options().value().model.grad_return, plan::GradReturn::kBf16);
-  request.grad_return = "fp32";
-  EXPECT_EQ(request.options().value().model.grad_return, plan::GradReturn::kFp32);
-  request.grad_return = "fp16";
-  EXPECT_NE(request.validate().message().find("--grad-return must be bf16 or fp32"), std::string::npos)
-      << request.validate().message();
 }
 
 TEST(Simulate, BadOptionsAreRefused) {

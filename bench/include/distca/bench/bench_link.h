@@ -17,7 +17,7 @@
 #include "distca/core/status.h"
 #include "distca/plan/planner.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 struct LinkBenchOptions {
   int ranks = 2;                      // LocalComm ranks (threads) when not under mpirun
@@ -41,4 +41,4 @@ Result<nlohmann::json> run_link_bench(comm::Communicator& comm, const LinkBenchO
                                       const std::function<void(const std::string&)>& progress);
 void print_link_report(const nlohmann::json& report);
 
-}  // namespace distca::tools
+}  // namespace distca::bench

@@ -18,7 +18,7 @@
 #include "distca/core/status.h"
 #include "distca/plan/planner.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 struct DispatchBenchOptions {
   int ranks = 2;                       // LocalComm ranks (threads) when not under mpirun
@@ -45,4 +45,4 @@ Result<nlohmann::json> run_dispatch_bench(comm::Communicator& comm, const Dispat
                                           const std::function<void(const std::string&)>& progress);
 void print_dispatch_report(const nlohmann::json& report);
 
-}  // namespace distca::tools
+}  // namespace distca::bench

@@ -1,7 +1,7 @@
-// What a memory cgroup leaves a run (tools/memory_check.h), on cgroup folders made here: v2
+// What a memory cgroup leaves a run (core/memory.h), on cgroup folders made here: v2
 // (unified, and hybrid's unified/), v1, limits on an ancestor, and a cgroup namespace whose path
 // is not under the mount.
-#include "memory_check.h"
+#include "distca/core/memory.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -11,7 +11,7 @@
 #include <limits>
 #include <string>
 
-namespace distca::tools {
+namespace distca {
 namespace {
 
 namespace fs = std::filesystem;
@@ -86,4 +86,4 @@ TEST(MemoryCheck, AvailableMemoryIsPositiveAndWithinTheMachine) {
 }
 
 }  // namespace
-}  // namespace distca::tools
+}  // namespace distca

@@ -7,10 +7,10 @@
 #include <fstream>
 #include <string>
 
-#include "bench_attention_cuda.h"
+#include "distca/bench/bench_attention_cuda.h"
 #include "distca/sim/profile.h"
 
-namespace distca::tools {
+namespace distca::bench {
 namespace {
 
 TEST(CudaProfile, TheMeasuredProfileLoadsAndPricesWholeDocumentsAtTheMeasuredTimes) {
@@ -62,4 +62,4 @@ TEST(CudaProfile, SimulatePaperRunsOnTheMeasuredProfile) {
 }
 
 }  // namespace
-}  // namespace distca::tools
+}  // namespace distca::bench

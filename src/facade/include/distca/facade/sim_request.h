@@ -15,7 +15,7 @@
 #include "distca/sim/profile.h"
 #include "distca/sim/simulate.h"
 
-namespace distca::sim {
+namespace distca::facade {
 
 struct SimRequest {
   std::string model = "llama-8b";
@@ -45,7 +45,7 @@ struct SimRequest {
   // grad_return.
   Status validate() const;
   // The configuration the options describe, every option checked.
-  Result<SimOptions> options() const;
+  Result<sim::SimOptions> options() const;
   // The systems asked for, in the report's order.
   std::vector<std::string> systems() const;
 };
@@ -57,10 +57,10 @@ std::string context_text(int64_t tokens);
 
 // The report of one configuration: the options, and per system its result with the attention
 // imbalance across units and its speedups over wlb and colocated (null when not simulated).
-nlohmann::json simulation_report(const SimOptions& options, const Profile& profile, const std::vector<SystemResult>& results);
+nlohmann::json simulation_report(const sim::SimOptions& options, const sim::Profile& profile, const std::vector<sim::SystemResult>& results);
 
 // Runs the request on the profile: its report, or bad input (invalid_argument, before any work),
 // or the run's failure. `progress` as simulate's.
-Result<nlohmann::json> run_simulation(const SimRequest& request, const Profile& profile, Progress* progress = nullptr);
+Result<nlohmann::json> run_simulation(const SimRequest& request, const sim::Profile& profile, Progress* progress = nullptr);
 
-}  // namespace distca::sim
+}  // namespace distca::facade

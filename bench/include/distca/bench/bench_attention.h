@@ -10,7 +10,7 @@
 
 #include "distca/core/status.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 struct AttentionBenchOptions {
   std::vector<int64_t> docs = {4096, 16384, 32768};  // whole-document lengths
@@ -34,4 +34,4 @@ using ProgressLine = std::function<void(const std::string&)>;
 Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const ProgressLine& progress);
 void print_attention_report(const nlohmann::json& report);
 
-}  // namespace distca::tools
+}  // namespace distca::bench

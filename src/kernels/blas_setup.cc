@@ -1,4 +1,4 @@
-#include "blas_setup.h"
+#include "distca/kernels/blas_setup.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 
 #include "distca/kernels/gemm_attention.h"
 
-namespace distca::tools {
+namespace distca::kernels {
 
 namespace {
 
@@ -53,7 +53,7 @@ void prepare_blas(char** argv) {
 
 BlasCheck blas_check() {
   BlasCheck c;
-  c.core = kernels::blas_core_name();
+  c.core = blas_core_name();
   c.cpu_isa = cpu_isa();
   const char* coretype = std::getenv(kCoretype);
   c.coretype = coretype != nullptr ? coretype : "";
@@ -71,4 +71,4 @@ BlasCheck blas_check() {
   return c;
 }
 
-}  // namespace distca::tools
+}  // namespace distca::kernels

@@ -18,7 +18,7 @@
 
 #include "distca/core/status.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 struct CudaAttentionBenchOptions {
   std::vector<int64_t> docs = {4096, 16384, 32768, 65536};
@@ -55,4 +55,4 @@ nlohmann::json measured_cuda_profile(const CudaAttentionBenchOptions& o, const s
                                      const std::string& date, const std::vector<MeasuredPoint>& whole_documents,
                                      double device_memory_bytes = 0);
 
-}  // namespace distca::tools
+}  // namespace distca::bench

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <vector>
 
-namespace distca::tools {
+namespace distca::bench {
 
 struct Spread {
   double median = 0, min = 0, max = 0;
@@ -18,4 +18,4 @@ inline Spread spread_of(std::vector<double> v) {
   return {n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front(), v.back()};
 }
 
-}  // namespace distca::tools
+}  // namespace distca::bench

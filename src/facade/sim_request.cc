@@ -1,4 +1,4 @@
-#include "distca/sim/sim_request.h"
+#include "distca/facade/sim_request.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cctype>
 
-namespace distca::sim {
+namespace distca::facade {
 
 Result<int64_t> parse_context(const std::string& s) {
   if (s.empty()) return invalid_argument("--context is empty");
@@ -55,11 +55,11 @@ Status SimRequest::validate() const {
   return plan::parse_grad_return(grad_return).status();
 }
 
-Result<SimOptions> SimRequest::options() const {
+Result<sim::SimOptions> SimRequest::options() const {
   DISTCA_RETURN_IF_ERROR(validate());
   DISTCA_ASSIGN_OR_RETURN(plan::ModelShape shape, plan::model_preset(model));
   DISTCA_ASSIGN_OR_RETURN(const int64_t tokens, parse_context(context));
-  SimOptions o;
+  sim::SimOptions o;
   o.model = shape;
   o.model.grad_return = plan::parse_grad_return(grad_return).value();  // checked by validate
   o.cluster = {gpus, gpus_per_node, tp, pp, cp};
@@ -74,7 +74,7 @@ Result<SimOptions> SimRequest::options() const {
   o.tolerance_sweep = tolerance_sweep;
   o.iterations = iterations;
   if (system != "all") {
-    const auto names = system_names();
+    const auto names = sim::system_names();
     if (std::find(names.begin(), names.end(), system) == names.end()) {
       return invalid_argument(fmt::format("--system must be {} or all, got '{}'", fmt::join(names, ", "), system));
     }
@@ -84,10 +84,10 @@ Result<SimOptions> SimRequest::options() const {
 }
 
 std::vector<std::string> SimRequest::systems() const {
-  return system == "all" ? system_names() : std::vector<std::string>{system};
+  return system == "all" ? sim::system_names() : std::vector<std::string>{system};
 }
 
-nlohmann::json simulation_report(const SimOptions& o, const Profile& profile, const std::vector<SystemResult>& rs) {
+nlohmann::json simulation_report(const sim::SimOptions& o, const sim::Profile& profile, const std::vector<sim::SystemResult>& rs) {
   nlohmann::json systems = nlohmann::json::array();
   double wlb = 0, col = 0;
   for (const auto& r : rs) {
@@ -123,10 +123,10 @@ nlohmann::json simulation_report(const SimOptions& o, const Profile& profile, co
           {"systems", systems}};
 }
 
-Result<nlohmann::json> run_simulation(const SimRequest& request, const Profile& profile, Progress* progress) {
-  DISTCA_ASSIGN_OR_RETURN(const SimOptions options, request.options());
-  DISTCA_ASSIGN_OR_RETURN(const std::vector<SystemResult> results, simulate(profile, options, request.systems(), progress));
+Result<nlohmann::json> run_simulation(const SimRequest& request, const sim::Profile& profile, Progress* progress) {
+  DISTCA_ASSIGN_OR_RETURN(const sim::SimOptions options, request.options());
+  DISTCA_ASSIGN_OR_RETURN(const std::vector<sim::SystemResult> results, simulate(profile, options, request.systems(), progress));
   return simulation_report(options, profile, results);
 }
 
-}  // namespace distca::sim
+}  // namespace distca::facade

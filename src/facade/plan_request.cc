@@ -1,4 +1,4 @@
-#include "distca/sim/plan_request.h"
+#include "distca/facade/plan_request.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -13,7 +13,7 @@
 #include "distca/plan/verify.h"
 #include "distca/sim/auto_tolerance.h"
 
-namespace distca::sim {
+namespace distca::facade {
 
 using namespace distca::plan;
 
@@ -56,7 +56,7 @@ std::vector<int64_t> rank_tokens(const Batch& batch) {
   return tokens;
 }
 
-LinkChoice choose_link(const Profile& profile, const Batch& batch, const ModelShape& model, int gpus_per_node) {
+LinkChoice choose_link(const sim::Profile& profile, const Batch& batch, const ModelShape& model, int gpus_per_node) {
   LinkChoice c;
   c.gpus = int64_t{batch.num_ranks} * model.tp;
   c.nodes = (c.gpus + gpus_per_node - 1) / gpus_per_node;
@@ -69,8 +69,8 @@ LinkChoice choose_link(const Profile& profile, const Batch& batch, const ModelSh
 // plus the slowest server's core attention; communication longer than that cannot be hidden
 // whatever the order. comm: the busiest rank's dispatch + return, each latency + max(send, recv)
 // / bandwidth.
-LayerTime layer_time(const Plan& plan, const Batch& batch, const ModelShape& model, const Profile& profile,
-                     const Link& link) {
+LayerTime layer_time(const Plan& plan, const Batch& batch, const ModelShape& model, const sim::Profile& profile,
+                     const sim::Link& link) {
   const int32_t r = batch.num_ranks;
   LayerTime t;
   const PhaseTraffic& dispatch = plan.traffic.phases[static_cast<int>(Phase::kFwdDispatch)];
@@ -82,7 +82,7 @@ LayerTime layer_time(const Plan& plan, const Batch& batch, const ModelShape& mod
   for (int32_t k = 0; k < r; ++k) t.comm = std::max(t.comm, seconds(dispatch, k) + seconds(ret, k));
 
   std::vector<double> attention(r, 0.0);
-  const AttentionPricer price(profile, model.q_heads_per_rank(), model.head_dim);  // once: not per task
+  const sim::AttentionPricer price(profile, model.q_heads_per_rank(), model.head_dim);  // once: not per task
   for (const Task& task : plan.tasks) {
     attention[task.server] += price.seconds(task.q_len(), task.k1, task.pairs(), /*is_backward=*/false);
   }
@@ -93,8 +93,8 @@ LayerTime layer_time(const Plan& plan, const Batch& batch, const ModelShape& mod
   return t;
 }
 
-Result<AutoBudget> auto_byte_budget(const Batch& batch, const ModelShape& model, const Profile& profile,
-                                    const Link& link) {
+Result<AutoBudget> auto_byte_budget(const Batch& batch, const ModelShape& model, const sim::Profile& profile,
+                                    const sim::Link& link) {
   const std::vector<int64_t> tokens = rank_tokens(batch);
   AutoBudget b;
   b.linear_seconds = static_cast<double>(*std::max_element(tokens.begin(), tokens.end())) *
@@ -203,7 +203,7 @@ Result<ModelShape> PlanRequest::model_shape() const {
   return m;
 }
 
-Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch, const Profile& profile) {
+Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch, const sim::Profile& profile) {
   DISTCA_RETURN_IF_ERROR(request.validate());
   DISTCA_ASSIGN_OR_RETURN(const ModelShape model, request.model_shape());
   DISTCA_RETURN_IF_ERROR(batch.validate());
@@ -220,11 +220,11 @@ Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch,
   return run;
 }
 
-PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, const Profile& profile,
+PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, const sim::Profile& profile,
                       Progress* progress) {
   // none moves nothing whatever eps is: auto has nothing to pick there.
   const bool is_auto = !run.tolerance && planner != plan_none;
-  const PlannerOptions options{run.tolerance.value_or(kAutoToleranceStart), run.granularity, run.budget};
+  const PlannerOptions options{run.tolerance.value_or(sim::kAutoToleranceStart), run.granularity, run.budget};
   PolicyRun p;
   if (progress != nullptr && !is_auto) {
     progress->stage(fmt::format("planning {} at eps {:g} ({} ranks, {} documents)", planner_name(planner),
@@ -232,7 +232,7 @@ PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, co
   }
   const auto start = std::chrono::steady_clock::now();
   if (is_auto) {
-    Result<AutoPlan> chosen = plan_auto_tolerance(batch, run.cost, options, planner, profile, run.link.link,
+    Result<sim::AutoPlan> chosen = plan_auto_tolerance(batch, run.cost, options, planner, profile, run.link.link,
                                                   /*stateless=*/planner == plan_distca, progress);
     DISTCA_CHECK(chosen.is_ok()) << chosen.status().to_string();  // inputs were validated
     p.plan = std::move(chosen.value().plan);
@@ -247,7 +247,7 @@ PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, co
   return p;
 }
 
-void complete_plan_run(PlanRun& run, const Batch& batch, const Profile& profile, Progress* progress) {
+void complete_plan_run(PlanRun& run, const Batch& batch, const sim::Profile& profile, Progress* progress) {
   run.before = plan_policy(run, batch, plan_none, profile);
   std::vector<PolicyRun*> all = {&run.before};
   for (PolicyRun& p : run.runs) all.push_back(&p);
@@ -260,7 +260,7 @@ void complete_plan_run(PlanRun& run, const Batch& batch, const Profile& profile,
   }
 }
 
-Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch, const Profile& profile,
+Result<PlanRun> run_plan_request(const PlanRequest& request, const Batch& batch, const sim::Profile& profile,
                                  Progress* progress) {
   DISTCA_ASSIGN_OR_RETURN(PlanRun run, prepare_plan_run(request, batch, profile));
   const std::vector<std::string> policies =
@@ -309,4 +309,4 @@ nlohmann::json plan_run_json(const PlanRun& run, const Batch& batch) {
   return out;
 }
 
-}  // namespace distca::sim
+}  // namespace distca::facade

@@ -7,7 +7,7 @@
 
 #include <string>
 
-namespace distca::tools {
+namespace distca::kernels {
 
 // Call as the first statement of main(). On a CPU with AVX-512 where OPENBLAS_CORETYPE is
 // unset, sets it to SkylakeX and re-executes this binary (/proc/self/exe) with the same
@@ -28,4 +28,4 @@ struct BlasCheck {
 };
 BlasCheck blas_check();
 
-}  // namespace distca::tools
+}  // namespace distca::kernels

@@ -10,7 +10,7 @@
 
 #include "distca/core/status.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 struct PlannerBenchOptions {
   std::string reference_dir;  // empty: $DISTCA_SHARED_DATA/reference, else ../shared/data/reference
@@ -32,4 +32,4 @@ std::vector<PlannerBenchInput> planner_bench_inputs(const PlannerBenchOptions& o
 Result<nlohmann::json> run_planner_bench(const PlannerBenchOptions& o);
 void print_planner_report(const nlohmann::json& report);
 
-}  // namespace distca::tools
+}  // namespace distca::bench

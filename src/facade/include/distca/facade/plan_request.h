@@ -20,7 +20,7 @@
 #include "distca/sim/auto_tolerance.h"
 #include "distca/sim/profile.h"
 
-namespace distca::sim {
+namespace distca::facade {
 
 // --granularity: a power of two from 16 to 4096 (see plan_request.cc for why).
 inline constexpr int64_t kMinGranularity = 16;
@@ -59,7 +59,7 @@ Result<int64_t> parse_byte_budget(const std::string& text);
 // The link one layer's all-to-all runs on: R x tp GPUs, gpus_per_node to a node; once they span
 // two nodes the inter-node link bounds the exchange, as the simulator prices it.
 struct LinkChoice {
-  Link link;
+  sim::Link link;
   std::string name;  // "intra-node" or "inter-node"
   int64_t gpus = 0;
   int64_t nodes = 0;
@@ -84,7 +84,7 @@ struct AutoBudget {
 struct PolicyRun {
   plan::Plan plan;
   double plan_ms = 0;       // the planner's own time (with auto: every plan its search made)
-  std::optional<AutoTolerance> auto_tolerance;  // with auto: the eps picked and what was tried
+  std::optional<sim::AutoTolerance> auto_tolerance;  // with auto: the eps picked and what was tried
   bool is_verified = false;
   std::string verify_error;
   LayerTime time;
@@ -111,15 +111,15 @@ struct PlanRun {
 //   plan_policy       one policy's plan; plan_ms times the planner alone
 //   complete_plan_run the baseline (none), every plan's verification and layer time
 // `progress` (may be null) is told each step (and each rung of --tolerance auto) as it starts.
-Result<PlanRun> run_plan_request(const PlanRequest& request, const plan::Batch& batch, const Profile& profile,
+Result<PlanRun> run_plan_request(const PlanRequest& request, const plan::Batch& batch, const sim::Profile& profile,
                                  Progress* progress = nullptr);
-Result<PlanRun> prepare_plan_run(const PlanRequest& request, const plan::Batch& batch, const Profile& profile);
-PolicyRun plan_policy(const PlanRun& run, const plan::Batch& batch, plan::PlanFn planner, const Profile& profile,
+Result<PlanRun> prepare_plan_run(const PlanRequest& request, const plan::Batch& batch, const sim::Profile& profile);
+PolicyRun plan_policy(const PlanRun& run, const plan::Batch& batch, plan::PlanFn planner, const sim::Profile& profile,
                       Progress* progress = nullptr);
-void complete_plan_run(PlanRun& run, const plan::Batch& batch, const Profile& profile, Progress* progress = nullptr);
+void complete_plan_run(PlanRun& run, const plan::Batch& batch, const sim::Profile& profile, Progress* progress = nullptr);
 
 // The report `distca plan --json` prints (without the workload and seed it adds): one policy's
 // object, or {"policies": [...]} with several.
 nlohmann::json plan_run_json(const PlanRun& run, const plan::Batch& batch);
 
-}  // namespace distca::sim
+}  // namespace distca::facade

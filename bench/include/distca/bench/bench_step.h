@@ -25,7 +25,7 @@
 #include "distca/comm/communicator.h"
 #include "distca/core/status.h"
 
-namespace distca::tools {
+namespace distca::bench {
 
 struct StepBenchOptions {
   int ranks = 2;                 // LocalComm ranks (threads) when not under mpirun
@@ -59,4 +59,4 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                                       const std::function<void(const std::string&)>& progress);
 void print_step_report(const nlohmann::json& report);
 
-}  // namespace distca::tools
+}  // namespace distca::bench

@@ -1,4 +1,4 @@
-#include "memory_check.h"
+#include "distca/core/memory.h"
 
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -13,9 +13,8 @@
 #include <sstream>
 #include <vector>
 
-#include "world.h"
 
-namespace distca::tools {
+namespace distca {
 
 namespace {
 
@@ -128,6 +127,13 @@ int64_t available_memory_bytes() {
   return available;
 }
 
+bool is_under_mpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
+    if (std::getenv(var) != nullptr) return true;
+  }
+  return false;
+}
+
 int ranks_on_this_machine(int local_ranks) {
   if (!is_under_mpi()) return local_ranks;
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
@@ -161,4 +167,4 @@ Status check_memory(const std::string& what, int64_t bytes, const std::string& p
       fmt::format("{} needs about {} of memory on this machine ({}), {}; {}", what, memory_text(bytes), parts, of, fix));
 }
 
-}  // namespace distca::tools
+}  // namespace distca

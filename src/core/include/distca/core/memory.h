@@ -9,7 +9,7 @@
 
 #include "distca/core/status.h"
 
-namespace distca::tools {
+namespace distca {
 
 // MemAvailable (what the kernel can give without swapping), else the machine's physical memory;
 // in a memory cgroup, at most what is left of its limit (cgroup_memory_headroom_bytes); under an
@@ -21,6 +21,8 @@ int64_t available_memory_bytes();
 // kills). `proc_self_cgroup` is /proc/self/cgroup's text, `root` where the hierarchies are
 // mounted (/sys/fs/cgroup; v2 there or in its unified/, v1 in memory/). INT64_MAX without a limit.
 int64_t cgroup_memory_headroom_bytes(std::string_view proc_self_cgroup, const std::string& root);
+// Under an MPI launcher (mpirun, srun): its variables are in the environment.
+bool is_under_mpi();
 // Processes of this job on this machine: the threads of one process, or mpirun's local ranks.
 int ranks_on_this_machine(int local_ranks);
 // Ranks of the job: `local_ranks` threads, or mpirun's world.
@@ -37,4 +39,4 @@ inline constexpr double kBenchMemoryShare = 0.5;
 Status check_memory(const std::string& what, int64_t bytes, const std::string& parts, double share,
                     const std::string& fix);
 
-}  // namespace distca::tools
+}  // namespace distca
