@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../src/kernels/cuda/hopper.cuh"
+#include "../../src/kernels/cuda/sm90/hopper.cuh"
 
 namespace distca::kernels::cuda::emu {
 namespace {

@@ -16,12 +16,12 @@
 #include <random>
 #include <vector>
 
-#include "../../src/kernels/cuda/flash_bwd.cuh"
-#include "../../src/kernels/cuda/flash_fwd.cuh"
-#include "../../src/kernels/cuda/hopper_bwd.cuh"
-#include "../../src/kernels/cuda/hopper_bwd_dq.cuh"
-#include "../../src/kernels/cuda/hopper_fwd.cuh"
-#include "../../src/kernels/cuda/schedule.h"
+#include "../../src/kernels/cuda/common/schedule.h"
+#include "../../src/kernels/cuda/sm80/flash_bwd.cuh"
+#include "../../src/kernels/cuda/sm80/flash_fwd.cuh"
+#include "../../src/kernels/cuda/sm90/hopper_bwd.cuh"
+#include "../../src/kernels/cuda/sm90/hopper_bwd_dq.cuh"
+#include "../../src/kernels/cuda/sm90/hopper_fwd.cuh"
 #include "cuda_emu.h"
 #include "distca/kernels/cuda.h"
 #include "distca/kernels/ref.h"
@@ -343,7 +343,7 @@ void emulate_forward(const Problem& pr, const uint16_t* q, const uint16_t* k, co
 }
 
 // The emulator's TMA descriptor of a 2-D view [rows, cols] of a packed tensor, boxes of 64 x box_rows,
-// 128-byte swizzle (what attention_hopper.cu encodes on a GPU).
+// 128-byte swizzle (what sm90/launch.cu encodes on a GPU).
 cuda::TmaDesc tma_view(const uint16_t* base, int64_t rows, int64_t cols, int box_rows) {
   cuda::TmaBox b;
   b.global = base;

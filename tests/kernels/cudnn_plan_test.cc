@@ -1,4 +1,4 @@
-// CudnnAttention's host side (src/kernels/cuda/cudnn_plan.h), in every build: shape buckets, graph
+// CudnnAttention's host side (src/kernels/cudnn/cudnn_plan.h), in every build: shape buckets, graph
 // keys (a training run's plans build a bounded number of graphs), task grouping into calls, the
 // dK/dV scratch layout and its sums, and the refusals; plus what create() says without a GPU.
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include <set>
 #include <unordered_set>
 
-#include "../../src/kernels/cuda/cudnn_plan.h"
+#include "../../src/kernels/cudnn/cudnn_plan.h"
 #include "distca/kernels/cuda.h"
 #include "distca/kernels/cudnn.h"
 

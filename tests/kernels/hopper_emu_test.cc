@@ -1,4 +1,4 @@
-// The sm_90a primitives (src/kernels/cuda/hopper.cuh) on the host warp emulator: swizzle and
+// The sm_90a primitives (src/kernels/cuda/sm90/hopper.cuh) on the host warp emulator: swizzle and
 // descriptor encodings, mbarrier phases, TMA box loads, and wgmma from shared memory (K-major and
 // MN-major operands, 128-byte swizzle and none) and from registers, each against a float
 // reference; then the bugs a Hopper tile algorithm can have (a wrong descriptor offset, a read
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "../../src/kernels/cuda/hopper.cuh"
+#include "../../src/kernels/cuda/sm90/hopper.cuh"
 #include "cuda_emu.h"
 #include "distca/core/bf16.h"
 

@@ -15,6 +15,7 @@
 #include "distca/core/log.h"
 #include "distca/core/thread_pool.h"
 #include "distca/kernels/cpu.h"
+#include "distca/kernels/registry.h"
 #include "isa.h"
 
 namespace distca::kernels {
@@ -370,21 +371,10 @@ CpuAttention::~CpuAttention() = default;
 int CpuAttention::num_threads() const { return state_->pool.num_threads(); }
 std::string CpuAttention::isa() const { return state_->routines->name; }
 
-namespace {
-Status check_head_dim(const AttnDims& dims) {
-  if (!cpu_detail::supports_head_dim(dims.head_dim)) {
-    return invalid_argument(fmt::format(
-        "the CPU attention kernels are built for head dims 32, 64, 128 and 256, got D = {}",
-        dims.head_dim));
-  }
-  return Status::ok();
-}
-}  // namespace
-
 template <typename T>
 Status CpuAttention::forward(const AttnFwdParams<T>& p) {
   DISTCA_RETURN_IF_ERROR(validate(p, &state_->ranges));
-  DISTCA_RETURN_IF_ERROR(check_head_dim(p.dims));
+  DISTCA_RETURN_IF_ERROR(check_head_dim(kernel_info("cpu"), p.dims.head_dim));  // what blocks.h instantiates
   State& s = *state_;
   const AttnDims& n = p.dims;
   const int64_t nq = n.num_q_rows * n.num_q_heads * n.head_dim;
@@ -412,7 +402,7 @@ Status CpuAttention::forward(const AttnFwdParams<T>& p) {
 template <typename T>
 Status CpuAttention::backward(const AttnBwdParams<T>& p) {
   DISTCA_RETURN_IF_ERROR(validate(p, &state_->ranges));
-  DISTCA_RETURN_IF_ERROR(check_head_dim(p.dims));
+  DISTCA_RETURN_IF_ERROR(check_head_dim(kernel_info("cpu"), p.dims.head_dim));  // what blocks.h instantiates
   State& s = *state_;
   const AttnDims& n = p.dims;
   const int64_t D = n.head_dim;

@@ -4,16 +4,18 @@
 // the build that runs. Everything here is fp32.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "distca/kernels/attention.h"
+#include "distca/kernels/registry.h"
 
 namespace distca::kernels::cpu_detail {
 
 constexpr int64_t kBlockQ = 64;  // queries per block, in the vector lanes: 4 AVX-512 vectors, 8 AVX2, 16 portable
 constexpr int64_t kBlockK = 64;  // keys per block
-constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDim = std::ranges::max(kCpuHeadDims);  // the registry's "cpu" head dims
 
 struct Problem {
   int64_t num_q_heads = 0;   // Hq
@@ -109,7 +111,6 @@ struct BlockRoutines {
   void (*softmax_row)(float* row, int64_t n, float* row_max, float* row_sum);
 };
 
-bool supports_head_dim(int64_t head_dim);
 // One per build (isa_*.cc); the x86-64 ones exist only in x86-64 builds.
 const BlockRoutines& avx512_routines();
 const BlockRoutines& avx2_routines();

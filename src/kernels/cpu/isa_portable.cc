@@ -12,7 +12,4 @@
 
 namespace distca::kernels::cpu_detail {
 const BlockRoutines& portable_routines() { return portable::routines_named("portable"); }
-bool supports_head_dim(int64_t head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
-}
 }  // namespace distca::kernels::cpu_detail

@@ -1,14 +1,11 @@
 // The CUDA kernels' entry points in a build without nvcc: they exist, so that every caller
 // compiles the same way, and each says that this build has no CUDA kernels.
 #include "distca/kernels/cuda.h"
+#include "distca/kernels/registry.h"
 
 namespace distca::kernels {
 namespace {
-Status not_built() {
-  return not_found(
-      "this build of distca has no CUDA kernels (nvcc was not found at configure time, or DISTCA_WITH_CUDA=OFF); "
-      "reconfigure where the CUDA toolkit is installed");
-}
+Status not_built() { return built(kernel_info("distca")); }
 }  // namespace
 
 bool cuda_kernels_built() { return false; }

@@ -1,6 +1,7 @@
 // CudaAttention (distca/kernels/cuda.h), host side: checks, the tile schedule uploaded per call,
 // per-call device memory from the stream-ordered allocator (so calls on different streams never
-// share a buffer), and the launches (launch.h) in order on the caller's stream.
+// share a buffer), and the launches (sm80/launch.h, sm90/launch.h,
+// common/elementwise.h) in order on the caller's stream.
 #include <cuda_runtime.h>
 
 #include <fmt/format.h>
@@ -16,10 +17,12 @@
 #include "distca/core/cuda_status.h"
 #include "distca/kernels/cuda.h"
 #include "distca/kernels/cudnn.h"
-#include "launch.h"
-#include "schedule.h"
-#include "device.h"
-#include "scratch.h"
+#include "common/device.h"
+#include "common/elementwise.h"
+#include "common/schedule.h"
+#include "common/scratch.h"
+#include "sm80/launch.h"
+#include "sm90/launch.h"
 
 namespace distca::kernels {
 namespace {

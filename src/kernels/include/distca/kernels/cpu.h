@@ -59,7 +59,8 @@ class CpuAttention {
   CpuAttention(const CpuAttention&) = delete;
   CpuAttention& operator=(const CpuAttention&) = delete;
 
-  // Head dims 32, 64, 128, 256 are built; others are rejected with a message.
+  // The head dims of the registry's "cpu" entry (registry.h) are built; others are rejected with
+  // a message.
   template <typename T>
   Status forward(const AttnFwdParams<T>& p);
   template <typename T>

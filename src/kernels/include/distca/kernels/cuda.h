@@ -2,7 +2,8 @@
 //
 // The same task lists and layout as the CPU kernels (attention.h): Q [Tq, Hq, D], K/V [Tkv, Hkv, D]
 // packed THD, bottom-right causal and non-causal tasks, tasks sharing K/V rows, GQA. Storage is
-// bf16 or fp16, accumulation fp32 (tensor-core mma.sync m16n8k16), D = 64 or 128. One launch per
+// bf16 or fp16, accumulation fp32 (tensor-core mma.sync m16n8k16), the head dims of the registry's
+// CUDA entries (registry.h). One launch per
 // pass serves every task of the call: a tile schedule (one work item per 64-row query tile, or
 // per 64-key tile in the backward, heaviest first) is built on the host and uploaded with the call.
 //
@@ -36,13 +37,13 @@ namespace distca::kernels {
 enum class CudaDType { kBf16, kFp16 };
 const char* cuda_dtype_name(CudaDType dtype);
 
-// Which implementation a CudaAttention runs: distca's own kernels (this file's), or cuDNN's fused
-// attention (CudnnAttention, cudnn.h) behind the same contract.
-// distca's own kernels (mma.sync, sm_80 and up), cuDNN's fused attention, or distca's sm_90a
-// kernels (TMA, wgmma, warp specialisation: hopper_fwd.cuh, hopper_bwd.cuh; built where
-// DISTCA_CUDA_ARCHS lists 90a). Which of them has run on a GPU: reports/gpu/.
+// Which implementation a CudaAttention runs, behind the same contract: distca's own kernels
+// (mma.sync, sm_80 and up: src/kernels/cuda/sm80/), cuDNN's fused attention (CudnnAttention,
+// cudnn.h: src/kernels/cudnn/), or distca's sm_90a kernels (TMA, wgmma, warp specialisation:
+// src/kernels/cuda/sm90/; built where DISTCA_CUDA_ARCHS lists 90a). Each is an entry of the
+// kernel registry (registry.h) under its name. Which of them has run on a GPU: reports/gpu/.
 enum class CudaKernel { kDistca, kCudnn, kHopper };
-const char* cuda_kernel_name(CudaKernel kernel);  // "distca", "cudnn" or "hopper"
+const char* cuda_kernel_name(CudaKernel kernel);  // "distca", "cudnn" or "hopper": its registry name
 Result<CudaKernel> parse_cuda_kernel(std::string_view name);
 
 // The cuDNN kernel's graph cache (CudnnAttention::graph_stats; all zero for distca's kernels).
@@ -94,9 +95,12 @@ bool cuda_kernels_built();
 // The sm architectures the kernels were compiled for, e.g. "80;90a"; "" when not built.
 std::string cuda_kernels_archs();
 
-// Checks that the arguments can run (the dims and tasks, head dim 64 or 128, non-null pointers
-// where rows exist, 16-byte aligned Q/K/V/O/dO/dQ/dK/dV). Host only: no CUDA call. The kernels
-// trust what passed.
+// Checks that the shapes can run: a head dim the registry's CUDA entries list, the dims and tasks
+// (kernels::validate), at most 2^31-1 rows per task. Host only; what the registry's supports() asks
+// of the CUDA kernels.
+Status validate_cuda_tasks(const AttnDims& dims, std::span<const AttnTask> tasks, RangeScratch* ranges = nullptr);
+// Checks that the arguments can run (validate_cuda_tasks, non-null pointers where rows exist,
+// 16-byte aligned Q/K/V/O/dO/dQ/dK/dV). Host only: no CUDA call. The kernels trust what passed.
 Status validate(const CudaFwdArgs& a);
 Status validate(const CudaBwdArgs& a);
 

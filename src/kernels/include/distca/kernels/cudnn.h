@@ -2,13 +2,14 @@
 // under TransformerEngine's packed THD attention), via cudnn-frontend's C++ graph API.
 //
 // The same contract as CudaAttention (cuda.h): CudaFwdArgs / CudaBwdArgs, packed THD, bottom-right
-// causal and non-causal tasks, tasks sharing K/V rows, GQA, bf16 and fp16, D 64 and 128, LSE out,
-// and a backward that takes the merged O and LSE of key-split rows; every output element written.
+// causal and non-causal tasks, tasks sharing K/V rows, GQA, the dtypes and head dims of the
+// registry's CUDA entries (registry.h), LSE out, and a backward that takes the merged O and LSE of
+// key-split rows; every output element written.
 // Not supported: `d_lse` (cuDNN's backward has no LSE gradient input): a call with one fails.
 //
-// How (cuda/cudnn_plan.h): each task is one sequence of a ragged batch, one call per mask kind;
-// graphs are built per bucketed shape and cached, so a training run builds a bounded number
-// (graph_stats() says how many and how long they took). dK/dV of tasks that share K/V rows go
+// How (src/kernels/cudnn/cudnn_plan.h): each task is one sequence of a ragged batch, one call per
+// mask kind; graphs are built per bucketed shape and cached, so a training run builds a bounded
+// number (graph_stats() says how many and how long they took). dK/dV of tasks that share K/V rows go
 // through per-task scratch rows summed in fp32.
 //
 // Built when CMake finds cuDNN and cudnn-frontend's headers beside nvcc (DISTCA_HAVE_CUDNN);

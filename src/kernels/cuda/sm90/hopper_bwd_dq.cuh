@@ -22,7 +22,7 @@
 
 #include "hopper.cuh"
 #include "hopper_bwd.cuh"  // s_and_dp
-#include "schedule.h"
+#include "../common/schedule.h"
 
 namespace distca::kernels::cuda {
 

@@ -1,29 +1,16 @@
-// The CUDA kernels and their launchers (launch.h): the tile kernels instantiate flash_fwd.cuh and
-// flash_bwd.cuh for D 64 and 128 in bf16 and fp16; the small kernels fill uncovered rows, compute
-// delta, round the fp32 sums and convert between fp32 and the storage types. Host logic (checks,
-// schedule, memory) is in attention_cuda.cc.
+// The shared small kernels (elementwise.h): grid-stride loops over rows or elements.
+#include "elementwise.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#include "launch.h"
+#include "warp.cuh"
 
 namespace distca::kernels::cuda {
 namespace {
-
-template <int D, typename Elt>
-__global__ void __launch_bounds__(128) fwd_kernel(FwdKernelParams p) {
-  extern __shared__ __align__(16) char smem[];
-  fwd_block<D, Elt>(p, smem);
-}
-
-template <int D, typename Elt>
-__global__ void __launch_bounds__(128) bwd_kernel(BwdKernelParams p) {
-  extern __shared__ __align__(16) char smem[];
-  bwd_block<D, Elt>(p, smem);
-}
 
 // Rows [begin, end) of O get 0 and of LSE -inf (rows no task covers).
 __global__ void fill_rows_kernel(uint16_t* o, float* lse, int64_t begin, int64_t end, int64_t row_elems, int heads) {
@@ -103,45 +90,7 @@ unsigned grid_for(int64_t n, int threads = 256) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
 }
 
-
-template <int D, typename Elt>
-cudaError_t fwd_launch(const FwdKernelParams& p, int64_t blocks, cudaStream_t stream) {
-  fwd_kernel<D, Elt><<<static_cast<unsigned>(blocks), 128, FwdShape<D>::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
-template <int D, typename Elt>
-cudaError_t bwd_launch(const BwdKernelParams& p, int64_t blocks, cudaStream_t stream) {
-  bwd_kernel<D, Elt><<<static_cast<unsigned>(blocks), 128, BwdShape<D>::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
 }  // namespace
-
-cudaError_t allow_tile_smem() {
-  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  for (cudaError_t e : {cudaFuncSetAttribute(fwd_kernel<64, Bf16>, attr, FwdShape<64>::kSmemBytes),
-                        cudaFuncSetAttribute(fwd_kernel<128, Bf16>, attr, FwdShape<128>::kSmemBytes),
-                        cudaFuncSetAttribute(fwd_kernel<64, Fp16>, attr, FwdShape<64>::kSmemBytes),
-                        cudaFuncSetAttribute(fwd_kernel<128, Fp16>, attr, FwdShape<128>::kSmemBytes),
-                        cudaFuncSetAttribute(bwd_kernel<64, Bf16>, attr, BwdShape<64>::kSmemBytes),
-                        cudaFuncSetAttribute(bwd_kernel<128, Bf16>, attr, BwdShape<128>::kSmemBytes),
-                        cudaFuncSetAttribute(bwd_kernel<64, Fp16>, attr, BwdShape<64>::kSmemBytes),
-                        cudaFuncSetAttribute(bwd_kernel<128, Fp16>, attr, BwdShape<128>::kSmemBytes)}) {
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
-cudaError_t launch_fwd(const FwdKernelParams& p, int head_dim, bool is_bf16, int64_t blocks, cudaStream_t stream) {
-  if (head_dim == 64) return is_bf16 ? fwd_launch<64, Bf16>(p, blocks, stream) : fwd_launch<64, Fp16>(p, blocks, stream);
-  return is_bf16 ? fwd_launch<128, Bf16>(p, blocks, stream) : fwd_launch<128, Fp16>(p, blocks, stream);
-}
-
-cudaError_t launch_bwd(const BwdKernelParams& p, int head_dim, bool is_bf16, int64_t blocks, cudaStream_t stream) {
-  if (head_dim == 64) return is_bf16 ? bwd_launch<64, Bf16>(p, blocks, stream) : bwd_launch<64, Fp16>(p, blocks, stream);
-  return is_bf16 ? bwd_launch<128, Bf16>(p, blocks, stream) : bwd_launch<128, Fp16>(p, blocks, stream);
-}
 
 cudaError_t launch_fill_rows(uint16_t* o, float* lse, int64_t begin, int64_t end, int64_t row_elems, int heads,
                              cudaStream_t stream) {

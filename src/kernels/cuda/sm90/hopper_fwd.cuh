@@ -26,7 +26,7 @@
 #include <cstdint>
 
 #include "hopper.cuh"
-#include "schedule.h"
+#include "../common/schedule.h"
 
 namespace distca::kernels::cuda {
 

@@ -1,7 +1,7 @@
 // CudnnAttention (distca/kernels/cudnn.h): the calls planned by cudnn_plan.h, each one cuDNN SDPA
 // graph (cudnn-frontend) over a ragged batch whose sequences are the tasks. Graphs are cached by
 // their bucketed key; per-call device memory (the offsets, the workspace, the dK/dV scratch) comes
-// from the stream-ordered pool (scratch.h), as CudaAttention's does.
+// from the stream-ordered pool (../cuda/common/scratch.h), as CudaAttention's does.
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
@@ -18,12 +18,12 @@
 #include <utility>
 #include <vector>
 
+#include "../cuda/common/device.h"
+#include "../cuda/common/elementwise.h"
+#include "../cuda/common/scratch.h"
 #include "cudnn_plan.h"
 #include "distca/core/cuda_status.h"
 #include "distca/kernels/cudnn.h"
-#include "launch.h"
-#include "device.h"
-#include "scratch.h"
 
 // cudnn-frontend's experimental engines (an sm_100 RMSNorm, not attention) compile kernels at run
 // time with NVRTC. SDPA never reaches them, and linking libnvrtc (110 MB) would map it into every

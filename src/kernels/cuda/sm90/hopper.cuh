@@ -28,7 +28,7 @@
 
 #include <cstdint>
 
-#include "warp.cuh"
+#include "../common/warp.cuh"
 
 #if !defined(__CUDACC__)
 #include <array>

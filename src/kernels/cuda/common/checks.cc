@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "distca/kernels/cuda.h"
+#include "distca/kernels/registry.h"
 
 namespace distca::kernels {
 namespace {
@@ -17,11 +18,13 @@ Status check_aligned(const char* name, const void* p) {
   return Status::ok();
 }
 
-Status check_common(const AttnDims& dims, std::span<const AttnTask> tasks) {
-  if (dims.head_dim != 64 && dims.head_dim != 128) {
-    return invalid_argument(fmt::format("the CUDA kernels are built for head dims 64 and 128, got {}", dims.head_dim));
-  }
-  if (Status st = validate(dims, tasks); !st.is_ok()) return st;
+}  // namespace
+
+// The three implementations share one contract (cuda.h), so the head dims are the registry's
+// "distca" entry's, which are "hopper"'s and "cudnn"'s (registry_test checks that they are).
+Status validate_cuda_tasks(const AttnDims& dims, std::span<const AttnTask> tasks, RangeScratch* ranges) {
+  DISTCA_RETURN_IF_ERROR(check_head_dim(kernel_info("distca"), dims.head_dim));
+  DISTCA_RETURN_IF_ERROR(validate(dims, tasks, ranges));
   for (size_t i = 0; i < tasks.size(); ++i) {
     if (tasks[i].q_len > INT32_MAX || tasks[i].kv_len > INT32_MAX) {
       return invalid_argument(fmt::format("task {}: the CUDA kernels take at most 2^31-1 rows per task", i));
@@ -29,8 +32,6 @@ Status check_common(const AttnDims& dims, std::span<const AttnTask> tasks) {
   }
   return Status::ok();
 }
-
-}  // namespace
 
 const char* cuda_dtype_name(CudaDType dtype) { return dtype == CudaDType::kBf16 ? "bfloat16" : "float16"; }
 
@@ -46,7 +47,7 @@ Result<CudaKernel> parse_cuda_kernel(std::string_view name) {
 }
 
 Status validate(const CudaFwdArgs& a) {
-  if (Status st = check_common(a.dims, a.tasks); !st.is_ok()) return st;
+  if (Status st = validate_cuda_tasks(a.dims, a.tasks); !st.is_ok()) return st;
   if (a.dims.num_q_rows > 0 && (!a.q || !a.o || !a.lse)) return invalid_argument("q, o and lse must be non-null");
   if (a.dims.num_kv_rows > 0 && (!a.k || !a.v)) return invalid_argument("k and v must be non-null");
   for (auto [name, p] : {std::pair<const char*, const void*>{"q", a.q}, {"k", a.k}, {"v", a.v}, {"o", a.o}}) {
@@ -56,7 +57,7 @@ Status validate(const CudaFwdArgs& a) {
 }
 
 Status validate(const CudaBwdArgs& a) {
-  if (Status st = check_common(a.dims, a.tasks); !st.is_ok()) return st;
+  if (Status st = validate_cuda_tasks(a.dims, a.tasks); !st.is_ok()) return st;
   if (a.dims.num_q_rows > 0 && (!a.q || !a.o || !a.lse || !a.d_o || !a.dq)) {
     return invalid_argument("q, o, lse, do and dq must be non-null");
   }

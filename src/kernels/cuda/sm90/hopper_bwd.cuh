@@ -34,7 +34,7 @@
 #include <cstdint>
 
 #include "hopper.cuh"
-#include "schedule.h"
+#include "../common/schedule.h"
 
 namespace distca::kernels::cuda {
 

@@ -1,6 +1,7 @@
 // CudnnAttention's entry points in a build without cuDNN (no nvcc, or cudnn.h, libcudnn or
 // cudnn-frontend's headers not found at configure time): each says so.
 #include "distca/kernels/cudnn.h"
+#include "distca/kernels/registry.h"
 
 namespace distca::kernels {
 
@@ -10,11 +11,7 @@ std::string cudnn_version() { return ""; }
 struct CudnnAttention::State {};
 CudnnAttention::CudnnAttention(std::unique_ptr<State> state) : state_(std::move(state)) {}
 CudnnAttention::~CudnnAttention() = default;
-Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int) {
-  return not_found(
-      "this build of distca has no cuDNN kernel (cuDNN or cudnn-frontend's headers were not found at configure time, "
-      "or DISTCA_WITH_CUDNN=OFF); scripts/cudnn-frontend.sh fetches the headers, then reconfigure");
-}
+Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int) { return built(kernel_info("cudnn")); }
 Status CudnnAttention::forward(const CudaFwdArgs&, void*) { return create(-1).status(); }
 Status CudnnAttention::backward(const CudaBwdArgs&, void*) { return create(-1).status(); }
 int CudnnAttention::device() const { return -1; }

@@ -14,8 +14,8 @@
 #include <cstdint>
 
 #include "flash_fwd.cuh"
-#include "schedule.h"
-#include "warp.cuh"
+#include "../common/schedule.h"
+#include "../common/warp.cuh"
 
 namespace distca::kernels::cuda {
 

@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
-#include "schedule.h"
-#include "warp.cuh"
+#include "../common/schedule.h"
+#include "../common/warp.cuh"
 
 namespace distca::kernels::cuda {
 
