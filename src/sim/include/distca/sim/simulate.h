@@ -14,7 +14,7 @@
 //               stage's units and leaves at most two replicas per sequence, the fastest kept
 //               (as the paper's baseline sweep), or at --wlb-cp
 //   cad-distca  CAD with the paper's planner (stateless backward); cad: CAD with the default
-//               planner (minbytes: key-range splits, stateful backward); cad-minmax: CAD with
+//               planner (plan::kDefaultPlanner: key-range splits, stateful backward); cad-minmax: CAD with
 //               minmax (whole causal shards, stateful). The sequence stays as packed (context / cp tokens per unit),
 //               every unit is an in-place attention server for the CA tasks the planner gives
 //               it, with per-layer dispatch and return and ping-pong over two nano-batches (four

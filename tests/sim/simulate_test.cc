@@ -1,128 +1,15 @@
-// The simulator: event timing of each schedule on hand-computed cases, profiles, and whole
-// iterations on cases whose answer is known.
-#include <set>
+// The simulated systems (sim/simulate.h): whole iterations on cases whose answer is known.
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <filesystem>
+#include <set>
 
-#include "distca/core/file.h"
+#include "distca/plan/model_shape.h"
 #include "distca/sim/profile.h"
 #include "distca/sim/simulate.h"
-#include "distca/sim/timing.h"
 
 namespace distca::sim {
 namespace {
-
-TEST(Timing, OneFOneBOnTwoStagesHasTheTextbookBubble) {
-  // 2 stages, 4 micro-batches, forward 1, backward 2: (M + S - 1)(f + b) = 15; each stage
-  // computes 12, so the bubble is (S - 1)(f + b) = 3 per stage.
-  const std::vector<std::vector<double>> f(2, std::vector<double>(4, 1.0)), b(2, std::vector<double>(4, 2.0));
-  const PipelineTiming t = one_f_one_b(f, b, 0);
-  EXPECT_DOUBLE_EQ(t.seconds, 15.0);
-  ASSERT_EQ(t.busy.size(), 2u);
-  EXPECT_DOUBLE_EQ(t.busy[0], 12.0);
-  EXPECT_DOUBLE_EQ(t.seconds - t.busy[1], 3.0);
-  // A p2p delay of 0.5 per hop: the first forward reaches stage 1 at 1.5 and every
-  // dependency crossing adds 0.5.
-  EXPECT_GT(one_f_one_b(f, b, 0.5).seconds, 15.0);
-  // One straggling micro-batch (backward 6 instead of 2 on stage 1) delays the whole pipeline.
-  auto slow = b;
-  slow[1][1] = 6.0;
-  EXPECT_DOUBLE_EQ(one_f_one_b(f, slow, 0).seconds, 19.0);
-  // One stage: no bubble.
-  const std::vector<std::vector<double>> f1(1, std::vector<double>(3, 1.0)), b1(1, std::vector<double>(3, 2.0));
-  EXPECT_DOUBLE_EQ(one_f_one_b(f1, b1, 0).seconds, 9.0);
-}
-
-TEST(Timing, PingPongHidesCommunicationUpToTheLongerOfTheTwo) {
-  // Compute-bound: linear 2, attention 2, dispatch and return 1 each. Every transfer but the
-  // last return runs while the other nano-batch computes: compute back to back, 8, then the
-  // last return, 1: 9.
-  std::vector<std::array<LayerOps, 2>> compute_bound(1, {LayerOps{2, 1, 2, 1}, LayerOps{2, 1, 2, 1}});
-  EXPECT_DOUBLE_EQ(pingpong_seconds(compute_bound), 9.0);
-  EXPECT_DOUBLE_EQ(sequential_seconds(compute_bound), 12.0);
-  // Communication exceeds compute: linear 1, attention 1, dispatch 3, return 3. Hand schedule:
-  // linear A [0,1], linear B [1,2]; dispatch A [1,4], dispatch B [4,7]; attention A [4,5],
-  // attention B [7,8]; return A [7,10], return B [10,13]: 13, the link's 12 plus the first linear.
-  std::vector<std::array<LayerOps, 2>> comm_bound(1, {LayerOps{1, 3, 1, 3}, LayerOps{1, 3, 1, 3}});
-  EXPECT_DOUBLE_EQ(pingpong_seconds(comm_bound), 13.0);
-  EXPECT_DOUBLE_EQ(sequential_seconds(comm_bound), 16.0);
-  // Two such layers: the link never rests, 24, plus the first linear.
-  comm_bound.push_back(comm_bound[0]);
-  EXPECT_DOUBLE_EQ(pingpong_seconds(comm_bound), 25.0);
-}
-
-TEST(Timing, CollectivesFollowTheRingAlphaBetaModel) {
-  const Link link{1e-5, 1e9};
-  // All-gather of 8 MB over 8 ranks: 7 steps of latency and 7/8 of the buffer on the wire.
-  EXPECT_NEAR(collective_seconds(Collective::kAllGather, 8e6, 8, link), 7e-5 + 7e-3, 1e-12);
-  EXPECT_NEAR(collective_seconds(Collective::kReduceScatter, 8e6, 8, link), 7e-5 + 7e-3, 1e-12);
-  EXPECT_NEAR(collective_seconds(Collective::kAllReduce, 8e6, 8, link), 14e-5 + 14e-3, 1e-12);
-  EXPECT_NEAR(collective_seconds(Collective::kAllToAll, 4e6, 4, link), 3e-5 + 3e-3, 1e-12);
-  EXPECT_EQ(collective_seconds(Collective::kAllReduce, 8e6, 1, link), 0.0);
-}
-
-TEST(Profile, DefaultIsValidRoundTripsAndPricesShortShardsWorse) {
-  const Profile p = default_h200_profile();
-  ASSERT_TRUE(p.validate().is_ok());
-  auto back = profile_from_json(to_json(p), "test");
-  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
-  EXPECT_EQ(to_json(back.value()), to_json(p));
-  // A 16K document at the profile's 16K point: 640 TFLOP/s forward.
-  const int64_t pairs = shard_pairs(16384, 16384);
-  const double fwd = p.attention_seconds(16384, 16384, pairs, 4, 128, false);
-  EXPECT_NEAR(4.0 * 128 * 4 * pairs / (fwd - 5e-6), 640e12, 1e9);
-  // The same pairs in short documents cost more per pair; a 64-row shard of a long document
-  // pays for a 128-row tile.
-  const double short_doc = p.attention_seconds(512, 512, shard_pairs(512, 512), 4, 128, false);
-  EXPECT_GT(short_doc / shard_pairs(512, 512), fwd / pairs);
-  const double thin = p.attention_seconds(64, 16384, shard_pairs(64, 16384), 4, 128, true);
-  const double tile = p.attention_seconds(128, 16384, shard_pairs(128, 16384), 4, 128, true);
-  EXPECT_GT(thin, 0.9 * tile);
-}
-
-TEST(Profile, DeviceMemoryIsTheH200sAndOptional) {
-  const Profile p = default_h200_profile();
-  EXPECT_EQ(p.device_memory_bytes, 141e9);
-  EXPECT_FALSE(p.device_memory_source.empty());
-  // A profile without the field (older files, measured CPU profiles) has no device memory.
-  nlohmann::json j = to_json(p);
-  j.erase("device_memory_bytes");
-  auto loaded = profile_from_json(j, "old.json");
-  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-  EXPECT_EQ(loaded.value().device_memory_bytes, 0.0);
-  j["device_memory_bytes"] = -1;
-  auto bad = profile_from_json(j, "neg.json");
-  ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("device memory"), std::string::npos) << bad.status().message();
-}
-
-TEST(Profile, BadProfilesAreRefusedWithTheirOrigin) {
-  nlohmann::json good = to_json(default_h200_profile());
-  auto expect_bad = [](nlohmann::json j, const std::string& what) {
-    auto r = profile_from_json(j, "my.json");
-    ASSERT_FALSE(r.is_ok()) << what;
-    EXPECT_NE(r.status().message().find("my.json"), std::string::npos) << r.status().message();
-    EXPECT_NE(r.status().message().find(what), std::string::npos) << r.status().message();
-  };
-  auto j = good;
-  j["version"] = 7;
-  expect_bad(j, "version 7");
-  j = good;
-  j["format"] = "other";
-  expect_bad(j, "not a distca profile");
-  j = good;
-  j["attention"][0]["points"][1]["q_tokens"] = 100;
-  j["attention"][0]["points"][1]["kv_tokens"] = 100;
-  expect_bad(j, "sorted");
-  j = good;
-  j["linear_flops_per_second"] = -1;
-  expect_bad(j, "linear FLOP/s");
-  j = good;
-  j.erase("inter_node");
-  expect_bad(j, "inter_node");
-}
 
 SimOptions small(int pp) {
   SimOptions o;
@@ -439,22 +326,6 @@ TEST(Simulate, BadOptionsAreRefused) {
     ASSERT_FALSE(t.is_ok()) << bad;
     EXPECT_NE(t.status().message().find("--tolerance must be in [0, 1]"), std::string::npos) << t.status().message();
   }
-}
-
-// What fuzzing found (tests/fuzz/crashes/profile: token counts whose product overflowed when a
-// shard was priced) is refused when the profile is read.
-TEST(Profile, InputsThatOnceOverflowedAreRefused) {
-  const std::filesystem::path dir = std::filesystem::path(__FILE__).parent_path() / "../fuzz/crashes/profile";
-  int seen = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    if (entry.path().extension() != ".json") continue;
-    ++seen;
-    Result<Profile> p = load_profile(entry.path().string());
-    ASSERT_FALSE(p.is_ok()) << entry.path();
-    EXPECT_NE(p.status().message().find("tokens must be an integer in [0, 2147483647]"), std::string::npos)
-        << p.status().message();
-  }
-  EXPECT_GE(seen, 1);
 }
 
 }  // namespace

@@ -1,0 +1,40 @@
+# One layer's include roots, as the build gives them (its target's, and those of what it links):
+#   cmake -DCXX=<compiler> -DROOTS=<dir;dir...> -DREACHES=<header;...> -DCANNOT=<header;...> -P roots.cmake
+# Preprocesses a file that includes each header alone with only those roots: every header of
+# REACHES (its own and its dependencies') must be found, every header of CANNOT (the layers above
+# it or beside it) must not be, so an upward include fails to build whatever the table says.
+cmake_minimum_required(VERSION 3.25)
+foreach(v CXX ROOTS REACHES CANNOT)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "usage: cmake -DCXX=... -DROOTS=... -DREACHES=... -DCANNOT=... -P roots.cmake (${v} missing)")
+  endif()
+endforeach()
+# The lists come joined by | (a ; would split the command line's arguments).
+foreach(v ROOTS REACHES CANNOT)
+  string(REPLACE "|" ";" ${v} "${${v}}")
+endforeach()
+set(flags "")
+foreach(root IN LISTS ROOTS)
+  list(APPEND flags "-I${root}")
+endforeach()
+set(wrong "")
+foreach(header IN LISTS REACHES CANNOT)
+  execute_process(COMMAND "${CXX}" -std=c++20 -E -x c++ -o /dev/null ${flags} -include "${header}" /dev/null
+                  RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(header IN_LIST REACHES AND NOT rc EQUAL 0)
+    list(APPEND wrong "${header} should be found but is not: ${err}")
+  elseif(header IN_LIST CANNOT AND rc EQUAL 0)
+    list(APPEND wrong "${header} is found: an include of it would build")
+  elseif(header IN_LIST CANNOT AND NOT err MATCHES "No such file or directory")
+    list(APPEND wrong "${header} fails for another reason than a missing root: ${err}")
+  endif()
+endforeach()
+if(wrong)
+  foreach(w IN LISTS wrong)
+    message(NOTICE "${w}")
+  endforeach()
+  message(FATAL_ERROR "the include roots do not match the layers")
+endif()
+list(LENGTH REACHES n_reach)
+list(LENGTH CANNOT n_cannot)
+message(STATUS "${n_reach} header(s) of its own and lower layers found, ${n_cannot} of other layers not")
