@@ -9,6 +9,7 @@
 
 #include "distca/comm/emulated_link.h"
 #include "distca/kernels/gemm_attention.h"
+#include "distca/layout/step_split.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/workload.h"
 #include "distca/runtime/dispatcher.h"
@@ -161,7 +162,7 @@ void build_chain(Nano& x, int layers) {
 
 // Dispatchers over `link` for both nano-batches, and their chains (collective).
 Status prepare(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, const DispatchBenchOptions& o,
-               const runtime::HeadShape& heads, plan::BackwardMode mode) {
+               const layout::HeadShape& heads, plan::BackwardMode mode) {
   for (Nano& x : nanos) {
     runtime::DispatchOptions options;
     options.backward_mode = mode;
@@ -199,7 +200,7 @@ Result<Sample> run_once(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, bo
 }
 
 // Every byte the dispatchers sent since their stats were reset is the plan's count.
-Status check_traffic(int rank, std::array<Nano, 2>& nanos, const runtime::HeadShape& heads, plan::BackwardMode mode) {
+Status check_traffic(int rank, std::array<Nano, 2>& nanos, const layout::HeadShape& heads, plan::BackwardMode mode) {
   for (Nano& x : nanos) {
     const plan::Traffic t = plan::count_traffic(x.batch, plan::token_bytes(heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 4, plan::GradReturn::kFp32),
                                                 x.plan.tasks, mode);
@@ -223,7 +224,7 @@ struct Series {
 using Say = std::function<void(const std::string&)>;
 
 // `repeats` repeats of sequential then ping-pong; the dispatchers must be warm.
-Result<Series> measure(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, int repeats, const runtime::HeadShape& heads,
+Result<Series> measure(comm::EmulatedLink& link, std::array<Nano, 2>& nanos, int repeats, const layout::HeadShape& heads,
                        plan::BackwardMode mode, const Say& say) {
   for (Nano& x : nanos) x.d->reset_stats();
   Series out;
@@ -383,7 +384,7 @@ Result<json> run_dispatch_bench(comm::Communicator& c, const DispatchBenchOption
     if (is_root) progress(line);
   };
   const int R = c.size();
-  const runtime::HeadShape heads{o.q_heads, o.kv_heads, o.head_dim};
+  const layout::HeadShape heads{o.q_heads, o.kv_heads, o.head_dim};
   const plan::BackwardMode mode = o.backward_mode == "stateful" ? plan::BackwardMode::kStateful : plan::BackwardMode::kStateless;
   kernels::blas_set_num_threads(o.threads);
 
@@ -391,7 +392,7 @@ Result<json> run_dispatch_bench(comm::Communicator& c, const DispatchBenchOption
   plan::SamplingOptions sampling;
   sampling.seed = o.seed;
   DISTCA_ASSIGN_OR_RETURN(plan::Batch batch, plan::sample_batch(dist, sampling, R, o.tokens_per_rank));
-  DISTCA_ASSIGN_OR_RETURN(runtime::NanoBatches split, runtime::split_nano_batches(batch));
+  DISTCA_ASSIGN_OR_RETURN(layout::NanoBatches split, layout::split_step_by_documents(batch));
   plan::ModelShape model;
   model.name = "bench";
   model.num_layers = o.layers;

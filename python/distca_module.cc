@@ -1,4 +1,4 @@
-// The distca Python module's native part (_distca): thin bindings over the plan, route and sim
+// The distca Python module's native part (_distca): thin bindings over the plan, layout and sim
 // layers and the CPU and CUDA attention kernels (on raw addresses, and for CUDA a stream handle: no
 // PyTorch or CUDA headers here). Every check, plan, layout and report is the C++ one (docs/design.md §3:
 // python adds no logic of its own); this file only converts: Python lists and NumPy arrays in,
@@ -31,12 +31,14 @@
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/cuda.h"
 #include "distca/kernels/cudnn.h"
+#include "distca/kernels/registry.h"
 #include "distca/plan/batch.h"
 #include "distca/plan/plan_io.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
-#include "distca/runtime/exchange.h"
-#include "distca/runtime/route.h"
+#include "distca/layout/exchange.h"
+#include "distca/layout/route.h"
+#include "distca/layout/task_split.h"
 #include "distca/facade/plan_request.h"
 #include "distca/sim/profile.h"
 #include "distca/facade/sim_request.h"
@@ -96,6 +98,26 @@ py::array_t<int64_t> task_matrix(const std::vector<plan::Task>& tasks) {
   v.reserve(tasks.size() * 6);
   for (const plan::Task& t : tasks) v.insert(v.end(), {t.doc, t.q0, t.q1, t.k0, t.k1, t.server});
   return matrix(v, 6);
+}
+
+using TaskRows = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// (n, 6) rows of doc, q0, q1, k0, k1, server as plan tasks (a doc or server past int32 is refused
+// here; every other check is the C++ callee's).
+std::vector<plan::Task> plan_tasks(const TaskRows& tasks) {
+  if (tasks.ndim() != 2 || tasks.shape(1) != 6) {
+    throw py::value_error("tasks must be an (n, 6) array of (doc, q0, q1, k0, k1, server) rows");
+  }
+  std::vector<plan::Task> list(static_cast<size_t>(tasks.shape(0)));
+  const int64_t* t = tasks.data();
+  for (plan::Task& task : list) {
+    if (t[0] < 0 || t[0] > INT32_MAX || t[5] < 0 || t[5] > INT32_MAX) {
+      throw py::value_error(fmt::format("task doc {} or server {} out of range", t[0], t[5]));
+    }
+    task = {static_cast<int32_t>(t[0]), t[1], t[2], t[3], t[4], static_cast<int32_t>(t[5])};
+    t += 6;
+  }
+  return list;
 }
 
 // Runs `work` on a thread of its own while this one waits without the GIL, waking every 20 ms to
@@ -189,7 +211,7 @@ py::dict traffic_dict(const plan::Batch& batch, const plan::CostModel& cost, con
   return phases;
 }
 
-py::dict layout_dict(runtime::ExchangeLayout&& x) {
+py::dict layout_dict(layout::ExchangeLayout&& x) {
   py::dict d;
   d["rank"] = x.rank;
   d["num_ranks"] = x.num_ranks;
@@ -223,25 +245,49 @@ py::dict layout_dict(runtime::ExchangeLayout&& x) {
 // without the GIL.
 template <typename Build>
 py::dict layout_of(Build build) {
-  std::optional<runtime::ExchangeLayout> layout;
+  std::optional<layout::ExchangeLayout> exchange;
   Status status;
   {
     py::gil_scoped_release release;
-    Result<runtime::Route> route = build();
+    Result<layout::Route> route = build();
     if (route.is_ok()) {
-      layout = runtime::exchange_layout(route.value());
+      exchange = layout::exchange_layout(route.value());
     } else {
       status = route.status();
     }
   }
-  if (!layout) raise(status);
-  return layout_dict(std::move(*layout));
+  if (!exchange) raise(status);
+  return layout_dict(std::move(*exchange));
+}
+
+// distca.torch's nano-batch split (layout/task_split.h), computed without the GIL: parts as
+// (n, 6) task matrices, the rest as numbers.
+py::dict attention_task_split(const plan::Batch& batch, const TaskRows& tasks, double tolerance, double kv_budget) {
+  const std::vector<plan::Task> list = plan_tasks(tasks);
+  const layout::TaskSplit s = take([&] {
+    py::gil_scoped_release release;
+    return layout::split_attention_tasks(batch, list, {.tolerance = tolerance, .kv_budget = kv_budget});
+  }());
+  py::list parts, travel_rows;
+  for (const std::vector<plan::Task>& part : s.parts) parts.append(task_matrix(part));
+  for (const auto& [q, kv] : s.travel_rows) travel_rows.append(py::make_tuple(q, kv));
+  py::dict d;
+  d["parts"] = parts;
+  d["cap"] = s.cap;
+  d["level"] = s.level;
+  d["num_cuts"] = s.num_cuts;
+  d["extra_kv_rows"] = s.extra_kv_rows;
+  d["remote_kv_rows"] = s.remote_kv_rows;
+  d["travel_rows"] = py::tuple(travel_rows);
+  d["busiest"] = py::make_tuple(s.busiest[0], s.busiest[1]);
+  d["over"] = s.over;
+  return d;
 }
 
 // Rank `rank`'s exchange layout of a plan's tasks.
 py::dict rank_layout(const plan::Batch& batch, const std::vector<plan::Task>& tasks, int64_t rank) {
   const int32_t r = rank_in(rank, batch.num_ranks);
-  return layout_of([&] { return runtime::build_route(batch, tasks, r); });
+  return layout_of([&] { return layout::build_route(batch, tasks, r); });
 }
 
 plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array_t<int64_t, py::array::c_style | py::array::forcecast> pieces,
@@ -538,23 +584,18 @@ PYBIND11_MODULE(_distca, m) {
 
   // The layout of a part of a plan's tasks (a ping-pong nano-batch), checked for well-formed
   // tasks only: rows whose tasks are all in the other part get no entry.
-  m.def("partial_layout", [](std::shared_ptr<plan::Batch> batch,
-                             py::array_t<int64_t, py::array::c_style | py::array::forcecast> tasks, int32_t rank) {
+  m.def("partial_layout", [](std::shared_ptr<plan::Batch> batch, const TaskRows& tasks, int32_t rank) {
     if (batch == nullptr) throw py::type_error("batch must be a Batch, got None");
-    if (tasks.ndim() != 2 || tasks.shape(1) != 6) {
-      throw py::value_error("tasks must be an (n, 6) array of (doc, q0, q1, k0, k1, server) rows");
-    }
-    std::vector<plan::Task> list(static_cast<size_t>(tasks.shape(0)));
-    const int64_t* t = tasks.data();
-    for (plan::Task& task : list) {
-      if (t[0] < 0 || t[0] > INT32_MAX || t[5] < 0 || t[5] > INT32_MAX) {
-        throw py::value_error(fmt::format("task doc {} or server {} out of range", t[0], t[5]));
-      }
-      task = {static_cast<int32_t>(t[0]), t[1], t[2], t[3], t[4], static_cast<int32_t>(t[5])};
-      t += 6;
-    }
-    return layout_of([&] { return runtime::build_partial_route(*batch, list, rank); });
+    const std::vector<plan::Task> list = plan_tasks(tasks);
+    return layout_of([&] { return layout::build_partial_route(*batch, list, rank); });
   });
+  m.attr("task_split_kv_budget") = layout::kKvBudget;
+  m.def("split_attention_tasks",
+        [](std::shared_ptr<plan::Batch> batch, const TaskRows& tasks, double tolerance, double kv_budget) {
+          if (batch == nullptr) throw py::type_error("batch must be a Batch, got None");
+          return attention_task_split(*batch, tasks, tolerance, kv_budget);
+        },
+        py::arg("batch"), py::arg("tasks"), py::arg("tolerance"), py::arg("kv_budget"));
 
   // A plan file (distca plan --out): its batch, model and tasks, every field checked, the tasks
   // re-verified and the hash re-checked; layout() gives each rank what the plan it was written
@@ -678,6 +719,45 @@ PYBIND11_MODULE(_distca, m) {
   m.def("cuda_kernels_archs", &kernels::cuda_kernels_archs);
   m.def("cudnn_built", &kernels::cudnn_built);
   m.def("cudnn_version", &kernels::cudnn_version);
+  // The kernel registry (kernels/registry.h): what distca.torch says of a C++ kernel (its dtypes,
+  // head dims, whether this build has it) comes from here.
+  m.def(
+      "kernels",
+      [] {
+        py::list out;
+        for (const kernels::KernelInfo& k : kernels::kKernels) {
+          py::list dtypes;
+          for (kernels::DType t : k.dtypes) dtypes.append(kernels::dtype_name(t));
+          const Status built = kernels::built(k);
+          py::dict d;
+          d["name"] = std::string(k.name);
+          d["device"] = kernels::device_name(k.device);
+          d["dtypes"] = py::tuple(dtypes);
+          d["head_dims"] = py::tuple(py::cast(std::vector<int64_t>(k.head_dims.begin(), k.head_dims.end())));
+          d["has_backward"] = k.has_backward;
+          d["built"] = built.is_ok();
+          d["not_built"] = built.message();
+          d["summary"] = std::string(k.summary);
+          out.append(d);
+        }
+        return out;
+      },
+      "The registered attention kernels, each a dict: name, device, dtypes, head_dims (empty: any), has_backward, "
+      "built, not_built (why not, or \"\"), summary.");
+  m.def(
+      "kernel_supports",
+      [](const std::string& name, const TaskArray& tasks, const Dims& dims, const std::string& dtype,
+         bool backward) -> std::optional<std::string> {
+        const kernels::KernelInfo* info = take(kernels::find_kernel(name));
+        const kernels::DType t = take(kernels::parse_dtype(dtype));
+        const Status st = kernels::supports(*info, attn_dims(dims), attn_tasks(tasks), t,
+                                            backward ? kernels::Pass::kBackward : kernels::Pass::kForward);
+        if (st.is_ok()) return std::nullopt;
+        return st.message();
+      },
+      py::arg("name"), py::arg("tasks"), py::arg("dims"), py::arg("dtype"), py::arg("backward") = false,
+      "None when the kernel `name` of this build runs the pass over `tasks` with `dims` (Tq, Tkv, Hq, Hkv, D) "
+      "stored as `dtype`, else the reason (kernels::supports).");
   py::class_<PyCudaAttention>(m, "CudaAttention")
       .def(py::init([](int device, const std::string& kernel) {
              if (device < -1) throw py::value_error(fmt::format("device {} is not a CUDA device index (-1: the current one)", device));

@@ -9,9 +9,13 @@
 
 #include "distca/core/bf16.h"
 #include "distca/kernels/attention.h"
+#include "distca/kernels/registry.h"
 
 namespace distca::runtime {
 
+using layout::HeadShape;
+using layout::Route;
+using layout::Segment;
 using plan::Phase;
 
 // How the receiver of a part puts its rows where they go. Dispatches always copy; a return
@@ -189,12 +193,16 @@ void copy_own(const std::vector<Segment>& segments, bool from_local, const std::
   }
 }
 
+// The registry's "cpu" kernel on the server's fp32 rows.
 class CpuKernel final : public ServerKernel {
  public:
   CpuKernel(int num_threads, std::function<void()> poll)
       : attention_(kernels::CpuAttentionOptions{.num_threads = num_threads, .poll = std::move(poll)}) {}
   Status forward(const kernels::AttnFwdParams<float>& p) override { return attention_.forward(p); }
   Status backward(const kernels::AttnBwdParams<float>& p) override { return attention_.backward(p); }
+  Status supports(const kernels::AttnDims& dims) const override {
+    return kernels::supports(kernels::kernel_info("cpu"), dims, {}, kernels::DType::kFloat32);
+  }
 
  private:
   kernels::CpuAttention attention_;
@@ -261,9 +269,10 @@ Result<std::unique_ptr<Dispatcher>> Dispatcher::create(comm::Communicator& comm,
     return invalid_argument("DispatchOptions::held_kv: only for a part of a plan (is_part) with the stateful backward "
                             "(the stateless one sends K/V again, in the other order)");
   }
-  DISTCA_ASSIGN_OR_RETURN(Route route, options.is_part ? build_partial_route(batch, plan.tasks, comm.rank(), options.held_kv)
-                                                        : build_route(batch, plan.tasks, comm.rank()));
+  DISTCA_ASSIGN_OR_RETURN(Route route, options.is_part ? layout::build_partial_route(batch, plan.tasks, comm.rank(), options.held_kv)
+                                                        : layout::build_route(batch, plan.tasks, comm.rank()));
   auto d = std::unique_ptr<Dispatcher>(new Dispatcher(comm, std::move(route), heads, options));
+  DISTCA_RETURN_IF_ERROR(d->kernel_->supports({0, 0, heads.num_q_heads, heads.num_kv_heads, heads.head_dim}));
   // A plan whose every task is served where all of its rows live moves nothing in any phase;
   // every rank sees the same plan, so all of them skip the exchanges together (no all-to-all
   // of empty messages, which would make the ranks wait for each other at every layer).

@@ -112,7 +112,7 @@ TEST(Dispatcher, DistributedEqualsColocatedForEveryPolicyAndRankCount) {
 TEST(Dispatcher, GqaAndWideHeads) {
   const plan::Batch batch = random_batch(5, 3, 200);
   const plan::Plan plan = must_plan(batch, "minmax");
-  for (HeadShape heads : {HeadShape{8, 1, 64}, HeadShape{2, 2, 128}}) {
+  for (layout::HeadShape heads : {layout::HeadShape{8, 1, 64}, layout::HeadShape{2, 2, 128}}) {
     testing::DispatchCase c;
     c.heads = heads;
     c.num_threads = 2;
@@ -446,7 +446,7 @@ TEST(Dispatcher, ColocatedPlansWithNoSpanningDocumentPostNoExchange) {
     const plan::Plan plan = must_plan(batch.value(), "none");
     expect_all_ok(LocalWorld::run(batch.value().num_ranks, [&](Communicator& inner) -> Status {
       comm::EmulatedLink link(inner, {});
-      const HeadShape heads{2, 1, 32};
+      const layout::HeadShape heads{2, 1, 32};
       DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(link, batch.value(), plan, heads));
       if (d->is_silent() != c.is_silent) return internal_error("is_silent is wrong");
       link.reset_counters();
@@ -463,7 +463,7 @@ TEST(Dispatcher, ColocatedPlansWithNoSpanningDocumentPostNoExchange) {
   ASSERT_TRUE(spanning.is_ok());
   const plan::Plan plan = must_plan(spanning.value(), "none");
   expect_all_ok(LocalWorld::run(2, [&](Communicator& c) -> Status {
-    DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(c, spanning.value(), plan, HeadShape{2, 1, 32}));
+    DISTCA_ASSIGN_OR_RETURN(auto d, Dispatcher::create(c, spanning.value(), plan, layout::HeadShape{2, 1, 32}));
     return d->is_silent() ? internal_error("a spanning document needs an exchange") : Status::ok();
   }));
 }

@@ -29,6 +29,7 @@
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
 #include "distca/runtime/dispatcher.h"
+#include "layout/plans.h"
 
 namespace distca::runtime::testing {
 
@@ -52,16 +53,7 @@ inline GlobalLayout global_layout(const plan::Batch& batch) {
   return g;
 }
 
-// A plan of `policy` for the batch (small granularity, so small documents are cut too).
-inline Result<plan::Plan> make_plan(const plan::Batch& batch, const std::string& policy, int64_t granularity = 16) {
-  DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(policy));
-  DISTCA_ASSIGN_OR_RETURN(plan::ModelShape model, plan::model_preset("llama-8b"));
-  const plan::CostModel cost(model, plan::ThroughputProfile{});
-  plan::PlannerOptions options;
-  options.granularity = granularity;
-  options.tolerance = 0.05;
-  return fn(batch, cost, options);
-}
+using layout::testing::make_plan;
 
 // Splits the key range of about half of the plan's tasks: a task over queries [q0, q1) and keys
 // [k0, q1) becomes a causal task over keys [c, q1) (k0 < c <= q0) and non-causal tasks tiling
@@ -124,7 +116,7 @@ inline Status compare(const char* what, int rank, const std::vector<float>& got,
 
 struct DispatchCase {
   uint64_t seed = 1;
-  HeadShape heads{4, 2, 32};
+  layout::HeadShape heads{4, 2, 32};
   plan::BackwardMode mode = plan::BackwardMode::kStateless;
   int num_threads = 1;
 };
@@ -156,7 +148,7 @@ struct LocalOutputs {
 
 // Runs this rank's linear rows `rows` (global row of each) of `in` forward and backward.
 inline Result<LocalOutputs> run_local(Dispatcher& dispatcher, const std::vector<int64_t>& rows, const GlobalInputs& in) {
-  const HeadShape& h = dispatcher.heads();
+  const layout::HeadShape& h = dispatcher.heads();
   const int64_t qw = h.num_q_heads * h.head_dim, kw = h.num_kv_heads * h.head_dim;
   if (dispatcher.num_local_rows() != static_cast<int64_t>(rows.size())) {
     return internal_error(fmt::format("{} local rows, want {}", dispatcher.num_local_rows(), rows.size()));
@@ -343,7 +335,7 @@ class CopyKernel final : public ServerKernel {
 inline Status check_routing(comm::Communicator& comm, const plan::Batch& batch, const plan::Plan& plan,
                             plan::BackwardMode mode) {
   const int rank = comm.rank();
-  const HeadShape heads{2, 1, 8};
+  const layout::HeadShape heads{2, 1, 8};
   const int64_t hq = heads.num_q_heads, hkv = heads.num_kv_heads, d = heads.head_dim;
   CopyKernel kernel;
   DispatchOptions options;

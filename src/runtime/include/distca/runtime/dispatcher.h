@@ -39,7 +39,7 @@
 #include "distca/kernels/cpu.h"
 #include "distca/plan/batch.h"
 #include "distca/plan/plan.h"
-#include "distca/runtime/route.h"
+#include "distca/layout/route.h"
 
 namespace distca::runtime {
 
@@ -82,12 +82,20 @@ struct BackwardArgs {
 };
 
 // The attention server's compute over the rows it received (server layout, tasks from the
-// route). The default is kernels::CpuAttention; a GPU backend or a test plugs in here.
+// route). The default is the kernel registry's "cpu" entry (kernels::CpuAttention); a GPU backend
+// (CudaServerKernel) or a test plugs in here.
 class ServerKernel {
  public:
   virtual ~ServerKernel() = default;
   virtual Status forward(const kernels::AttnFwdParams<float>& p) = 0;
   virtual Status backward(const kernels::AttnBwdParams<float>& p) = 0;
+  // Whether the kernel runs heads of this shape (dims' row counts are 0), as its registry entry
+  // says (kernels::supports); Dispatcher::create asks it before any byte moves. The default, for
+  // a kernel the registry does not describe (a test's), accepts.
+  virtual Status supports(const kernels::AttnDims& dims) const {
+    (void)dims;
+    return Status::ok();
+  }
 };
 
 struct DispatchOptions {
@@ -102,13 +110,13 @@ struct DispatchOptions {
   // The dtype dK/dV partial sums cross ranks in on the backward return. Rows a rank serves
   // itself never travel and are summed unrounded.
   plan::GradReturn grad_return = plan::GradReturn::kFp32;
-  // The plan's tasks cover part of the batch's queries (a nano-batch of runtime::split_plan,
+  // The plan's tasks cover part of the batch's queries (a nano-batch of layout::split_step,
   // whose layout also holds rows it reads only as K/V): checked for shape, not coverage.
   bool is_part = false;
   // With is_part: the K/V layout (route.h's kv_layout, in this plan's document numbering) of an
   // earlier dispatcher's forward of the same layer, kept on the servers: rows a server holds
   // there are not sent again (ServerBuffers::held). Stateful backward only.
-  std::vector<KvInterval> held_kv;
+  std::vector<layout::KvInterval> held_kv;
 };
 
 struct PhaseStats {
@@ -123,7 +131,7 @@ class Dispatcher {
   // Collective. Checks that the plan's hash matches its tasks and is the same on every rank
   // before anything else moves; a mismatch is an error on every rank.
   static Result<std::unique_ptr<Dispatcher>> create(comm::Communicator& comm, const plan::Batch& batch,
-                                                    const plan::Plan& plan, HeadShape heads,
+                                                    const plan::Plan& plan, layout::HeadShape heads,
                                                     DispatchOptions options = {});
   ~Dispatcher();
 
@@ -138,9 +146,9 @@ class Dispatcher {
   Status compute();
   Status start_return();
 
-  const Route& route() const { return route_; }
+  const layout::Route& route() const { return route_; }
   int64_t num_local_rows() const { return route_.num_local_rows; }
-  const HeadShape& heads() const { return heads_; }
+  const layout::HeadShape& heads() const { return heads_; }
   // True when every task is served on the rank that holds all of its rows: no phase moves a
   // byte, and no exchange is posted (the ranks do not synchronize).
   bool is_silent() const { return is_silent_; }
@@ -157,7 +165,7 @@ class Dispatcher {
   struct Exchange;
   enum class Stage { kIdle, kDispatching, kDispatched, kComputed, kReturning };
 
-  Dispatcher(comm::Communicator& comm, Route route, HeadShape heads, DispatchOptions options);
+  Dispatcher(comm::Communicator& comm, layout::Route route, layout::HeadShape heads, DispatchOptions options);
   // Packs and posts one phase; copies this rank's own rows at once unless they accumulate.
   Status post(plan::Phase phase);
   void size_server_buffers(bool is_backward);
@@ -167,8 +175,8 @@ class Dispatcher {
   void fields(plan::Phase phase, std::array<Part, 3>& parts) const;
 
   comm::Communicator& comm_;
-  Route route_;
-  HeadShape heads_;
+  layout::Route route_;
+  layout::HeadShape heads_;
   DispatchOptions options_;
   std::unique_ptr<ServerKernel> own_kernel_;
   ServerKernel* kernel_ = nullptr;

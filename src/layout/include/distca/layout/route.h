@@ -14,7 +14,7 @@
 // only task. The Q segments of the two kinds are kept apart (q and split_q) so that unsplit rows
 // are plainly copied and split rows combined.
 //
-// Held K/V (ping-pong, runtime::split_plan): a server may already hold some of a task's key rows
+// Held K/V (ping-pong, layout::split_step): a server may already hold some of a task's key rows
 // from an earlier dispatcher's forward of the same layer (nano-batch A's). Those rows are not
 // sent again: the route lists them (held_kv), the server copies them from the earlier buffer, and
 // its dK/dV of them are added to the earlier buffer's before that one's backward return.
@@ -32,7 +32,7 @@
 #include "distca/plan/batch.h"
 #include "distca/plan/plan.h"
 
-namespace distca::runtime {
+namespace distca::layout {
 
 // Heads of one rank (after tensor parallelism) and the head size.
 struct HeadShape {
@@ -102,4 +102,4 @@ Result<Route> build_route(const plan::Batch& batch, const std::vector<plan::Task
 Result<Route> build_partial_route(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
                                   int32_t rank, const std::vector<KvInterval>& held = {});
 
-}  // namespace distca::runtime
+}  // namespace distca::layout

@@ -1,4 +1,4 @@
-#include "distca/runtime/route.h"
+#include "distca/layout/route.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include "distca/core/check.h"
 #include "distca/plan/verify.h"
 
-namespace distca::runtime {
+namespace distca::layout {
 
 Status HeadShape::validate() const {
   if (num_q_heads <= 0 || num_kv_heads <= 0 || head_dim <= 0) {
@@ -194,4 +194,4 @@ bool Route::owns_split_rows() const {
   return false;
 }
 
-}  // namespace distca::runtime
+}  // namespace distca::layout

@@ -32,9 +32,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "distca/runtime/route.h"
+#include "distca/layout/route.h"
 
-namespace distca::runtime {
+namespace distca::layout {
 
 // cu_seqlens and maxima of one varlen call.
 struct VarlenGroup {
@@ -68,4 +68,4 @@ struct ExchangeLayout {
 // The layout of route's rank. Every rank computes its own from the same batch and tasks.
 ExchangeLayout exchange_layout(const Route& route);
 
-}  // namespace distca::runtime
+}  // namespace distca::layout

@@ -1,8 +1,8 @@
-#include "distca/runtime/exchange.h"
+#include "distca/layout/exchange.h"
 
 #include <algorithm>
 
-namespace distca::runtime {
+namespace distca::layout {
 namespace {
 
 int64_t rows_of(const std::vector<Segment>& segments) {
@@ -130,4 +130,4 @@ ExchangeLayout exchange_layout(const Route& route) {
   return x;
 }
 
-}  // namespace distca::runtime
+}  // namespace distca::layout
