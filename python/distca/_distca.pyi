@@ -89,6 +89,9 @@ def load_plan_json(text: str) -> NativeLoadedPlan: ...
 def cpu_throughput_profile() -> dict: ...
 def partial_layout(batch: Batch, tasks: npt.NDArray[np.int64], rank: int) -> dict: ...
 
+task_split_kv_budget: float
+def split_attention_tasks(batch: Batch, tasks: npt.NDArray[np.int64], tolerance: float, kv_budget: float) -> dict: ...
+
 class SimRequest:
     model: str
     gpus: int
@@ -142,14 +145,24 @@ def cuda_kernels_built() -> bool: ...
 def cuda_kernels_archs() -> str: ...
 def cudnn_built() -> bool: ...
 def cudnn_version() -> str: ...
+def kernels() -> list[dict]:
+    """The kernel registry (src/kernels/include/distca/kernels/registry.h): each registered
+    attention kernel as a dict with name, device ("cpu" or "cuda"), dtypes (torch's names), head_dims
+    (a tuple; empty: any), has_backward, built, not_built (why this build lacks it, or "") and
+    summary."""
+def kernel_supports(name: str, tasks: npt.NDArray[np.int64], dims: tuple[int, int, int, int, int], dtype: str,
+                    backward: bool = False) -> Optional[str]:
+    """None when the registered kernel `name` of this build runs the pass over `tasks` with `dims`
+    (Tq, Tkv, Hq, Hkv, D) stored as `dtype`; else the reason. ValueError for an unknown name or dtype."""
 
 class CudaAttention:
     """distca's CUDA attention kernels on raw device addresses of packed THD arrays and a
     cudaStream_t as an int (see distca.torch.ops, which checks its tensors before it passes their
     data_ptr() and torch.cuda.current_stream().cuda_stream). Raises ValueError or RuntimeError with
     the reason where it cannot be made (no CUDA kernels in this build, no such device, compute
-    capability below 8.0). `kernel`: "distca" (distca's own kernels) or "cudnn" (cuDNN's fused
-    attention on the same task lists, in builds that found cuDNN)."""
+    capability below 8.0). `kernel`: one of the registry's CUDA entries (kernels()): "distca"
+    (distca's own kernels), "hopper" (its sm_90a kernels) or "cudnn" (cuDNN's fused attention on the
+    same task lists)."""
     def __init__(self, device: int = -1, kernel: str = "distca") -> None: ...
     @property
     def kernel(self) -> str: ...

@@ -1,9 +1,11 @@
-"""Ping-pong's split of one plan (distca.torch.nanobatch, issue 54): on batches drawn from the
-shared document-length samples, the two nano-batches together move at most 1.05x the bytes of the
-whole plan's exchange in every phase (counted from the layouts of every rank, forward and
-backward, both backward modes and both gradient returns), every server's halves stay within the
-split's level (the plan's tolerance band where the byte budget allows it), and every causal pair
-is computed exactly once."""
+"""Ping-pong's split of one plan (distca.torch.nanobatch, issue 54; in C++,
+layout::split_attention_tasks): on batches drawn from the shared document-length samples, the two
+nano-batches together move at most 1.05x the bytes of the whole plan's exchange in every phase
+(counted from the layouts of every rank, forward and backward, both backward modes and both
+gradient returns), every server's halves stay within the split's level (the plan's tolerance band
+where the byte budget allows it), and every causal pair is computed exactly once. And the split
+is exactly what the NumPy implementation it replaced gives (nanobatch_reference.py, the
+reference), every task list and number, on a set of plans."""
 from __future__ import annotations
 
 import json
@@ -17,7 +19,9 @@ torch = pytest.importorskip("torch")
 
 import distca  # noqa: E402
 from distca.torch import ModelShape, exchange_bytes, rank_layout, split_plan  # noqa: E402
-from distca.torch.nanobatch import KV_BUDGET, _row_pairs, _task_pairs  # noqa: E402
+from distca.torch.nanobatch import KV_BUDGET  # noqa: E402
+from nanobatch_reference import _row_pairs, _task_pairs  # noqa: E402
+import nanobatch_reference  # noqa: E402
 from torch_cases import COST_MODEL  # noqa: E402
 
 SHARED = Path(os.environ.get("DISTCA_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
@@ -158,3 +162,38 @@ def test_a_budget_of_zero_cuts_only_for_free_and_one_task_is_not_split():
     _covered_once(plan.batch, split.parts)
     one = distca.plan([[64]], model=COST_MODEL)
     assert len(split_plan(one.tasks, one.batch).parts) == 1
+
+
+def _reference_cases():
+    """(name, plan) on which the split is compared with the reference: the sampled batches, and
+    the hand-made shapes of the tests above with each policy."""
+    out = [(name, distca.plan(batch)) for name, batch in _sampled_batches()]
+    for lengths, policy in [([[2048, 64], [128] * 8], "minbytes"), ([[194, 90], [284]], "minbytes"),
+                            ([[1024, 512], [64] * 4, [900]], "minbytes"), ([[700, 40], [64] * 4, [300]], "distca"),
+                            ([[1500], [20] * 20, [300, 300]], "minlink"), ([[3000, 1000], [2000, 2000]], "minlink"),
+                            ([[6144], [384] * 16], "minlink"), ([[4096], [4096]], "minlink"), ([[64]], "minlink"),
+                            ([[700, 40], [64] * 4, [300]], "minmax"), ([[5000, 100, 7], [33] * 30, [2500, 2500]], "none")]:
+        plan = distca.plan(lengths, policy=policy, granularity=16 if policy == "minbytes" else None, model=COST_MODEL)
+        out.append((f"{lengths} {policy}", plan))
+    return out
+
+
+def test_the_split_is_the_numpy_references_on_every_plan():
+    compared = cut = 0
+    for name, plan in _reference_cases():
+        for tolerance, kv_budget in ((plan.tolerance, KV_BUDGET), (0.0, KV_BUDGET), (plan.tolerance, 0.0),
+                                     (0.0, 1.0), (0.3, 0.2)):
+            what = f"{name}, tolerance {tolerance}, kv_budget {kv_budget}"
+            got = split_plan(plan.tasks, plan.batch, tolerance=tolerance, kv_budget=kv_budget)
+            want = nanobatch_reference.split_plan(plan.tasks, plan.batch, tolerance=tolerance, kv_budget=kv_budget)
+            assert len(got.parts) == len(want.parts), what
+            for g, w in zip(got.parts, want.parts):
+                assert g.dtype == distca.TASK_DTYPE and np.array_equal(g, w), what
+            for key in ("cap", "level", "num_cuts", "extra_kv_rows", "remote_kv_rows"):
+                assert getattr(got, key) == getattr(want, key), (what, key, getattr(got, key), getattr(want, key))
+            assert [tuple(map(int, t)) for t in got.travel_rows] == [tuple(map(int, t)) for t in want.travel_rows], what
+            assert tuple(map(float, got.busiest)) == tuple(map(float, want.busiest)), what
+            assert list(map(int, got.over)) == list(map(int, want.over)), what
+            compared += 1
+            cut += got.num_cuts > 0
+    assert compared >= 80 and cut >= 30, (compared, cut)

@@ -53,7 +53,6 @@ import torch.distributed as dist
 from .attention import cad_attention
 from .backends import backend_names, get_backend
 from .layout import StepPlanner
-from .nanobatch import _task_pairs
 from .step_layout import PHASES, exchange_bytes
 from .train import TimedKernel
 
@@ -226,8 +225,7 @@ def main(argv: Optional[list] = None) -> int:
                     record["part_bytes"] = [int(x) * a.layers for x in shares.sum(dim=1).tolist()]
                 split = layouts[v].split
                 if split is not None:
-                    whole = np.bincount(layouts[v].plan.tasks["server"].astype(np.int64),
-                                        weights=_task_pairs(layouts[v].plan.tasks)).max()
+                    whole = float(layouts[v].plan.server_pairs.max())
                     record.update(nano_batches=len(layouts[v].parts), cuts=split.num_cuts,
                                   extra_kv_rows=split.extra_kv_rows, remote_kv_rows=split.remote_kv_rows,
                                   level_over_cap=split.level / split.cap if split.cap else 1.0,

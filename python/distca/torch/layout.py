@@ -55,7 +55,7 @@ from .buffers import ExchangeBuffers
 from .backends import describe_auto, get_backend
 from .agreement import (CALL_CAD_ATTENTION, CALL_PLAN, CALL_PLAN_ASYNC, _CALL_NAMES, InputError,  # noqa: F401
                         _by_value, _describe, _error_message, _one_line, _ranks_text, agree, call_header)
-from .nanobatch import NanoSplit, _kv_atoms, _row_groups, _task_pairs, split_plan, split_tasks  # noqa: F401
+from .nanobatch import NanoSplit, split_plan, split_tasks  # noqa: F401
 from .step_layout import (PHASES, ModelShape, PartLayout, StepLayout, _checked_rows, _device_tensor,  # noqa: F401
                           _part_layout, exchange_bytes, rank_layout)
 
