@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "distca/plan/workload.h"
 #include "layout/plans.h"
 
 namespace distca::layout {
@@ -84,15 +83,7 @@ void expect_layouts_agree(const plan::Batch& batch, const std::vector<plan::Task
 }
 
 TEST(ExchangeLayout, EveryRankSendsWhatItsServersReceiveAndEveryRowComesBackOnce) {
-  std::vector<std::pair<std::string, plan::Batch>> cases;
-  cases.push_back({"mixed, 3 ranks", plan::pack_documents({500, 20, 300, 1, 77, 260, 90, 9, 400, 33}, 3, 560).value()});
-  for (int ranks : {2, 4}) {
-    plan::SamplingOptions so;
-    so.seed = static_cast<uint64_t>(ranks);
-    cases.push_back({fmt::format("pretrain, {} ranks", ranks),
-                     plan::sample_batch(plan::builtin_distribution("pretrain").value(), so, ranks, 8192).value()});
-  }
-  for (const auto& [what, batch] : cases) {
+  for (const auto& [what, batch] : testing::mixed_and_sampled("pretrain", {2, 4}, 8192)) {
     for (const char* policy : {"none", "distca", "minmax", "minbytes", "minlink"}) {
       expect_layouts_agree(batch, make_plan(batch, policy).value().tasks, fmt::format("{}, {}", what, policy));
     }
