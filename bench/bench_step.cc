@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "distca/model/config.h"
-#include "distca/model/trainer.h"
+#include "distca/train/data_parallel.h"
 #include "distca/core/memory.h"
 #include "distca/bench/spread.h"
 
@@ -22,8 +22,8 @@ constexpr const char* kNames[kVariants] = {"sequential", "pingpong", "zero_cost"
 
 nlohmann::json to_json(const Spread& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
 
-model::TrainOptions train_options(const StepBenchOptions& o, const model::Preset& p) {
-  model::TrainOptions t;
+train::TrainOptions train_options(const StepBenchOptions& o, const model::Preset& p) {
+  train::TrainOptions t;
   t.model = p.model;
   if (o.layers > 0) t.model.num_layers = o.layers;
   t.optim = p.optim;
@@ -54,16 +54,16 @@ Status validate(const StepBenchOptions& o) {
     return invalid_argument(fmt::format("--backward must be stateful or stateless, got '{}'", o.backward_mode));
   }
   if (o.context < 0 || o.layers < 0) return invalid_argument("--context and --layers must be >= 0 (0: the preset's)");
-  model::TrainOptions t = train_options(o, model::find_preset(o.preset).value());
+  train::TrainOptions t = train_options(o, model::find_preset(o.preset).value());
   t.pingpong = "on";
-  return t.validate();
+  return t.validate(world_size(o.ranks));
 }
 
 Status check_step_memory(const StepBenchOptions& o) {
-  const model::TrainOptions t = train_options(o, model::find_preset(o.preset).value());
+  const train::TrainOptions t = train_options(o, model::find_preset(o.preset).value());
   const int variants = o.link == "auto" ? kVariants : kVariants - 1;  // --link off: no zero-cost trainer
   const int here = ranks_on_this_machine(o.ranks);
-  const model::MemoryEstimate m = model::estimate_memory(t, world_size(o.ranks));
+  const train::MemoryEstimate m = train::estimate_memory(t, world_size(o.ranks));
   const int64_t needed = m.total() * variants * here;
   return check_memory(
       "bench step", needed,
@@ -87,29 +87,29 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
   };
   const model::Preset preset = model::find_preset(o.preset).value();
   const bool emulated = o.link == "auto";
-  std::array<std::unique_ptr<model::Trainer>, kVariants> trainers;
+  std::array<std::unique_ptr<train::DataParallelTrainer>, kVariants> trainers;
   for (int v = 0; v < kVariants; ++v) {
     if (v == kZeroCost && !emulated) continue;
-    model::TrainOptions t = train_options(o, preset);
+    train::TrainOptions t = train_options(o, preset);
     t.pingpong = v == kSequential ? "sequential" : v == kWhole ? "off" : "on";
     if (emulated) t.attention_link = comm::LinkOptions{};  // unlimited (counting) until calibrated
-    DISTCA_ASSIGN_OR_RETURN(trainers[v], model::Trainer::create(comm, t));
+    DISTCA_ASSIGN_OR_RETURN(trainers[v], train::DataParallelTrainer::create(comm, t));
   }
   // Every other step in the reverse order, so that neither drift nor a variant's place after
   // another (caches, the allocator) favours one.
   int round = 0;
-  auto step_all = [&](std::array<model::StepRecord, kVariants>& out) -> Status {
+  auto step_all = [&](std::array<train::StepRecord, kVariants>& out) -> Status {
     const bool reverse = round++ % 2 == 1;
     for (int k = 0; k < kVariants; ++k) {
       const int v = reverse ? kVariants - 1 - k : k;
       if (!trainers[v]) continue;
       DISTCA_RETURN_IF_ERROR(comm.barrier());
-      DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> r, trainers[v]->step());
+      DISTCA_ASSIGN_OR_RETURN(std::vector<train::StepRecord> r, trainers[v]->step());
       out[v] = r.at(0);
     }
     return Status::ok();
   };
-  std::array<model::StepRecord, kVariants> warm{}, cal{};
+  std::array<train::StepRecord, kVariants> warm{}, cal{};
   say("warm-up step (every variant)");
   DISTCA_RETURN_IF_ERROR(step_all(warm));
   // Calibration: the sequential variant's link counts this step's bytes; its straggler's linear
@@ -128,7 +128,7 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
     for (int r = 0; r < comm.size(); ++r) {
       if (slots[2 * r] > wire) wire = slots[2 * r], ops = slots[2 * r + 1];
     }
-    const double linear = cal[kSequential].linear_seconds;
+    const double linear = cal[kSequential].straggler().linear;
     const double latency = o.latency_us * 1e-6;
     const double budget = o.ratio * linear - ops * latency;
     if (!(budget > 0) || !(wire > 0)) {
@@ -150,7 +150,7 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
   std::array<std::vector<double>, kVariants> reduce;
   nlohmann::json steps = nlohmann::json::array();
   for (int s = 0; s < o.steps; ++s) {
-    std::array<model::StepRecord, kVariants> r{};
+    std::array<train::StepRecord, kVariants> r{};
     DISTCA_RETURN_IF_ERROR(step_all(r));
     // The same nano-batches and plans: the same loss, bit for bit.
     for (int v : {kPingPong, kZeroCost}) {
@@ -159,19 +159,19 @@ Result<nlohmann::json> run_step_bench(comm::Communicator& comm, const StepBenchO
                                           r[v].loss, r[kSequential].loss));
       }
     }
-    nlohmann::json j = {{"step", r[kSequential].step}, {"nano_batches", r[kPingPong].nano_batches}};
+    nlohmann::json j = {{"step", r[kSequential].step}, {"nano_batches", r[kPingPong].split_micro_batches > 0 ? 2 : 1}};
     for (int v = 0; v < kVariants; ++v) {
       if (!trainers[v]) continue;
       seconds[v].push_back(r[v].step_seconds);
-      reduce[v].push_back(r[v].grad_reduce_seconds);
+      reduce[v].push_back(r[v].straggler().grad_reduce);
       j[std::string(kNames[v]) + "_seconds"] = r[v].step_seconds;
     }
-    comm_seq.push_back(r[kSequential].comm_seconds);
-    linear_seq.push_back(r[kSequential].linear_seconds);
+    comm_seq.push_back(r[kSequential].straggler().comm);
+    linear_seq.push_back(r[kSequential].straggler().linear);
     bytes_seq.push_back(static_cast<double>(r[kSequential].attention_bytes));
     bytes_whole.push_back(static_cast<double>(r[kWhole].attention_bytes));
-    j["sequential_comm_seconds"] = r[kSequential].comm_seconds;
-    j["sequential_linear_seconds"] = r[kSequential].linear_seconds;
+    j["sequential_comm_seconds"] = r[kSequential].straggler().comm;
+    j["sequential_linear_seconds"] = r[kSequential].straggler().linear;
     std::string line = fmt::format("step {}/{}: sequential {:.3f} s, ping-pong {:.3f} s", s + 1, o.steps,
                                    r[kSequential].step_seconds, r[kPingPong].step_seconds);
     if (emulated) {

@@ -9,9 +9,8 @@
 
 #include "distca/core/file.h"
 #include "distca/kernels/gemm_attention.h"
-#include "distca/model/dispatch_attention.h"
-#include "distca/model/pipeline.h"
-#include "distca/model/trainer.h"
+#include "distca/train/dispatch_attention.h"
+#include "distca/train/trainer.h"
 #include "distca/sim/simulate.h"
 #include "profile_cpu.h"
 #include "world.h"
@@ -127,56 +126,6 @@ Status print_calibration(const CalibrationArgs& a, const comm::Communicator& c, 
   return Status::ok();
 }
 
-// --pp P: pipeline-parallel training with both schedules (model::PipelineTrainer), each step
-// predicted by sim::predict_pipeline_step from the step's own micro-batches and (cad) tick plans.
-Status calibrate_pipeline(comm::Communicator& c, const CalibrationArgs& a, const sim::Profile& profile,
-                          const std::function<void(const std::string&)>& say) {
-  const model::Preset preset = model::find_preset(a.preset).value();
-  const sim::LinearEntry* linear = profile.find_linear(linear_model_key(preset.model));
-  if (linear == nullptr) return internal_error("the measured profile has no entry for the model");
-  const plan::ModelShape shape = model::model_shape(preset.model);
-  std::vector<std::unique_ptr<model::PipelineTrainer>> trainers;
-  for (const char* schedule : {"colocated", "cad"}) {
-    model::PipelineOptions po;
-    po.train.model = preset.model;
-    po.train.optim = preset.optim;
-    po.train.context = preset.context;
-    po.train.steps = a.steps;
-    po.train.workload = preset.workload;
-    po.train.backward_mode = plan::BackwardMode::kStateless;
-    po.train.pingpong = "off";  // the simulator prices one plan per tick
-    po.pp = a.pp;
-    po.micro_batches = a.micro_batches;
-    po.schedule = schedule;
-    DISTCA_ASSIGN_OR_RETURN(auto t, model::PipelineTrainer::create(c, po));
-    trainers.push_back(std::move(t));
-  }
-  const int dp = c.size() / a.pp;
-  double predicted[2] = {0, 0}, measured[2] = {0, 0};
-  nlohmann::json steps = nlohmann::json::array();
-  for (int64_t s = 0; s < a.steps; ++s) {
-    for (size_t i = 0; i < 2; ++i) {
-      DISTCA_ASSIGN_OR_RETURN(model::PipelineStepRecord r, trainers[i]->step());
-      sim::PipelineStepInput in;
-      in.stages = a.pp;
-      in.dp = dp;
-      in.micro_batches = trainers[i]->last_micro_batches();
-      for (const auto& t : trainers[i]->last_tick_plans()) in.ticks.push_back({t.is_backward, t.micro_batch, t.pool, t.tasks});
-      const sim::StepPrediction p = sim::predict_pipeline_step(profile, shape, in, linear->seconds_per_token_layer,
-                                                               linear->step_fixed_seconds);
-      steps.push_back({{"step", s}, {"schedule", r.schedule}, {"measured", r.step_seconds}, {"predicted", p.seconds}});
-      if (s >= a.skip) predicted[i] += p.seconds, measured[i] += r.step_seconds;
-      say(fmt::format("step {} {}: measured {:.3f} s, predicted {:.3f} s", s + 1, r.schedule, r.step_seconds, p.seconds));
-    }
-  }
-  if (c.rank() != 0) return Status::ok();
-  const int micro_batches = trainers[0]->options().micro_batches;
-  return print_calibration(a, c, profile, predicted, measured, steps, {{"pp", a.pp}, {"micro_batches", micro_batches}},
-                           fmt::format("pipeline: {} stages x {} replica{}, {} micro-batches per step", a.pp, dp,
-                                       dp == 1 ? "" : "s", micro_batches),
-                           "schedule");
-}
-
 int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
   auto options = resolve(a.preset, std::nullopt, 1, 3);
   Result<std::chrono::milliseconds> timeout = timeout_from_seconds(a.timeout_seconds);
@@ -205,41 +154,65 @@ int run_calibration(const CalibrationArgs& a, const CLI::App& cmd) {
       if (c.rank() == 0) progress_to_stderr("bench calibration")(line);
     };
     DISTCA_ASSIGN_OR_RETURN(sim::Profile profile, measure_cpu_profile(c, options.value(), say));
-    if (a.pp > 1) return calibrate_pipeline(c, a, profile, say);
+    // Both backends trained as `distca train --compare` would (with --pp, both pipeline
+    // schedules), each step predicted by the simulator from the step's own batches and plans.
     const model::Preset preset = model::find_preset(a.preset).value();
-    model::TrainOptions t;
+    train::TrainOptions t;
     t.model = preset.model;
     t.optim = preset.optim;
     t.context = preset.context;
     t.steps = a.steps;
     t.workload = preset.workload;
     t.backends = {"colocated", "cad"};
-    t.pingpong = "off";  // the simulator prices one plan per step, run layer by layer
-    DISTCA_ASSIGN_OR_RETURN(auto trainer, model::Trainer::create(c, t));
+    t.pp = a.pp;
+    t.micro_batches = a.micro_batches;
+    // The simulator prices one plan per step (per tick with --pp), run layer by layer.
+    t.pingpong = "off";
+    if (a.pp > 1) t.backward_mode = plan::BackwardMode::kStateless;
+    DISTCA_ASSIGN_OR_RETURN(auto trainer, train::make_trainer(c, t));
     const sim::LinearEntry* linear = profile.find_linear(linear_model_key(preset.model));
     if (linear == nullptr) return internal_error("the measured profile has no entry for the model");
-    const plan::ModelShape shape = model::model_shape(preset.model);
-    // The gradient all-reduce, priced on the measured link: fp32 gradients of every parameter.
+    const plan::ModelShape shape = train::model_shape(preset.model);
+    const int dp = trainer->rank_map().dp;
+    // Without --pp, the gradient all-reduce, priced on the measured link: fp32 gradients of every
+    // parameter (predict_pipeline_step prices the pipeline's own).
     const double allreduce = sim::collective_seconds(sim::Collective::kAllReduce, 4.0 * preset.model.num_parameters(),
                                                      c.size(), profile.inter_node);
     double predicted[2] = {0, 0}, measured[2] = {0, 0};
     nlohmann::json steps = nlohmann::json::array();
     for (int64_t s = 0; s < a.steps; ++s) {
-      DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> records, trainer->step());
+      DISTCA_ASSIGN_OR_RETURN(std::vector<train::StepRecord> records, trainer->step());
       for (size_t i = 0; i < 2; ++i) {
-        const sim::StepPrediction p =
-            sim::predict_step(profile, shape, trainer->last_batch(), trainer->last_plan(i).tasks, t.backward_mode,
-                              linear->seconds_per_token_layer, linear->step_fixed_seconds + allreduce);
-        steps.push_back({{"step", s}, {"backend", records[i].backend}, {"measured", records[i].step_seconds},
-                         {"predicted", p.seconds}, {"predicted_attention", p.attention},
-                         {"measured_attention", records[i].attention_seconds}});
-        if (s >= a.skip) predicted[i] += p.seconds, measured[i] += records[i].step_seconds;
-        say(fmt::format("step {} {}: measured {:.3f} s, predicted {:.3f} s", s + 1, records[i].backend,
-                        records[i].step_seconds, p.seconds));
+        const train::StepRecord& r = records[i];
+        const train::StepPlans plans = trainer->last_plans(i);
+        sim::StepPrediction p;
+        nlohmann::json step;
+        if (a.pp > 1) {
+          sim::PipelineStepInput in;
+          in.stages = a.pp;
+          in.dp = dp;
+          in.micro_batches = plans.micro_batches;
+          for (const train::TickPlan& tick : plans.plans) in.ticks.push_back({tick.is_backward, tick.micro_batch, tick.pool, tick.tasks});
+          p = sim::predict_pipeline_step(profile, shape, in, linear->seconds_per_token_layer, linear->step_fixed_seconds);
+          step = {{"step", s}, {"schedule", r.backend}, {"measured", r.step_seconds}, {"predicted", p.seconds}};
+        } else {
+          p = sim::predict_step(profile, shape, plans.micro_batches.front(), plans.plans.front().tasks, t.backward_mode,
+                                linear->seconds_per_token_layer, linear->step_fixed_seconds + allreduce);
+          step = {{"step", s}, {"backend", r.backend}, {"measured", r.step_seconds}, {"predicted", p.seconds},
+                  {"predicted_attention", p.attention}, {"measured_attention", r.straggler().attention}};
+        }
+        steps.push_back(step);
+        if (s >= a.skip) predicted[i] += p.seconds, measured[i] += r.step_seconds;
+        say(fmt::format("step {} {}: measured {:.3f} s, predicted {:.3f} s", s + 1, r.backend, r.step_seconds, p.seconds));
       }
     }
     if (c.rank() != 0) return Status::ok();
-    return print_calibration(a, c, profile, predicted, measured, steps, nlohmann::json::object(), "", "backend");
+    if (a.pp == 1) return print_calibration(a, c, profile, predicted, measured, steps, nlohmann::json::object(), "", "backend");
+    const int micro_batches = trainer->options().micro_batches;
+    return print_calibration(a, c, profile, predicted, measured, steps, {{"pp", a.pp}, {"micro_batches", micro_batches}},
+                             fmt::format("pipeline: {} stages x {} replica{}, {} micro-batches per step", a.pp, dp,
+                                         dp == 1 ? "" : "s", micro_batches),
+                             "schedule");
   }, world);
 }
 

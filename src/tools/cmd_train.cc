@@ -4,31 +4,29 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <chrono>
-
-#include <unistd.h>
-
-#include <cstdlib>
-#include <filesystem>
-#include <map>
-#include <fstream>
+#include <cstdio>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "distca/core/file.h"
-#include "distca/kernels/gemm_attention.h"
-#include "distca/model/trainer.h"
-#include "distca/model/pipeline.h"
+#include "distca/core/memory.h"
 #include "distca/plan/planner.h"
 #include "distca/runtime/pipeline_schedule.h"
-#include "distca/core/memory.h"
+#include "distca/train/data.h"
+#include "distca/train/trainer.h"
 #include "world.h"
 
 namespace distca::tools {
 
 namespace {
+
+// The --json file: its format name and version (scripts/gpu-check.sh reads it). Version 3: one
+// record for both trainers (the pipeline's was distca-train-pipeline version 1).
+constexpr const char* kTrainFormat = "distca-train";
+constexpr int kTrainFormatVersion = 3;
 
 struct TrainArgs {
   std::string preset = "demo";
@@ -74,9 +72,9 @@ struct TrainArgs {
 
 std::string gib(int64_t bytes) { return memory_text(bytes); }
 
-Result<model::TrainOptions> resolve(const TrainArgs& a) {
+Result<train::TrainOptions> resolve(const TrainArgs& a) {
   DISTCA_ASSIGN_OR_RETURN(model::Preset p, model::find_preset(a.preset));
-  model::TrainOptions o;
+  train::TrainOptions o;
   o.model = p.model;
   o.optim = p.optim;
   o.context = a.context.value_or(p.context);
@@ -155,40 +153,26 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   o.checkpoint_path = a.checkpoint;
   o.save_every = a.save_every;
   o.resume_path = a.resume;
-  DISTCA_RETURN_IF_ERROR(o.validate());
-  if (a.pp < 1 || a.pp > 1024) return invalid_argument(fmt::format("--pp must be 1..1024, got {}", a.pp));
-  if (a.micro_batches < 0 || a.micro_batches > 4096) {
-    return invalid_argument(fmt::format("--micro-batches must be 1..4096 (0: 2 x --pp), got {}", a.micro_batches));
-  }
+  o.pp = a.pp;
+  o.micro_batches = a.micro_batches;
+  o.recompute = a.is_recompute;
+  DISTCA_RETURN_IF_ERROR(o.validate(world_size(a.ranks)));
   if (a.pp == 1 && (a.given(a.micro_batches_opt) || a.is_print_schedule || a.is_recompute)) {
     return invalid_argument("--micro-batches, --print-schedule and --recompute shape a pipeline: add --pp P (P >= 2)");
   }
-  if (a.pp > 1) {
-    if (o.model.num_layers % a.pp != 0) {
-      return invalid_argument(fmt::format("--pp {} must divide the model's {} layers (equal layers per stage); change "
-                                          "--layers or --pp", a.pp, o.model.num_layers));
-    }
-    if (!a.checkpoint.empty() || !a.resume.empty() || a.eval_every > 0) {
-      return invalid_argument("--pp does not support --checkpoint, --resume or --eval-every yet: drop them");
-    }
-    if (has_cad && a.given(a.backward_opt) && o.backward_mode == plan::BackwardMode::kStateful) {
-      return invalid_argument("--pp with CAD plans every tick anew (a micro-batch's forward and backward fall in "
-                              "different ticks), so its backward is stateless: drop --backward-mode stateful");
-    }
-  }
-  if (const int w = world_size(a.ranks); w % (a.tp * a.pp) != 0) {
-    return invalid_argument(fmt::format("--tp {} x --pp {} must divide the {} ranks (the rest is data parallelism); "
-                                        "change --ranks (mpirun -np) or the layout",
-                                        a.tp, a.pp, w));
+  if (a.pp > 1 && has_cad && a.given(a.backward_opt) && o.backward_mode == plan::BackwardMode::kStateful) {
+    return invalid_argument("--pp with CAD plans every tick anew (a micro-batch's forward and backward fall in "
+                            "different ticks), so its backward is stateless: drop --backward-mode stateful");
   }
   const bool is_power_of_two = o.granularity > 0 && (o.granularity & (o.granularity - 1)) == 0;
   if (o.granularity != 0 && (!is_power_of_two || o.granularity < 16 || o.granularity > 4096)) {
     // As distca plan: every cut on a kernel tile boundary (see cmd_plan.cc).
     return invalid_argument(fmt::format("--granularity must be a power of two from 16 to 4096, or 0 for the largest "
                                         "power of two <= context / 32 clamped to 16..128; got {}", o.granularity));
-  }  if (o.data_path.empty()) {
+  }
+  if (o.data_path.empty()) {
     bool known = false;
-    for (const std::string& w : model::synthetic_workloads()) known = known || w == o.workload;
+    for (const std::string& w : train::synthetic_workloads()) known = known || w == o.workload;
     if (!known) return invalid_argument(fmt::format("--workload must be pretrain, prolong or skewed, got '{}'", o.workload));
   }
   if (a.skip < 0) return invalid_argument(fmt::format("--skip must be >= 0, got {}", a.skip));
@@ -204,14 +188,7 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}}, {{"--resume", a.resume}}));
   // Memory: refuse before allocating what this machine cannot hold.
   const int world = world_size(a.ranks);
-  model::MemoryEstimate m = model::estimate_memory(o, world);
-  if (a.pp > 1) {
-    // A stage holds up to 2P - 1 micro-batches between their forward and backward (cad's lockstep
-    // first stage; 1F1B's holds P), each in a workspace of its L / P layers.
-    const int64_t per = o.model.num_layers / a.pp;
-    const model::ModelConfig shard = model::tensor_parallel_shard(o.model, o.tp).value();
-    m.activations_bytes = (2 * a.pp - 1) * model::Model<float>::workspace_bytes(shard, o.context, {0, per});
-  }
+  const train::MemoryEstimate m = train::estimate_memory(o, world);
   const int64_t here = m.total() * ranks_on_this_machine(a.ranks);
   const int64_t available = available_memory_bytes();
   if (here > available) {
@@ -225,8 +202,9 @@ Result<model::TrainOptions> resolve(const TrainArgs& a) {
   return o;
 }
 
+
 // How the model splits over the TP ranks ("" without TP).
-std::string tp_note(const model::TrainOptions& o) {
+std::string tp_note(const train::TrainOptions& o) {
   if (o.tp <= 1) return "";
   const model::ModelConfig s = model::tensor_parallel_shard(o.model, o.tp).value();
   const int shared = model::kv_head_replicas(o.model, o.tp);
@@ -237,9 +215,10 @@ std::string tp_note(const model::TrainOptions& o) {
 
 // Which backends split their steps into two ping-pong nano-batches.
 // With --pp, each micro-batch splits in its ticks (a cad tick: one pooled plan per nano-batch).
-std::string pingpong_note(const model::TrainOptions& o, const std::vector<std::string>& backends, bool pipeline) {
+std::string pingpong_note(const train::TrainOptions& o) {
+  const bool pipeline = o.pp > 1;
   std::vector<std::string> on, off;
-  for (const std::string& b : backends) (o.pingpong == "on" || (o.pingpong == "auto" && b == "cad") ? on : off).push_back(b);
+  for (const std::string& b : o.backends) (o.pingpong == "on" || (o.pingpong == "auto" && b == "cad") ? on : off).push_back(b);
   std::string s;
   if (!on.empty()) {
     s = fmt::format("on for {}: each {} splits into two nano-batches (whole documents, halved by causal pairs), each "
@@ -252,7 +231,7 @@ std::string pingpong_note(const model::TrainOptions& o, const std::vector<std::s
 }
 
 // The rank map: each rank's (tp, pp, dp) and the groups it joins (the first 16 ranks).
-void print_rank_map(const model::RankMap& map) {
+void print_rank_map(const train::RankMap& map) {
   fmt::print("  ranks      tp {} x pp {} x dp {} (rank = (pp x {} + dp) x {} + tp):\n", map.tp, map.pp, map.dp, map.dp, map.tp);
   const std::vector<std::string> lines = map.describe();
   for (size_t i = 0; i < lines.size() && i < 16; ++i) fmt::print("             {}\n", lines[i]);
@@ -265,25 +244,44 @@ std::string si(double v) {
   return fmt::format("{:.0f}", v);
 }
 
-void print_header(const model::TrainOptions& o, const model::Trainer& t, const comm::Communicator& c) {
+bool has_cad(const train::TrainOptions& o) {
+  return std::find(o.backends.begin(), o.backends.end(), "cad") != o.backends.end();
+}
+
+void print_header(const train::Trainer& t, const comm::Communicator& c) {
+  const train::TrainOptions& o = t.options();
   const model::ModelConfig& m = o.model;
-  fmt::print("distca train: {} rank(s) over {}, attention {}{}\n", c.size(), c.name() == "mpi" ? "MPI" : "threads (LocalComm)",
-             fmt::join(o.backends, " vs "), o.backends.size() > 1 ? " (compared, interleaved step by step)" : "");
-  fmt::print("  model      {} layers, d {}, heads {}/{} x {}, ffn {}, vocab {}: {} parameters{}\n", m.num_layers, m.d_model,
-             m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim, m.vocab_size, si(static_cast<double>(m.num_parameters())),
-             tp_note(o));
-  fmt::print("  data       {}; {} tokens per {} per step, {} steps{}\n", t.data_description(), o.context,
-             o.tp > 1 ? "replica (its TP ranks share them)" : "rank", o.steps,
+  const bool pipeline = o.pp > 1;
+  const std::string over = c.name() == "mpi" ? "MPI" : "threads (LocalComm)";
+  const std::string compared = o.backends.size() > 1 ? " (compared, interleaved step by step)" : "";
+  if (pipeline) {
+    fmt::print("distca train: {} rank(s) over {}: {} pipeline stages x {} data-parallel replicas{}, {} micro-batches per "
+               "step, schedule {}{}\n",
+               c.size(), over, o.pp, t.rank_map().dp, o.tp > 1 ? fmt::format(" x {} tensor-parallel ranks", o.tp) : "",
+               o.micro_batches, fmt::join(o.backends, " vs "), compared);
+  } else {
+    fmt::print("distca train: {} rank(s) over {}, attention {}{}\n", c.size(), over, fmt::join(o.backends, " vs "), compared);
+  }
+  fmt::print("  model      {} layers{}, d {}, heads {}/{} x {}, ffn {}, vocab {}: {} parameters{}\n", m.num_layers,
+             pipeline ? fmt::format(" ({} per stage)", m.num_layers / o.pp) : "", m.d_model, m.num_q_heads,
+             m.num_kv_heads, m.head_dim, m.ffn_dim, m.vocab_size, si(static_cast<double>(m.num_parameters())), tp_note(o));
+  fmt::print("  data       {}; {} tokens per {} per {}, {} steps{}\n", t.data_description(), o.context,
+             o.tp > 1 ? "replica (its TP ranks share them)" : "rank", pipeline ? "micro-batch" : "step", o.steps,
              t.steps_done() > 0 ? fmt::format(" (resumed after step {})", t.steps_done()) : "");
   print_rank_map(t.rank_map());
-  if (std::find(o.backends.begin(), o.backends.end(), "cad") != o.backends.end()) {
+  if (pipeline && has_cad(o)) {
+    fmt::print("  cad        lockstep ticks, one plan per tick over all {} ranks{} (planner {}, granularity {}, tolerance "
+               "{}, stateless backward); idle stages serve attention; {} thread(s) per rank\n",
+               c.size() / o.tp, o.tp > 1 ? " of each TP index" : "", o.policy, o.granularity, o.tolerance, o.threads);
+  } else if (has_cad(o)) {
     fmt::print("  cad        planner {}, granularity {}, tolerance {}, {} backward, dK/dV returned in {}; {} thread(s) per rank\n",
                o.policy, o.granularity, o.tolerance, plan::backward_mode_name(o.backward_mode),
                plan::grad_return_name(o.grad_return), o.threads);
   } else {
-    fmt::print("  colocated  each rank attends its own documents; {} thread(s) per rank\n", o.threads);
+    fmt::print("  colocated  each rank attends its own documents{}; {} thread(s) per rank\n",
+               pipeline ? " (1F1B over the stages)" : "", o.threads);
   }
-  fmt::print("  ping-pong  {}\n", pingpong_note(o, o.backends, false));
+  fmt::print("  ping-pong  {}\n", pingpong_note(o));
   fmt::print("  optimizer  AdamW lr {} (warm-up {} steps, then {}), betas {}/{}, weight decay {}, clip {}\n", o.optim.lr,
              o.optim.warmup_steps,
              o.optim.schedule == "constant" ? std::string("constant")
@@ -293,267 +291,124 @@ void print_header(const model::TrainOptions& o, const model::Trainer& t, const c
     fmt::print("  validation every {} steps: {} held-out step(s) of {} x {} tokens ({})\n", o.eval_every, o.eval_steps,
                t.rank_map().dp, o.context, o.data_path.empty() ? "another seed's stream" : fmt::format("the last {} documents, never trained on", o.eval_docs));
   }
-  fmt::print("  step time  the straggler's own parts (the rank the others waited for; they add up); attention min-max "
-             "across ranks beside it\n");
+  if (pipeline) {
+    fmt::print("  step time  the straggler's own parts (the rank the others waited for; they add up): linear + attn + comm "
+               "+ pipe (waiting for the neighbour stage) + idle (ticks without work) + wait (for the straggler at the "
+               "step's end) + optim + other\n");
+  } else {
+    fmt::print("  step time  the straggler's own parts (the rank the others waited for; they add up); attention min-max "
+               "across ranks beside it\n");
+  }
   std::fflush(stdout);
 }
 
-void print_step(const model::StepRecord& r, int64_t steps) {
-  fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  {:.3f}s = linear {:.3f} + attn {:.3f} + comm {:.3f} + "
-             "wait {:.3f} + optim {:.3f} + other {:.3f} (rank {})  attn across ranks {:.3f}-{:.3f}\n",
-             r.step, steps, r.backend, r.loss, si(r.tokens_per_second), r.step_seconds, r.linear_seconds,
-             r.attention_seconds, r.comm_seconds, r.wait_seconds, r.optimizer_seconds, r.other_seconds, r.slowest_rank,
-             r.attention_min_seconds, r.attention_max_seconds);
+void print_step(const train::StepRecord& r, const train::TrainOptions& o) {
+  const train::StepRecord::Rank& x = r.straggler();
+  const std::string pipe = o.pp > 1 ? fmt::format("pipe {:.3f} + idle {:.3f} + ", x.pipeline_wait, x.idle) : "";
+  std::string tail;
+  if (o.pp > 1) {
+    double served = 0;
+    for (const auto& y : r.ranks) served += y.served_in_idle;
+    tail = fmt::format("attn imbalance {:.2f}, served in idle ticks {:.3f}s, ping-pong {}/{}", r.attention_imbalance, served,
+                       r.split_micro_batches, r.micro_batches);
+  } else {
+    tail = fmt::format("attn across ranks {:.3f}-{:.3f}", r.attention_min_seconds, r.attention_max_seconds);
+  }
+  fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  {:.3f}s = linear {:.3f} + attn {:.3f} + comm {:.3f} + {}"
+             "wait {:.3f} + optim {:.3f} + other {:.3f} (rank {})  {}\n",
+             r.step, o.steps, r.backend, r.loss, si(r.tokens_per_second), r.step_seconds, x.linear, x.attention, x.comm, pipe,
+             x.wait, x.optimizer, x.other, r.slowest_rank, tail);
   std::fflush(stdout);
 }
 
-void print_summary(const nlohmann::json& s) {
+void print_summary(const nlohmann::json& s, const train::TrainOptions& o) {
   const nlohmann::json& any = s["backends"].begin().value();
   const int64_t k = any["loss_steps"].get<int64_t>();
   const std::string loss_head = k == 1 ? "loss first -> last step" : fmt::format("loss, mean of first {} -> last {}", k, k);
-  fmt::print("\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>9} {:>10}  {}\n", "backend", "step (s)", "tokens/s", "wait (s)",
-             "attn (s)", "imbalance", "bound (s)", loss_head);
-  for (const std::string name : {"colocated", "cad"}) {
-    if (!s["backends"].contains(name)) continue;
-    const nlohmann::json& b = s["backends"][name];
-    fmt::print("{:<10} {:>9.3f} {:>10} {:>10.3f} {:>10.3f} {:>9.2f} {:>10.3f}  {:.4f} -> {:.4f}\n", name,
-               b["step_seconds"].get<double>(), si(b["tokens_per_second"].get<double>()), b["wait_max_seconds"].get<double>(),
-               b["attention_seconds"].get<double>(), b["attention_imbalance"].get<double>(),
-               b["bound_seconds"].get<double>(), b["loss_first"].get<double>(), b["loss_last"].get<double>());
+  const bool pipeline = o.pp > 1;
+  if (pipeline) {
+    fmt::print("\n{:<10} {:>9} {:>14} {:>10} {:>16}  {}\n", "schedule", "step (s)", "wait+bubble", "imbalance",
+               "served in idle", loss_head);
+  } else {
+    fmt::print("\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>9} {:>10}  {}\n", "backend", "step (s)", "tokens/s", "wait (s)",
+               "attn (s)", "imbalance", "bound (s)", loss_head);
   }
-  fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step and attn are the straggler's, wait the longest "
-             "any rank waited for it; "
-             "bound: the step with compute perfectly balanced and communication free, a lower bound\n",
-             any["first_timed_step"].get<int64_t>(), any["first_timed_step"].get<int64_t>() + any["timed_steps"].get<int64_t>() - 1);
   std::vector<std::string> memory;
-  for (const std::string name : {"colocated", "cad"}) {
-    if (!s["backends"].contains(name)) continue;
+  for (const std::string& name : o.backends) {
     const nlohmann::json& b = s["backends"][name];
-    memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f})", name,
-                                 b["memory_max_bytes"].get<double>() / (1 << 20), b["memory_max_over_mean"].get<double>()));
+    if (pipeline) {
+      fmt::print("{:<10} {:>9.3f} {:>8.3f} ({:>3.0f}%) {:>10.2f} {:>9.3f}s ({:>2.0f}%)  {:.4f} -> {:.4f}\n", name,
+                 b["step_seconds"].get<double>(), b["wait_and_bubble_seconds"].get<double>(),
+                 100 * b["wait_and_bubble_share"].get<double>(), b["attention_imbalance"].get<double>(),
+                 b["served_in_idle_seconds"].get<double>(), 100 * b["served_in_idle_share_of_attention"].get<double>(),
+                 b["loss_first"].get<double>(), b["loss_last"].get<double>());
+      memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f}, within a stage {:.3f}{})", name,
+                                   b["memory_max_bytes"].get<double>() / (1 << 20), b["memory_max_over_mean"].get<double>(),
+                                   b["memory_max_over_mean_within_stage"].get<double>(),
+                                   o.recompute ? fmt::format("; recomputing {:.3f} s per step on the rank that recomputed most",
+                                                             b["recompute_seconds"].get<double>())
+                                               : ""));
+    } else {
+      fmt::print("{:<10} {:>9.3f} {:>10} {:>10.3f} {:>10.3f} {:>9.2f} {:>10.3f}  {:.4f} -> {:.4f}\n", name,
+                 b["step_seconds"].get<double>(), si(b["tokens_per_second"].get<double>()), b["wait_max_seconds"].get<double>(),
+                 b["attention_seconds"].get<double>(), b["attention_imbalance"].get<double>(),
+                 b["bound_seconds"].get<double>(), b["loss_first"].get<double>(), b["loss_last"].get<double>());
+      memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f})", name,
+                                   b["memory_max_bytes"].get<double>() / (1 << 20), b["memory_max_over_mean"].get<double>()));
+    }
   }
-  fmt::print("memory per rank, the fullest rank's peak (parameters, gradients, AdamW moments, activations, attention "
-             "buffers): {}\n", fmt::join(memory, "; "));
+  const int64_t first = any["first_timed_step"].get<int64_t>(), last = first + any["timed_steps"].get<int64_t>() - 1;
+  if (pipeline) {
+    fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step: the straggler's; wait+bubble: its "
+               "pipe + idle + wait time, and its share of the step; served in idle: attention seconds (and share of all "
+               "attention) computed by ranks in ticks without a micro-batch of their own, all ranks\n", first, last);
+    fmt::print("memory per rank, the fullest rank's peak (parameters, gradients, AdamW moments and the gradient "
+               "accumulator, micro-batch workspaces, attention buffers, stage messages in flight): {}; {}\n",
+               fmt::join(memory, "; "),
+               o.recompute ? std::string("--recompute: every stage holds as many workspaces as the last stage and "
+                                         "recomputes the other micro-batches' linear activations (inside linear)")
+                           : std::string("across stages the schedule decides (a stage holds as many workspaces as it has "
+                                         "micro-batches in flight; --recompute evens it out)"));
+  } else {
+    fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step and attn are the straggler's, wait the "
+               "longest any rank waited for it; bound: the step with compute perfectly balanced and communication free, "
+               "a lower bound\n", first, last);
+    fmt::print("memory per rank, the fullest rank's peak (parameters, gradients, AdamW moments, activations, attention "
+               "buffers): {}\n", fmt::join(memory, "; "));
+  }
   if (!s["speedup"].is_null()) {
-    fmt::print("speedup of CAD over colocated (same run, same data): {:.2f}x; CAD step / CAD bound: {:.3f}; largest "
-               "relative loss difference: {:.2e}\n",
+    fmt::print("speedup of CAD over colocated{} (same run, same data): {:.2f}x; CAD step / CAD bound: {:.3f}; largest "
+               "relative loss difference: {:.2e}\n", pipeline ? " 1F1B" : "",
                s["speedup"].get<double>(), s["cad_over_bound"].get<double>(), s["loss_max_rel_diff"].get<double>());
   }
 }
 
-// --pp P: pipeline-parallel training (model::PipelineTrainer), one trainer per schedule
-// (colocated 1F1B, cad lockstep), interleaved step by step with --compare.
-nlohmann::json pipeline_summary(const std::vector<model::PipelineStepRecord>& records, int64_t skip, int pp) {
-  std::map<std::string, std::vector<const model::PipelineStepRecord*>> by;
-  for (const auto& r : records) by[r.schedule].push_back(&r);
-  nlohmann::json out = {{"schedules", nlohmann::json::object()}};
-  for (const auto& [name, rs] : by) {
-    const size_t first = std::min<size_t>(static_cast<size_t>(skip), rs.size() - 1);
-    double step = 0, wait = 0, served = 0, imbalance = 0, attention = 0, recompute = 0;
-    // The peak over the run of the fullest rank's memory, and the largest max / mean over ranks.
-    // Within a stage (its DP replicas hold the same layers and the same number of micro-batches
-    // in flight), the largest max / mean: what the attention layout decides; across stages the
-    // schedule's in-flight micro-batches differ (stage s of 1F1B holds up to P - s).
-    int64_t peak_memory = 0;
-    double memory_ratio = 1, stage_ratio = 1;
-    for (const model::PipelineStepRecord* r : rs) {
-      peak_memory = std::max(peak_memory, r->memory_max_bytes);
-      if (r->memory_mean_bytes > 0) memory_ratio = std::max(memory_ratio, static_cast<double>(r->memory_max_bytes) / r->memory_mean_bytes);
-      const size_t dp = r->ranks.size() / static_cast<size_t>(pp);
-      for (size_t first = 0; first + dp <= r->ranks.size(); first += dp) {
-        int64_t most = 0;
-        double sum = 0;
-        for (size_t k = first; k < first + dp; ++k) {
-          most = std::max(most, r->ranks[k].memory());
-          sum += static_cast<double>(r->ranks[k].memory());
-        }
-        if (sum > 0) stage_ratio = std::max(stage_ratio, static_cast<double>(most) / (sum / static_cast<double>(dp)));
-      }
+// --print-schedule: the tick table of each backend's pipeline schedule; no training.
+int print_schedules(const train::TrainOptions& o) {
+  for (const std::string& name : o.backends) {
+    auto s = runtime::pipeline_schedule(name, o.pp, o.micro_batches == 0 ? 2 * o.pp : o.micro_batches);
+    if (!s.is_ok()) {
+      print_usage_error("train", s.status().message());
+      return exit_code(s.status());
     }
-    for (size_t i = first; i < rs.size(); ++i) {
-      const model::PipelineStepRecord& r = *rs[i];
-      step += r.step_seconds;
-      imbalance += r.attention_imbalance;
-      // The slowest rank's waiting (for stage messages and in idle ticks) and every rank's
-      // attention served while its stage was idle.
-      double w = 0, most_recompute = 0;
-      for (const auto& x : r.ranks) {
-        if (x.step == r.step_seconds) w = x.pipeline_wait + x.idle;
-        most_recompute = std::max(most_recompute, x.recompute);
-        served += x.served_in_idle;
-        attention += x.attention;
-      }
-      wait += w;
-      recompute += most_recompute;
+    if (is_primary_process()) {
+      fmt::print("{} schedule, {} stages x {} micro-batches ({} ticks; F3: forward of micro-batch 3, B: backward, .: "
+                 "idle{}):\n{}",
+                 name, o.pp, s.value().micro_batches, s.value().ticks.size(),
+                 name == "cad" ? "; every stage in the same phase each tick, CA pooled over all ranks" : "; 1F1B",
+                 s.value().to_text());
     }
-    const double n = static_cast<double>(rs.size() - first);
-    out["schedules"][name] = {{"step_seconds", step / n},
-                              {"wait_and_bubble_seconds", wait / n},
-                              {"wait_and_bubble_share", wait / step},
-                              {"attention_imbalance", imbalance / n},
-                              {"served_in_idle_seconds", served / n},
-                              {"recompute_seconds", recompute / n},  // the rank that recomputed most
-                              {"served_in_idle_share_of_attention", attention > 0 ? served / attention : 0.0},
-                              {"loss_first", rs.front()->loss},
-                              {"loss_last", rs.back()->loss},
-                              {"memory_max_bytes", peak_memory},
-                              {"memory_max_over_mean", memory_ratio},
-                              {"memory_max_over_mean_within_stage", stage_ratio},
-                              {"timed_steps", rs.size() - first},
-                              {"first_timed_step", rs[first]->step}};
   }
-  if (by.contains("colocated") && by.contains("cad")) {
-    double diff = 0;
-    for (size_t i = 0; i < std::min(by["colocated"].size(), by["cad"].size()); ++i) {
-      const double a = by["colocated"][i]->loss, b = by["cad"][i]->loss;
-      diff = std::max(diff, std::abs(a - b) / std::max(std::abs(a), 1e-30));
-    }
-    out["speedup"] = out["schedules"]["colocated"]["step_seconds"].get<double>() / out["schedules"]["cad"]["step_seconds"].get<double>();
-    out["loss_max_rel_diff"] = diff;
-  } else {
-    out["speedup"] = nullptr;
-  }
-  return out;
-}
-
-int run_pipeline(const TrainArgs& a, const model::TrainOptions& o, const WorldOptions& world) {
-  std::vector<std::string> schedules = o.backends;  // colocated and/or cad, in run order
-  if (a.is_print_schedule) {
-    for (const std::string& name : schedules) {
-      auto s = runtime::pipeline_schedule(name, a.pp, a.micro_batches == 0 ? 2 * a.pp : a.micro_batches);
-      if (!s.is_ok()) {
-        print_usage_error("train", s.status().message());
-        return exit_code(s.status());
-      }
-      if (is_primary_process()) {
-        fmt::print("{} schedule, {} stages x {} micro-batches ({} ticks; F3: forward of micro-batch 3, B: backward, .: "
-                   "idle{}):\n{}",
-                   name, a.pp, s.value().micro_batches, s.value().ticks.size(),
-                   name == "cad" ? "; every stage in the same phase each tick, CA pooled over all ranks" : "; 1F1B",
-                   s.value().to_text());
-      }
-    }
-    return 0;
-  }
-  return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
-    std::vector<std::unique_ptr<model::PipelineTrainer>> trainers;
-    for (const std::string& name : schedules) {
-      model::PipelineOptions po;
-      po.train = o;
-      po.pp = a.pp;
-      po.micro_batches = a.micro_batches;
-      po.recompute = a.is_recompute;
-      po.schedule = name;
-      if (name == "cad") po.train.backward_mode = plan::BackwardMode::kStateless;
-      DISTCA_ASSIGN_OR_RETURN(auto t, model::PipelineTrainer::create(c, po));
-      trainers.push_back(std::move(t));
-    }
-    const bool is_root = c.rank() == 0;
-    const model::PipelineOptions& po = trainers[0]->options();
-    if (is_root) {
-      const model::ModelConfig& m = o.model;
-      fmt::print("distca train: {} rank(s) over {}: {} pipeline stages x {} data-parallel replicas{}, {} micro-batches per "
-                 "step, schedule {}{}\n",
-                 c.size(), c.name() == "mpi" ? "MPI" : "threads (LocalComm)", a.pp, trainers[0]->rank_map().dp,
-                 o.tp > 1 ? fmt::format(" x {} tensor-parallel ranks", o.tp) : "", po.micro_batches,
-                 fmt::join(schedules, " vs "), schedules.size() > 1 ? " (compared, interleaved step by step)" : "");
-      fmt::print("  model      {} layers ({} per stage), d {}, heads {}/{} x {}, ffn {}: {} parameters{}\n", m.num_layers,
-                 m.num_layers / a.pp, m.d_model, m.num_q_heads, m.num_kv_heads, m.head_dim, m.ffn_dim,
-                 si(static_cast<double>(m.num_parameters())), tp_note(o));
-      fmt::print("  data       {} tokens per {} per micro-batch, {} steps\n", o.context,
-                 o.tp > 1 ? "replica (its TP ranks share them)" : "rank", o.steps);
-      print_rank_map(trainers[0]->rank_map());
-      fmt::print("  ping-pong  {}\n", pingpong_note(o, schedules, true));
-      if (std::find(schedules.begin(), schedules.end(), "cad") != schedules.end()) {
-        fmt::print("  cad        lockstep ticks, one plan per tick over all {} ranks{} (planner {}, granularity {}, tolerance "
-                   "{}, stateless backward); idle stages serve attention\n",
-                   c.size() / o.tp, o.tp > 1 ? " of each TP index" : "", o.policy, trainers[0]->options().train.granularity, o.tolerance);
-      }
-      fmt::print("  step time  the slowest rank's own parts (they add up): linear + attn + comm + pipe (waiting for the "
-                 "neighbour stage) + idle (ticks without work, and the end-of-step wait) + optim + other\n");
-      std::fflush(stdout);
-    }
-    std::vector<model::PipelineStepRecord> records;
-    for (int64_t step = 0; step < o.steps; ++step) {
-      for (auto& t : trainers) {
-        DISTCA_ASSIGN_OR_RETURN(model::PipelineStepRecord r, t->step());
-        if (is_root) {
-          size_t slow = 0;
-          for (size_t k = 0; k < r.ranks.size(); ++k) {
-            if (r.ranks[k].step > r.ranks[slow].step) slow = k;
-          }
-          const auto& x = r.ranks[slow];
-          double served = 0;
-          for (const auto& y : r.ranks) served += y.served_in_idle;
-          fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  {:.3f}s = linear {:.3f} + attn {:.3f} + comm {:.3f} + "
-                     "pipe {:.3f} + idle {:.3f} + optim {:.3f} + other {:.3f} (rank {})  attn imbalance {:.2f}, served in "
-                     "idle ticks {:.3f}s, ping-pong {}/{}\n",
-                     r.step, o.steps, r.schedule, r.loss, si(r.tokens_per_second), r.step_seconds, x.linear, x.attention,
-                     x.comm, x.pipeline_wait, x.idle, x.optimizer, x.other, slow, r.attention_imbalance, served,
-                     r.split_micro_batches, t->options().micro_batches);
-          std::fflush(stdout);
-        }
-        records.push_back(std::move(r));
-      }
-    }
-    if (!is_root) return Status::ok();
-    const nlohmann::json summary = pipeline_summary(records, a.skip, a.pp);
-    fmt::print("\n{:<10} {:>9} {:>14} {:>10} {:>16}  {}\n", "schedule", "step (s)", "wait+bubble", "imbalance",
-               "served in idle", "loss first -> last step");
-    for (const std::string& name : schedules) {
-      const nlohmann::json& s = summary["schedules"][name];
-      fmt::print("{:<10} {:>9.3f} {:>8.3f} ({:>3.0f}%) {:>10.2f} {:>9.3f}s ({:>2.0f}%)  {:.4f} -> {:.4f}\n", name,
-                 s["step_seconds"].get<double>(), s["wait_and_bubble_seconds"].get<double>(),
-                 100 * s["wait_and_bubble_share"].get<double>(), s["attention_imbalance"].get<double>(),
-                 s["served_in_idle_seconds"].get<double>(), 100 * s["served_in_idle_share_of_attention"].get<double>(),
-                 s["loss_first"].get<double>(), s["loss_last"].get<double>());
-    }
-    fmt::print("times: means over steps {}..{} (--skip leaves out warm-up); step: the slowest rank's; wait+bubble: its "
-               "pipe + idle time, and its share of the step; served in idle: attention seconds (and share of all "
-               "attention) computed by ranks in ticks without a micro-batch of their own, all ranks\n",
-               summary["schedules"][schedules[0]]["first_timed_step"].get<int64_t>(), o.steps);
-    std::vector<std::string> memory;
-    for (const std::string& name : schedules) {
-      const nlohmann::json& s = summary["schedules"][name];
-      memory.push_back(fmt::format("{} {:.1f} MiB (max/mean over ranks {:.3f}, within a stage {:.3f}{})", name,
-                                   s["memory_max_bytes"].get<double>() / (1 << 20), s["memory_max_over_mean"].get<double>(),
-                                   s["memory_max_over_mean_within_stage"].get<double>(),
-                                   po.recompute ? fmt::format("; recomputing {:.3f} s per step on the rank that recomputed most",
-                                                              s["recompute_seconds"].get<double>())
-                                                : ""));
-    }
-    fmt::print("memory per rank, the fullest rank's peak (parameters, gradients, AdamW moments and the gradient "
-               "accumulator, micro-batch workspaces, attention buffers, stage messages in flight): {}; {}\n",
-               fmt::join(memory, "; "),
-               po.recompute ? std::string("--recompute: every stage holds as many workspaces as the last stage and "
-                                          "recomputes the other micro-batches' linear activations (inside linear)")
-                            : std::string("across stages the schedule decides (a stage holds as many workspaces as it has "
-                                          "micro-batches in flight; --recompute evens it out)"));
-    if (!summary["speedup"].is_null()) {
-      fmt::print("speedup of CAD over colocated 1F1B (same run, same data): {:.2f}x; largest relative loss difference: "
-                 "{:.2e}\n", summary["speedup"].get<double>(), summary["loss_max_rel_diff"].get<double>());
-    }
-    if (!a.json_path.empty()) {
-      nlohmann::json steps = nlohmann::json::array();
-      for (const auto& r : records) steps.push_back(r.to_json());
-      const nlohmann::json out = {{"format", "distca-train-pipeline"}, {"version", 1}, {"ranks", c.size()},
-                                  {"comm", c.name()}, {"pp", a.pp}, {"micro_batches", po.micro_batches},
-                                  {"recompute", po.recompute},
-                                  {"rank_map", trainers[0]->rank_map().to_json()},
-                                  {"preset", a.preset}, {"config", o.to_json()}, {"steps", steps}, {"summary", summary}};
-      DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
-      fmt::print("wrote {}\n", a.json_path);
-    }
-    return Status::ok();
-  }, world);
+  return 0;
 }
 
 int run_train(const TrainArgs& a) {
-  Result<model::TrainOptions> options = resolve(a);
+  Result<train::TrainOptions> options = resolve(a);
   if (!options.is_ok()) {
     print_usage_error("train", options.status().message());
     return exit_code(options.status());
   }
+  if (a.is_print_schedule) return print_schedules(options.value());
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   const int busy = ranks_on_this_machine(a.ranks) * options.value().threads;
   if (cores > 0 && busy > cores && is_primary_process()) {
@@ -564,33 +419,32 @@ int run_train(const TrainArgs& a) {
   WorldOptions world;
   world.is_ranks_given = a.given(a.ranks_opt);
   world.timeout = timeout_from_seconds(a.timeout_seconds).value();
-  if (a.pp > 1) return run_pipeline(a, options.value(), world);
   return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
-    DISTCA_ASSIGN_OR_RETURN(auto trainer, model::Trainer::create(c, options.value()));
-    const model::TrainOptions& o = trainer->options();
+    DISTCA_ASSIGN_OR_RETURN(std::unique_ptr<train::Trainer> trainer, train::make_trainer(c, options.value()));
+    const train::TrainOptions& o = trainer->options();
     const bool is_root = c.rank() == 0;
-    if (is_root) print_header(o, *trainer, c);
+    if (is_root) print_header(*trainer, c);
     if (a.given(a.skip_opt) && a.skip >= o.steps - trainer->steps_done()) {
       return invalid_argument(fmt::format("--skip {} leaves none of the {} steps after the checkpoint's step {} to time",
                                           a.skip, o.steps - trainer->steps_done(), trainer->steps_done()));
     }
-    std::vector<model::StepRecord> records;
-    std::vector<model::EvalRecord> evals;
+    std::vector<train::StepRecord> records;
+    std::vector<train::EvalRecord> evals;
     int64_t epoch = trainer->epoch();
     while (trainer->steps_done() < o.steps) {
-      DISTCA_ASSIGN_OR_RETURN(std::vector<model::StepRecord> step, trainer->step());
+      DISTCA_ASSIGN_OR_RETURN(std::vector<train::StepRecord> step, trainer->step());
       if (is_root && trainer->epoch() != epoch) {
         fmt::print("data: epoch {} begins in step {} (the source started again from its first document)\n",
                    trainer->epoch() + 1, trainer->steps_done());
       }
       epoch = trainer->epoch();
-      for (model::StepRecord& r : step) {
-        if (is_root) print_step(r, o.steps);
+      for (train::StepRecord& r : step) {
+        if (is_root) print_step(r, o);
         records.push_back(std::move(r));
       }
       if (o.eval_every > 0 && (trainer->steps_done() % o.eval_every == 0 || trainer->steps_done() == o.steps)) {
-        DISTCA_ASSIGN_OR_RETURN(std::vector<model::EvalRecord> e, trainer->evaluate());
-        for (const model::EvalRecord& r : e) {
+        DISTCA_ASSIGN_OR_RETURN(std::vector<train::EvalRecord> e, trainer->evaluate());
+        for (const train::EvalRecord& r : e) {
           if (is_root) fmt::print("eval {:>4}/{} {:<9} validation loss {:.4f} over {} held-out targets\n", r.step, o.steps, r.backend, r.loss, r.targets);
           evals.push_back(r);
         }
@@ -598,19 +452,21 @@ int run_train(const TrainArgs& a) {
       }
     }
     if (!is_root) return Status::ok();
-    const nlohmann::json summary = model::summarize(records, a.skip);
-    print_summary(summary);
+    const nlohmann::json summary = train::summarize(records, a.skip, o.pp);
+    print_summary(summary, o);
     if (!o.checkpoint_path.empty()) fmt::print("checkpoint: {}\n", o.checkpoint_path);
     if (!a.json_path.empty()) {
       nlohmann::json steps = nlohmann::json::array();
-      for (const model::StepRecord& r : records) steps.push_back(r.to_json());
+      for (const train::StepRecord& r : records) steps.push_back(r.to_json());
       nlohmann::json validation = nlohmann::json::array();
-      for (const model::EvalRecord& r : evals) validation.push_back(r.to_json());
-      const nlohmann::json out = {{"format", "distca-train"}, {"version", 2},       {"ranks", c.size()},
-                                  {"comm", c.name()},         {"preset", a.preset}, {"config", o.to_json()},
-                                  {"data", trainer->data_description()},            {"rank_map", trainer->rank_map().to_json()},
-                                  {"steps", steps},
-                                  {"validation", validation},                      {"summary", summary}};
+      for (const train::EvalRecord& r : evals) validation.push_back(r.to_json());
+      const nlohmann::json out = {{"format", kTrainFormat},  {"version", kTrainFormatVersion},
+                                  {"ranks", c.size()},       {"comm", c.name()},
+                                  {"preset", a.preset},      {"config", o.to_json()},
+                                  {"data", trainer->data_description()},
+                                  {"rank_map", trainer->rank_map().to_json()},
+                                  {"steps", steps},          {"validation", validation},
+                                  {"summary", summary}};
       DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
       fmt::print("wrote {}\n", a.json_path);
     }

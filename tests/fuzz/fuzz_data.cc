@@ -6,14 +6,14 @@
 #include <memory>
 #include <string>
 
-#include "distca/model/data.h"
+#include "distca/train/data.h"
 #include "fuzz_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = distca::fuzz::write_scratch_file("data", ".jsonl", data, size);
-  distca::Result<std::unique_ptr<distca::model::DocumentSource>> source = distca::model::open_jsonl_source(path);
+  distca::Result<std::unique_ptr<distca::train::DocumentSource>> source = distca::train::open_jsonl_source(path);
   if (!source.is_ok()) return 0;
-  distca::model::DocumentSource& s = *source.value();
+  distca::train::DocumentSource& s = *source.value();
   (void)s.describe();
   (void)s.identity();
   for (int i = 0; i < 4; ++i) {

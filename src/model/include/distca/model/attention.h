@@ -4,10 +4,10 @@
 //   LocalAttention    this rank's documents, attended here with no communication; every
 //                     document must be whole on the rank (one rank, or a test). float runs the
 //                     CPU kernels, double the dense reference (gradient checks).
-//   DispatchAttention (runtime/) plan -> dispatch -> attention servers -> return, fp32. With the
-//                     planner policy "none" it is colocated attention (each rank attends its
-//                     own pieces; only a document that spans ranks moves its key prefix); with
-//                     "distca" or "minmax" it is CAD.
+//   DispatchAttention (train/dispatch_attention.h) plan -> dispatch -> attention servers ->
+//                     return, fp32, through the CAD runtime: with the planner "none" it is
+//                     colocated attention (each rank attends its own pieces; only a document
+//                     that spans ranks moves its key prefix), with any other planner CAD.
 #pragma once
 #include <memory>
 #include <string>

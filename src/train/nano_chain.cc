@@ -1,8 +1,8 @@
-#include "distca/model/nano_chain.h"
+#include "distca/train/nano_chain.h"
 
 #include <fmt/format.h>
 
-namespace distca::model {
+namespace distca::train {
 
 namespace {
 
@@ -15,8 +15,8 @@ runtime::Stage attention_stage(StagedAttention* att, int64_t layer, const char* 
 
 // The layer's attention tensors as the nano-batch's dispatcher sees them: B's begin `rows`
 // rows before its slice (in A's rows of the one workspace), its dK/dV in the context buffers.
-Model<float>::AttentionIo dispatch_io(NanoPass& p, int64_t l) {
-  Model<float>::AttentionIo io = p.model->attention_io(l);
+model::Model<float>::AttentionIo dispatch_io(NanoPass& p, int64_t l) {
+  model::Model<float>::AttentionIo io = p.model->attention_io(l);
   if (p.context && p.context_reader) {
     const ContextRows& c = *p.context;
     for (float** t : {&io.q, &io.o, &io.d_o, &io.dq}) *t -= c.rows * c.q_row;
@@ -34,7 +34,7 @@ Status finish_backward_return(StagedAttention* att, NanoPass& p, int64_t l) {
   DISTCA_RETURN_IF_ERROR(att->finish_return());
   if (!p.context) return Status::ok();
   ContextRows& c = *p.context;
-  const Model<float>::AttentionIo io = p.model->attention_io(l);
+  const model::Model<float>::AttentionIo io = p.model->attention_io(l);
   const int64_t own = p.model->rows() * c.kv_row, ctx = c.rows * c.kv_row;
   std::vector<float>& layer_dk = c.layer_dk.at(static_cast<size_t>(l));
   std::vector<float>& layer_dv = c.layer_dv.at(static_cast<size_t>(l));
@@ -57,12 +57,12 @@ Status finish_backward_return(StagedAttention* att, NanoPass& p, int64_t l) {
 }  // namespace
 
 std::vector<runtime::Stage> forward_stages(NanoPass& p) {
-  Model<float>& m = *p.model;
+  model::Model<float>& m = *p.model;
   const int64_t layers = m.num_stage_layers(), first = m.first_layer();
   std::vector<runtime::Stage> out;
   for (int64_t l = 0; l < layers; ++l) {
     auto compute = [&p, l]() -> Status {
-      Model<float>& m = *p.model;
+      model::Model<float>& m = *p.model;
       if (l == 0) {
         DISTCA_RETURN_IF_ERROR(m.begin_forward(*p.state, p.in, p.x_in));
       } else {
@@ -90,12 +90,12 @@ std::vector<runtime::Stage> forward_stages(NanoPass& p) {
 }
 
 std::vector<runtime::Stage> backward_stages(NanoPass& p) {
-  Model<float>& m = *p.model;
+  model::Model<float>& m = *p.model;
   const int64_t layers = m.num_stage_layers(), first = m.first_layer();
   std::vector<runtime::Stage> out;
   for (int64_t l = layers - 1; l >= 0; --l) {
     auto compute = [&p, l, layers]() -> Status {
-      Model<float>& m = *p.model;
+      model::Model<float>& m = *p.model;
       if (l == layers - 1) {
         DISTCA_RETURN_IF_ERROR(m.begin_backward(*p.state, p.dx_in, /*zero_grads=*/false));
       } else {
@@ -158,4 +158,4 @@ std::vector<runtime::Stage> joined(std::vector<runtime::Stage> a, std::vector<ru
   return a;
 }
 
-}  // namespace distca::model
+}  // namespace distca::train

@@ -1,4 +1,4 @@
-#include "distca/model/data.h"
+#include "distca/train/data.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include "distca/core/json.h"
 #include "distca/plan/workload.h"
 
-namespace distca::model {
+namespace distca::train {
 
 namespace {
 
@@ -396,4 +396,4 @@ Result<std::vector<StepData>> make_validation_steps(std::unique_ptr<DocumentSour
   return out;
 }
 
-}  // namespace distca::model
+}  // namespace distca::train

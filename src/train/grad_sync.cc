@@ -1,4 +1,4 @@
-#include "distca/model/grad_sync.h"
+#include "distca/train/grad_sync.h"
 
 #include <algorithm>
 #include <charconv>
@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-namespace distca::model {
+namespace distca::train {
 
 namespace {
 
@@ -30,7 +30,7 @@ int64_t bucket_of_block(std::string_view name, int64_t layers) {
 
 }  // namespace
 
-Result<std::unique_ptr<GradientSync>> GradientSync::create(comm::Communicator& dp, const Arena<float>& layout) {
+Result<std::unique_ptr<GradientSync>> GradientSync::create(comm::Communicator& dp, const model::Arena<float>& layout) {
   int64_t layers = 0;
   for (const auto& b : layout.blocks()) {
     if (b.name.starts_with("layers.")) {
@@ -63,14 +63,14 @@ Result<std::unique_ptr<GradientSync>> GradientSync::create(comm::Communicator& d
   return std::unique_ptr<GradientSync>(new GradientSync(dp, std::move(ranges), layout.size()));
 }
 
-int64_t GradientSync::bucket_of(GradsDone part) const {
+int64_t GradientSync::bucket_of(model::GradsDone part) const {
   switch (part.kind) {
-    case GradsDone::Kind::kHead: return 0;
-    case GradsDone::Kind::kEmbedding: return buckets() - 1;
-    case GradsDone::Kind::kLayerAttention:
-    case GradsDone::Kind::kLayerMlp: {
+    case model::GradsDone::Kind::kHead: return 0;
+    case model::GradsDone::Kind::kEmbedding: return buckets() - 1;
+    case model::GradsDone::Kind::kLayerAttention:
+    case model::GradsDone::Kind::kLayerMlp: {
       if (part.layer < 0 || 2 * part.layer + 2 >= buckets()) return -1;
-      return (part.kind == GradsDone::Kind::kLayerAttention ? 1 : 2) + 2 * part.layer;
+      return (part.kind == model::GradsDone::Kind::kLayerAttention ? 1 : 2) + 2 * part.layer;
     }
   }
   return -1;
@@ -95,7 +95,7 @@ Status GradientSync::begin(float* grads, int passes, int64_t paced_posts) {
   return Status::ok();
 }
 
-void GradientSync::done(GradsDone part) {
+void GradientSync::done(model::GradsDone part) {
   if (!is_open_ || !error_.is_ok()) return;
   const int64_t k = bucket_of(part);
   if (k < 0) {
@@ -167,4 +167,4 @@ Status GradientSync::finish() {
   return Status::ok();
 }
 
-}  // namespace distca::model
+}  // namespace distca::train

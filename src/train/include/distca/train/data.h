@@ -18,7 +18,7 @@
 #include "distca/core/status.h"
 #include "distca/plan/batch.h"
 
-namespace distca::model {
+namespace distca::train {
 
 class DocumentSource {
  public:
@@ -103,4 +103,4 @@ class Packer {
 Result<std::vector<StepData>> make_validation_steps(std::unique_ptr<DocumentSource> held_out, int32_t ranks,
                                                     int64_t tokens_per_rank, int64_t steps);
 
-}  // namespace distca::model
+}  // namespace distca::train

@@ -17,7 +17,7 @@
 //
 // The sums are the same as one all-reduce of the whole buffer's: a bucket is a contiguous range
 // of it, reduced element-wise. The transfers advance inside communicator calls: the caller's
-// poll between GEMMs or a progress thread (Trainer's --progress) keeps them moving during
+// poll between GEMMs or a progress thread (TrainOptions::progress) keeps them moving during
 // compute.
 #pragma once
 
@@ -31,13 +31,13 @@
 #include "distca/model/arena.h"
 #include "distca/model/model.h"
 
-namespace distca::model {
+namespace distca::train {
 
 class GradientSync {
  public:
   // `layout`: the gradient arena's (ModelState::grads) blocks, named as ModelState names them;
   // every block must fall in one bucket, and each bucket's blocks must be contiguous.
-  static Result<std::unique_ptr<GradientSync>> create(comm::Communicator& dp, const Arena<float>& layout);
+  static Result<std::unique_ptr<GradientSync>> create(comm::Communicator& dp, const model::Arena<float>& layout);
 
   // A new step: `passes` passes (1 or 2) will each report every bucket once (done), adding their
   // gradients into `grads` (the arena's size) before they do; with paced_posts > 0 the caller
@@ -46,7 +46,7 @@ class GradientSync {
   // A pass has finished adding to a bucket; on its last pass the bucket's all-reduce is posted.
   // An error (a bucket reported too often, a failed post) is kept for finish(): the model's
   // phases call this and carry on.
-  void done(GradsDone part);
+  void done(model::GradsDone part);
   // Paced: posts the next slice of the ready buckets (nothing when none is ready).
   void pace();
   // Waits for every bucket's all-reduce. A bucket some pass never reported is an error (a pass
@@ -61,7 +61,7 @@ class GradientSync {
   // [begin, end) of a bucket in the arena: the head is bucket 0, layer l's attention input
   // 1 + 2l and its MLP and output projection 2 + 2l, the embedding the last.
   std::array<int64_t, 2> range(int64_t bucket) const { return ranges_.at(static_cast<size_t>(bucket)); }
-  int64_t bucket_of(GradsDone part) const;
+  int64_t bucket_of(model::GradsDone part) const;
 
  private:
   GradientSync(comm::Communicator& dp, std::vector<std::array<int64_t, 2>> ranges, int64_t size)
@@ -83,4 +83,4 @@ class GradientSync {
   bool is_open_ = false;
 };
 
-}  // namespace distca::model
+}  // namespace distca::train

@@ -18,7 +18,7 @@
 #include "distca/comm/communicator.h"
 #include "distca/model/model.h"
 
-namespace distca::model {
+namespace distca::train {
 
 struct RankCoords {
   int tp = 0, pp = 0, dp = 0;  // this rank's TP index, stage and replica
@@ -50,21 +50,21 @@ struct RankGroups {
   std::unique_ptr<comm::Communicator> tp, dp, pp, cad;
   std::unique_ptr<comm::Communicator> kv;  // the TP ranks sharing this rank's key/value heads (kv_replicas > 1)
   // `model`: the whole model (for how its key/value heads spread over the TP ranks).
-  static Result<RankGroups> split(comm::Communicator& world, int tp, int pp, const ModelConfig& model);
+  static Result<RankGroups> split(comm::Communicator& world, int tp, int pp, const model::ModelConfig& model);
 };
 
 // The Model's all-reduces over the groups' tp and kv communicators (none for a TP group of one).
-TensorParallel<float> tensor_parallel(const RankGroups& groups);
+model::TensorParallel<float> tensor_parallel(const RankGroups& groups);
 
 // The sum of squares of the gradients in arena elements [begin, end), over the whole model's
 // parameters: the sharded blocks' squares summed over the TP group (shared key/value heads
 // counted once), the replicated blocks (the same on every TP rank) once. Collective over the TP
 // group.
-Result<double> gradient_square_sum(const ModelState<float>& state, int64_t begin, int64_t end, const RankGroups& groups);
+Result<double> gradient_square_sum(const model::ModelState<float>& state, int64_t begin, int64_t end, const RankGroups& groups);
 
 // Checks that every rank of `group` holds a plan with this hash (CAD with TP makes the plan
 // from document lengths alone, once per TP rank: they must agree). Collective; every rank gets
 // the same verdict.
 Status check_same_plan(comm::Communicator& group, uint64_t hash, const std::string& what);
 
-}  // namespace distca::model
+}  // namespace distca::train

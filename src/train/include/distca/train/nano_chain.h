@@ -14,13 +14,13 @@
 #pragma once
 #include <vector>
 
-#include "distca/model/dispatch_attention.h"
+#include "distca/train/dispatch_attention.h"
 #include "distca/model/model.h"
 #include "distca/runtime/pingpong.h"
 
-namespace distca::model {
+namespace distca::train {
 
-// A positional split (runtime::split_plan): nano-batch B's attention layout begins with `rows`
+// A positional split (layout::split_step): nano-batch B's attention layout begins with `rows`
 // rows that are A's last (the prefixes of the documents the two share): B's passes read their
 // K/V from A's rows just before B's slice, and B's backward return leaves their dK/dV here,
 // which A adds to its own once its return is in (B's backward runs first).
@@ -37,10 +37,10 @@ struct ContextRows {
 
 // What a nano-batch's chain works on. The stages capture this object: it must outlive them.
 struct NanoPass {
-  Model<float>* model = nullptr;  // a row slice holding this nano-batch's rows
-  ModelState<float>* state = nullptr;
+  model::Model<float>* model = nullptr;  // a row slice holding this nano-batch's rows
+  model::ModelState<float>* state = nullptr;
   StagedAttention* attention = nullptr;  // begin_step done with the nano-batch's layout
-  StepTokens in;
+  model::StepTokens in;
   const float* x_in = nullptr;   // a stage without the embedding: its input activations
   const float* dx_in = nullptr;  // a stage without the head: the gradient of its output
   double loss_scale = 0;
@@ -61,4 +61,4 @@ std::vector<runtime::Stage> serve_stages(StagedAttention& attention, int64_t fir
 // turn from the forward to the backward is one stage, overlapped like the others).
 std::vector<runtime::Stage> joined(std::vector<runtime::Stage> a, std::vector<runtime::Stage> b);
 
-}  // namespace distca::model
+}  // namespace distca::train

@@ -1,9 +1,9 @@
-#include "distca/model/tensor_parallel.h"
+#include "distca/train/tensor_parallel.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-namespace distca::model {
+namespace distca::train {
 
 namespace {
 
@@ -54,7 +54,7 @@ nlohmann::json RankMap::to_json() const {
   return {{"tp", tp}, {"pp", pp}, {"dp", dp}, {"ranks", ranks}};
 }
 
-Result<RankGroups> RankGroups::split(comm::Communicator& world, int tp, int pp, const ModelConfig& model) {
+Result<RankGroups> RankGroups::split(comm::Communicator& world, int tp, int pp, const model::ModelConfig& model) {
   if (tp < 1 || pp < 1 || world.size() % (tp * pp) != 0) {
     return invalid_argument(fmt::format("--tp {} x --pp {} must divide the {} ranks (the rest is data parallelism)", tp,
                                         pp, world.size()));
@@ -68,16 +68,16 @@ Result<RankGroups> RankGroups::split(comm::Communicator& world, int tp, int pp, 
   DISTCA_ASSIGN_OR_RETURN(g.dp, world.split(c.pp * tp + c.tp, c.dp, "dp"));
   DISTCA_ASSIGN_OR_RETURN(g.pp, world.split(c.dp * tp + c.tp, c.pp, "pp"));
   DISTCA_ASSIGN_OR_RETURN(g.cad, world.split(c.tp, c.pp * D + c.dp, "cad"));
-  DISTCA_RETURN_IF_ERROR(tensor_parallel_shard(model, tp).status());
-  g.kv_replicas = kv_head_replicas(model, tp);
+  DISTCA_RETURN_IF_ERROR(model::tensor_parallel_shard(model, tp).status());
+  g.kv_replicas = model::kv_head_replicas(model, tp);
   if (g.kv_replicas > 1) {
     DISTCA_ASSIGN_OR_RETURN(g.kv, g.tp->split(c.tp / g.kv_replicas, c.tp, "tp-kv"));
   }
   return g;
 }
 
-TensorParallel<float> tensor_parallel(const RankGroups& g) {
-  TensorParallel<float> out;
+model::TensorParallel<float> tensor_parallel(const RankGroups& g) {
+  model::TensorParallel<float> out;
   comm::Communicator* tp = g.tp.get();
   if (tp == nullptr || tp->size() == 1) return out;
   out.size = tp->size();
@@ -88,7 +88,7 @@ TensorParallel<float> tensor_parallel(const RankGroups& g) {
   return out;
 }
 
-Result<double> gradient_square_sum(const ModelState<float>& state, int64_t begin, int64_t end, const RankGroups& groups) {
+Result<double> gradient_square_sum(const model::ModelState<float>& state, int64_t begin, int64_t end, const RankGroups& groups) {
   double sharded = 0, replicated = 0;
   for (const auto& b : state.grads.blocks()) {
     if (b.offset < begin || b.offset + b.count > end) continue;
@@ -97,7 +97,7 @@ Result<double> gradient_square_sum(const ModelState<float>& state, int64_t begin
     for (int64_t i = 0; i < b.count; ++i) ss += static_cast<double>(g[i]) * g[i];
     const bool is_kv = b.name.ends_with(".wk") || b.name.ends_with(".wv");
     if (is_kv) ss /= groups.kv_replicas;  // each of kv_replicas ranks holds the same summed gradient
-    (ModelState<float>::is_tp_sharded(b.name) ? sharded : replicated) += ss;
+    (model::ModelState<float>::is_tp_sharded(b.name) ? sharded : replicated) += ss;
   }
   comm::Communicator* tp = groups.tp.get();
   if (tp == nullptr || tp->size() == 1) return sharded + replicated;
@@ -128,4 +128,4 @@ Status check_same_plan(comm::Communicator& group, uint64_t hash, const std::stri
   return Status::ok();
 }
 
-}  // namespace distca::model
+}  // namespace distca::train

@@ -1,7 +1,7 @@
 // DispatchAttention: the model's core attention through the CAD runtime. Each step the step's
-// layout is planned by a policy ("none": colocated; "distca", "minmax": CAD), the same on every
-// rank, and one Dispatcher per step moves every layer's Q/K/V to the attention servers and
-// O/LSE back (the backward mirrored). fp32.
+// layout is planned by a planner (plan::find_planner: "none" is colocated attention, any other
+// CAD), the same on every rank, and one Dispatcher per step moves every layer's Q/K/V to the
+// attention servers and O/LSE back (the backward mirrored). fp32.
 #pragma once
 #include <functional>
 #include <memory>
@@ -14,7 +14,7 @@
 #include "distca/plan/planner.h"
 #include "distca/runtime/dispatcher.h"
 
-namespace distca::model {
+namespace distca::train {
 
 struct DispatchAttentionOptions {
   std::string policy = std::string(plan::kDefaultPlanner);  // a planner name; "none" is colocated attention
@@ -27,7 +27,13 @@ struct DispatchAttentionOptions {
   plan::GradReturn grad_return = plan::GradReturn::kFp32;
 };
 
-plan::ModelShape model_shape(const ModelConfig& config, plan::GradReturn grad_return = plan::GradReturn::kFp32);
+plan::ModelShape model_shape(const model::ModelConfig& config, plan::GradReturn grad_return = plan::GradReturn::kFp32);
+
+// The bytes a dispatcher sent, all phases (the trainers' attention_bytes).
+int64_t bytes_sent(const runtime::Dispatcher& dispatcher);
+// Adds a plan's tasks to `tasks`, and those over part of their rows' key range (k0 > 0 or
+// non-causal) to `split`.
+void count_tasks(const std::vector<plan::Task>& plan_tasks, int64_t& tasks, int64_t& split);
 
 // A backend whose passes also run in stages, for a caller that overlaps them with other work
 // (ping-pong; see runtime::Dispatcher): start_* packs and posts the dispatch, finish_dispatch
@@ -35,7 +41,7 @@ plan::ModelShape model_shape(const ModelConfig& config, plan::GradReturn grad_re
 // finish_return waits and unpacks O/LSE (dQ/dK/dV) into the linear layout. The pointers must
 // stay valid until finish_return. Communication seconds go to times.comm, the kernel's to
 // times.compute.
-class StagedAttention : public AttentionBackend<float> {
+class StagedAttention : public model::AttentionBackend<float> {
  public:
   virtual Status start_forward(int layer, const runtime::ForwardArgs& f) = 0;
   virtual Status start_backward(int layer, const runtime::BackwardArgs& b) = 0;
@@ -48,19 +54,19 @@ class StagedAttention : public AttentionBackend<float> {
 class DispatchAttention final : public StagedAttention {
  public:
   // Checks the options; `comm` must outlive the backend.
-  static Result<std::unique_ptr<DispatchAttention>> create(comm::Communicator& comm, const ModelConfig& config,
+  static Result<std::unique_ptr<DispatchAttention>> create(comm::Communicator& comm, const model::ModelConfig& config,
                                                            DispatchAttentionOptions options);
   std::string name() const override { return options_.policy == "none" ? "colocated" : "cad"; }
   Status begin_step(const plan::Batch& batch) override;  // plan_step, then begin_step with its plan
   // The step's plan under this backend's policy and options (its seconds go to planning_seconds).
   Result<plan::Plan> plan_step(const plan::Batch& batch);
   // A step with a plan made elsewhere (ping-pong: a nano-batch's share of the micro-batch's plan,
-  // is_part: covering part of the batch's queries, runtime::split_plan). held_kv: the K/V rows
-  // its servers hold from `earlier`'s forward of each layer (runtime::NanoSplit::held_kv; the
+  // is_part: covering part of the batch's queries, layout::split_step). held_kv: the K/V rows
+  // its servers hold from `earlier`'s forward of each layer (layout::NanoSplit::held_kv; the
   // stateful backward only), whose backward must then run after this one's, layer by layer.
   Status begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part = false,
-                    std::vector<runtime::KvInterval> held_kv = {}, DispatchAttention* earlier = nullptr);
-  const ModelConfig& config() const { return config_; }
+                    std::vector<layout::KvInterval> held_kv = {}, DispatchAttention* earlier = nullptr);
+  const model::ModelConfig& config() const { return config_; }
   const plan::CostModel& cost() const { return cost_; }
   Status forward(int layer, const float* q, const float* k, const float* v, float* o, float* lse) override;
   Status backward(int layer, const float* q, const float* k, const float* v, const float* o, const float* lse,
@@ -87,7 +93,7 @@ class DispatchAttention final : public StagedAttention {
   int64_t buffer_bytes() const { return peak_bytes_; }
 
  private:
-  DispatchAttention(comm::Communicator& comm, const ModelConfig& config, DispatchAttentionOptions options,
+  DispatchAttention(comm::Communicator& comm, const model::ModelConfig& config, DispatchAttentionOptions options,
                     plan::PlanFn planner);
   Status run(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b);
   Status start_pass(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b);
@@ -96,7 +102,7 @@ class DispatchAttention final : public StagedAttention {
   bool pass_lends_ = false;  // it borrowed the backward set
 
   comm::Communicator& comm_;
-  ModelConfig config_;
+  model::ModelConfig config_;
   DispatchAttentionOptions options_;
   plan::PlanFn planner_;
   plan::CostModel cost_;
@@ -112,4 +118,4 @@ class DispatchAttention final : public StagedAttention {
   int64_t peak_bytes_ = 0;
 };
 
-}  // namespace distca::model
+}  // namespace distca::train

@@ -1,4 +1,4 @@
-#include "distca/model/dispatch_attention.h"
+#include "distca/train/dispatch_attention.h"
 
 #include <chrono>
 
@@ -6,13 +6,13 @@
 
 #include "distca/core/stopwatch.h"
 
-namespace distca::model {
+namespace distca::train {
 
 namespace {
 using Clock = SteadyClock;
 }  // namespace
 
-plan::ModelShape model_shape(const ModelConfig& c, plan::GradReturn grad_return) {
+plan::ModelShape model_shape(const model::ModelConfig& c, plan::GradReturn grad_return) {
   plan::ModelShape m;
   m.name = "train";
   m.num_layers = static_cast<int>(c.num_layers);
@@ -27,7 +27,20 @@ plan::ModelShape model_shape(const ModelConfig& c, plan::GradReturn grad_return)
   return m;
 }
 
-Result<std::unique_ptr<DispatchAttention>> DispatchAttention::create(comm::Communicator& comm, const ModelConfig& config,
+int64_t bytes_sent(const runtime::Dispatcher& d) {
+  int64_t bytes = 0;
+  for (int p = 0; p < plan::kNumPhases; ++p) bytes += d.stats(static_cast<plan::Phase>(p)).bytes_sent;
+  return bytes;
+}
+
+void count_tasks(const std::vector<plan::Task>& plan_tasks, int64_t& tasks, int64_t& split) {
+  for (const plan::Task& task : plan_tasks) {
+    ++tasks;
+    split += task.k0 > 0 || !task.is_causal() ? 1 : 0;
+  }
+}
+
+Result<std::unique_ptr<DispatchAttention>> DispatchAttention::create(comm::Communicator& comm, const model::ModelConfig& config,
                                                                      DispatchAttentionOptions options) {
   DISTCA_RETURN_IF_ERROR(config.validate());
   DISTCA_ASSIGN_OR_RETURN(plan::PlanFn fn, plan::find_planner(options.policy));
@@ -42,7 +55,7 @@ Result<std::unique_ptr<DispatchAttention>> DispatchAttention::create(comm::Commu
   return std::unique_ptr<DispatchAttention>(new DispatchAttention(comm, config, std::move(options), fn));
 }
 
-DispatchAttention::DispatchAttention(comm::Communicator& comm, const ModelConfig& config,
+DispatchAttention::DispatchAttention(comm::Communicator& comm, const model::ModelConfig& config,
                                      DispatchAttentionOptions options, plan::PlanFn planner)
     : comm_(comm),
       config_(config),
@@ -68,7 +81,7 @@ Status DispatchAttention::begin_step(const plan::Batch& batch) {
 }
 
 Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, bool is_part,
-                                     std::vector<runtime::KvInterval> held_kv, DispatchAttention* earlier) {
+                                     std::vector<layout::KvInterval> held_kv, DispatchAttention* earlier) {
   if (!held_kv.empty() && (earlier == nullptr || earlier == this || earlier->servers_.size() != servers_.size())) {
     return invalid_argument("DispatchAttention: held K/V needs the earlier nano-batch's backend, of the same layers");
   }
@@ -85,7 +98,7 @@ Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, 
   const auto check = Clock::now();
   DISTCA_ASSIGN_OR_RETURN(dispatcher_, runtime::Dispatcher::create(
                                            comm_, batch, plan_,
-                                           runtime::HeadShape{config_.num_q_heads, config_.num_kv_heads, config_.head_dim}, d));
+                                           layout::HeadShape{config_.num_q_heads, config_.num_kv_heads, config_.head_dim}, d));
   times.comm += seconds_since(check);  // the plan-hash check is a collective
   peak_bytes_ = current_bytes();
   pass_layer_ = -1;
@@ -166,4 +179,4 @@ Status DispatchAttention::backward(int layer, const float* q, const float* k, co
   return run(layer, true, {}, {q, k, v, o, lse, d_o, dq, dk, dv});
 }
 
-}  // namespace distca::model
+}  // namespace distca::train
