@@ -37,6 +37,8 @@ TEST(Cli, TrainCompareJsonHasTheDocumentedFields) {
   EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n') >= 8, true);
   auto j = nlohmann::json::parse(distca::read_text_file(json).value());
   EXPECT_EQ(j["format"], "distca-train");
+  EXPECT_EQ(j["version"], 3);
+  EXPECT_EQ(j["config"]["pp"], 1);
   EXPECT_EQ(j["steps"].size(), 8u);
   const auto& s = j["summary"];
   for (const char* field : {"colocated_step_seconds", "cad_step_seconds", "cad_over_bound", "speedup", "loss_first",
@@ -46,33 +48,40 @@ TEST(Cli, TrainCompareJsonHasTheDocumentedFields) {
   EXPECT_LE(s["loss_max_rel_diff"].get<double>(), 1e-5);
   int64_t expected_step = 1;
   for (const auto& rec : j["steps"]) {
-    for (const char* field : {"loss", "step_seconds", "tokens_per_second", "linear_seconds", "attention_seconds",
-                              "comm_seconds", "wait_seconds", "optimizer_seconds", "other_seconds",
-                              "attention_imbalance", "bound_seconds"}) {
+    for (const char* field : {"loss", "step_seconds", "tokens_per_second", "slowest_rank", "attention_imbalance",
+                              "bound_seconds", "micro_batches", "split_micro_batches", "attention_tasks", "ranks"}) {
       EXPECT_TRUE(rec.contains(field)) << field;
     }
-    // The JSON numbers steps as the console does (from 1), and the printed parts add up.
+    // The JSON numbers steps as the console does (from 1); every rank's parts add up to its
+    // step, and the step is the straggler's.
     EXPECT_EQ(rec["step"].get<int64_t>(), expected_step) << rec.dump();
     if (rec["backend"] == "cad") ++expected_step;
-    double parts = 0;
-    for (const char* part : {"linear_seconds", "attention_seconds", "comm_seconds", "wait_seconds", "optimizer_seconds",
-                             "other_seconds"}) {
-      parts += rec[part].get<double>();
+    ASSERT_EQ(rec["ranks"].size(), 2u);
+    for (const auto& x : rec["ranks"]) {
+      double parts = 0;
+      for (const char* part : {"linear_seconds", "attention_seconds", "comm_seconds", "pipeline_wait_seconds",
+                               "idle_seconds", "wait_seconds", "optimizer_seconds", "other_seconds"}) {
+        parts += x[part].get<double>();
+      }
+      EXPECT_NEAR(parts, x["step_seconds"].get<double>(), 1e-9);
     }
-    EXPECT_NEAR(parts, rec["step_seconds"].get<double>(), 1e-9);
+    EXPECT_EQ(rec["step_seconds"], rec["ranks"][rec["slowest_rank"].get<int>()]["step_seconds"]);
     EXPECT_LE(rec["bound_seconds"].get<double>(), rec["step_seconds"].get<double>());
-    // Memory: the fullest rank's is its states + activations + attention buffers; the mean is
-    // no larger; states are parameters, gradients and two moments in fp32.
-    const int64_t states = rec["memory_states_bytes"], acts = rec["memory_activations_bytes"],
-                  attn = rec["memory_attention_max_bytes"];
-    EXPECT_EQ(rec["memory_max_bytes"].get<int64_t>(), states + acts + attn);
-    EXPECT_LE(rec["memory_mean_bytes"].get<double>(), rec["memory_max_bytes"].get<double>());
-    EXPECT_GE(rec["memory_attention_mean_bytes"].get<double>(), 0.0);
-    EXPECT_EQ(states % 16, 0);
-    EXPECT_GT(acts, 0);
-    if (rec["backend"] == "cad") {
-      EXPECT_GT(attn, 0);
+    // Memory: each rank's is its states + activations + attention buffers; the fullest rank's is
+    // the max, the mean no larger; states are parameters, gradients and two moments in fp32.
+    int64_t most = 0;
+    for (const auto& x : rec["ranks"]) {
+      const int64_t states = x["memory_states_bytes"], acts = x["memory_activations_bytes"], attn = x["memory_attention_bytes"];
+      EXPECT_EQ(x["memory_bytes"].get<int64_t>(), states + acts + attn);
+      most = std::max(most, x["memory_bytes"].get<int64_t>());
+      EXPECT_EQ(states % 16, 0);
+      EXPECT_GT(acts, 0);
+      if (rec["backend"] == "cad") {
+        EXPECT_GT(attn, 0);
+      }
     }
+    EXPECT_EQ(rec["memory_max_bytes"].get<int64_t>(), most);
+    EXPECT_LE(rec["memory_mean_bytes"].get<double>(), rec["memory_max_bytes"].get<double>());
   }
   for (const char* backend : {"colocated", "cad"}) {
     EXPECT_GE(s["backends"][backend]["memory_max_over_mean"].get<double>(), 1.0) << backend;
@@ -128,10 +137,11 @@ TEST(Cli, TrainPingPongSplitsCadStepsByDefaultAndRefusesWhatItCannotRun) {
   EXPECT_EQ(j["config"]["pingpong"], "auto");
   int split = 0;
   for (const auto& r : j["steps"]) {
+    EXPECT_EQ(r["micro_batches"], 1);
     if (r["backend"] == "colocated") {
-      EXPECT_EQ(r["nano_batches"], 1);
+      EXPECT_EQ(r["split_micro_batches"], 0);
     }
-    if (r["backend"] == "cad") split += r["nano_batches"] == 2 ? 1 : 0;
+    if (r["backend"] == "cad") split += r["split_micro_batches"].get<int>();
   }
   EXPECT_GE(split, 1);
   EXPECT_LT(j["summary"]["loss_max_rel_diff"].get<double>(), 1e-5);
@@ -177,32 +187,38 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   EXPECT_NE(run.out.find("ping-pong  on for cad: each micro-batch splits into two nano-batches"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("off for colocated"), std::string::npos) << run.out;
   auto j = nlohmann::json::parse(distca::read_text_file(json).value());
-  EXPECT_EQ(j["format"], "distca-train-pipeline");
+  EXPECT_EQ(j["format"], "distca-train");
+  EXPECT_EQ(j["version"], 3);
+  EXPECT_EQ(j["config"]["pp"], 2);
+  EXPECT_EQ(j["config"]["micro_batches"], 3);
   ASSERT_EQ(j["steps"].size(), 6u);
   double served = 0;
   int split = 0;
   for (const auto& rec : j["steps"]) {
-    if (rec["schedule"] == "colocated") {
+    EXPECT_EQ(rec["micro_batches"], 3);
+    if (rec["backend"] == "colocated") {
       EXPECT_EQ(rec["split_micro_batches"], 0);
     }
-    if (rec["schedule"] == "cad") split += rec["split_micro_batches"].get<int>();
+    if (rec["backend"] == "cad") split += rec["split_micro_batches"].get<int>();
+    EXPECT_GT(rec["attention_tasks"].get<int64_t>(), 0);
+    if (rec["backend"] == "cad") {
+      EXPECT_GT(rec["attention_bytes"].get<int64_t>(), 0);  // the pooled plans move work between stages
+    }
     ASSERT_EQ(rec["ranks"].size(), 4u);
-    double slowest = 0;
     for (const auto& x : rec["ranks"]) {
       double parts = 0;
       for (const char* part : {"linear_seconds", "attention_seconds", "comm_seconds", "pipeline_wait_seconds", "idle_seconds",
-                               "optimizer_seconds", "other_seconds"}) {
+                               "wait_seconds", "optimizer_seconds", "other_seconds"}) {
         parts += x[part].get<double>();
       }
       EXPECT_NEAR(parts, x["step_seconds"].get<double>(), 1e-9);
       EXPECT_LE(x["served_in_idle_seconds"].get<double>(), x["attention_seconds"].get<double>() + 1e-9);
-      if (rec["schedule"] == "colocated") {
+      if (rec["backend"] == "colocated") {
         EXPECT_EQ(x["served_in_idle_seconds"].get<double>(), 0.0);
       }
-      if (rec["schedule"] == "cad") served += x["served_in_idle_seconds"].get<double>();
-      slowest = std::max(slowest, x["step_seconds"].get<double>());
+      if (rec["backend"] == "cad") served += x["served_in_idle_seconds"].get<double>();
     }
-    EXPECT_EQ(rec["step_seconds"].get<double>(), slowest);
+    EXPECT_EQ(rec["step_seconds"], rec["ranks"][rec["slowest_rank"].get<int>()]["step_seconds"]);
   }
   // In the warm-up and cool-down ticks the idle stage's ranks serve attention.
   EXPECT_GT(served, 0.0);
@@ -215,7 +231,7 @@ TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("--recompute: every stage holds as many workspaces as the last stage"), std::string::npos) << again.out;
   auto k = nlohmann::json::parse(distca::read_text_file(json2).value());
-  EXPECT_EQ(k["recompute"], true);
+  EXPECT_EQ(k["config"]["recompute"], true);
   ASSERT_EQ(k["steps"].size(), 3u);
   for (const auto& rec : k["steps"]) {
     const auto& first = rec["ranks"][0];

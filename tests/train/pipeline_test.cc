@@ -1,8 +1,8 @@
-// Pipeline-parallel training (issue 18) under LocalComm: for (pp, dp) in {(2,1), (3,1), (4,1),
+// Pipeline-parallel training under LocalComm: for (pp, dp) in {(2,1), (3,1), (4,1),
 // (2,2)} and M in {1, 2, 2P + 1}, both schedules (colocated 1F1B; cad: lockstep ticks with
 // pooled plans, every CAD policy), with ping-pong on and off, reproduce the loss curve of the same model trained on one rank
 // with the same micro-batches, and after one step every owned gradient equals one rank's.
-#include "distca/model/pipeline.h"
+#include "distca/train/pipeline.h"
 
 #include <gtest/gtest.h>
 
@@ -18,7 +18,7 @@
 #include "pipeline_util.h"
 #include "soak.h"
 
-namespace distca::model {
+namespace distca::train {
 namespace {
 
 namespace fs = std::filesystem;
@@ -30,25 +30,26 @@ std::string data_file() {
   return file.path();
 }
 
-PipelineOptions options(int pp, int M, const std::string& schedule, const std::string& policy, int64_t context, int steps,
+TrainOptions options(int pp, int M, const std::string& schedule, const std::string& policy, int64_t context, int steps,
                         int64_t layers) {
   return testing::pipeline_options(data_file(), pp, M, schedule, policy, context, steps, layers);
 }
 
-Curve train(int ranks, const PipelineOptions& o) {
+Curve train(int ranks, const TrainOptions& o) {
   Curve run;
   std::mutex mu;
-  const int steps = static_cast<int>(o.train.steps);
+  const int steps = static_cast<int>(o.steps);
   auto statuses = comm::LocalWorld::run(ranks, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(c, o));
     for (int s = 0; s < steps; ++s) {
-      DISTCA_ASSIGN_OR_RETURN(PipelineStepRecord r, t->step());
+      DISTCA_ASSIGN_OR_RETURN(std::vector<StepRecord> records, t->step());
+      const StepRecord& r = records.at(0);
       std::lock_guard lock(mu);
       if (c.rank() == 0) run.losses.push_back(r.loss), run.split_micro_batches += r.split_micro_batches;
       if (s == 0 && t->replica() == 0) {
         const auto [b, e] = t->owned_range();
-        if (run.gradient.empty()) run.gradient.assign(static_cast<size_t>(t->state().params.size()), 0.0f);
-        std::copy(t->last_gradient().begin(), t->last_gradient().end(), run.gradient.begin() + b);
+        if (run.gradient.empty()) run.gradient.assign(static_cast<size_t>(t->state(0).params.size()), 0.0f);
+        std::copy(t->last_gradient(0).begin(), t->last_gradient(0).end(), run.gradient.begin() + b);
       }
     }
     return Status::ok();
@@ -83,8 +84,8 @@ TEST(Pipeline, EveryLayoutAndScheduleReproducesTheOneRankCurveAndGradients) {
       for (const auto& [schedule, policy, pingpong] : std::vector<std::array<std::string, 3>>{
                {"colocated", "none", "off"}, {"colocated", "none", "on"}, {"cad", "minbytes", "off"},
                {"cad", "minbytes", "auto"}, {"cad", "minmax", "auto"}, {"cad", "distca", "auto"}}) {
-        PipelineOptions o = options(pp, M, schedule, policy, T, kSteps, layers);
-        o.train.pingpong = pingpong;
+        TrainOptions o = options(pp, M, schedule, policy, T, kSteps, layers);
+        o.pingpong = pingpong;
         const Curve got = train(pp * dp, o);
         const std::string what = fmt::format("{}, {} {}, ping-pong {}", where, schedule, policy, pingpong);
         expect_same(got, one, what);
@@ -106,23 +107,24 @@ TEST(Pipeline, EveryLayoutAndScheduleReproducesTheOneRankCurveAndGradients) {
 TEST(Pipeline, MemoryPerRankIsWhatTheStageHoldsAndAddsUp) {
   constexpr int64_t T = 64;
   for (const char* schedule : {"colocated", "cad"}) {
-    const PipelineOptions o = options(2, 3, schedule, "minbytes", T, 2, 4);
-    std::vector<PipelineStepRecord> records(4);
+    const TrainOptions o = options(2, 3, schedule, "minbytes", T, 2, 4);
+    std::vector<StepRecord> records(4);
     auto statuses = comm::LocalWorld::run(4, [&](comm::Communicator& c) -> Status {
       DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(c, o));
       DISTCA_RETURN_IF_ERROR(t->step().status());
-      DISTCA_ASSIGN_OR_RETURN(records[c.rank()], t->step());
+      DISTCA_ASSIGN_OR_RETURN(std::vector<StepRecord> step, t->step());
+      records[c.rank()] = step.at(0);
       return Status::ok();
     }, std::chrono::seconds(60));
     for (const Status& st : statuses) ASSERT_TRUE(st.is_ok()) << st.message();
-    const PipelineStepRecord& r = records[0];
+    const StepRecord& r = records[0];
     ASSERT_EQ(r.ranks.size(), 4u);
     const auto sched = runtime::pipeline_schedule(schedule, 2, 3).value();
     int64_t most = 0;
     double mean = 0;
     for (int w = 0; w < 4; ++w) {
       SCOPED_TRACE(fmt::format("{} rank {}", schedule, w));
-      const PipelineStepRecord::Rank& x = r.ranks[w];
+      const StepRecord::Rank& x = r.ranks[w];
       EXPECT_EQ(records[w].ranks[w].memory(), x.memory());  // every rank reports the same table
       EXPECT_EQ(x.memory(), x.memory_states + x.memory_activations + x.memory_attention + x.memory_messages);
       const int stage = w / 2;
@@ -133,8 +135,8 @@ TEST(Pipeline, MemoryPerRankIsWhatTheStageHoldsAndAddsUp) {
       }
       // A workspace per micro-batch in flight, and the buffer its stage messages land in (the
       // first stage's from the next, the last's from the previous).
-      const int64_t workspace = Model<float>::workspace_bytes(o.train.model, T, {stage * 2, 2});
-      const int64_t message = T * o.train.model.d_model * static_cast<int64_t>(sizeof(float));
+      const int64_t workspace = model::Model<float>::workspace_bytes(o.model, T, {stage * 2, 2});
+      const int64_t message = T * o.model.d_model * static_cast<int64_t>(sizeof(float));
       EXPECT_EQ(x.memory_activations, peak * workspace + message);
       EXPECT_EQ(x.memory_states, r.ranks[stage * 2].memory_states);  // the same within a stage
       EXPECT_GT(x.memory_attention, 0);
@@ -161,21 +163,22 @@ TEST(Pipeline, RecomputeKeepsTheCurveBitForBitAndEvensMemoryAcrossStages) {
       struct Run {
         std::vector<double> losses;
         std::vector<float> gradient;
-        PipelineStepRecord last;
+        StepRecord last;
       };
       auto run = [&](bool recompute) {
-        PipelineOptions o = options(2, 3, schedule, schedule == std::string("cad") ? "minbytes" : "none", T, kSteps, 4);
-        o.train.pingpong = pingpong;
+        TrainOptions o = options(2, 3, schedule, schedule == std::string("cad") ? "minbytes" : "none", T, kSteps, 4);
+        o.pingpong = pingpong;
         o.recompute = recompute;
         Run out;
         std::mutex mu;
         auto statuses = comm::LocalWorld::run(4, [&](comm::Communicator& c) -> Status {
           DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(c, o));
           for (int s = 0; s < kSteps; ++s) {
-            DISTCA_ASSIGN_OR_RETURN(PipelineStepRecord r, t->step());
+            DISTCA_ASSIGN_OR_RETURN(std::vector<StepRecord> records, t->step());
+      const StepRecord& r = records.at(0);
             std::lock_guard lock(mu);
             if (c.rank() == 0) out.losses.push_back(r.loss), out.last = r;
-            if (c.rank() == 0 && s == 0) out.gradient = t->last_gradient();  // stage 0's: the one that recomputes
+            if (c.rank() == 0 && s == 0) out.gradient = t->last_gradient(0);  // stage 0's: the one that recomputes
           }
           return Status::ok();
         }, std::chrono::seconds(60));
@@ -231,8 +234,8 @@ TEST(Pipeline, BadLayoutsAreRefused) {
       auto t = PipelineTrainer::create(c, options(pp, 2, "cad", "minmax", 64, 1, 12));
       if (t.is_ok() || t.status().message().find(what) == std::string::npos) return internal_error(t.is_ok() ? "accepted" : t.status().message());
     }
-    PipelineOptions o = options(4, 2, "cad", "minmax", 64, 1, 12);
-    o.train.model.num_layers = 6;
+    TrainOptions o = options(4, 2, "cad", "minmax", 64, 1, 12);
+    o.model.num_layers = 6;
     auto t = PipelineTrainer::create(c, o);
     if (t.is_ok() || t.status().message().find("--pp 4 must divide the model's 6 layers") == std::string::npos) {
       return internal_error(t.is_ok() ? "6 layers on 4 stages accepted" : t.status().message());
@@ -246,4 +249,4 @@ TEST(Pipeline, BadLayoutsAreRefused) {
 }
 
 }  // namespace
-}  // namespace distca::model
+}  // namespace distca::train

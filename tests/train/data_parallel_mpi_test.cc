@@ -9,7 +9,7 @@
 
 #include "../comm/mpi_test_main.h"
 #include "distca/kernels/gemm_attention.h"
-#include "distca/model/trainer.h"
+#include "distca/train/data_parallel.h"
 
 int main(int argc, char** argv) {
   using namespace distca;
@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
   kernels::blas_set_num_threads(1);
   auto preset = model::find_preset("tiny");
   if (!preset.is_ok()) return fail(preset.status());
-  model::TrainOptions o;
+  train::TrainOptions o;
   o.model = preset.value().model;
   o.context = preset.value().context;
   o.workload = preset.value().workload;
@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
       o.workload = "skewed";
       o.granularity = 32;
     }
-    auto trainer = model::Trainer::create(c, o);
+    auto trainer = train::DataParallelTrainer::create(c, o);
     if (!trainer.is_ok()) return fail(trainer.status());
     double worst = 0, first = 0, last = 0;
     int64_t splits = 0;

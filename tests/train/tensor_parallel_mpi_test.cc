@@ -11,25 +11,26 @@
 
 #include "../comm/mpi_test_main.h"
 #include "distca/kernels/gemm_attention.h"
+#include "distca/train/data_parallel.h"
 #include "pipeline_util.h"
 #include "soak.h"
 
 int main(int argc, char** argv) {
   using namespace distca;
-  using namespace distca::model;
+  using namespace distca::train;
   const comm::testing::MpiTest t = comm::testing::start_mpi_test(&argc, &argv);
   if (!t.comm) return 1;
   comm::MpiComm& c = *t.comm;
   auto fail = [&t](const Status& st) { return t.fail(st); };
   kernels::blas_set_num_threads(1);
-  const model::testing::ProcessDataFile data_file("distca_tp_mpi");
+  const train::testing::ProcessDataFile data_file("distca_tp_mpi");
   const std::string& data = data_file.path();
   constexpr int64_t T = 64;
   // 6 steps (10 with DISTCA_TEST_LONG=1): each layout's curve must match from the first step.
   const int kSteps = distca::testing::soak<int>(6, 10);
   auto dp_options = [&](int tp, int64_t context, int64_t steps) {
     TrainOptions o;
-    o.model = model::testing::tp_model(2);
+    o.model = train::testing::tp_model(2);
     o.context = context;
     o.steps = steps;
     o.data_path = data;
@@ -44,7 +45,7 @@ int main(int argc, char** argv) {
     o.model.num_q_heads = 6;
     o.model.num_kv_heads = 3;
     o.model.ffn_dim = 66;
-    auto trainer = Trainer::create(c, o);
+    auto trainer = DataParallelTrainer::create(c, o);
     if (!trainer.is_ok()) return fail(trainer.status());
     for (int s = 0; s < 5; ++s) {
       if (s == 1 && c.rank() == 1) return fail(internal_error("TP rank 1 fails in step 2 on purpose"));
@@ -70,7 +71,7 @@ int main(int argc, char** argv) {
       one.backends = {"colocated"};
       auto self = c.split(c.rank(), 0, "self");  // one rank alone (each rank computes the reference)
       if (!self.is_ok()) return fail(self.status());
-      auto reference = Trainer::create(*self.value(), one);
+      auto reference = DataParallelTrainer::create(*self.value(), one);
       if (!reference.is_ok()) return fail(reference.status());
       for (int s = 0; s < kSteps; ++s) {
         auto r = reference.value()->step();
@@ -80,7 +81,7 @@ int main(int argc, char** argv) {
       for (const char* pingpong : {"on", "off"}) {
         TrainOptions o = dp_options(tp, context, kSteps);
         o.pingpong = pingpong;
-        auto trainer = Trainer::create(c, o);
+        auto trainer = DataParallelTrainer::create(c, o);
         if (!trainer.is_ok()) return fail(trainer.status());
         int split = 0;
         for (int s = 0; s < kSteps; ++s) {
@@ -88,7 +89,7 @@ int main(int argc, char** argv) {
           if (!records.is_ok()) return fail(records.status());
           for (const StepRecord& x : records.value()) {
             got[fmt::format("{}, ping-pong {}", x.backend, pingpong)].push_back(x.loss);
-            split += x.backend == "cad" && x.nano_batches == 2 ? 1 : 0;
+            split += x.backend == "cad" && x.split_micro_batches;
           }
         }
         if ((std::string(pingpong) == "on") != (split >= kSteps / 2)) {
@@ -97,26 +98,26 @@ int main(int argc, char** argv) {
       }
     } else {
       auto options = [&](int tp_, int pp_, int64_t context, const std::string& schedule, const std::string& policy) {
-        PipelineOptions o = model::testing::pipeline_options(data, pp_, 2 * pp, schedule, policy, context, kSteps, 2 * pp);
-        o.train.model = model::testing::tp_model(2 * pp);
-        o.train.tp = tp_;
+        TrainOptions o = train::testing::pipeline_options(data, pp_, 2 * pp, schedule, policy, context, kSteps, 2 * pp);
+        o.model = train::testing::tp_model(2 * pp);
+        o.tp = tp_;
         return o;
       };
-      auto one = model::testing::one_rank_curve(options(1, 1, dp * T, "colocated", "none"));
+      auto one = train::testing::one_rank_curve(options(1, 1, dp * T, "colocated", "none"));
       if (!one.is_ok()) return fail(one.status());
       want = one.value().losses;
       for (const auto& [schedule, policy] : std::vector<std::pair<std::string, std::string>>{{"colocated", "none"}, {"cad", "minbytes"}}) {
         for (const char* pingpong : {"on", "off"}) {
-          PipelineOptions o = options(tp, pp, T, schedule, policy);
-          o.train.pingpong = pingpong;
+          TrainOptions o = options(tp, pp, T, schedule, policy);
+          o.pingpong = pingpong;
           auto trainer = PipelineTrainer::create(c, o);
           if (!trainer.is_ok()) return fail(trainer.status());
           int split = 0;
           for (int s = 0; s < kSteps; ++s) {
             auto r = trainer.value()->step();
             if (!r.is_ok()) return fail(r.status());
-            got[fmt::format("{}, ping-pong {}", schedule, pingpong)].push_back(r.value().loss);
-            split += r.value().split_micro_batches;
+            got[fmt::format("{}, ping-pong {}", schedule, pingpong)].push_back(r.value().at(0).loss);
+            split += r.value().at(0).split_micro_batches;
           }
           // On: most of the micro-batches hold several documents and split.
           if ((std::string(pingpong) == "on") != (split >= kSteps * o.micro_batches / 2)) {
@@ -127,7 +128,7 @@ int main(int argc, char** argv) {
       }
     }
     for (const auto& [backend, losses] : got) {
-      const double d = model::testing::worst_relative(losses, want);
+      const double d = train::testing::worst_relative(losses, want);
       if (d > 1e-5) {
         return fail(internal_error(fmt::format("tp {}, pp {}, dp {}, {}: the loss differs from one rank's by {:.2e}", tp, pp,
                                                dp, backend, d)));

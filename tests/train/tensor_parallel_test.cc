@@ -2,7 +2,7 @@
 // training: every (tp, pp, dp) layout with tp >= 2 and tp x pp x dp <= 8 (the data-parallel
 // trainer for pp = 1, the pipeline trainer otherwise), colocated and CAD, reproduces the loss
 // curve of the same model trained on one rank, within 1e-5 relative over 6 steps (10 with DISTCA_TEST_LONG=1).
-#include "distca/model/tensor_parallel.h"
+#include "distca/train/tensor_parallel.h"
 
 #include <gtest/gtest.h>
 
@@ -14,12 +14,12 @@
 #include <fmt/format.h>
 
 #include "distca/comm/local_comm.h"
-#include "distca/model/pipeline.h"
-#include "distca/model/trainer.h"
+#include "distca/train/pipeline.h"
+#include "distca/train/data_parallel.h"
 #include "pipeline_util.h"
 #include "soak.h"
 
-namespace distca::model {
+namespace distca::train {
 namespace {
 
 namespace fs = std::filesystem;
@@ -51,16 +51,16 @@ TEST(RankMap, TensorParallelIsInnermostThenDataThenPipeline) {
 }
 
 TEST(TensorParallel, ShardsAreSlicesOfTheWholeModel) {
-  const ModelConfig c = tp_model(2);
-  const auto whole = ModelState<float>::create(c);
+  const model::ModelConfig c = tp_model(2);
+  const auto whole = model::ModelState<float>::create(c);
   for (int tp : {2, 4, 8}) {
     int64_t held = 0;
     for (int i = 0; i < tp; ++i) {
-      const auto s = ModelState<float>::create(c, tp, i);
+      const auto s = model::ModelState<float>::create(c, tp, i);
       EXPECT_EQ(s.config.num_q_heads, 8 / tp);
       EXPECT_EQ(s.config.num_kv_heads, std::max(2 / tp, 1));
       held += s.params.size();
-      const int kv = i / kv_head_replicas(c, tp);  // the key/value slice this rank holds
+      const int kv = i / model::kv_head_replicas(c, tp);  // the key/value slice this rank holds
       for (const auto& b : s.params.blocks()) {
         const auto* w = whole.params.find(b.name);
         ASSERT_NE(w, nullptr);
@@ -70,7 +70,7 @@ TEST(TensorParallel, ShardsAreSlicesOfTheWholeModel) {
         const bool is_kv = b.name.ends_with(".wk") || b.name.ends_with(".wv");
         for (int64_t e = 0; e < b.count; ++e) {
           int64_t at = e;  // replicated
-          if (ModelState<float>::is_tp_sharded(b.name)) {
+          if (model::ModelState<float>::is_tp_sharded(b.name)) {
             const int64_t width = b.count / c.d_model, whole_width = w->count / c.d_model;
             at = rows ? i * b.count + e : (e / width) * whole_width + (is_kv ? kv : i) * width + e % width;
           }
@@ -82,31 +82,31 @@ TEST(TensorParallel, ShardsAreSlicesOfTheWholeModel) {
     // key/value head once per rank that shares it.
     const int64_t replicated = 2 * c.vocab_size * c.d_model + c.d_model + c.num_layers * 2 * c.d_model;
     const int64_t kv = c.num_layers * 2 * c.d_model * c.kv_width();
-    EXPECT_EQ(held, tp * replicated + (whole.params.size() - replicated) + (kv_head_replicas(c, tp) - 1) * kv) << tp;
+    EXPECT_EQ(held, tp * replicated + (whole.params.size() - replicated) + (model::kv_head_replicas(c, tp) - 1) * kv) << tp;
   }
 }
 
 TEST(TensorParallel, LayoutsTheModelCannotSplitAreRefused) {
-  ModelConfig m = tp_model(2);
-  EXPECT_NE(tensor_parallel_shard(m, 3).status().message().find("query heads"), std::string::npos);
+  model::ModelConfig m = tp_model(2);
+  EXPECT_NE(model::tensor_parallel_shard(m, 3).status().message().find("query heads"), std::string::npos);
   m.num_q_heads = 6;
   m.num_kv_heads = 3;
   m.ffn_dim = 60;
-  EXPECT_NE(tensor_parallel_shard(m, 2).status().message().find("key/value heads"), std::string::npos);
+  EXPECT_NE(model::tensor_parallel_shard(m, 2).status().message().find("key/value heads"), std::string::npos);
   m = tp_model(2);
   m.ffn_dim = 36;
-  EXPECT_NE(tensor_parallel_shard(m, 8).status().message().find("ffn dim"), std::string::npos);
+  EXPECT_NE(model::tensor_parallel_shard(m, 8).status().message().find("ffn dim"), std::string::npos);
   TrainOptions o;
   o.model = tp_model(2);
   o.tp = 2;
   o.checkpoint_path = "x.ckpt";
-  EXPECT_NE(o.validate().message().find("--tp does not support --checkpoint"), std::string::npos);
+  EXPECT_NE(o.validate(2).message().find("--tp does not support --checkpoint"), std::string::npos);
   // tp must divide the world.
   auto statuses = comm::LocalWorld::run(3, [&](comm::Communicator& c) -> Status {
     TrainOptions t;
     t.model = tp_model(2);
     t.tp = 2;
-    return Trainer::create(c, t).status();
+    return DataParallelTrainer::create(c, t).status();
   });
   for (const Status& s : statuses) EXPECT_NE(s.message().find("--tp 2 x --pp 1 must divide the 3 ranks"), std::string::npos) << s.message();
 }
@@ -144,13 +144,13 @@ std::map<std::string, std::vector<double>> train_dp(int ranks, const TrainOption
   std::vector<std::map<std::string, std::vector<double>>> per_rank(static_cast<size_t>(ranks));
   std::vector<int> split(static_cast<size_t>(ranks), 0);
   auto statuses = comm::LocalWorld::run(ranks, [&](comm::Communicator& c) -> Status {
-    DISTCA_ASSIGN_OR_RETURN(auto t, Trainer::create(c, o));
+    DISTCA_ASSIGN_OR_RETURN(auto t, DataParallelTrainer::create(c, o));
     for (int64_t s = 0; s < o.steps; ++s) {
       DISTCA_ASSIGN_OR_RETURN(auto records, t->step());
       for (const StepRecord& r : records) {
         per_rank[c.rank()][r.backend].push_back(r.loss);
-        if (o.pingpong == "off" && r.nano_batches != 1) return internal_error("ping-pong off split a step");
-        if (r.backend == "cad") split[c.rank()] += r.nano_batches == 2 ? 1 : 0;
+        if (o.pingpong == "off" && r.split_micro_batches != 0) return internal_error("ping-pong off split a step");
+        if (r.backend == "cad") split[c.rank()] += r.split_micro_batches;
       }
     }
     return Status::ok();
@@ -211,13 +211,14 @@ TEST(TensorParallel, DataParallelLayoutsReproduceTheOneRankCurve) {
   }
 }
 
-std::vector<double> train_pp(int ranks, const PipelineOptions& o) {
+std::vector<double> train_pp(int ranks, const TrainOptions& o) {
   std::vector<double> losses;
   std::mutex mu;
   auto statuses = comm::LocalWorld::run(ranks, [&](comm::Communicator& c) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(c, o));
-    for (int64_t s = 0; s < o.train.steps; ++s) {
-      DISTCA_ASSIGN_OR_RETURN(PipelineStepRecord r, t->step());
+    for (int64_t s = 0; s < o.steps; ++s) {
+      DISTCA_ASSIGN_OR_RETURN(std::vector<StepRecord> records, t->step());
+      const StepRecord& r = records.at(0);
       std::lock_guard lock(mu);
       if (c.rank() == 0) losses.push_back(r.loss);
     }
@@ -234,17 +235,17 @@ TEST(TensorParallel, PipelineLayoutsReproduceTheOneRankCurve) {
   for (auto [tp, pp, dp] : {std::tuple{2, 2, 1}, {2, 2, 2}, {4, 2, 1}, {2, 4, 1}}) {
     const int M = 2 * pp;
     auto options = [&](int tp_, int pp_, int64_t context, const std::string& schedule, const std::string& policy) {
-      PipelineOptions o = testing::pipeline_options(data_file(), pp_, M, schedule, policy, context, kSteps, 2 * pp);
-      o.train.model = tp_model(2 * pp);
-      o.train.tp = tp_;
+      TrainOptions o = testing::pipeline_options(data_file(), pp_, M, schedule, policy, context, kSteps, 2 * pp);
+      o.model = tp_model(2 * pp);
+      o.tp = tp_;
       return o;
     };
     const auto want = testing::one_rank_curve(options(1, 1, dp * T, "colocated", "none")).value().losses;
     ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
     const std::string where = fmt::format("tp {}, pp {}, dp {}", tp, pp, dp);
     for (const char* pingpong : {"on", "off"}) {
-      auto with = [&](PipelineOptions o) {
-        o.train.pingpong = pingpong;
+      auto with = [&](TrainOptions o) {
+        o.pingpong = pingpong;
         return o;
       };
       const double col = worst(train_pp(tp * pp * dp, with(options(tp, pp, T, "colocated", "none"))), want);
@@ -258,4 +259,4 @@ TEST(TensorParallel, PipelineLayoutsReproduceTheOneRankCurve) {
 }
 
 }  // namespace
-}  // namespace distca::model
+}  // namespace distca::train

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "distca/comm/local_comm.h"
-#include "distca/model/pipeline.h"
+#include "distca/train/pipeline.h"
 
-namespace distca::model::testing {
+namespace distca::train::testing {
 
 // A JSONL file of 400 documents of varied lengths, written once per process to `path`.
 inline std::string write_pipeline_data(const std::string& path) {
@@ -46,30 +46,30 @@ class ProcessDataFile {
 };
 
 // 2 layers per stage of d 64, 2/1 heads of 32; AdamW at the preset's defaults.
-inline PipelineOptions pipeline_options(const std::string& data, int pp, int M, const std::string& schedule,
+inline TrainOptions pipeline_options(const std::string& data, int pp, int M, const std::string& schedule,
                                         const std::string& policy, int64_t context, int steps, int64_t layers) {
-  PipelineOptions o;
-  o.train.model.num_layers = layers;
-  o.train.model.d_model = 64;
-  o.train.model.num_q_heads = 2;
-  o.train.model.num_kv_heads = 1;
-  o.train.model.head_dim = 32;
-  o.train.model.ffn_dim = 64;
-  o.train.context = context;
-  o.train.steps = steps;
-  o.train.data_path = data;
-  o.train.policy = policy;
-  o.train.granularity = 16;
+  TrainOptions o;
+  o.model.num_layers = layers;
+  o.model.d_model = 64;
+  o.model.num_q_heads = 2;
+  o.model.num_kv_heads = 1;
+  o.model.head_dim = 32;
+  o.model.ffn_dim = 64;
+  o.context = context;
+  o.steps = steps;
+  o.data_path = data;
+  o.policy = policy;
+  o.granularity = 16;
   o.pp = pp;
   o.micro_batches = M;
-  o.schedule = schedule;
+  o.backends = {schedule};
   return o;
 }
 
 // A model tensor parallelism can split up to 8 ways: 8 query heads over 2 key/value heads of
 // 32 (tp 2 slices the key/value heads, tp 4 and 8 share each between 2 and 4 ranks), FFN 64.
-inline ModelConfig tp_model(int64_t layers) {
-  ModelConfig m;
+inline model::ModelConfig tp_model(int64_t layers) {
+  model::ModelConfig m;
   m.num_layers = layers;
   m.d_model = 64;
   m.num_q_heads = 8;
@@ -93,15 +93,16 @@ struct Curve {
 };
 
 // The same model on one rank (a one-rank LocalComm world), each micro-batch D x T tokens.
-inline Result<Curve> one_rank_curve(const PipelineOptions& o) {
+inline Result<Curve> one_rank_curve(const TrainOptions& o) {
   Curve c;
   Status status = Status::ok();
   auto statuses = comm::LocalWorld::run(1, [&](comm::Communicator& world) -> Status {
     DISTCA_ASSIGN_OR_RETURN(auto t, PipelineTrainer::create(world, o));
-    for (int64_t s = 0; s < o.train.steps; ++s) {
-      DISTCA_ASSIGN_OR_RETURN(PipelineStepRecord r, t->step());
+    for (int64_t s = 0; s < o.steps; ++s) {
+      DISTCA_ASSIGN_OR_RETURN(std::vector<StepRecord> records, t->step());
+      const StepRecord& r = records.at(0);
       c.losses.push_back(r.loss);
-      if (s == 0) c.gradient = t->last_gradient();
+      if (s == 0) c.gradient = t->last_gradient(0);
     }
     return Status::ok();
   });
@@ -127,4 +128,4 @@ inline Difference difference(const std::vector<double>& losses, const std::vecto
   return d;
 }
 
-}  // namespace distca::model::testing
+}  // namespace distca::train::testing
