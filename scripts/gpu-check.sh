@@ -292,7 +292,14 @@ report["torch_kernels"] = load("torch-kernels.json")
 report["kernel_table"] = load("kernel-table.json")
 report["torch_multirank"] = load("torch-multirank.json")
 train = load("train-cuda.json")
-if train and "summary" in train:
+# The train-cuda step runs distca.torch.train, whose --json is distca-torch-train version 1; a
+# file of another format or version (e.g. distca train's distca-train) is named in one line.
+train_format = ("distca-torch-train", 1)
+if train and "unreadable" not in train and (train.get("format"), train.get("version")) != train_format:
+    print(f"train-cuda.json is {train.get('format')} version {train.get('version')}, this script reads "
+          f"{train_format[0]} version {train_format[1]}: rerun python -m distca.torch.train --json")
+    report["train_cuda"] = {"unreadable": f"{train.get('format')} version {train.get('version')}"}
+elif train and "summary" in train:
     summary = train["summary"]
     report["train_cuda"] = {name: {"tokens_per_second": b["tokens_per_second"], "step_seconds": b["step_seconds"],
                                    "loss_first": b["loss_first"], "loss_last": b["loss_last"]}

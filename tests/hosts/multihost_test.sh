@@ -93,9 +93,12 @@ cat > "$work/cmp.py" <<'EOF'
 import json, sys
 def losses(path, first):
     with open(path) as f:
-        steps = json.load(f)["steps"]
-    # "backend" (cad, colocated); with --pp, "schedule"
-    return {(s["step"], s.get("backend", s.get("schedule", "-"))): s["loss"] for s in steps if s["step"] >= first}
+        j = json.load(f)
+    if (j.get("format"), j.get("version")) != ("distca-train", 3):
+        print(f"{path} is {j.get('format')} version {j.get('version')}, this script reads distca-train version 3: "
+              "rerun distca train")
+        sys.exit(1)
+    return {(s["step"], s["backend"]): s["loss"] for s in j["steps"] if s["step"] >= first}
 a_path, b_path = sys.argv[1], sys.argv[2]
 first = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 a, b = losses(a_path, first), losses(b_path, first)
