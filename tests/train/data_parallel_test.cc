@@ -134,7 +134,7 @@ TEST(Train, CadAndColocatedGiveTheSameLossCurveForEveryPolicy) {
       for (size_t i = 0; i < rs.size(); ++i) {
         const StepRecord& r = rs[i];
         EXPECT_EQ(r.step, static_cast<int64_t>(i / 2 + 1));
-        ASSERT_EQ(r.ranks.size(), 2u);
+        ASSERT_FALSE(r.ranks.empty());
         for (const StepRecord::Rank& x : r.ranks) {
           EXPECT_NEAR(x.linear + x.attention + x.comm + x.pipeline_wait + x.idle + x.wait + x.optimizer + x.other, x.step, 1e-9);
           EXPECT_GE(x.other, -1e-6) << "the named parts never exceed the step";
