@@ -6,6 +6,8 @@
 
 #include <cstddef>
 
+#include "distca/kernels/registry.h"
+
 namespace distca::runtime {
 namespace {
 
@@ -80,6 +82,7 @@ struct CudaServerKernel::State {
   }
 
   std::unique_ptr<kernels::CudaAttention> attention;
+  const kernels::KernelInfo* info = nullptr;  // the kernel's registry entry
   kernels::CudaDType dtype = kernels::CudaDType::kBf16;
   int device = 0;
   cudaStream_t stream = nullptr;
@@ -89,6 +92,18 @@ struct CudaServerKernel::State {
   DeviceBuffer lse;                  // [Tq, Hq] fp32
   DeviceBuffer dk, dv;               // [Tkv, Hkv, D] fp32
   kernels::RangeScratch ranges;      // validate's scratch, reused
+
+  kernels::DType storage() const {
+    return dtype == kernels::CudaDType::kBf16 ? kernels::DType::kBfloat16 : kernels::DType::kFloat16;
+  }
+  // What the registry says of this call, before anything is copied.
+  Status check(const kernels::AttnDims& dims, std::span<const kernels::AttnTask> tasks, kernels::Pass pass) {
+    if (Status st = kernels::supports(*info, dims, tasks, storage(), pass, &ranges); !st.is_ok()) {
+      return Status(st.code(), fmt::format("CudaServerKernel {}: {}", pass == kernels::Pass::kForward ? "forward" : "backward",
+                                           st.message()));
+    }
+    return Status::ok();
+  }
 };
 
 CudaServerKernel::CudaServerKernel(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -102,6 +117,7 @@ Result<std::unique_ptr<CudaServerKernel>> CudaServerKernel::create(int device, k
   }
   auto state = std::make_unique<State>();
   state->attention = std::move(attention).value();
+  state->info = &kernels::kernel_info(kernels::cuda_kernel_name(kernel));
   state->dtype = dtype;
   state->device = state->attention->device();
   CudaDeviceScope scope(state->device);
@@ -114,6 +130,10 @@ int CudaServerKernel::device() const { return state_->device; }
 std::string CudaServerKernel::device_name() const { return state_->attention->device_name(); }
 kernels::CudaDType CudaServerKernel::dtype() const { return state_->dtype; }
 kernels::CudaKernel CudaServerKernel::kernel() const { return state_->attention->kernel(); }
+const kernels::KernelInfo& CudaServerKernel::info() const { return *state_->info; }
+Status CudaServerKernel::supports(const kernels::AttnDims& dims) const {
+  return kernels::supports(*state_->info, dims, {}, state_->storage());
+}
 int64_t CudaServerKernel::device_bytes() const {
   int64_t total = 0;
   for (const DeviceBuffer* b : {&state_->staging, &state_->q, &state_->k, &state_->v, &state_->o, &state_->d_o,
@@ -126,6 +146,7 @@ int64_t CudaServerKernel::device_bytes() const {
 Status CudaServerKernel::forward(const kernels::AttnFwdParams<float>& p) {
   State& s = *state_;
   DISTCA_RETURN_IF_ERROR(kernels::validate(p, &s.ranges));
+  DISTCA_RETURN_IF_ERROR(s.check(p.dims, p.tasks, kernels::Pass::kForward));
   const kernels::AttnDims& d = p.dims;
   const int64_t q_elems = d.num_q_rows * d.num_q_heads * d.head_dim;
   const int64_t kv_elems = d.num_kv_rows * d.num_kv_heads * d.head_dim;
@@ -165,6 +186,7 @@ Status CudaServerKernel::forward(const kernels::AttnFwdParams<float>& p) {
 Status CudaServerKernel::backward(const kernels::AttnBwdParams<float>& p) {
   State& s = *state_;
   DISTCA_RETURN_IF_ERROR(kernels::validate(p, &s.ranges));
+  DISTCA_RETURN_IF_ERROR(s.check(p.dims, p.tasks, kernels::Pass::kBackward));
   const kernels::AttnDims& d = p.dims;
   const int64_t q_elems = d.num_q_rows * d.num_q_heads * d.head_dim;
   const int64_t kv_elems = d.num_kv_rows * d.num_kv_heads * d.head_dim;

@@ -1,7 +1,7 @@
 // CudaServerKernel: the attention server's compute on a GPU (kernels::CudaAttention) behind the
 // runtime's ServerKernel, whose buffers are host fp32 (the Dispatcher's server layout). The kernel
-// is distca's own or cuDNN's fused attention (kernels::CudaKernel::kCudnn, kernels/cudnn.h): the
-// staging below is the same for both.
+// is one of the kernel registry's CUDA entries (kernels/registry.h: distca's sm_80 kernels, its
+// sm_90a ones, or cuDNN's fused attention): the staging below is the same for all.
 //
 // Each call stages its inputs: host fp32 -> device fp32 (cudaMemcpyAsync) -> the storage dtype
 // (bf16 or fp16, kernels::cuda_convert_from_f32); runs the kernel; and brings the outputs back:
@@ -14,8 +14,9 @@
 // one allocates nothing (the kernels' per-call scratch comes from CUDA's stream-ordered pool).
 // All work runs on a private stream; a call returns when its outputs are on the host.
 //
-// Built when CMake finds nvcc (DISTCA_HAVE_CUDA). Head dims 64 and 128 (the CUDA kernels').
-// Thread safety: one call at a time per object.
+// Each call asks the registry first (kernels::supports: the head dim, the task list) and refuses
+// what the kernel cannot run before anything is copied.
+// Built when CMake finds nvcc (DISTCA_HAVE_CUDA). Thread safety: one call at a time per object.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,7 @@
 
 #include "distca/core/status.h"
 #include "distca/kernels/cuda.h"
+#include "distca/kernels/registry.h"
 #include "distca/runtime/dispatcher.h"
 
 namespace distca::runtime {
@@ -42,11 +44,13 @@ class CudaServerKernel final : public ServerKernel {
 
   Status forward(const kernels::AttnFwdParams<float>& p) override;
   Status backward(const kernels::AttnBwdParams<float>& p) override;
+  Status supports(const kernels::AttnDims& dims) const override;  // the registry's, in the storage dtype
 
   int device() const;
   std::string device_name() const;  // e.g. "NVIDIA H100 80GB HBM3 (sm_90)"
   kernels::CudaDType dtype() const;
   kernels::CudaKernel kernel() const;
+  const kernels::KernelInfo& info() const;  // the kernel's registry entry
   int64_t device_bytes() const;     // device memory held by the staging buffers
 
  private:
