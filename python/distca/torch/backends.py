@@ -25,11 +25,11 @@ group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `fle
 (FlexAttention over the whole task list with a task/position mask, compiled; CUDA), `distca`
 (distca's own kernels, src/kernels, through the custom operators distca::attention_fwd/_bwd of
 distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
-CPU: float32 and bfloat16, head dims 32, 64, 128, 256; CUDA: bfloat16 and float16, head dims 64
-and 128, on the current stream), `cudnn` (cuDNN's fused attention on the same task list through
-the same operators; CUDA, builds that found cuDNN), `hopper` (distca's sm_90a kernels; CUDA devices of compute capability 9.0; not yet run on a GPU;
-`auto` picks it only where the device's measured kernel table names it, after its bench checks
-passed).
+on CPU and CUDA, the current stream), `cudnn` (cuDNN's fused attention on the same task list
+through the same operators; CUDA, builds that found cuDNN), `hopper` (distca's sm_90a kernels;
+CUDA devices of compute capability 9.0; `auto` picks it only where the device's measured kernel
+table names it, after its bench checks passed). The dtypes and head dims these three take, and
+whether this build has them, are the C++ kernel registry's (distca.torch.ops.REGISTRY).
 `auto` picks the best that runs on the device:
 on CUDA, per task list by the device's measured kernel table (distca.torch.kernel_table: the
 fastest kernel per kind of list, `long` or `shards`) where one exists, else as an H100 measured
@@ -63,12 +63,12 @@ _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
     "hopper": HopperKernel,
 }
 # `auto` tries these in order.
-# CUDA: measured on an H100 (reports/gpu/2026-11-25-h100): varlen ahead of distca (distca 0.7-0.8x its
+# CUDA: measured on an H100 (reports/gpu/): varlen ahead of distca (distca 0.7-0.8x its
 # forward, 0.5-0.65x its backward on 128-token shards), distca ahead of sdpa (1.4x/1.0x on a whole 16K
 # document, 6x/6x on its 128-token shards).
 _AUTO_ORDER = {"cuda": ("varlen", "flash_attn", "distca", "sdpa", "flex", "reference")}
 # CPU: by the build of distca's kernels that runs (ops.cpu_isa()), as python/bench/bench_cpu_kernels.py
-# measured it against sdpa with PyTorch held to the same vector width (reports/cpu/2026-11-27-isa):
+# measured it against sdpa with PyTorch held to the same vector width (reports/cpu/):
 # avx512 and avx2 ahead of sdpa on every shape, the portable build (SSE2 on x86-64) behind it. aarch64
 # (portable: NEON) is not measured (only run under qemu): sdpa first there too.
 _CPU_AUTO_ORDER = {"avx512": ("distca", "sdpa", "reference"), "avx2": ("distca", "sdpa", "reference"),
@@ -91,7 +91,7 @@ def _first_that_runs(order, device, dtype, head_dim: Optional[int]) -> Optional[
         if kernel.unavailable(device, dtype) is not None:
             continue
         if isinstance(kernel, DistcaKernel):
-            if head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
+            if head_dim is not None and head_dim not in kernel.head_dims(device):
                 continue
             # Head dims it is not built for (known only at the call) go to the next that runs.
             kernel.fallback = _first_that_runs(order[i + 1:], device, dtype, head_dim)
@@ -139,7 +139,7 @@ def _table_auto(device: torch.device, dtype: torch.dtype, head_dim: Optional[int
         if kernel.unavailable(device, dtype) is not None:
             continue
         if isinstance(kernel, DistcaKernel):
-            if head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
+            if head_dim is not None and head_dim not in kernel.head_dims(device):
                 continue
             kernel.fallback = default   # head dims it is not built for, known only at the call
         choices[kind] = kernel
@@ -186,8 +186,9 @@ def get_backend(name: Union[str, ServerKernel], device: torch.device, dtype: tor
         raise BackendUnavailable(f"backend must be one of {', '.join(backend_names())}, got {name!r}")
     kernel = _BACKENDS[name]()
     reason = kernel.unavailable(device, dtype)
-    if reason is None and name in ("distca", "cudnn", "hopper") and head_dim is not None and head_dim not in DistcaKernel.head_dims(device):
-        reason = (f"the kernels are built for head dims {', '.join(map(str, DistcaKernel.head_dims(device)))} on "
+    if (reason is None and isinstance(kernel, DistcaKernel) and head_dim is not None
+            and head_dim not in kernel.head_dims(device)):
+        reason = (f"the kernels are built for head dims {', '.join(map(str, kernel.head_dims(device)))} on "
                   f"{device.type}, not {head_dim}")
     if reason is not None:
         raise BackendUnavailable(f"backend {name!r} cannot run on {device} with {dtype}: {reason}")

@@ -1,7 +1,8 @@
 """The server kernels of distca's own native code through the custom operators of distca.torch.ops:
-`distca` (distca's kernels, src/kernels) and `cudnn` (cuDNN's fused attention on the same task
-list). The interface they implement is distca.torch.server's (contract: the docstring of
-distca.torch.backends).
+`distca` (distca's kernels, src/kernels), `hopper` (its sm_90a kernels) and `cudnn` (cuDNN's fused
+attention on the same task list). The interface they implement is distca.torch.server's
+(contract: the docstring of distca.torch.backends). What each takes (dtypes, head dims) and
+whether this build has it is the C++ kernel registry's (distca.torch.ops.REGISTRY).
 """
 from __future__ import annotations
 
@@ -22,23 +23,23 @@ class DistcaKernel(ServerKernel):
     only. The backward takes the merged O and LSE (distca.torch.backends' docstring), so key-split
     rows are exact without an LSE gradient.
 
-    CPU (`_distca.CpuAttention`): float32 and bfloat16 (torch.bfloat16 is the top half of an IEEE
-    float, the bit pattern of distca::bf16), head dims 32, 64, 128, 256; results bit-identical for
+    CPU (`_distca.CpuAttention`, the registry's "cpu" entry: its dtypes and head dims; torch.bfloat16
+    is the top half of an IEEE float, the bit pattern of distca::bf16); results bit-identical for
     any thread count. Threads: `num_threads`, or torch.get_num_threads() at each call; one native
     object (its thread pool and workspace) per thread count, shared by every instance. The bf16
     backward writes dK/dV in bf16 (summed in fp32 inside, rounded once), widened to the interface's
     fp32, as sdpa's CPU kernel does.
 
-    CUDA (`_distca.CudaAttention`, src/kernels/include/distca/kernels/cuda.h): bfloat16 and
-    float16, head dims 64 and 128, compute capability 8.0 or newer; on the current stream, one
-    native object per device; dK/dV returned as their fp32 sums (never rounded to bf16). Validated
-    on an H100 by python/tests/gpu/check_torch_cuda.py (reports/gpu/2026-11-25-h100); `auto` on
-    CUDA picks PyTorch's FlashAttention-2 (varlen) first, which ran faster there.
+    CUDA (`_distca.CudaAttention`, src/kernels/include/distca/kernels/cuda.h, the registry's entry
+    named `cuda_kernel`: its dtypes and head dims), compute capability 8.0 or newer; on the current
+    stream, one native object per device; dK/dV returned as their fp32 sums (never rounded to
+    bf16). `auto` on CUDA picks PyTorch's FlashAttention-2 (varlen) first, which ran faster
+    (distca.torch.backends).
 
     Head dims the kernels are not built for go to `fallback` where one is set (auto sets it), else
     raise ValueError."""
     name = "distca"
-    cuda_kernel = "distca"   # the native CUDA implementation (CudnnKernel: "cudnn")
+    cuda_kernel = "distca"   # the native CUDA implementation, a registry name (CudnnKernel: "cudnn")
     HEAD_DIMS = ops.HEAD_DIMS["cpu"]
     CUDA_HEAD_DIMS = ops.HEAD_DIMS["cuda"]
 
@@ -48,10 +49,19 @@ class DistcaKernel(ServerKernel):
         self.num_threads = None if num_threads is None else int(num_threads)
         self.fallback = fallback   # runs head dims the kernels are not built for (auto sets it)
 
-    @staticmethod
-    def head_dims(device: torch.device) -> tuple:
-        """The head dims the kernels are built for on `device`'s type."""
-        return ops.HEAD_DIMS.get(device.type, ())
+    @classmethod
+    def head_dims(cls, device: torch.device) -> tuple:
+        """The head dims the registry says this kernel is built for on `device`'s type (none off
+        cpu and cuda)."""
+        if device.type not in ops.DTYPES:
+            return ()
+        return ops.kernel_head_dims(ops.registry_name(device.type, cls.cuda_kernel))
+
+    @classmethod
+    def not_built(cls) -> Optional[str]:
+        """None where this build has the CUDA implementation, else why not (the registry's reason)."""
+        entry = ops.REGISTRY[cls.cuda_kernel]
+        return None if entry["built"] else entry["not_built"]
 
     def unavailable(self, device, dtype):
         return ops.unavailable(device, dtype)
@@ -131,8 +141,8 @@ class CudnnKernel(DistcaKernel):
     """cuDNN's fused attention (the kernel under TransformerEngine's packed THD attention) on the
     server's task list, through the same operators and native object as `distca` with
     kernel="cudnn" (src/kernels/include/distca/kernels/cudnn.h): each task one sequence of a
-    ragged batch, one cuDNN call per mask kind, graphs cached per bucketed shape. CUDA only;
-    bfloat16 and float16, head dims 64 and 128; builds that found cuDNN at configure time."""
+    ragged batch, one cuDNN call per mask kind, graphs cached per bucketed shape. CUDA only, the
+    registry's "cudnn" entry; builds that found cuDNN at configure time."""
     name = "cudnn"
     cuda_kernel = "cudnn"
 
@@ -142,19 +152,15 @@ class CudnnKernel(DistcaKernel):
         reason = ops.unavailable(device, dtype)
         if reason is not None:
             return reason
-        from distca import _distca
-        if not _distca.cudnn_built():
-            return ("this build of distca has no cuDNN kernel (cuDNN or cudnn-frontend's headers were not found at "
-                    "configure time: scripts/cudnn-frontend.sh, then reinstall)")
-        return None
+        return self.not_built()
 
 
 class HopperKernel(DistcaKernel):
     """distca's sm_90a kernels (TMA, wgmma, a producer warpgroup feeding the compute warpgroups:
-    src/kernels/cuda/hopper_fwd.cuh, hopper_bwd.cuh), through the same operators and native
-    object as `distca` with kernel="hopper". CUDA devices of compute capability 9.0 (H100, H200) in a
-    build with sm_90a; bfloat16 and float16, head dims 64 and 128. Checked on the warp emulator, not
-    yet run on a GPU: `auto` never picks it."""
+    src/kernels/cuda/sm90/), through the same operators and native object as `distca` with
+    kernel="hopper". CUDA devices of compute capability 9.0 (H100, H200) in a build with sm_90a,
+    the registry's "hopper" entry. `auto` picks it only where a device's measured kernel table
+    names it (distca.torch.kernel_table)."""
     name = "hopper"
     cuda_kernel = "hopper"
 
@@ -167,7 +173,4 @@ class HopperKernel(DistcaKernel):
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) != (9, 0):
             return f"the hopper backend needs compute capability 9.0 (H100, H200); this device has {major}.{minor}"
-        from distca import _distca
-        if "90a" not in _distca.cuda_kernels_archs():
-            return f"this build of distca has no sm_90a kernels (built for {_distca.cuda_kernels_archs() or 'none'})"
-        return None
+        return self.not_built()

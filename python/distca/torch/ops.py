@@ -10,13 +10,14 @@ log; -inf where a row sees no key); dq has q's dtype, dk/dv are fp32 (summed ove
 read a row). The backward takes the O and LSE it is given (a key-split row's merged ones), as
 distca.torch.backends describes. `scale` None is 1/sqrt(D), else a number finite and positive in
 float32 (the kernels' precision: 1e300 and 1e-300 are refused); `num_threads` is the CPU kernels'
-thread count (0: torch.get_num_threads()), ignored on CUDA; `kernel` picks the CUDA implementation:
-"distca" (distca's own kernels) or "cudnn" (cuDNN's fused attention on the same task list, in builds
-that found cuDNN), ignored on CPU.
+thread count (0: torch.get_num_threads()), ignored on CUDA; `kernel` picks the CUDA implementation,
+one of the kernel registry's CUDA entries (CUDA_KERNELS: "distca", distca's own kernels; "hopper",
+its sm_90a ones; "cudnn", cuDNN's fused attention on the same task list), ignored on CPU.
 
-CPU: `_distca.CpuAttention` (float32, bfloat16; head dims 32, 64, 128, 256). CUDA:
-`_distca.CudaAttention` on the tensors' device and the current stream (bfloat16, float16; head dims
-64, 128; compute capability 8.0 or newer), asynchronous like any CUDA op. One native object per
+CPU: `_distca.CpuAttention`, the registry's "cpu" entry. CUDA: `_distca.CudaAttention` on the
+tensors' device and the current stream (compute capability 8.0 or newer), asynchronous like any
+CUDA op. The dtypes and head dims each takes are the registry's (`_distca.kernels()`, from
+src/kernels/include/distca/kernels/registry.h): DTYPES and HEAD_DIMS below. One native object per
 CPU thread count and per CUDA device and kernel, made at first use and shared.
 
 Both operators have fake (meta) implementations that check the same shapes, dtypes and devices,
@@ -35,10 +36,35 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16, torch.float16)}
-HEAD_DIMS = {"cpu": (32, 64, 128, 256), "cuda": (64, 128)}
+from .. import _distca
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The kernel registry (C++: kernels/registry.h), by name: the one statement of what each C++ kernel
+# takes. CPU tensors go to its "cpu" entry, CUDA tensors to a CUDA entry (the three share dtypes
+# and head dims: one contract, CudaAttention's).
+REGISTRY = {k["name"]: k for k in _distca.kernels()}
+CUDA_KERNELS = tuple(name for name, k in REGISTRY.items() if k["device"] == "cuda")
+
+
+def kernel_dtypes(name: str) -> tuple:
+    """The torch dtypes the registered kernel `name` takes."""
+    return tuple(_TORCH_DTYPES[d] for d in REGISTRY[name]["dtypes"])
+
+
+def kernel_head_dims(name: str) -> tuple:
+    """The head dims the registered kernel `name` is built for (empty: any)."""
+    return tuple(REGISTRY[name]["head_dims"])
+
+
+def registry_name(device_type: str, kernel: str = "distca") -> str:
+    """The registry's name of what runs tensors on `device_type`: "cpu" on CPU, `kernel` on CUDA."""
+    return "cpu" if device_type == "cpu" else kernel
+
+
+DTYPES = {"cpu": kernel_dtypes("cpu"), "cuda": kernel_dtypes("distca")}
+HEAD_DIMS = {"cpu": kernel_head_dims("cpu"), "cuda": kernel_head_dims("distca")}
 MIN_CAPABILITY = (8, 0)
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 _PREFIX = "distca attention: "
 
 _natives: dict = {}          # ("cpu", threads, isa) or ("cuda", device index) -> native kernel object
@@ -52,7 +78,6 @@ def _names(items) -> str:
 def cpu_isa() -> str:
     """The build of the CPU kernels that runs: DISTCA_CPU_ISA where set (ValueError where this CPU
     cannot run it), else the fastest this CPU runs (avx512, avx2, portable)."""
-    from distca import _distca
     return _distca.cpu_isa()
 
 
@@ -63,13 +88,9 @@ def cpu_native(num_threads: int = 0):
     key = ("cpu", threads, cpu_isa())
     native = _natives.get(key)
     if native is None:
-        from distca import _distca
         with _natives_lock:
             native = _natives.get(key) or _natives.setdefault(key, _distca.CpuAttention(threads, key[2]))
     return native
-
-
-CUDA_KERNELS = ("distca", "cudnn", "hopper")   # hopper: the sm_90a kernels, not yet validated on a GPU
 
 
 def cuda_native(index: int, kernel: str = "distca"):
@@ -81,7 +102,6 @@ def cuda_native(index: int, kernel: str = "distca"):
     if native is None:
         if kernel not in CUDA_KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(CUDA_KERNELS)}, got {kernel!r}")
-        from distca import _distca
         with _natives_lock:
             native = _natives.get(key)
             if native is None:
@@ -109,7 +129,6 @@ def _arch_runs(entry: str, major: int, minor: int) -> bool:
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None when distca's kernels run on `device` with `dtype`, else the reason."""
-    from distca import _distca
     if device.type not in DTYPES:
         return f"distca's attention kernels run on cpu and cuda, not {device.type}"
     if dtype not in DTYPES[device.type]:
@@ -327,7 +346,6 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def pairs(tasks) -> int:
     """(query, key) pairs per head the task list computes (causal tasks count their triangle)."""
-    from distca import _distca
     return int(_distca.attention_pairs(task_tensor(tasks).numpy()))
 
 
