@@ -2,10 +2,10 @@
 //
 // The same task lists and layout as the CPU kernels (attention.h): Q [Tq, Hq, D], K/V [Tkv, Hkv, D]
 // packed THD, bottom-right causal and non-causal tasks, tasks sharing K/V rows, GQA. Storage is
-// bf16 or fp16, accumulation fp32 (tensor-core mma.sync m16n8k16), the head dims of the registry's
-// CUDA entries (registry.h). One launch per
-// pass serves every task of the call: a tile schedule (one work item per 64-row query tile, or
-// per 64-key tile in the backward, heaviest first) is built on the host and uploaded with the call.
+// a CudaDType, accumulation fp32 (tensor-core mma.sync m16n8k16); the dtypes and head dims are the
+// registry's CUDA entries' (registry.h). One launch per pass serves every task of the call: a tile
+// schedule (one work item per 64-row query tile, or per 64-key tile in the backward, heaviest
+// first) is built on the host and uploaded with the call.
 //
 // Every pointer in the argument structs is device memory of the current device; tasks are host
 // memory. Calls are asynchronous on `stream` (a cudaStream_t; nullptr is the legacy default

@@ -60,6 +60,7 @@ inline constexpr std::array<DType, 2> kCudaDTypes{DType::kBfloat16, DType::kFloa
 inline constexpr std::array<int64_t, 4> kCpuHeadDims{32, 64, 128, 256};
 inline constexpr std::array<int64_t, 2> kCudaHeadDims{64, 128};
 
+// In CudaKernel's order after the CPU kernels (the order names are listed in).
 inline constexpr std::array<KernelInfo, 6> kKernels{{
     {"reference", KernelDevice::kCpu, kCpuDTypes, {}, true,
      "plain loops in double: the specification the others are tested against"},
@@ -69,10 +70,10 @@ inline constexpr std::array<KernelInfo, 6> kKernels{{
      "OpenBLAS sgemm with the scores materialized: the benchmarks' baseline"},
     {"distca", KernelDevice::kCuda, kCudaDTypes, kCudaHeadDims, true,
      "distca's CUDA kernels (mma.sync, sm_80 and up)"},
-    {"hopper", KernelDevice::kCuda, kCudaDTypes, kCudaHeadDims, true,
-     "distca's sm_90a kernels (TMA, wgmma)"},
     {"cudnn", KernelDevice::kCuda, kCudaDTypes, kCudaHeadDims, true,
      "cuDNN's fused attention on the task list"},
+    {"hopper", KernelDevice::kCuda, kCudaDTypes, kCudaHeadDims, true,
+     "distca's sm_90a kernels (TMA, wgmma)"},
 }};
 
 // The entry named `name`; an error that lists the names when there is none.
