@@ -383,8 +383,7 @@ Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data)
   model::adamw_step_range(run.state, options_.optim, 0, run.state.params.size(), norm);
   const double optimizer = seconds_since(t);
   const double step_seconds = seconds_since(begin);
-  // Every rank's numbers, one slot each; a byte count travels as two floats of 24 bits each, so
-  // it arrives exact.
+  // Every rank's numbers, a row of slots each (byte counts exact: put_count).
   enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kReduce, kBytes, kSlots = kBytes + 8 };
   const int64_t bytes[4] = {p.bytes, 4 * run.state.params.size() * static_cast<int64_t>(sizeof(float)),
                             model_->allocated_bytes(), p.attention_memory};
@@ -394,10 +393,7 @@ Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data)
                                reduce};
   float* row = all.data() + comm_.rank() * kSlots;
   for (int i = 0; i < kBytes; ++i) row[i] = static_cast<float>(mine[i]);
-  for (int i = 0; i < 4; ++i) {
-    row[kBytes + 2 * i] = static_cast<float>(bytes[i] >> 24);
-    row[kBytes + 2 * i + 1] = static_cast<float>(bytes[i] & ((int64_t{1} << 24) - 1));
-  }
+  for (int i = 0; i < 4; ++i) put_count(row + kBytes + 2 * i, bytes[i]);
   DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   StepRecord rec;
   rec.step = step_ + 1;
@@ -410,9 +406,7 @@ Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data)
   double loss = 0;
   for (int r = 0; r < R; ++r) {
     auto at = [&](int i) { return static_cast<double>(all[r * kSlots + i]); };
-    auto exact = [&](int i) {
-      return (static_cast<int64_t>(all[r * kSlots + kBytes + 2 * i]) << 24) + static_cast<int64_t>(all[r * kSlots + kBytes + 2 * i + 1]);
-    };
+    auto exact = [&](int i) { return get_count(&all[r * kSlots + kBytes + 2 * i]); };
     loss += at(kLoss);
     StepRecord::Rank x;
     x.step = at(kStep);

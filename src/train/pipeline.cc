@@ -687,8 +687,7 @@ Result<StepRecord> PipelineTrainer::step_one(Run& run, const std::vector<StepDat
   }
   for (const auto& p : run.pooled) me.memory_attention += p ? p->peak_bytes() : 0;  // ping-pong: both coexist
   me.memory_messages = sends_peak_bytes_;
-  // Every rank's numbers, one row each; a count travels as two floats of 24 bits each, so it
-  // arrives exact.
+  // Every rank's numbers, a row of slots each (counts exact: put_count).
   enum Col { kStep, kLinear, kAttention, kComm, kPipe, kIdle, kWait, kOpt, kReduce, kServed, kRecompute, kLoss, kCount,
              kCols = kCount + 14 };
   const int R = world_.size();
@@ -699,10 +698,7 @@ Result<StepRecord> PipelineTrainer::step_one(Run& run, const std::vector<StepDat
   for (int i = 0; i < kCount; ++i) row[i] = static_cast<float>(mine[i]);
   const int64_t counts[7] = {me.memory_states, me.memory_activations, me.memory_attention, me.memory_messages,
                              me.attention_bytes, run.tasks, run.split_tasks};
-  for (int i = 0; i < 7; ++i) {
-    row[kCount + 2 * i] = static_cast<float>(counts[i] >> 24);
-    row[kCount + 2 * i + 1] = static_cast<float>(counts[i] & ((int64_t{1} << 24) - 1));
-  }
+  for (int i = 0; i < 7; ++i) put_count(row + kCount + 2 * i, counts[i]);
   DISTCA_RETURN_IF_ERROR(world_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   StepRecord rec;
   rec.step = step_ + 1;
@@ -714,9 +710,7 @@ Result<StepRecord> PipelineTrainer::step_one(Run& run, const std::vector<StepDat
   double loss = 0;
   for (int r = 0; r < R; ++r) {
     auto at = [&](int c) { return static_cast<double>(all[r * kCols + c]); };
-    auto count = [&](int i) {
-      return (static_cast<int64_t>(all[r * kCols + kCount + 2 * i]) << 24) + static_cast<int64_t>(all[r * kCols + kCount + 2 * i + 1]);
-    };
+    auto count = [&](int i) { return get_count(&all[r * kCols + kCount + 2 * i]); };
     StepRecord::Rank x;
     x.step = at(kStep);
     x.linear = at(kLinear);

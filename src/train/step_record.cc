@@ -84,6 +84,13 @@ nlohmann::json StepRecord::to_json() const {
           {"ranks", rs}};
 }
 
+void put_count(float* slots, int64_t count) {
+  slots[0] = static_cast<float>(count >> 24);
+  slots[1] = static_cast<float>(count & ((int64_t{1} << 24) - 1));
+}
+
+int64_t get_count(const float* slots) { return (static_cast<int64_t>(slots[0]) << 24) + static_cast<int64_t>(slots[1]); }
+
 nlohmann::json EvalRecord::to_json() const {
   return {{"step", step}, {"backend", backend}, {"loss", loss}, {"targets", targets}};
 }

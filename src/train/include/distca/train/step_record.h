@@ -78,6 +78,11 @@ struct StepRecord {
   nlohmann::json to_json() const;
 };
 
+// The trainers gather every rank's numbers in one float all-reduce, a row of slots per rank; a
+// count (bytes, tasks; below 2^48) takes two slots of 24 bits each, so that it arrives exact.
+void put_count(float* slots, int64_t count);
+int64_t get_count(const float* slots);
+
 // The loss of one backend on the held-out steps.
 struct EvalRecord {
   int64_t step = 0;  // after this many training steps
