@@ -171,7 +171,7 @@ Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const
   out["format"] = "distca-bench-attention";
   out["version"] = 1;
   // The sgemm ceiling is the machine's only if OpenBLAS runs the kernels of the CPU's widest
-  // vector unit (blas_setup.h).
+  // vector unit (kernels/blas_setup.h).
   const kernels::BlasCheck blas = kernels::blas_check();
   out["machine"] = {{"threads", all}, {"isa", fused1.isa()}, {"cpu_isa", blas.cpu_isa},
                     {"openblas_coretype", blas.coretype}, {"coretype_set_by_distca", blas.is_set_by_distca}};

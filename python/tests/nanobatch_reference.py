@@ -298,7 +298,7 @@ def _remote_q_rows(tasks: np.ndarray, owned: dict) -> int:
 
 def _remote_kv_rows(tasks: np.ndarray, owned: dict) -> int:
     """K/V rows the plan moves between ranks: per (server, document), the union of the tasks' key
-    ranges (runtime/route.h), less the rows the server holds."""
+    ranges (layout/route.h), less the rows the server holds."""
     total = 0
     order = np.lexsort((tasks["k0"], tasks["doc"], tasks["server"]))
     key: Any = None

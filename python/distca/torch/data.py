@@ -162,7 +162,7 @@ class Documents:
         return self.buffer.nbytes + self.offsets.nbytes + self.lines.nbytes
 
     def fingerprint(self) -> str:
-        """The documents' identity from their content, as `distca train`'s (src/model/data.cc:
+        """The documents' identity from their content, as `distca train`'s (src/train/data.cc:
         their count and a hash of every document): the count, the bytes and a SHA-256 over every
         document's length and then all their bytes, so both the text and where each document ends
         count. Not the path: a moved file is the same data, a rewritten one is not."""

@@ -30,7 +30,7 @@ using ProgressLine = std::function<void(const std::string&)>;
 // Runs the benchmark; progress gets one line per finished measurement. The JSON has
 // fwd_gflops, bwd_gflops, sgemm_gflops, gemm_attention_gflops, shard_fwd_gflops{size: ...},
 // ratios, every measurement under "results", and blas_core with ceiling_trusted (false, with
-// blas_warning, when OpenBLAS runs kernels narrower than the CPU's vector unit: blas_setup.h).
+// blas_warning, when OpenBLAS runs kernels narrower than the CPU's vector unit: kernels/blas_setup.h).
 Result<nlohmann::json> run_attention_bench(const AttentionBenchOptions& o, const ProgressLine& progress);
 void print_attention_report(const nlohmann::json& report);
 

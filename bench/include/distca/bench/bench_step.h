@@ -41,13 +41,13 @@ struct StepBenchOptions {
   std::string backward_mode = "stateful";
   std::string progress = "poll";  // how transfers advance while a rank computes: none | poll | thread
   int64_t progress_interval_us = 1000;  // with progress "thread": between its polls
-  std::string grad_sync = "overlap";  // the gradient all-reduce: overlap | eager | after (model::TrainOptions)
+  std::string grad_sync = "overlap";  // the gradient all-reduce: overlap | eager | after (train::TrainOptions)
 };
 
 Status validate(const StepBenchOptions& o);
 // The memory of the run on this machine (every rank here holds one trainer per variant, each the
 // estimate `distca train` checks) against what the machine can give a benchmark
-// (memory_check.h): kInvalidArgument naming both where it does not fit. REQUIRES: validate(o).
+// (core/memory.h): kInvalidArgument naming both where it does not fit. REQUIRES: validate(o).
 Status check_step_memory(const StepBenchOptions& o);
 // The share of the exposed communication that ping-pong hid: (sequential - ping-pong) /
 // (sequential - zero-cost), or nothing when the zero-cost step was no faster than the sequential

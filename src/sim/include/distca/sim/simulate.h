@@ -119,7 +119,7 @@ StepPrediction predict_step(const Profile& profile, const plan::ModelShape& mode
                             const std::vector<plan::Task>& tasks, plan::BackwardMode mode,
                             double linear_seconds_per_token_layer, double fixed_seconds);
 
-// One pipeline-parallel step as distca train --pp runs it (model::PipelineTrainer): P stages x D
+// One pipeline-parallel step as distca train --pp runs it (train::PipelineTrainer): P stages x D
 // replicas (rank = stage x D + replica), M micro-batches of D ranks x T tokens.
 //   colocated  1F1B (timing.h's one_f_one_b): a stage's forward (backward) of micro-batch m takes
 //              its L / P layers' linear work on T tokens plus the attention of its own pieces (the
