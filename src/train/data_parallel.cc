@@ -383,17 +383,24 @@ Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data)
   model::adamw_step_range(run.state, options_.optim, 0, run.state.params.size(), norm);
   const double optimizer = seconds_since(t);
   const double step_seconds = seconds_since(begin);
-  // Every rank's numbers, a row of slots each (byte counts exact: put_count).
-  enum Slot { kStep, kLinear, kAttention, kComm, kWait, kOptimizer, kLoss, kReduce, kBytes, kSlots = kBytes + 8 };
-  const int64_t bytes[4] = {p.bytes, 4 * run.state.params.size() * static_cast<int64_t>(sizeof(float)),
-                            model_->allocated_bytes(), p.attention_memory};
-  std::vector<float> all(static_cast<size_t>(kSlots * R), 0.0f);
-  const double mine[kBytes] = {step_seconds, pass.linear(), pass.attention, pass.comm + setup + reduce, wait, optimizer,
-                               groups_.me.tp == 0 ? loss_sum : 0.0,  // a replica's loss once
-                               reduce};
-  float* row = all.data() + comm_.rank() * kSlots;
-  for (int i = 0; i < kBytes; ++i) row[i] = static_cast<float>(mine[i]);
-  for (int i = 0; i < 4; ++i) put_count(row + kBytes + 2 * i, bytes[i]);
+  // Every rank's numbers, a row each: its parts (StepRecord::Rank::to_row), then its loss.
+  StepRecord::Rank me;
+  me.step = step_seconds;
+  me.linear = pass.linear();
+  me.attention = pass.attention;
+  me.comm = pass.comm + setup + reduce;
+  me.wait = wait;
+  me.optimizer = optimizer;
+  me.grad_reduce = reduce;
+  me.attention_bytes = p.bytes;
+  me.memory_states = 4 * run.state.params.size() * static_cast<int64_t>(sizeof(float));
+  me.memory_activations = model_->allocated_bytes();
+  me.memory_attention = p.attention_memory;
+  constexpr int kLoss = StepRecord::Rank::kSlots, kRow = kLoss + 1;
+  std::vector<float> all(static_cast<size_t>(kRow * R), 0.0f);
+  float* row = all.data() + comm_.rank() * kRow;
+  me.to_row(row);
+  row[kLoss] = static_cast<float>(groups_.me.tp == 0 ? loss_sum : 0.0);  // a replica's loss once
   DISTCA_RETURN_IF_ERROR(comm_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   StepRecord rec;
   rec.step = step_ + 1;
@@ -405,24 +412,8 @@ Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data)
   rec.lr = lr;
   double loss = 0;
   for (int r = 0; r < R; ++r) {
-    auto at = [&](int i) { return static_cast<double>(all[r * kSlots + i]); };
-    auto exact = [&](int i) { return get_count(&all[r * kSlots + kBytes + 2 * i]); };
-    loss += at(kLoss);
-    StepRecord::Rank x;
-    x.step = at(kStep);
-    x.linear = at(kLinear);
-    x.attention = at(kAttention);
-    x.comm = at(kComm);
-    x.wait = at(kWait);
-    x.optimizer = at(kOptimizer);
-    // The gather rounds each part to float: "other" closes the sum.
-    x.other = x.step - x.linear - x.attention - x.comm - x.wait - x.optimizer;
-    x.grad_reduce = at(kReduce);
-    x.attention_bytes = exact(0);
-    x.memory_states = exact(1);
-    x.memory_activations = exact(2);
-    x.memory_attention = exact(3);
-    rec.ranks.push_back(x);
+    loss += static_cast<double>(all[r * kRow + kLoss]);
+    rec.ranks.push_back(StepRecord::Rank::from_row(&all[r * kRow]));
   }
   rec.derive();
   rec.loss = data.num_targets > 0 ? loss / static_cast<double>(data.num_targets) : 0.0;

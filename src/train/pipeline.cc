@@ -687,18 +687,16 @@ Result<StepRecord> PipelineTrainer::step_one(Run& run, const std::vector<StepDat
   }
   for (const auto& p : run.pooled) me.memory_attention += p ? p->peak_bytes() : 0;  // ping-pong: both coexist
   me.memory_messages = sends_peak_bytes_;
-  // Every rank's numbers, a row of slots each (counts exact: put_count).
-  enum Col { kStep, kLinear, kAttention, kComm, kPipe, kIdle, kWait, kOpt, kReduce, kServed, kRecompute, kLoss, kCount,
-             kCols = kCount + 14 };
+  // Every rank's numbers, a row each: its parts (StepRecord::Rank::to_row), its loss, and its
+  // plans' task counts (exact: put_count).
+  constexpr int kLoss = StepRecord::Rank::kSlots, kTasks = kLoss + 1, kRow = kTasks + 4;
   const int R = world_.size();
-  std::vector<float> all(static_cast<size_t>(kCols * R), 0.0f);
-  float* row = all.data() + world_.rank() * kCols;
-  const double mine[kCount] = {me.step, me.linear, me.attention, me.comm, me.pipeline_wait, me.idle, me.wait, me.optimizer,
-                               me.grad_reduce, me.served_in_idle, me.recompute, loss_sum};
-  for (int i = 0; i < kCount; ++i) row[i] = static_cast<float>(mine[i]);
-  const int64_t counts[7] = {me.memory_states, me.memory_activations, me.memory_attention, me.memory_messages,
-                             me.attention_bytes, run.tasks, run.split_tasks};
-  for (int i = 0; i < 7; ++i) put_count(row + kCount + 2 * i, counts[i]);
+  std::vector<float> all(static_cast<size_t>(kRow * R), 0.0f);
+  float* row = all.data() + world_.rank() * kRow;
+  me.to_row(row);
+  row[kLoss] = static_cast<float>(loss_sum);
+  put_count(row + kTasks, run.tasks);
+  put_count(row + kTasks + 2, run.split_tasks);
   DISTCA_RETURN_IF_ERROR(world_.all_reduce_sum(all.data(), static_cast<int64_t>(all.size())));
   StepRecord rec;
   rec.step = step_ + 1;
@@ -709,35 +707,15 @@ Result<StepRecord> PipelineTrainer::step_one(Run& run, const std::vector<StepDat
   rec.lr = lr;
   double loss = 0;
   for (int r = 0; r < R; ++r) {
-    auto at = [&](int c) { return static_cast<double>(all[r * kCols + c]); };
-    auto count = [&](int i) { return get_count(&all[r * kCols + kCount + 2 * i]); };
-    StepRecord::Rank x;
-    x.step = at(kStep);
-    x.linear = at(kLinear);
-    x.attention = at(kAttention);
-    x.comm = at(kComm);
-    x.pipeline_wait = at(kPipe);
-    x.idle = at(kIdle);
-    x.wait = at(kWait);
-    x.optimizer = at(kOpt);
-    // The gather rounds each part to float: "other" closes the sum.
-    x.other = x.step - x.linear - x.attention - x.comm - x.pipeline_wait - x.idle - x.wait - x.optimizer;
-    x.grad_reduce = at(kReduce);
-    x.served_in_idle = at(kServed);
-    x.recompute = at(kRecompute);
-    x.memory_states = count(0);
-    x.memory_activations = count(1);
-    x.memory_attention = count(2);
-    x.memory_messages = count(3);
-    x.attention_bytes = count(4);
-    rec.ranks.push_back(x);
-    loss += at(kLoss);
+    const float* theirs = &all[r * kRow];
+    rec.ranks.push_back(StepRecord::Rank::from_row(theirs));
+    loss += static_cast<double>(theirs[kLoss]);
     // The same plan on every rank of its group counted once: cad's tick plans span every rank of
     // a TP index (rank 0's count), colocated plans a stage's DP group (one rank per stage).
     const RankCoords c = groups_.map.coords(r);
     if (run.is_cad ? r == 0 : c.tp == 0 && c.dp == 0) {
-      rec.attention_tasks += count(5);
-      rec.split_tasks += count(6);
+      rec.attention_tasks += get_count(theirs + kTasks);
+      rec.split_tasks += get_count(theirs + kTasks + 2);
     }
   }
   rec.derive();

@@ -91,6 +91,39 @@ void put_count(float* slots, int64_t count) {
 
 int64_t get_count(const float* slots) { return (static_cast<int64_t>(slots[0]) << 24) + static_cast<int64_t>(slots[1]); }
 
+void StepRecord::Rank::to_row(float* row) const {
+  const double times[11] = {step, linear, attention, comm, pipeline_wait, idle, wait, optimizer,
+                            grad_reduce, served_in_idle, recompute};
+  for (int i = 0; i < 11; ++i) row[i] = static_cast<float>(times[i]);
+  const int64_t counts[5] = {attention_bytes, memory_states, memory_activations, memory_attention, memory_messages};
+  for (int i = 0; i < 5; ++i) put_count(row + 11 + 2 * i, counts[i]);
+}
+
+StepRecord::Rank StepRecord::Rank::from_row(const float* row) {
+  auto at = [&](int i) { return static_cast<double>(row[i]); };
+  auto count = [&](int i) { return get_count(row + 11 + 2 * i); };
+  Rank x;
+  x.step = at(0);
+  x.linear = at(1);
+  x.attention = at(2);
+  x.comm = at(3);
+  x.pipeline_wait = at(4);
+  x.idle = at(5);
+  x.wait = at(6);
+  x.optimizer = at(7);
+  x.grad_reduce = at(8);
+  x.served_in_idle = at(9);
+  x.recompute = at(10);
+  // The gather rounds each part to float: "other" closes the sum.
+  x.other = x.step - x.linear - x.attention - x.comm - x.pipeline_wait - x.idle - x.wait - x.optimizer;
+  x.attention_bytes = count(0);
+  x.memory_states = count(1);
+  x.memory_activations = count(2);
+  x.memory_attention = count(3);
+  x.memory_messages = count(4);
+  return x;
+}
+
 nlohmann::json EvalRecord::to_json() const {
   return {{"step", step}, {"backend", backend}, {"loss", loss}, {"targets", targets}};
 }

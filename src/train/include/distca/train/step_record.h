@@ -52,6 +52,13 @@ struct StepRecord {
     // exchange buffers); copies of stage messages still in flight.
     int64_t memory_states = 0, memory_activations = 0, memory_attention = 0, memory_messages = 0;
     int64_t memory() const { return memory_states + memory_activations + memory_attention + memory_messages; }
+
+    // The rank as a row of kSlots floats of the gather (put_count below): the times rounded to
+    // float, the bytes exact. from_row closes the sum with `other`, so the parts still add up to
+    // the step.
+    static constexpr int kSlots = 11 + 2 * 5;
+    void to_row(float* row) const;
+    static Rank from_row(const float* row);
   };
   std::vector<Rank> ranks;  // (world)
 
