@@ -334,6 +334,12 @@ Result<std::unique_ptr<DocumentSource>> open_data_source(const std::string& path
                                       path));
 }
 
+Result<std::unique_ptr<DocumentSource>> open_training_source(const std::string& path, const std::string& workload,
+                                                             int64_t context, uint64_t seed) {
+  if (path.empty()) return make_synthetic_source(workload, context, seed);
+  return open_data_source(path);
+}
+
 Packer::Packer(std::unique_ptr<DocumentSource> source, int32_t num_ranks, int64_t tokens_per_rank)
     : source_(std::move(source)), num_ranks_(num_ranks), tokens_per_rank_(tokens_per_rank) {}
 

@@ -71,12 +71,8 @@ Result<std::unique_ptr<DataParallelTrainer>> DataParallelTrainer::create(comm::C
   if (o.attention_link) t->link_ = std::make_unique<comm::EmulatedLink>(dp, *o.attention_link);
   comm::Communicator& attention_comm = t->link_ ? static_cast<comm::Communicator&>(*t->link_) : dp;
   const model::ModelConfig shard = model::tensor_parallel_shard(o.model, o.tp).value();
-  std::unique_ptr<DocumentSource> source;
-  if (o.data_path.empty()) {
-    DISTCA_ASSIGN_OR_RETURN(source, make_synthetic_source(o.workload, o.context, o.data_seed));
-  } else {
-    DISTCA_ASSIGN_OR_RETURN(source, open_data_source(o.data_path));
-  }
+  DISTCA_ASSIGN_OR_RETURN(std::unique_ptr<DocumentSource> source,
+                          open_training_source(o.data_path, o.workload, o.context, o.data_seed));
   if (o.eval_every > 0) {
     DISTCA_ASSIGN_OR_RETURN(auto held_out, source->hold_out(o.eval_docs));
     DISTCA_ASSIGN_OR_RETURN(t->validation_,

@@ -211,12 +211,8 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
   t->stage_ = t->groups_.me.pp;
   t->replica_ = t->groups_.me.dp;
   const model::ModelConfig shard = model::tensor_parallel_shard(o.model, o.tp).value();
-  std::unique_ptr<DocumentSource> source;
-  if (o.data_path.empty()) {
-    DISTCA_ASSIGN_OR_RETURN(source, make_synthetic_source(o.workload, o.context, o.data_seed));
-  } else {
-    DISTCA_ASSIGN_OR_RETURN(source, open_data_source(o.data_path));
-  }
+  DISTCA_ASSIGN_OR_RETURN(std::unique_ptr<DocumentSource> source,
+                          open_training_source(o.data_path, o.workload, o.context, o.data_seed));
   t->packer_ = std::make_unique<Packer>(std::move(source), t->dp_, o.context);
   const int64_t per = o.model.num_layers / o.pp;
   const model::LayerRange range{t->stage_ * per, per};

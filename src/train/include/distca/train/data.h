@@ -61,6 +61,9 @@ Result<std::unique_ptr<DocumentSource>> open_jsonl_source(const std::string& pat
 Result<std::unique_ptr<DocumentSource>> open_directory_source(const std::string& path);
 // A directory, or a .jsonl / .json file of JSON lines.
 Result<std::unique_ptr<DocumentSource>> open_data_source(const std::string& path);
+// What a trainer reads: the file source at `path`, or with an empty path the synthetic `workload`.
+Result<std::unique_ptr<DocumentSource>> open_training_source(const std::string& path, const std::string& workload,
+                                                             int64_t context, uint64_t seed);
 
 // One step's tokens, the same on every rank; each rank reads its slice.
 struct StepData {
