@@ -38,13 +38,14 @@ part() {  # part NAME COMMAND...: runs it and records its wall time
 part install-deps scripts/install-deps.sh
 # The packages from PyPI (PyTorch's 3 GB: network and disk more than CPU) install beside the C++
 # build; the virtual environment is made first, so that the build's fetch of cudnn-frontend finds
-# it whole. distca's own module is built after both, from build/.
+# it whole (python-deps: what was left of it when the build ended). distca's own module is built
+# after both, from build/.
 scripts/install-python.sh --venv-only
 mkdir -p build
 scripts/install-python.sh --deps-only >build/install-python-deps.log 2>&1 &
 deps_pid=$!
 trap 'kill_tree "$deps_pid"' EXIT  # a failed part leaves nothing running
-python_package() {  # waits for the PyPI packages, then installs distca
+python_deps() {  # waits for the PyPI packages
   local rc=0
   wait "$deps_pid" || rc=$?
   deps_pid=""  # reaped: its number may be reused
@@ -53,7 +54,6 @@ python_package() {  # waits for the PyPI packages, then installs distca
     echo "test.sh: installing the Python packages from PyPI failed (log above, also in build/install-python-deps.log)" >&2
     return 1
   fi
-  scripts/install-python.sh
 }
 part build scripts/build.sh
 # Work that counts work, not time, runs at the lowest priority beside install-python, ctest and
@@ -69,8 +69,25 @@ background_log=build/test-background.log
 ) >"$background_log" 2>&1 &
 background_pid=$!
 trap 'kill_tree "$deps_pid"; kill_tree "$background_pid"' EXIT
-part install-python python_package
+# distca's own package installs beside ctest (pip builds the module in build/, on one core, target
+# _distca only: nothing ctest runs is relinked), so ctest does not wait for it; pytest does. Its
+# part below is what was left of it when ctest ended.
+part python-deps python_deps
+python_log=build/install-python.log
+python_start=$SECONDS
+scripts/install-python.sh >"$python_log" 2>&1 &
+python_pid=$!
+trap 'kill_tree "$deps_pid"; kill_tree "$background_pid"; kill_tree "$python_pid"' EXIT
+python_wait() {  # what is left of the package's install, then its output
+  local rc=0
+  wait "$python_pid" || rc=$?
+  python_pid=""
+  cat "$python_log"
+  echo "test.sh: the Python package's install took $((SECONDS - python_start)) s in all, beside ctest"
+  return "$rc"
+}
 part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
+part install-python python_wait
 # The Python package's tests (pytest, on every core: pytest-xdist), after the C++ suite: they compare
 # with the distca binary.
 part pytest .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" --dist loadgroup python/tests
