@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CAD over a real (shaped) network link between two test hosts (scripts/hosts.sh: network
+# CAD over a real (shaped) network link between two test hosts (scripts/hosts.py: network
 # namespaces joined by veth, one MPI rank per host, Open MPI over TCP), in one run:
 #  1. the simulator's link model against the shaped link: `distca bench link` (one layer's four
 #     CAD exchanges of a planned batch) at each --rates rate, predicted (latency measured in the
@@ -51,7 +51,7 @@ done
 # Every flag is checked here, before any host is made (exit 2, one line).
 bad_rates="--rates must be Gbit/s values 0.001..100 separated by commas, e.g. 0.1,0.3,1 (got '$rates')"
 [[ "$rates" =~ ^[^,](.*[^,])?$ && "$rates" != *,,* ]] || die "$bad_rates"
-for r in ${rates//,/ }; do  # each becomes hosts.sh's --rate in Mbit/s ("%g"): 0.001..100 Gbit/s keeps it plain
+for r in ${rates//,/ }; do  # each becomes hosts.py's --rate in Mbit/s ("%g"): 0.001..100 Gbit/s keeps it plain
   [[ "$r" =~ ^(0|[1-9][0-9]*)(\.[0-9]+)?$ ]] && awk -v r="$r" 'BEGIN {exit !(r >= 0.001 && r <= 100)}' || die "$bad_rates"
 done
 [[ "$rounds" =~ ^[1-9][0-9]?$ ]] || die "--rounds must be 1..99 (got '$rounds')"
@@ -76,7 +76,7 @@ command -v python3 >/dev/null 2>&1 || die "no python3 for the summary"
 
 prefix="dbl"; subnet="10.79.0"
 work="$(mktemp -d "${TMPDIR:-/tmp}/distca-bench-link.XXXXXX")"
-hosts() { "$root/scripts/hosts.sh" "$@" --prefix "$prefix"; }
+hosts() { "$root/scripts/hosts.py" "$@" --prefix "$prefix"; }
 cleanup() { hosts down --dir "$work/hosts" >/dev/null || true; rm -rf "$work"; }  # down names on stderr anything it cannot remove
 trap cleanup EXIT INT TERM
 say() { echo "[bench-link $(date +%T)] $*" >&2; }
@@ -86,7 +86,7 @@ hosts up 2 --subnet "$subnet" --dir "$work/hosts" --slots 1 >&2
 rc=$?
 set -e
 [ "$rc" = 77 ] && exit 77
-[ "$rc" = 0 ] || { echo "bench-link.sh: scripts/hosts.sh up failed (exit $rc)" >&2; exit 1; }
+[ "$rc" = 0 ] || { echo "bench-link.sh: scripts/hosts.py up failed (exit $rc)" >&2; exit 1; }
 # shellcheck disable=SC1091
 source "$work/hosts/hosts.env"
 run2() {  # one rank on each host

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Open MPI's "remote shell" for the test hosts of scripts/hosts.sh (network namespaces on this
+# Open MPI's "remote shell" for the test hosts of scripts/hosts.py (network namespaces on this
 # machine): mpirun --mca plm_rsh_agent /abs/path/scripts/netns-agent.sh ... (hosts.env's
 # DISTCA_MPIRUN_HOST_FLAGS has it). Open MPI calls it as it would call ssh:
 #   netns-agent.sh [ssh options...] HOST command words...
@@ -41,7 +41,7 @@ ns=""
 if ip netns list 2>/dev/null | awk -v h="$host" '$1 == h {f = 1} END {exit !f}'; then
   ns="$host"                      # a namespace's own name
 elif [[ "$host" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
-  ns="$(ns_of_addr "$host")" || die "no network namespace has address $host (scripts/hosts.sh up?)"
+  ns="$(ns_of_addr "$host")" || die "no network namespace has address $host (scripts/hosts.py up?)"
 else
   addr="$(getent ahostsv4 "$host" 2>/dev/null | awk 'NR == 1 {print $1}')" || true
   [ -n "$addr" ] || die "cannot resolve host '$host'"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# distca train over test hosts (scripts/hosts.sh: network namespaces on a bridge, Open MPI's rsh
+# distca train over test hosts (scripts/hosts.py: network namespaces on a bridge, Open MPI's rsh
 # launcher through scripts/netns-agent.sh, TCP only). Usage (CTest passes both):
 #   tests/hosts/multihost_test.sh DISTCA [MPIRUN]
 # Cases, each one PASS/FAIL line with its numbers and wall time; exit 1 if any fails, 77 (skip)
@@ -20,7 +20,7 @@ set -Eeuo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 DISTCA [MPIRUN]" >&2; exit 2; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-hosts_sh="$root/scripts/hosts.sh"
+hosts_py="$root/scripts/hosts.py"
 distca="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
 mpirun="${2:-mpirun}"
 [ -x "$distca" ] || { echo "FAIL: no distca binary at $1" >&2; exit 1; }
@@ -34,11 +34,11 @@ build="$(cd "$(dirname "$distca")/../.." && pwd)"
 [ -f "$build/CMakeCache.txt" ] || build="$(pwd)"
 work="$(mktemp -d "$build/dct-multihost.XXXXXX")"
 hosts_dir="$work/hosts"
-hs() { "$hosts_sh" "$@" --prefix "$prefix"; }
-# hosts.sh down removes what its up recorded (/run/distca-hosts/PREFIX/state), including a veth
+hs() { "$hosts_py" "$@" --prefix "$prefix"; }
+# hosts.py down removes what its up recorded (/run/distca-hosts/PREFIX/state), including a veth
 # pair that a deleted namespace takes along a moment later; it names on stderr anything it could
 # not remove and exits non-zero then.
-hosts_down() { "$hosts_sh" down --prefix "$prefix" --dir "$hosts_dir" >/dev/null; }
+hosts_down() { "$hosts_py" down --prefix "$prefix" --dir "$hosts_dir" >/dev/null; }
 
 bg_pids=()  # mpirun processes this test started in the background
 bg_pid=""   # the latest of them
@@ -62,12 +62,12 @@ trap 'echo "interrupted"; keep_work=1; exit 130' INT TERM
 
 # ---- the hosts ---------------------------------------------------------------------------------
 up_rc=0
-up_out="$("$hosts_sh" up 4 --prefix "$prefix" --subnet "$subnet" --dir "$hosts_dir" 2>&1)" || up_rc=$?
+up_out="$("$hosts_py" up 4 --prefix "$prefix" --subnet "$subnet" --dir "$hosts_dir" 2>&1)" || up_rc=$?
 if [ "$up_rc" = 77 ]; then
   echo "SKIP: cannot make test hosts here: $(printf '%s\n' "$up_out" | grep -m1 'skipped' || printf '%s' "$up_out" | head -1)"
   exit 77
 fi
-[ "$up_rc" = 0 ] || { echo "FAIL: hosts.sh up 4 exited $up_rc: $up_out"; exit 1; }
+[ "$up_rc" = 0 ] || { echo "FAIL: hosts.py up 4 exited $up_rc: $up_out"; exit 1; }
 # shellcheck disable=SC1091
 source "$hosts_dir/hosts.env"
 export DISTCA_HOSTS_PREFIX  # netns-agent.sh maps addresses to this prefix's namespaces only
@@ -185,7 +185,7 @@ retrans() {  # TCP segments retransmitted so far on hosts 0 and 1 (their own cou
 case_b() {
   local t0 out="$work/b" r0 r1 drops msg ok=0
   t0="$(now)"
-  if ! hs shape --loss 5% >/dev/null; then result b.loss5 "$t0" 1 "hosts.sh shape --loss 5% failed"; return; fi
+  if ! hs shape --loss 5% >/dev/null; then result b.loss5 "$t0" 1 "hosts.py shape --loss 5% failed"; return; fi
   r0="$(retrans)"
   if ! hosts_run "$work/hostfile2" 2 "$out" --preset tiny --steps 6 --json "$out.json" --attention cad; then
     hs shape --clear >/dev/null || true
@@ -356,10 +356,10 @@ if [ "${DISTCA_TEST_LONG:-0}" = 1 ]; then case_c c.link-down-timeout3 --timeout 
 # ---- the end -----------------------------------------------------------------------------------
 down_rc=0
 down_out="$(hosts_down 2>&1)" || down_rc=$?
-if [ "$down_rc" != 0 ]; then echo "FAIL: hosts.sh down exited $down_rc: $down_out"; failed+=(down); keep_work=1; fi
+if [ "$down_rc" != 0 ]; then echo "FAIL: hosts.py down exited $down_rc: $down_out"; failed+=(down); keep_work=1; fi
 left="$(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${prefix}[0-9]+\$" || true)$(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | grep -E "^${prefix}(br|v[0-9]+)(@|\$)" || true)"
 [ ! -e "/run/distca-hosts/$prefix" ] || left+=" /run/distca-hosts/$prefix"
-if [ -n "$left" ]; then echo "FAIL: hosts.sh down left: $left"; failed+=(down); keep_work=1; fi
+if [ -n "$left" ]; then echo "FAIL: hosts.py down left: $left"; failed+=(down); keep_work=1; fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"
   exit 1
