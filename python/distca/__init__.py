@@ -18,15 +18,12 @@ from __future__ import annotations
 from . import _distca
 from . import profile
 # The package's modules: argument checks (arguments), batches (batches), plans and their layouts
-# (plans), the simulator (simulation); every name of theirs that distca had is re-exported here.
-from .arguments import _excerpt, _integer, _lengths, _number, _path, _string, python_names  # noqa: F401
-from .batches import Batch, BatchLike, _batch, _json_default, batch_from_pieces, pack  # noqa: F401
-from .plans import (TASK_DTYPE, _MODEL_KEYS, _THROUGHPUT_KEYS, LoadedPlan, Plan, RankLayout,  # noqa: F401
-                    VarlenGroup, _layout, _rank_layout, _tasks, _throughput, cpu_throughput_profile, load_plan,
-                    plan)
+# (plans), the simulator (simulation); their public names are distca's.
+from .arguments import python_names  # noqa: F401
+from .batches import Batch, BatchLike, batch_from_pieces, pack  # noqa: F401
+from .plans import (TASK_DTYPE, LoadedPlan, Plan, RankLayout, VarlenGroup, cpu_throughput_profile,  # noqa: F401
+                    load_plan, plan)
 from .simulation import simulate  # noqa: F401
-
-_profiles = profile  # simulate() takes a `profile` argument
 
 __all__ = [
     "Batch", "Plan", "RankLayout", "VarlenGroup", "plan", "load_plan", "pack", "batch_from_pieces",

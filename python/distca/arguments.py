@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 
-def _excerpt(value: Any) -> str:
+def excerpt(value: Any) -> str:
     """repr(value) for a message, at most 80 characters (an int of 5000 digits has no repr)."""
     try:
         text = repr(value)
@@ -21,44 +21,44 @@ def _excerpt(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
 
 
-def _integer(value: Any, name: str, bits: int = 64) -> int:
+def integer_arg(value: Any, name: str, bits: int = 64) -> int:
     """An integer argument: a Python or NumPy integer that fits the C++ field (`bits`-bit signed).
     TypeError for anything else: a bool, a float (128.0 too) or a string is not cast."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {_excerpt(value)}")
+        raise TypeError(f"{name} must be an integer, got {excerpt(value)}")
     result = int(value)
     if not -(1 << (bits - 1)) <= result < 1 << (bits - 1):
-        raise ValueError(f"{name} must be a {bits}-bit integer, got {_excerpt(result)}")
+        raise ValueError(f"{name} must be a {bits}-bit integer, got {excerpt(result)}")
     return result
 
 
-def _number(value: Any, name: str) -> float:
+def number_arg(value: Any, name: str) -> float:
     """A real argument: a Python or NumPy int or float, not a bool or a string (the C++ side checks
     its range, inf and NaN included)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number, got {_excerpt(value)}")
+        raise TypeError(f"{name} must be a number, got {excerpt(value)}")
     return float(value)
 
 
-def _string(value: Any, name: str) -> str:
+def string_arg(value: Any, name: str) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, got {_excerpt(value)}")
+        raise TypeError(f"{name} must be a string, got {excerpt(value)}")
     return value
 
 
-def _path(value: Any, name: str) -> str:
+def path_arg(value: Any, name: str) -> str:
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path (str or os.PathLike), got {_excerpt(value)}")
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {excerpt(value)}")
     path = os.fspath(value)
     if not isinstance(path, str):
-        raise TypeError(f"{name} must be a str path, got {_excerpt(path)}")
+        raise TypeError(f"{name} must be a str path, got {excerpt(path)}")
     return path
 
 
-def _lengths(lengths: Any, name: str) -> list[int]:
+def lengths_arg(lengths: Any, name: str) -> list[int]:
     if isinstance(lengths, (str, bytes, Mapping)) or not hasattr(lengths, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of integers, got {_excerpt(lengths)}")
-    return [_integer(x, f"{name}[{i}]") for i, x in enumerate(lengths)]
+        raise TypeError(f"{name} must be a sequence of integers, got {excerpt(lengths)}")
+    return [integer_arg(x, f"{name}[{i}]") for i, x in enumerate(lengths)]
 
 
 def python_names(message: str) -> str:

@@ -1,4 +1,4 @@
-"""Batches, the documents of one step on every rank: the forms distca.plan takes (_batch), and
+"""Batches, the documents of one step on every rank: the forms distca.plan takes (as_batch), and
 pack and batch_from_pieces, which build a Batch from document lengths.
 """
 from __future__ import annotations
@@ -10,22 +10,22 @@ from typing import Any, Mapping, Sequence, Union
 import numpy as np
 
 from . import _distca
-from .arguments import _excerpt, _integer, _lengths, _path
+from .arguments import excerpt, integer_arg, lengths_arg, path_arg
 
 Batch = _distca.Batch
 
 BatchLike = Union[Batch, Sequence[Sequence[int]], Mapping[str, Any], str, os.PathLike]
 
 
-def _batch(batch: BatchLike, tokens_per_rank: int) -> Batch:
+def as_batch(batch: BatchLike, tokens_per_rank: int) -> Batch:
     """A Batch from the forms distca.plan takes (see its docstring)."""
-    tokens_per_rank = _integer(tokens_per_rank, "tokens_per_rank")
+    tokens_per_rank = integer_arg(tokens_per_rank, "tokens_per_rank")
     if isinstance(batch, Batch):
         if tokens_per_rank:
             raise ValueError("tokens_per_rank applies to a batch given as lengths; this Batch already has its size")
         return batch
     if isinstance(batch, (str, os.PathLike)):
-        return _distca.batch_from_file(_path(batch, "batch"), tokens_per_rank)
+        return _distca.batch_from_file(path_arg(batch, "batch"), tokens_per_rank)
     if isinstance(batch, Mapping):
         value: Any = dict(batch)
     else:
@@ -67,9 +67,9 @@ def pack(lengths: Sequence[int], num_ranks: int, tokens_per_rank: int, *, overfl
       ranks and stops, cutting the document that overflows the last rank there and dropping the
       rest (what a data loader drawing documents until the step is full wants)."""
     if overflow not in ("error", "cut"):
-        raise ValueError(f"overflow must be 'error' or 'cut', got {_excerpt(overflow)}")
-    return _distca.pack_documents(_lengths(lengths, "lengths"), _integer(num_ranks, "num_ranks", 32),
-                                  _integer(tokens_per_rank, "tokens_per_rank"), overflow == "cut")
+        raise ValueError(f"overflow must be 'error' or 'cut', got {excerpt(overflow)}")
+    return _distca.pack_documents(lengths_arg(lengths, "lengths"), integer_arg(num_ranks, "num_ranks", 32),
+                                  integer_arg(tokens_per_rank, "tokens_per_rank"), overflow == "cut")
 
 
 def batch_from_pieces(doc_lengths: Sequence[int], pieces: Any, tokens_per_rank: int = 0) -> Batch:
@@ -79,5 +79,5 @@ def batch_from_pieces(doc_lengths: Sequence[int], pieces: Any, tokens_per_rank: 
     rows = np.asarray(pieces)
     if rows.size and (rows.dtype.kind not in "iu" or (rows.dtype.kind == "u" and rows.max() > np.iinfo(np.int64).max)):
         raise TypeError(f"pieces must be an integer array (int64 values), got dtype {rows.dtype}")
-    return _distca.batch_from_pieces(_lengths(doc_lengths, "doc_lengths"), rows.astype(np.int64),
-                                     _integer(tokens_per_rank, "tokens_per_rank"))
+    return _distca.batch_from_pieces(lengths_arg(doc_lengths, "doc_lengths"), rows.astype(np.int64),
+                                     integer_arg(tokens_per_rank, "tokens_per_rank"))

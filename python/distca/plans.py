@@ -12,8 +12,8 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from . import _distca
-from .arguments import _excerpt, _integer, _number, _path, _string, python_names
-from .batches import Batch, BatchLike, _batch
+from .arguments import excerpt, integer_arg, number_arg, path_arg, python_names, string_arg
+from .batches import Batch, BatchLike, as_batch
 
 # One row per CA task: attention of query rows [q0, q1) of document `doc` against keys [k0, k1)
 # on `server`; causal when k1 == q1 (bottom-right aligned), else the keys lie wholly before the
@@ -113,7 +113,7 @@ def _layout(d: dict) -> RankLayout:
 
 
 def _rank_layout(native: Any, num_ranks: int, rank: Any) -> RankLayout:
-    r = _integer(rank, "rank")
+    r = integer_arg(rank, "rank")
     if not 0 <= r < num_ranks:
         raise ValueError(f"rank {r} outside the plan's {num_ranks} ranks")
     return _layout(native.layout(r))
@@ -255,7 +255,7 @@ def load_plan(text: str) -> LoadedPlan:
     the wrong type or out of range (policy not a planner's, tolerance outside [0, 1], a task on no
     rank of the batch), tasks that do not compute every pair once, a hash or derived figures that
     are not the tasks'."""
-    native = _distca.load_plan_json(_string(text, "text"))
+    native = _distca.load_plan_json(string_arg(text, "text"))
     return LoadedPlan(batch=native.batch, policy=native.policy, tolerance=native.tolerance, hash=native.hash,
                       tasks=_tasks(native.tasks()), model=native.model, _native=native)
 
@@ -284,7 +284,7 @@ def _throughput(throughput: Union[str, Mapping[str, Any]]) -> dict:
     out: dict[str, Any] = {"source": str(throughput.get("source", "given"))}
     for key in _THROUGHPUT_KEYS:
         name = f"throughput: {key}"
-        out[key] = _integer(throughput[key], name) if key == "tile_rows" else _number(throughput[key], name)
+        out[key] = integer_arg(throughput[key], name) if key == "tile_rows" else number_arg(throughput[key], name)
     return out
 
 
@@ -318,42 +318,42 @@ def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str]
       the dK/dV partial sums return in, which the plan's bytes and link times count (`--grad-return`).
     """
     request = _distca.PlanRequest()
-    request.policy = _string(policy, "policy")
+    request.policy = string_arg(policy, "policy")
     if isinstance(tolerance, str):
         if tolerance != "auto":
-            raise TypeError(f"tolerance must be a number in [0, 1] or 'auto', got {_excerpt(tolerance)}")
+            raise TypeError(f"tolerance must be a number in [0, 1] or 'auto', got {excerpt(tolerance)}")
         request.tolerance = None
     else:
-        request.tolerance = _number(tolerance, "tolerance")
-    request.granularity = None if granularity is None else _integer(granularity, "granularity")
+        request.tolerance = number_arg(tolerance, "tolerance")
+    request.granularity = None if granularity is None else integer_arg(granularity, "granularity")
     if max_rank_bytes is None or isinstance(max_rank_bytes, str):
         request.max_rank_bytes = max_rank_bytes
     else:
         try:
-            request.max_rank_bytes = str(_integer(max_rank_bytes, "max_rank_bytes"))
+            request.max_rank_bytes = str(integer_arg(max_rank_bytes, "max_rank_bytes"))
         except TypeError:
             raise TypeError(f"max_rank_bytes must be an integer (bytes), a string or None, "
-                            f"got {_excerpt(max_rank_bytes)}") from None
-    request.gpus_per_node = _integer(gpus_per_node, "gpus_per_node", 32)
+                            f"got {excerpt(max_rank_bytes)}") from None
+    request.gpus_per_node = integer_arg(gpus_per_node, "gpus_per_node", 32)
     if isinstance(model, str):
         request.model = model
     elif isinstance(model, Mapping):
         unknown = sorted(set(model) - set(_MODEL_KEYS) - {"preset"}, key=str)
         if unknown:
-            raise ValueError(f"model: unknown key(s) {', '.join(map(_excerpt, unknown))}; "
+            raise ValueError(f"model: unknown key(s) {', '.join(map(excerpt, unknown))}; "
                              f"expected preset or {', '.join(_MODEL_KEYS)}")
-        request.model = _string(model.get("preset", "custom"), "model['preset']")
+        request.model = string_arg(model.get("preset", "custom"), "model['preset']")
         for key in _MODEL_KEYS:
             if key in model:
-                setattr(request, key, _integer(model[key], f"model['{key}']", 32))
+                setattr(request, key, integer_arg(model[key], f"model['{key}']", 32))
     else:
         raise ValueError(f"model must be a preset name or a dict of shape keys, got {type(model).__name__}")
-    request.grad_return = _string(grad_return, "grad_return")   # checked with the CLI's words
+    request.grad_return = string_arg(grad_return, "grad_return")   # checked with the CLI's words
     if throughput is not None:
         t = _throughput(throughput)
         request.set_throughput(t["flops_per_second"], t["tile_rows"], t["task_overhead_seconds"], t["source"])
-    profile_path = "" if profile is None else _path(profile, "profile")
-    native_batch = _batch(batch, tokens_per_rank)
+    profile_path = "" if profile is None else path_arg(profile, "profile")
+    native_batch = as_batch(batch, tokens_per_rank)
     try:
         return Plan(_distca.make_plan(native_batch, request, profile_path))
     except ValueError as e:

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _distca
 from . import profile as _profiles
-from .arguments import _excerpt, _integer, _number, _string, python_names
+from .arguments import excerpt, integer_arg, number_arg, python_names, string_arg
 
 
 def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, **options: Any) -> dict:
@@ -25,25 +25,25 @@ def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, *
     request = _distca.SimRequest()
     for key, value in options.items():
         if not hasattr(request, key) or key.startswith("_"):
-            raise ValueError(f"simulate: unknown option {_excerpt(key)}")
+            raise ValueError(f"simulate: unknown option {excerpt(key)}")
         name = f"simulate: {key}"
         kind = type(getattr(request, key))  # the C++ field's type
         if key == "context":  # tokens, or text such as "128K"
-            value = value if isinstance(value, str) else str(_integer(value, name))
+            value = value if isinstance(value, str) else str(integer_arg(value, name))
         elif kind is bool:
             if isinstance(value, str):
                 if value not in ("on", "off"):
-                    raise ValueError(f"{name} must be on or off, got {_excerpt(value)}")
+                    raise ValueError(f"{name} must be on or off, got {excerpt(value)}")
                 value = value == "on"
             elif not isinstance(value, (bool, np.bool_)):
-                raise TypeError(f"{name} must be a bool or 'on'/'off', got {_excerpt(value)}")
+                raise TypeError(f"{name} must be a bool or 'on'/'off', got {excerpt(value)}")
             value = bool(value)
         elif kind is int:
-            value = _integer(value, name, 64 if key == "seed" else 32)
+            value = integer_arg(value, name, 64 if key == "seed" else 32)
         elif kind is float:
-            value = _number(value, name)
+            value = number_arg(value, name)
         else:
-            value = _string(value, name)
+            value = string_arg(value, name)
         setattr(request, key, value)
     if profile is None:
         text = ""
@@ -52,7 +52,7 @@ def simulate(profile: Union[str, os.PathLike, Mapping[str, Any], None] = None, *
     elif isinstance(profile, (str, os.PathLike)):
         text = json.dumps(_profiles.load(profile))
     else:
-        raise TypeError(f"simulate: profile must be a profile file's path or a dict, got {_excerpt(profile)}")
+        raise TypeError(f"simulate: profile must be a profile file's path or a dict, got {excerpt(profile)}")
     try:
         return json.loads(_distca.simulate_json(request, text))
     except ValueError as e:

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import distca
+from distca.batches import as_batch
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("DISTCA_SHARED_DATA") or REPO.parent / "shared" / "data")
@@ -41,7 +42,7 @@ LONG_PLAN = dict(policy="minlink", tolerance=0.0)
 
 
 def long_batch() -> distca.Batch:
-    return distca._batch(eval(LONG_BATCH_CODE), 0)
+    return as_batch(eval(LONG_BATCH_CODE), 0)
 
 
 def reference(name: str) -> Path:
@@ -274,7 +275,8 @@ INTERRUPTED_CHILD = textwrap.dedent(f'''
     import signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the parent ignores SIGINT
     import distca
-    batch = distca._batch({LONG_BATCH_CODE}, 0)
+    from distca.batches import as_batch
+    batch = as_batch({LONG_BATCH_CODE}, 0)
     print("ready", flush=True)
     try:
         distca.plan(batch, **{LONG_PLAN!r})

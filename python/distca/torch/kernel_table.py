@@ -40,7 +40,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import _distca
-from ..arguments import _excerpt
+from ..arguments import excerpt
 from ..inputs import InputFileError, read_json
 
 LONG_ROWS = 512          # mean query rows per task at and above which a list is `long`
@@ -84,7 +84,7 @@ def _is_seconds(value: Any) -> bool:
 
 
 def _got(item: dict, key: str) -> str:
-    return _excerpt(item[key]) if key in item else "nothing"
+    return excerpt(item[key]) if key in item else "nothing"
 
 
 def _check_row(row: dict, where: str) -> None:
@@ -112,10 +112,10 @@ def _check_row(row: dict, where: str) -> None:
 def _list_of_objects(report: dict, key: str) -> list:
     value = report.get(key, [])
     if not isinstance(value, list):
-        raise ValueError(f"{key} must be a list, got {_excerpt(value)}")
+        raise ValueError(f"{key} must be a list, got {excerpt(value)}")
     for i, item in enumerate(value):
         if not isinstance(item, dict):
-            raise ValueError(f"{key}[{i}] must be an object, got {_excerpt(item)}")
+            raise ValueError(f"{key}[{i}] must be an object, got {excerpt(item)}")
         if not isinstance(item.get("backend"), str):
             raise ValueError(f"{key}[{i}] must name its backend (a string), got {_got(item, 'backend')}")
     return value
@@ -129,13 +129,13 @@ def table_from_bench(report: Any) -> dict:
     if not isinstance(report, dict) or report.get("format") != BENCH_FORMAT:
         raise ValueError(f"not a bench_cuda_attention.py report (format {BENCH_FORMAT})")
     if report.get("version") not in BENCH_VERSIONS:
-        raise ValueError(f"a bench_cuda_attention.py report of version {_excerpt(report.get('version'))}; this "
+        raise ValueError(f"a bench_cuda_attention.py report of version {excerpt(report.get('version'))}; this "
                          f"distca reads versions {', '.join(map(str, BENCH_VERSIONS))} (rerun "
                          f"python/bench/bench_cuda_attention.py --json with this distca)")
     checks = _list_of_objects(report, "checks")
     for i, c in enumerate(checks):
         if not isinstance(c.get("ok", False), bool):
-            raise ValueError(f"checks[{i}]: ok must be true or false, got {_excerpt(c['ok'])}")
+            raise ValueError(f"checks[{i}]: ok must be true or false, got {excerpt(c['ok'])}")
     failed = sorted({c["backend"] for c in checks if not c.get("ok", False)})
     rows = []
     for i, r in enumerate(_list_of_objects(report, "rows")):
@@ -176,17 +176,17 @@ def check_table(table: Any) -> dict:
     if not isinstance(table, dict) or table.get("format") != FORMAT:
         raise ValueError(f"not a distca kernel table (format {FORMAT})")
     if table.get("version") != VERSION:
-        raise ValueError(f"a kernel table of version {_excerpt(table.get('version'))}; this distca reads version "
+        raise ValueError(f"a kernel table of version {excerpt(table.get('version'))}; this distca reads version "
                          f"{VERSION} ({regenerate})")
     kinds = table.get("kinds")
     if not isinstance(kinds, dict):
-        raise ValueError(f"kinds must be an object of kind -> entry, got {_excerpt(kinds)}")
+        raise ValueError(f"kinds must be an object of kind -> entry, got {excerpt(kinds)}")
     for kind, entry in kinds.items():
         if kind not in KINDS:
-            raise ValueError(f"kind {_excerpt(kind)} is not one of {', '.join(KINDS)}")
+            raise ValueError(f"kind {excerpt(kind)} is not one of {', '.join(KINDS)}")
         if not isinstance(entry, dict) or entry.get("fastest") not in TABLE_BACKENDS:
             fastest = entry.get("fastest") if isinstance(entry, dict) else entry
-            raise ValueError(f"kind {kind!r} names {_excerpt(fastest)}; an entry is {{\"fastest\": one of "
+            raise ValueError(f"kind {kind!r} names {excerpt(fastest)}; an entry is {{\"fastest\": one of "
                              f"{', '.join(TABLE_BACKENDS)}}}")
     return table
 

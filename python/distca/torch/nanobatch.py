@@ -17,6 +17,7 @@ import numpy as np
 
 import distca
 from distca import _distca
+from distca.arguments import number_arg
 
 from .agreement import _describe
 
@@ -67,8 +68,8 @@ def _checked(tasks: Any, batch: Any, tolerance: Any, kv_budget: Any) -> tuple:
     values are checked in C++) -> (the tasks as an (n, 6) int64 matrix, tolerance, kv_budget)."""
     if not isinstance(batch, distca.Batch):
         raise TypeError(f"batch must be a distca.Batch (the plan's batch, Plan.batch), got {_describe(batch)}")
-    tolerance = distca._number(tolerance, "tolerance")
-    kv_budget = distca._number(kv_budget, "kv_budget")
+    tolerance = number_arg(tolerance, "tolerance")
+    kv_budget = number_arg(kv_budget, "kv_budget")
     names: tuple = distca.TASK_DTYPE.names or ()
     if not isinstance(tasks, np.ndarray) or tasks.dtype.names is None or tasks.ndim != 1:
         got = f"an array of {tasks.dtype}, shape {tasks.shape}" if isinstance(tasks, np.ndarray) else _describe(tasks)

@@ -15,6 +15,7 @@ import torch
 
 import distca
 from distca import _distca
+from distca.arguments import integer_arg
 
 from .agreement import _describe
 from .backends import ServerTasks, TaskGroup, get_backend
@@ -173,7 +174,7 @@ def rank_layout(plan: "distca.Plan", batch: Any, rows: Any, rank: int, device: U
         raise TypeError(f"batch must be a distca.Batch (plan.batch), got {_describe(batch)}")
     if batch.num_ranks != plan.num_ranks:
         raise ValueError(f"batch has {batch.num_ranks} ranks, the plan {plan.num_ranks}: pass the plan's batch")
-    rank = distca._integer(rank, "rank", 32)
+    rank = integer_arg(rank, "rank", 32)
     if not 0 <= rank < batch.num_ranks:
         raise ValueError(f"rank {rank} outside the batch's {batch.num_ranks} ranks")
     if not isinstance(pingpong, bool):
