@@ -1,9 +1,11 @@
-"""The README is a guide a newcomer can follow: it opens with exactly the two quick-start commands
-(scripts/demo.sh, scripts/test.sh, which CI runs), the demo's main job runs as demo.sh runs it, the
-README stays short and holds no run history, and every relative link in the README, docs/ and
-reports/ reaches a file (and, with an #anchor, a heading of that file)."""
+"""The README is a guide a newcomer can follow: its first screen (40 lines) says what distca is in one
+or two sentences, gives exactly the two quick-start commands (scripts/demo.sh, scripts/test.sh,
+which CI runs) and maps the layout; the demo's main job runs as demo.sh runs it; the README stays
+short, holds no run history and links every guide; and every relative link in the README, docs/,
+reports/ and dev/ reaches a file (and, with an #anchor, a heading of that file)."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -17,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 CLI = Path(os.environ.get("DISTCA_BIN") or REPO / "build" / "src" / "tools" / "distca")
 MAX_LINES = 250
+FIRST_SCREEN = 40
 
 
 def _fenced_blocks(text: str) -> list[list[str]]:
@@ -51,10 +54,40 @@ def test_the_quick_start_is_two_commands_that_exist_and_ci_runs_the_second():
         assert path.is_file() and os.access(path, os.X_OK), f"{c} is not an executable file"
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^exec scripts/test\.sh\s*$", ci, re.M), ".ci/run must run the README's test command"
-    # A newcomer finds the quick start, the layout and the guides on the first screen (60 lines).
-    first_screen = "\n".join(text.splitlines()[:60])
-    for anchor in ("#quick-start", "#layout", "docs/"):
-        assert anchor in first_screen, f"the first screen of README.md does not point to {anchor}"
+    # The two commands are on the first screen.
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("## Quick start"))
+    fence_end = [i for i, l in enumerate(lines) if l.startswith("```") and i > start][1]
+    assert fence_end < FIRST_SCREEN, f"the quick start's commands end on line {fence_end + 1} (by {FIRST_SCREEN})"
+
+
+def test_the_first_screen_is_what_distca_is_the_two_commands_and_the_layout():
+    """The first 40 lines: a summary of one or two sentences, the quick start (checked above) and the
+    layout, a table that names every top folder of the repository and every layer of src/."""
+    lines = README.read_text().splitlines()
+    assert lines[0] == "# distca", lines[0]
+    summary = " ".join(itertools.takewhile(str.strip, lines[2:]))
+    assert summary.startswith("distca ") and "core attention disaggregation" in summary, summary
+    sentences = [x for x in re.split(r"(?<=[.!?])\s+(?=[A-Z])", summary) if x]
+    assert len(sentences) <= 2, f"the summary is {len(sentences)} sentences (at most 2): {sentences}"
+    start = lines.index("## Layout")
+    rows = list(itertools.takewhile(lambda l: l.startswith("|"), lines[start + 2:]))
+    assert rows and start + 2 + len(rows) <= FIRST_SCREEN, (
+        f"the layout table ends on line {start + 2 + len(rows)} (by {FIRST_SCREEN})")
+    named = {name.strip("/") for row in rows[2:] for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout: " + tracked.stderr.strip())
+    top = {f.split("/")[0] for f in tracked.stdout.splitlines() if "/" in f and not f.startswith(".")}
+    layers = {f"src/{f.split('/')[1]}" for f in tracked.stdout.splitlines() if f.startswith("src/") and f.count("/") >= 2}
+    missing = sorted((top - {"src"} | layers) - named)
+    assert not missing, f"the README's layout does not name {missing}"
+
+
+def test_the_readme_links_every_guide():
+    text = README.read_text()
+    missing = [p.name for p in sorted((REPO / "docs").glob("*.md")) if f"(docs/{p.name}" not in text]
+    assert not missing, f"README.md links no guide {missing}"
 
 
 def test_the_readme_is_short_and_holds_no_run_history():
@@ -116,7 +149,8 @@ def _anchors(path: Path) -> set[str]:
 
 
 def _markdown_files() -> list[Path]:
-    return [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "reports").rglob("*.md"))]
+    return [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "reports").rglob("*.md")),
+            *sorted((REPO / "dev").rglob("*.md"))]
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
