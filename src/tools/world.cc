@@ -68,7 +68,7 @@ namespace {
 constexpr std::chrono::seconds kFailedRankGrace{5};
 
 // The grace under mpirun. Where ORTE's TCP keepalive is set short (OMPI_MCA_oob_tcp_keepalive_*,
-// as scripts/hosts.sh's flags do), a host whose link dropped is declared lost by mpirun, and its
+// as scripts/hosts.py's flags do), a host whose link dropped is declared lost by mpirun, and its
 // daemon loses mpirun, within keepalive_time + keepalive_intvl x keepalive_probes seconds of the
 // last packet, and the job ends on every host. Only while a daemon's connection carries no unsent
 // data, though: MPI_Abort (or an error line) before then makes mpirun (or the cut-off daemon)
