@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "distca/core/file.h"
+#include "distca/core/knobs.h"
 #include "distca/plan/bounds.h"
 #include "distca/plan/model_shape.h"
 #include "distca/plan/planner.h"
@@ -40,7 +41,7 @@ Status validate(const PlannerBenchOptions& o) {
 
 std::string reference_dir(const PlannerBenchOptions& o) {
   if (!o.reference_dir.empty()) return o.reference_dir;
-  const char* shared = std::getenv("DISTCA_SHARED_DATA");
+  const char* shared = knob("DISTCA_SHARED_DATA");
   return std::string(shared != nullptr ? shared : "../shared/data") + "/reference";
 }
 

@@ -10,11 +10,12 @@
 #include <new>
 #include <cerrno>
 #include <charconv>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <optional>
+
+#include "distca/core/knobs.h"
 
 namespace distca {
 
@@ -95,7 +96,7 @@ std::string too_large(const std::string& path, const std::string& size, int64_t 
 }  // namespace
 
 Result<int64_t> max_input_bytes() {
-  const char* env = std::getenv(kMaxInputEnv);
+  const char* env = knob(kMaxInputEnv);
   if (env == nullptr || *env == '\0') return kDefaultMaxInputMiB << 20;
   const std::string text(env);
   int64_t value = 0;

@@ -5,15 +5,15 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <string_view>
 
+#include "distca/core/knobs.h"
 #include "distca/core/log.h"
 
 namespace distca {
 
 Result<double> progress_interval_from_env() {
-  const char* v = std::getenv(kProgressIntervalEnv);
+  const char* v = knob(kProgressIntervalEnv);
   if (v == nullptr || *v == '\0') return kDefaultProgressInterval;
   const std::string_view text(v);
   double seconds = 0;

@@ -7,6 +7,7 @@
 #include <cctype>
 #include <cstdlib>
 
+#include "distca/core/knobs.h"
 #include "distca/kernels/gemm_attention.h"
 
 namespace distca::kernels {
@@ -42,7 +43,7 @@ int rank_of(const std::string& isa) { return isa == "AVX-512" ? 2 : (isa == "AVX
 }  // namespace
 
 void prepare_blas(char** argv) {
-  if (std::getenv(kCoretype) != nullptr || std::getenv(kMarker) != nullptr) return;
+  if (std::getenv(kCoretype) != nullptr || knob(kMarker) != nullptr) return;
   if (cpu_isa() != "AVX-512") return;
   setenv(kCoretype, kAvx512Core, 1);
   setenv(kMarker, "1", 1);
@@ -57,7 +58,7 @@ BlasCheck blas_check() {
   c.cpu_isa = cpu_isa();
   const char* coretype = std::getenv(kCoretype);
   c.coretype = coretype != nullptr ? coretype : "";
-  c.is_set_by_distca = std::getenv(kMarker) != nullptr && c.coretype == kAvx512Core;
+  c.is_set_by_distca = knob(kMarker) != nullptr && c.coretype == kAvx512Core;
   c.is_trusted = rank_of(core_isa(c.core)) >= rank_of(c.cpu_isa);
   if (!c.is_trusted) {
     const std::string fix = c.cpu_isa == "AVX-512"

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "cmd_profile.h"
 #include "cmd_simulate.h"
 #include "cmd_train.h"
+#include "distca/core/knobs.h"
 #include "distca/core/log.h"
 #include "distca/core/progress.h"
 #include "distca/kernels/cpu.h"
@@ -34,7 +36,7 @@ namespace {
 std::string cpu_kernels_text() {
   const distca::Result<std::string> isa = distca::kernels::resolve_cpu_isa("");
   // DISTCA_CPU_ISA=auto asks for what unset gives: the fastest build this CPU runs.
-  const char* env = std::getenv(distca::kernels::kCpuIsaEnv);
+  const char* env = distca::knob(distca::kernels::kCpuIsaEnv);
   const bool is_forced = env != nullptr && *env != '\0' && std::string_view(env) != "auto";
   return fmt::format("{} (built: {}; this CPU runs: {})",
                      isa.is_ok() ? isa.value() + (is_forced ? fmt::format(", forced by {}", distca::kernels::kCpuIsaEnv)
@@ -62,22 +64,6 @@ std::string version_text() {
       distca::tools::nccl_text(kNcclBuilt));
 }
 
-// Levenshtein distance, for "did you mean".
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
-
 // Before CLI11 parses: the first word that is not one of distca's own options must be a command.
 // CLI11 alone answers "A subcommand is required" for `distca plna` and `distca --foo`; this names
 // the word and what is valid. Returns the error, or "" when the command line starts well.
@@ -95,7 +81,8 @@ std::string check_command_word(int argc, char** argv, const std::vector<std::str
     }
     if (word.starts_with("-")) {
       return fmt::format("unknown option '{}' before the command; distca's own options are -v/--verbose, -q/--quiet, "
-                         "--version and --help, and each command's options follow it (distca <command> --help lists them)",
+                         "--version, --help and --help-env, and each command's options follow it (distca <command> "
+                         "--help lists them)",
                          word);
     }
     if (std::find(commands.begin(), commands.end(), word) != commands.end()) {
@@ -109,11 +96,52 @@ std::string check_command_word(int argc, char** argv, const std::vector<std::str
     }
     std::string hint;
     for (const std::string& c : commands) {
-      if (edit_distance(word, c) <= 2) hint = fmt::format(" (did you mean '{}'?)", c);
+      if (distca::edit_distance(word, c) <= 2) hint = fmt::format(" (did you mean '{}'?)", c);
     }
     return fmt::format("unknown command '{}'{}; the commands are {}", word, hint, valid);
   }
   return is_help_or_version ? "" : fmt::format("a command is required: {}", valid);
+}
+
+// One line naming the DISTCA_* variables set that the table does not know (a misspelt one would
+// otherwise do nothing), from rank 0 only and not with --quiet.
+void warn_unknown_knobs() {
+  if (distca::log_level() > distca::LogLevel::kWarn || !distca::tools::is_primary_process()) return;
+  const std::string line = distca::unknown_knobs_warning(distca::distca_names_in_environment());
+  if (!line.empty()) fmt::print(stderr, "{}\n", line);
+}
+
+// `distca --help-env [--json]`: the table of DISTCA_* variables (distca/core/knobs.h), answered
+// before CLI11, which would ask for a command. The exit code, or nothing when the words before the
+// command do not ask for it.
+std::optional<int> help_env(int argc, char** argv) {
+  bool is_asked = false;
+  bool is_json = false;
+  std::string other;  // the first word before the command that --help-env does not take
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view word = argv[i];
+    if (word == "--help-env") {
+      is_asked = true;
+    } else if (word == "--json") {
+      is_json = true;
+    } else if (word == "-q" || word == "--quiet") {
+      distca::set_log_level(distca::LogLevel::kError);  // and so no warning below
+    } else if (word != "-v" && word != "--verbose" && other.empty()) {
+      other = word;
+    }
+    if (!word.starts_with("-")) break;  // a command: the words after it are its own
+  }
+  if (!is_asked) return std::nullopt;
+  if (!other.empty()) {
+    distca::tools::print_error_line(fmt::format(
+        "distca: error: --help-env prints the environment variables and runs nothing; it takes only --json, got '{}'",
+        other));
+    return distca::tools::kExitBadInput;
+  }
+  if (!distca::tools::is_primary_process()) return distca::tools::kExitOk;
+  warn_unknown_knobs();
+  fmt::print("{}", is_json ? distca::knobs_json_text() : distca::knobs_help_text());
+  return distca::tools::kExitOk;
 }
 
 }  // namespace
@@ -127,6 +155,10 @@ int main(int argc, char** argv) {
   app.add_flag("-v,--verbose", is_verbose, "log debug messages to stderr");
   app.add_flag("-q,--quiet", is_quiet, "log only errors");
   app.set_version_flag("--version", version_text(), "print the version, git hash, build type and built parts");
+  bool is_help_env = false;  // answered by help_env() before CLI11 parses; declared here for --help
+  app.add_flag("--help-env", is_help_env,
+               "print the DISTCA_* environment variables distca, its scripts and its tests read: name, default and "
+               "meaning (with --json: as JSON)");
 
   std::map<std::string, std::function<int()>> commands;
   commands["plan"] = distca::tools::add_plan_command(app);
@@ -135,6 +167,7 @@ int main(int argc, char** argv) {
   commands["bench"] = distca::tools::add_bench_command(app);
   commands["profile"] = distca::tools::add_profile_command(app);
 
+  if (const std::optional<int> code = help_env(argc, argv)) return *code;
   const std::string bad_word = check_command_word(argc, argv, {"plan", "simulate", "train", "bench", "profile"});
   if (!bad_word.empty()) {
     distca::tools::print_error_line(fmt::format("distca: error: {}{}", bad_word,
@@ -175,6 +208,7 @@ int main(int argc, char** argv) {
   }
   distca::set_log_level(is_verbose ? distca::LogLevel::kDebug
                                    : (is_quiet ? distca::LogLevel::kError : distca::LogLevel::kInfo));
+  warn_unknown_knobs();
   // A DISTCA_CPU_ISA this CPU cannot run (or no build has) is bad input, refused before any work.
   if (const distca::Result<std::string> isa = distca::kernels::resolve_cpu_isa(""); !isa.is_ok()) {
     distca::tools::print_error_line(fmt::format("distca: error: {}", isa.status().message()));

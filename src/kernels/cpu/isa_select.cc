@@ -5,9 +5,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <span>
 
+#include "distca/core/knobs.h"
 #include "distca/kernels/cpu.h"
 #include "isa.h"
 
@@ -85,7 +85,7 @@ Result<std::string> resolve_cpu_isa(std::string_view isa) {
   std::string want(isa);
   bool from_env = false;
   if (want.empty()) {
-    const char* env = std::getenv(kCpuIsaEnv);
+    const char* env = knob(kCpuIsaEnv);
     if (env != nullptr && *env != '\0') {
       want = env;
       from_env = true;

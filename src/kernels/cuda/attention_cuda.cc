@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "distca/core/cuda_status.h"
+#include "distca/core/knobs.h"
 #include "distca/kernels/cuda.h"
 #include "distca/kernels/cudnn.h"
 #include "common/device.h"
@@ -94,7 +95,7 @@ Result<std::unique_ptr<CudaAttention>> CudaAttention::create(int device, CudaKer
     state->num_sms = prop.multiProcessorCount;
     // How the backward sums dQ, for timing the two against each other on a GPU: fp32 atomic adds
     // from the K/V blocks (atomic, the default) or a pass over query tiles of its own (pass).
-    const char* dq = std::getenv("DISTCA_HOPPER_DQ");
+    const char* dq = knob("DISTCA_HOPPER_DQ");
     const std::string_view dq_mode = dq ? dq : "atomic";
     if (dq_mode != "atomic" && dq_mode != "pass") {
       return invalid_argument(fmt::format("DISTCA_HOPPER_DQ={}: expected atomic (the default) or pass", dq_mode));

@@ -23,6 +23,7 @@
 #include "../cuda/common/scratch.h"
 #include "cudnn_plan.h"
 #include "distca/core/cuda_status.h"
+#include "distca/core/knobs.h"
 #include "distca/kernels/cudnn.h"
 
 // cudnn-frontend's experimental engines (an sm_100 RMSNorm, not attention) compile kernels at run
@@ -265,7 +266,7 @@ Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int device) {
   auto state = std::make_unique<State>();
   state->device = device;
   state->name = opened.value().name;
-  const char* variants = std::getenv("DISTCA_CUDNN_GRAPH");
+  const char* variants = knob("DISTCA_CUDNN_GRAPH");
   Result<cudnn::GraphVariants> parsed = cudnn::parse_graph_variants(variants ? variants : "");
   if (!parsed.is_ok()) return parsed.status();
   state->variants = parsed.value();
