@@ -28,6 +28,7 @@
 
 #include "distca/core/file.h"
 #include "distca/core/json.h"
+#include "distca/core/knobs.h"
 #include "distca/kernels/cpu.h"
 #include "distca/kernels/cuda.h"
 #include "distca/kernels/cudnn.h"
@@ -667,6 +668,28 @@ PYBIND11_MODULE(_distca, m) {
     }
     if (!s.is_ok()) throw py::value_error(s.message());
   });
+  // The table of DISTCA_* environment variables (core/knobs.h), which distca.knobs reads.
+  m.def(
+      "knobs",
+      [] {
+        py::list table;
+        for (const Knob& k : knobs()) {
+          py::dict entry;
+          entry["name"] = k.name;
+          entry["default"] = k.default_text;
+          entry["meaning"] = k.meaning;
+          entry["used_by"] = knob_user_names(k.users);
+          table.append(entry);
+        }
+        return table;
+      },
+      "The DISTCA_* environment variables distca, its scripts and its tests read, in the order distca --help-env "
+      "prints them: dicts with name, default, meaning and used_by.");
+  m.def(
+      "unknown_knobs_warning", [](const std::vector<std::string>& names) { return unknown_knobs_warning(names); },
+      py::arg("names"),
+      "One warning line naming those of `names` that are DISTCA_* and not in the table, each with the nearest known "
+      "name where one is close; \"\" when all are known.");
   m.def("cpu_isas_built", &kernels::cpu_isas_built,
         "The builds of the CPU attention kernels compiled in, fastest first (avx512, avx2, portable on x86-64).");
   m.def("cpu_isas_supported", &kernels::cpu_isas_supported,
