@@ -68,7 +68,7 @@ constexpr Knob kKnobs[] = {
      "name).",
      kScripts},
     {"DISTCA_MPIRUN_HOST_FLAGS", kFromHostsEnv,
-     "scripts/hosts.sh up writes this and the DISTCA_HOSTS_* below into DIR/hosts.env, which scripts "
+     "scripts/hosts.py up writes this and the DISTCA_HOSTS_* below into DIR/hosts.env, which scripts "
      "and tests source: mpirun's flags that reach the test hosts (rsh agent, subnet, keepalive), for "
      "`mpirun $DISTCA_MPIRUN_HOST_FLAGS --hostfile \"$DISTCA_HOSTS_HOSTFILE\" ...`.",
      kScripts | kTests},
