@@ -2,7 +2,7 @@
 # distca.torch's ping-pong over a real (shaped) network link, in one run: two test hosts
 # (scripts/hosts.sh: network namespaces joined by veth), one gloo process on each
 # (`ip netns exec`, torch.distributed over TCP to the first host's address), running
-# `python -m distca.torch.bench_link` (CAD attention of --layers layers, forward and backward,
+# python/bench/bench_link_torch.py (CAD attention of --layers layers, forward and backward,
 # sequential and ping-pong interleaved on the same batches):
 #  1. calibration over the unshaped link: the rate at which a step's attention exchange (each
 #     phase's busier sender's bytes, phase after phase) takes as long as its attention compute
@@ -98,7 +98,7 @@ run2() {  # run2 NAME STEPS: one rank in each host; rank 0's JSON in $work/NAME.
   for k in 0 1; do
     ip netns exec "${namespaces[k]}" env RANK="$k" WORLD_SIZE=2 MASTER_ADDR="${addrs[0]}" MASTER_PORT="$port" \
       GLOO_SOCKET_IFNAME="$DISTCA_HOSTS_IFACE" OMP_NUM_THREADS=1 \
-      timeout 900 "$py" -m distca.torch.bench_link --steps "$n" --layers "$layers" --tokens "$tokens" \
+      timeout 900 "$py" "$root/python/bench/bench_link_torch.py" --steps "$n" --layers "$layers" --tokens "$tokens" \
       --workload "$workload" > "$work/$name.r$k.out" 2> "$work/$name.r$k.err" &
     pids+=("$!")
   done

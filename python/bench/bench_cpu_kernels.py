@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 from distca import _distca
-from distca.torch.backends import DistcaKernel, causal_shards, get_backend
+from distca.torch.kernels.backends import get_backend
+from distca.torch.kernels.native import DistcaKernel
+from distca.torch.kernels.server import causal_shards
 
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("reference", "sdpa", "distca", "distca-shared")

@@ -102,7 +102,7 @@ def cudnn_stats(torch, device) -> dict:
     """The cuDNN kernel's graph cache so far (graphs built, build seconds, calls): the native object
     the `cudnn` rows share; zeros where the build has no cuDNN."""
     from distca import _distca
-    from distca.torch import ops
+    from distca.torch.kernels import ops
     if not _distca.cudnn_built():
         return {"graphs_built": 0, "build_seconds": 0.0, "calls": 0}
     return dict(ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device(),
@@ -188,7 +188,7 @@ def make_runner(name: str, torch, q, k, v, do, tasks: np.ndarray, scale: float):
     hkv = k.shape[1]
     group = hq // hkv
     if name in TASK_LIST_BACKENDS:
-        from distca.torch import ops
+        from distca.torch.kernels import ops
         if name == "cudnn":
             from distca import _distca
             if not _distca.cudnn_built():
@@ -344,7 +344,7 @@ def plan_server_tasks(ranks: int, tokens: int, hq: int, hkv: int, d: int):
     batch: ranks 0 and 1 one whole document each, the others documents of 512-16K tokens."""
     import distca
     from distca.torch import rank_layout
-    from distca.torch.backends import DistcaKernel
+    from distca.torch.kernels.native import DistcaKernel
     import torch
     rng = np.random.default_rng(0)
     batch = [[tokens], [tokens]]
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, args.dtype)
     from distca import _distca
-    from distca.torch import ops
+    from distca.torch.kernels import ops
     why = ops.unavailable(device, dtype)
     if why is not None:
         print(f"bench_cuda_attention: distca's CUDA kernels cannot run here: {why}", file=sys.stderr)

@@ -59,7 +59,8 @@ import torch.distributed as dist  # noqa: E402
 
 import distca  # noqa: E402
 from distca.torch import StepPlanner, cad_attention, rank_layout, split_tasks  # noqa: E402
-from distca.torch.backends import ServerKernel, get_backend  # noqa: E402
+from distca.torch.kernels.backends import get_backend  # noqa: E402
+from distca.torch.kernels.server import ServerKernel  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

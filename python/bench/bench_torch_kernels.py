@@ -22,7 +22,8 @@ import time
 import numpy as np
 import torch
 
-from distca.torch.backends import BackendUnavailable, backend_names, causal_shards, get_backend
+from distca.torch.kernels.backends import backend_names, get_backend
+from distca.torch.kernels.server import BackendUnavailable, causal_shards
 
 
 def timed(device, fn):

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or tuple(torch.cuda.get_device_capability()) != (9, 0):
         print("hopper_profile_case: needs a GPU of compute capability 9.0 (H100, H200)", file=sys.stderr)
         return 1
-    from distca.torch import ops
+    from distca.torch.kernels import ops
     n, hq, hkv, d = args.tokens, 32, 8, args.head_dim
     q, do = (torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))

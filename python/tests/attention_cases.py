@@ -295,7 +295,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 def _native_pass(device, is_forward, *args, kernel: str = "distca"):
     """One native call on NaN-filled outputs (args end with dims, tasks, scale, dtype name), then
     synchronize: an element the kernel does not write stays NaN. `kernel`: the CUDA implementation."""
-    from distca.torch import ops
+    from distca.torch.kernels import ops
     if device.type == "cuda":
         native = ops.cuda_native(device.index if device.index is not None else torch.cuda.current_device(), kernel)
         call = native.forward if is_forward else native.backward
@@ -315,7 +315,7 @@ def check_distca_kernels(device, dtype, head_dim: int, seed: int, target_rows: i
     same through the `distca` backend (its forward equal to the native one bit for bit). On CUDA,
     `kernel` "cudnn" checks cuDNN's kernel (the `cudnn` backend) the same way; its dK/dV are each
     task's rounded to the dtype and then summed, so their bound is that of a rounded result."""
-    from distca.torch.backends import CudnnKernel, DistcaKernel
+    from distca.torch.kernels.native import CudnnKernel, DistcaKernel
     rng = np.random.default_rng(seed)
     server = random_server(rng, target_rows, lengths)
     q, k, v, do = server_inputs(server, hq, hkv, head_dim, dtype, device, seed)

@@ -254,7 +254,7 @@ def layer_worker(rank: int, world: int) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from distca.torch.model import document_attention
+    from distca.torch.train.model import document_attention
     config = make_config()
     cad = new_cad(config, dist.group.WORLD)
     CAD = cad_mc.CADCoreAttention

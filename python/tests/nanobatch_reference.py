@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from distca.torch.nanobatch import NanoSplit
+from distca.torch.cad.nanobatch import NanoSplit
 
 
 def split_plan(tasks: np.ndarray, batch: Any, *, tolerance: float, kv_budget: float) -> NanoSplit:
-    """The reference split of a plan's valid tasks (distca.torch.nanobatch.split_plan's contract)."""
+    """The reference split of a plan's valid tasks (distca.torch.cad.nanobatch.split_plan's contract)."""
     num_ranks, pieces = int(batch.num_ranks), np.asarray(batch.to_dict()["pieces"], dtype=np.int64)
     pairs = _task_pairs(tasks)
     owned = _owned_rows(pieces, tasks, num_ranks)

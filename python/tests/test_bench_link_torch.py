@@ -1,6 +1,6 @@
 """scripts/bench-link-torch.sh's flag checks, which run before any host is made (so these need no
 root and make nothing): --help prints the header, a bad flag is one line on stderr and exit 2; and
-its Python side, `python -m distca.torch.bench_link`, refuses bad flags with exit 2 too."""
+its Python side, python/bench/bench_link_torch.py, refuses bad flags with exit 2 too."""
 from __future__ import annotations
 
 import subprocess
@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench-link-torch.sh"
+BENCH = ROOT / "python" / "bench" / "bench_link_torch.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -54,8 +55,7 @@ def test_a_bad_flag_is_one_line_and_exit_2_before_any_host(args, message):
 
 @pytest.mark.parametrize("args", [["--steps", "0"], ["--tokens", "100"], ["--heads", "3", "--kv-heads", "2"],
                                   ["--workload", "packed"]])
-def test_the_benchmark_module_refuses_bad_flags_with_exit_2(args):
-    run = subprocess.run([sys.executable, "-m", "distca.torch.bench_link", *args], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+def test_the_benchmark_refuses_bad_flags_with_exit_2(args):
+    run = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2, (run.returncode, run.stderr[-500:])
     assert "error:" in run.stderr

@@ -11,9 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from distca import _distca  # noqa: E402
-from distca.torch import ops  # noqa: E402
-from distca.torch.backends import BackendUnavailable, get_backend  # noqa: E402
-from distca.torch.kernels_distca import CudnnKernel, DistcaKernel, HopperKernel  # noqa: E402
+from distca.torch.kernels import ops  # noqa: E402
+from distca.torch.kernels.backends import get_backend  # noqa: E402
+from distca.torch.kernels.native import CudnnKernel, DistcaKernel, HopperKernel  # noqa: E402
+from distca.torch.kernels.server import BackendUnavailable  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU = torch.device("cpu")
@@ -99,9 +100,9 @@ def test_kernel_supports_names_the_reason():
 def test_distca_torch_does_not_restate_the_cpp_kernels_facts():
     """The head-dim lists of the C++ kernels appear in no distca.torch file that chooses or checks
     them: they are the registry's."""
-    root = Path(ops.__file__).resolve().parent
+    root = Path(ops.__file__).resolve().parents[1]          # distca/torch
     lists = [", ".join(map(str, k["head_dims"])) for k in registry().values() if k["head_dims"]]
-    for name in ("backends.py", "kernel_table.py", "kernels_distca.py", "kernels_torch.py", "ops.py"):
+    for name in ("kernels/backends.py", "kernel_table.py", "kernels/native.py", "kernels/pytorch.py", "kernels/ops.py"):
         text = (root / name).read_text()
         for dims in lists:
             assert not re.search(r"\(" + re.escape(dims) + r"\)", text), f"{name} restates head dims ({dims})"

@@ -10,8 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from distca.torch import kernel_table as kt  # noqa: E402
-from distca.torch.backends import (AutoKernel, DistcaKernel, ReferenceKernel, SdpaKernel, causal_shards,  # noqa: E402
-                                   describe_auto)
+from distca.torch.kernels.backends import AutoKernel, describe_auto  # noqa: E402
+from distca.torch.kernels.native import DistcaKernel  # noqa: E402
+from distca.torch.kernels.pytorch import ReferenceKernel, SdpaKernel  # noqa: E402
+from distca.torch.kernels.server import causal_shards  # noqa: E402
 
 
 def row(backend, layout, tokens, shard, fwd, bwd, tasks=1):
@@ -173,7 +175,7 @@ def test_auto_kernel_runs_each_kind_on_its_kernel():
 
 
 def test_describe_auto_says_what_runs_without_a_table():
-    from distca.torch.backends import get_backend
+    from distca.torch.kernels.backends import get_backend
     cpu = torch.device("cpu")
     chosen = get_backend("auto", cpu, torch.float32, 64).name
     text = describe_auto(cpu, torch.float32, 64)

@@ -1,5 +1,5 @@
 """distca.torch's agreement: bad input on one rank only, or ranks in different calls, end every
-rank within seconds with the same one-line InputError (the call header, distca.torch.layout),
+rank within seconds with the same one-line InputError (the call header, distca.torch.cad.planner),
 never with ranks waiting in a collective; and the argument checks behind it (cu_seqlens,
 scale, backend, dtype, buffer_capacity, split_tasks, rank_layout, double backward).
 

@@ -266,7 +266,7 @@ def _server_inputs(tasks, seed=0):
 def test_flex_forward_on_cpu_equals_reference():
     """FlexAttention's mask over a server's whole task list (its backward is refused on CPU; the
     GPU check runs it)."""
-    from distca.torch.backends import FlexKernel, ReferenceKernel
+    from distca.torch.kernels.pytorch import FlexKernel, ReferenceKernel
     tasks = _server_tasks_with_key_splits()
     q, k, v, _ = _server_inputs(tasks)
     want_o, want_lse = ReferenceKernel().forward(q, k, v, tasks, D ** -0.5)
@@ -278,7 +278,8 @@ def test_flex_forward_on_cpu_equals_reference():
 def test_lse_autograd_backward_equals_the_merged_row_formula():
     """The flex backward's rule (autograd through O and LSE with the merge's gradients) equals the
     reference's explicit backward given a merged O and LSE that differ from the part's own."""
-    from distca.torch.backends import ReferenceKernel, lse_autograd_backward
+    from distca.torch.kernels.pytorch import ReferenceKernel
+    from distca.torch.kernels.server import lse_autograd_backward
     tasks = _server_tasks_with_key_splits()
     q, k, v, do = _server_inputs(tasks, 1)
     ref = ReferenceKernel()

@@ -115,7 +115,7 @@ def test_bf16_cad_attention_within_the_bound_of_test_torch_cad():
 
 def server_tasks(causal, noncausal):
     """ServerTasks of (Lq, Lk) causal tasks then (Lq, Lk) non-causal ones, each with its own key rows."""
-    from distca.torch.backends import ServerTasks, TaskGroup
+    from distca.torch.kernels.server import ServerTasks, TaskGroup
     groups, q_at, k_at = [], 0, 0
     for is_causal, shapes in ((True, causal), (False, noncausal)):
         cu_q = np.concatenate([[0], np.cumsum([s[0] for s in shapes], dtype=np.int64)]).astype(np.int64)
@@ -146,7 +146,8 @@ def rel(got, want):
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_kernel_equals_reference_fp32(hq, hkv, d):
-    from distca.torch.backends import DistcaKernel, ReferenceKernel
+    from distca.torch.kernels.native import DistcaKernel
+    from distca.torch.kernels.pytorch import ReferenceKernel
     tasks = server_tasks(CAUSAL, NONCAUSAL)
     q, k, v, do = inputs(tasks, hq, hkv, d)
     scale = d ** -0.5
@@ -175,7 +176,8 @@ def test_kernel_bf16_within_a_derived_bound(d):
     the same rounded inputs and accumulate in fp32; outputs stored in bf16 round once more (at most
     2^-9 of the largest value, one half ulp), and the kernel also stores dK/dV in bf16 where the
     reference keeps them fp32: so allow the reference's error plus one bf16 ulp (2^-8)."""
-    from distca.torch.backends import DistcaKernel, ReferenceKernel
+    from distca.torch.kernels.native import DistcaKernel
+    from distca.torch.kernels.pytorch import ReferenceKernel
     tasks = server_tasks(CAUSAL, NONCAUSAL)
     q, k, v, do = inputs(tasks, 8, 2, d, torch.bfloat16, seed=3)
     scale = d ** -0.5
@@ -198,7 +200,7 @@ def test_kernel_bf16_within_a_derived_bound(d):
 def test_bf16_storage_is_torch_bfloat16():
     """One query seeing one key returns V itself: bf16 values come back bit for bit, so
     torch.bfloat16 and distca::bf16 are the same bit pattern (the top half of an IEEE float)."""
-    from distca.torch.backends import DistcaKernel
+    from distca.torch.kernels.native import DistcaKernel
     tasks = server_tasks([(1, 1)] * 5, [(1, 1)] * 3)
     q, k, v, _ = inputs(tasks, 4, 1, 32, torch.bfloat16)
     v = (v * torch.tensor([1e-30, 1e30, -3.0, 0.1]).repeat(8).to(torch.bfloat16)).contiguous()
@@ -209,7 +211,8 @@ def test_bf16_storage_is_torch_bfloat16():
 
 
 def test_threads_give_identical_results_and_objects_are_shared():
-    from distca.torch.backends import DistcaKernel, get_backend
+    from distca.torch.kernels.backends import get_backend
+    from distca.torch.kernels.native import DistcaKernel
     tasks = server_tasks(CAUSAL, NONCAUSAL)
     q, k, v, do = inputs(tasks, 8, 2, 64, seed=5)
     runs = []
@@ -232,7 +235,7 @@ def test_threads_give_identical_results_and_objects_are_shared():
 
 
 def test_empty_server():
-    from distca.torch.backends import DistcaKernel
+    from distca.torch.kernels.native import DistcaKernel
     tasks = server_tasks([], [])
     q, k, v, do = inputs(tasks, 4, 1, 64)
     o, lse = DistcaKernel().forward(q, k, v, tasks, 0.125)
@@ -256,7 +259,7 @@ def test_unavailable_says_why():
 
 def test_hopper_backend_is_named_says_why_it_cannot_run_here_and_is_not_in_autos_default_order():
     from distca.torch import BackendUnavailable, backend_names, get_backend, kernel_table
-    from distca.torch import backends
+    from distca.torch.kernels import backends
     assert "hopper" in backend_names()
     with pytest.raises(BackendUnavailable, match="compute capability 9.0, not cpu"):
         get_backend("hopper", torch.device("cpu"), torch.bfloat16)
@@ -268,7 +271,8 @@ def test_hopper_backend_is_named_says_why_it_cannot_run_here_and_is_not_in_autos
 
 def test_cudnn_backend_says_why_it_cannot_run_and_refuses_unknown_kernels():
     from distca import _distca
-    from distca.torch import BackendUnavailable, backend_names, get_backend, ops
+    from distca.torch import BackendUnavailable, backend_names, get_backend
+    from distca.torch.kernels import ops
     assert "cudnn" in backend_names()
     with pytest.raises(BackendUnavailable, match="the cudnn backend runs on CUDA devices, not cpu"):
         get_backend("cudnn", torch.device("cpu"), torch.bfloat16)
@@ -309,7 +313,9 @@ def test_auto_picks_distca_on_cpu_where_it_is_built_for_the_head_dim(monkeypatch
     """auto on CPU where the avx512 or avx2 build runs: distca for float32/bfloat16 and head dims
     32-256 (faster than sdpa there, python/bench/bench_cpu_kernels.py), else sdpa; without a head
     dim, distca with sdpa behind it for the head dims it is not built for, equal to sdpa bit for bit."""
-    from distca.torch.backends import DistcaKernel, SdpaKernel, get_backend
+    from distca.torch.kernels.backends import get_backend
+    from distca.torch.kernels.native import DistcaKernel
+    from distca.torch.kernels.pytorch import SdpaKernel
     _force_fast_build(monkeypatch)
     cpu = torch.device("cpu")
     assert get_backend("auto", cpu, torch.float32, head_dim=64).name == "distca"
@@ -336,7 +342,9 @@ def test_auto_picks_distca_on_cpu_where_it_is_built_for_the_head_dim(monkeypatch
 def test_auto_picks_sdpa_where_only_the_portable_build_runs(monkeypatch):
     """The portable build (SSE2 on x86-64, NEON on aarch64) is slower than PyTorch's kernel: auto
     puts sdpa first there, and names distca only where asked."""
-    from distca.torch.backends import DistcaKernel, SdpaKernel, get_backend
+    from distca.torch.kernels.backends import get_backend
+    from distca.torch.kernels.native import DistcaKernel
+    from distca.torch.kernels.pytorch import SdpaKernel
     monkeypatch.setenv("DISTCA_CPU_ISA", "portable")
     cpu = torch.device("cpu")
     assert isinstance(get_backend("auto", cpu, torch.float32, head_dim=64), SdpaKernel)
@@ -350,7 +358,7 @@ def test_every_build_the_cpu_runs_equals_reference(isa, monkeypatch):
     """DISTCA_CPU_ISA forces a build of the kernels; each one this CPU runs passes the fp32 and bf16
     checks above (GQA 4:1, D 64 and 128)."""
     from distca import _distca
-    from distca.torch.backends import DistcaKernel
+    from distca.torch.kernels.native import DistcaKernel
     if isa not in _distca.cpu_isas_supported():
         pytest.skip(f"this CPU does not run the {isa} build (it runs {_distca.cpu_isas_supported()})")
     monkeypatch.setenv("DISTCA_CPU_ISA", isa)
@@ -362,7 +370,8 @@ def test_every_build_the_cpu_runs_equals_reference(isa, monkeypatch):
 
 def test_a_build_the_cpu_cannot_run_is_refused_with_the_choices(monkeypatch):
     from distca import _distca
-    from distca.torch.backends import DistcaKernel, get_backend
+    from distca.torch.kernels.backends import get_backend
+    from distca.torch.kernels.native import DistcaKernel
     monkeypatch.setenv("DISTCA_CPU_ISA", "avx9000")
     with pytest.raises(ValueError, match="DISTCA_CPU_ISA=avx9000: no 'avx9000' build .* portable"):
         DistcaKernel().native()
@@ -417,7 +426,7 @@ def _bad_cases():
 
 @pytest.mark.parametrize("case", range(len(_bad_cases())), ids=[c[0] for c in _bad_cases()])
 def test_bad_inputs_are_refused(case):
-    from distca.torch.backends import DistcaKernel
+    from distca.torch.kernels.native import DistcaKernel
     what, call, message = _bad_cases()[case]
     tasks = server_tasks(CAUSAL, NONCAUSAL)
     q, k, v, do = inputs(tasks, 4, 2, 64)
@@ -430,7 +439,7 @@ def test_bad_inputs_are_refused(case):
 def test_bad_tasks_and_addresses_are_refused_by_the_native_side():
     """Task arrays the C++ side checks (kernels::validate): ValueError, never a crash."""
     from distca import _distca
-    from distca.torch.backends import DistcaKernel
+    from distca.torch.kernels.native import DistcaKernel
     kernel = DistcaKernel(num_threads=1)
     q, k, v, do = (torch.randn(40, 4, 32) for _ in range(4))
     k, v = k[:, :1].contiguous(), v[:, :1].contiguous()

@@ -1,4 +1,4 @@
-"""distca.torch.ops: distca's attention kernels as the custom operators distca::attention_fwd and
+"""distca.torch.kernels.ops: distca's attention kernels as the custom operators distca::attention_fwd and
 distca::attention_bwd. On CPU: torch.library.opcheck (schema, fake tensors, autograd registration,
 AOT dispatch with dynamic shapes), the fake (meta) implementations' shapes and checks, autograd
 through attention_fwd against `reference`, torch.compile with fullgraph=True equal to eager. The
@@ -14,8 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from distca import _distca  # noqa: E402
-from distca.torch import ops  # noqa: E402
-from distca.torch.backends import DistcaKernel, ReferenceKernel, get_backend  # noqa: E402
+from distca.torch.kernels import ops  # noqa: E402
+from distca.torch.kernels.backends import get_backend  # noqa: E402
+from distca.torch.kernels.native import DistcaKernel  # noqa: E402
+from distca.torch.kernels.pytorch import ReferenceKernel  # noqa: E402
 from test_torch_distca_kernel import CAUSAL, NONCAUSAL, inputs, rel, server_tasks  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -171,13 +173,13 @@ def test_cuda_unavailable_says_why_without_a_device():
     with pytest.raises(BackendUnavailable, match="take bfloat16 or float16 on cuda, not torch.float32"):
         get_backend("distca", cuda, torch.float32)
     # auto on CUDA: distca after PyTorch's FlashAttention-2 kernels, before sdpa (as an H100 measured them).
-    order = __import__("distca.torch.backends", fromlist=["_AUTO_ORDER"])._AUTO_ORDER["cuda"]
+    order = __import__("distca.torch.kernels.backends", fromlist=["_AUTO_ORDER"])._AUTO_ORDER["cuda"]
     assert order.index("varlen") < order.index("distca") < order.index("sdpa")
 
 
 def test_cuda_reasons_for_a_device(monkeypatch):
     """The reasons a present device can still not run the kernels, from a faked device query."""
-    import distca.torch.ops as ops_module
+    import distca.torch.kernels.ops as ops_module
     if not _distca.cuda_kernels_built():
         pytest.skip("this build has no CUDA kernels: the device reasons come after that one")
     cuda = torch.device("cuda", 0)

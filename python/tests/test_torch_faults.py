@@ -25,7 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from distca.torch import kernel_table as kt  # noqa: E402
-from distca.torch import ops  # noqa: E402
+from distca.torch.kernels import ops  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
 from torch_cases import COST_MODEL, HKV, HQ, doc_data, local_rows, whole_document  # noqa: E402
 

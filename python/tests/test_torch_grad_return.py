@@ -38,7 +38,7 @@ def _recording_exchange(attention, log: list):
 
 def grad_return_worker(rank, world, dtype_name):
     from distca.torch import StepPlanner, cad_attention, exchange_bytes
-    import distca.torch.attention as attention
+    import distca.torch.cad.attention as attention
     dtype = getattr(torch, dtype_name)
     pieces = PIECES[rank] if world == 2 else PIECES[0] + [(d, b, e, n) for d, b, e, n in PIECES[1]]
     data = doc_data(LENGTHS, 5, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Ping-pong's split of one plan (distca.torch.nanobatch, issue 54; in C++,
+"""Ping-pong's split of one plan (distca.torch.cad.nanobatch, issue 54; in C++,
 layout::split_attention_tasks): on batches drawn from the shared document-length samples, the two
 nano-batches together move at most 1.05x the bytes of the whole plan's exchange in every phase
 (counted from the layouts of every rank, forward and backward, both backward modes and both
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import distca  # noqa: E402
 from distca.torch import ModelShape, exchange_bytes, rank_layout, split_plan  # noqa: E402
-from distca.torch.nanobatch import KV_BUDGET  # noqa: E402
+from distca.torch.cad.nanobatch import KV_BUDGET  # noqa: E402
 from nanobatch_reference import _row_pairs, _task_pairs  # noqa: E402
 import nanobatch_reference  # noqa: E402
 from torch_cases import COST_MODEL  # noqa: E402

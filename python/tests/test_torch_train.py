@@ -37,7 +37,7 @@ def _need_gloo():
 
 def train_worker(rank, world, argv):
     """main(argv) on this rank -> (exit status, what rank 0 printed)."""
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(argv)
@@ -80,9 +80,9 @@ def _max_rel(a, b):
 
 def _reference_loss(data, preset, context=None):
     """The first step's loss in one process, from the initial weights: every document of the step
-    end to end, PyTorch's SDPA per document (distca.torch.model.document_attention), RoPE at
+    end to end, PyTorch's SDPA per document (distca.torch.train.model.document_attention), RoPE at
     positions counted from each document's first row here: independent of the planner's layout."""
-    from distca.torch.model import PRESETS, Transformer, document_attention, packed_cross_entropy
+    from distca.torch.train.model import PRESETS, Transformer, document_attention, packed_cross_entropy
     lengths = {}
     for pieces in data.pieces:
         for key, begin, end, n in pieces:
@@ -148,7 +148,7 @@ def test_demo_model_cad_equals_colocated_2_ranks(tmp_path):
     assert all(r["rows_served_remotely"] == 0 for r in doc["steps"] if r["backend"] == "colocated")
     assert doc["summary"]["speedup"] > 0 and len(doc["summary"]["speedup_per_step"]) == steps - 1
     assert "speedup of CAD over colocated" in run.stdout and f"step {steps:4d}/{steps} cad" in run.stdout, log
-    from distca.torch.data import SyntheticData
+    from distca.torch.train.data import SyntheticData
     want = _reference_loss(SyntheticData("skewed", 1, 2, 1024).step(0), "demo")
     assert abs(cad[0] - want) / want <= TOLERANCE and abs(col[0] - want) / want <= TOLERANCE, (want, cad[0], col[0])
 
@@ -172,7 +172,7 @@ def test_jsonl_spanning_ranks_cad_equals_colocated_4_ranks(tmp_path):
     moved = [r["rows_served_remotely"] for r in doc["steps"] if r["backend"] == "cad"]
     assert sum(moved) > 0, moved                  # the planner moved work (not colocated under another name)
     assert doc["config"]["ranks"] == 4
-    from distca.torch.data import JsonlData, read_jsonl
+    from distca.torch.train.data import JsonlData, read_jsonl
     want = _reference_loss(JsonlData(str(data), read_jsonl(str(data)), 4, 256).step(0), "tiny")
     assert abs(cad[0] - want) / want <= TOLERANCE, (want, cad[0])
 
@@ -214,7 +214,7 @@ def test_resume_repeats_the_curve(tmp_path):
     (["--kernel", "varlen"], "--kernel varlen: backend 'varlen' cannot run on cpu"),
 ])
 def test_bad_flags_one_line_exit_2(argv, message, capsys):
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     assert main(argv) == 2
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
@@ -223,7 +223,7 @@ def test_bad_flags_one_line_exit_2(argv, message, capsys):
 
 def test_outputs_never_overwrite_inputs(tmp_path, capsys):
     """--json or --checkpoint naming the --data file (also through a symlink) or the --resume folder."""
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     data = tmp_path / "docs.jsonl"
     data.write_text('{"text": "fine"}\n')
     (tmp_path / "link.jsonl").symlink_to(data)
@@ -272,7 +272,7 @@ def test_ranks_started_with_different_settings_end_at_once_naming_the_flag(tmp_p
 
 def test_json_never_replaces_a_device_or_fifo(tmp_path):
     """--json replaces only a regular file: a FIFO (and a device) is refused before any work."""
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     for target in (str(fifo), "/dev/null"):
@@ -283,7 +283,7 @@ def test_json_never_replaces_a_device_or_fifo(tmp_path):
 
 
 def test_help_lists_every_flag(capsys):
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--preset", "--attention", "--compare", "--steps", "--device", "--policy", "--json", "--checkpoint",
@@ -294,7 +294,7 @@ def test_help_lists_every_flag(capsys):
 def test_packed_targets_and_pieces():
     """The data path alone: documents spanning ranks become pieces of one key; a document's last
     token has no target, and one cut at a step's end still predicts the next token."""
-    from distca.torch.data import JsonlData, pack_documents
+    from distca.torch.train.data import JsonlData, pack_documents
     docs = [np.frombuffer(b"abcdefg", np.uint8), np.frombuffer(b"xyz", np.uint8)]
     data = JsonlData("mem", docs, num_ranks=2, context=3)          # 10 tokens, 6 per step
     s0, s1 = data.step(0), data.step(1)

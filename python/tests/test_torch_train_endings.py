@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from distca.torch import checkpoint  # noqa: E402
+from distca.torch.train import checkpoint  # noqa: E402
 
 PROG = "distca.torch.train"
 TINY = ["--preset", "tiny", "--workload", "packed"]
@@ -128,7 +128,7 @@ class Ranks:
 
 def train_worker(rank, world, argv):
     """main(argv), its output where the rank's goes (the test reads it as it comes)."""
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     return {"code": main(argv)}
 
 
@@ -136,7 +136,7 @@ def runs_worker(rank, world, runs):
     """Several runs in turn, each refused before training (so the group stays usable): run i
     with runs[i]["argv"][rank], in the folder runs[i]["cwd"][rank], with runs[i]["env"][rank]
     added to the environment; each run's exit status and what it printed."""
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     out = []
     for run in runs:
         os.chdir(run["cwd"][rank])
@@ -171,7 +171,7 @@ def _no_traceback(results):
 
 
 def test_help_states_every_exit_status(capsys):
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     ending = out[out.index("exit status"):]
@@ -332,7 +332,7 @@ def test_row6b_ranks_that_read_different_data_are_refused_before_training(tmp_pa
 
 def resume_worker(rank, world, folder, data, ck):
     """Train 3 steps with a checkpoint; rank 0 reverses the data file's lines; resume."""
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     os.chdir(folder)
     out = []
     for argv in (["--steps", "3", "--checkpoint", ck], ["--steps", "5", "--resume", ck]):
@@ -368,7 +368,7 @@ def test_row6a_resume_on_rewritten_data_is_refused(tmp_path):
 
 
 def test_row6_the_fingerprint_is_the_content_not_the_path(tmp_path):
-    from distca.torch.data import read_jsonl
+    from distca.torch.train.data import read_jsonl
     texts = {"a.jsonl": ["abc", "de"], "moved.jsonl": ["abc", "de"], "cut.jsonl": ["ab", "cde"],
              "reversed.jsonl": ["de", "abc"]}
     prints = {}
@@ -402,7 +402,7 @@ def full_disk_worker(rank, world, folder, ck, limit):
     """A checkpoint of step 1; then, with no file allowed past `limit` bytes (a full disk to the
     writer: EFBIG, SIGXFSZ ignored), a resumed run whose save fails."""
     import resource
-    from distca.torch.train import main
+    from distca.torch.train.trainer import main
     os.chdir(folder)
     out = []
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -442,7 +442,7 @@ def test_row12_a_save_on_a_full_disk_leaves_the_old_checkpoint_and_no_scratch(tm
 def stop_in_backward_worker(rank, world, argv, step):
     """main(argv); rank 0 stops itself (SIGSTOP) as step `step`'s backward begins: a hook on its
     loss, so its peer, past the forward, waits for it inside the backward's exchanges."""
-    import distca.torch.train as train
+    import distca.torch.train.trainer as train
     if rank == 0:
         real, calls = train.packed_cross_entropy, [0]
 

@@ -19,16 +19,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from distca.torch import checkpoint  # noqa: E402
+from distca.torch.train import checkpoint  # noqa: E402
 from distca.torch.spawn import run_ranks  # noqa: E402
-from distca.torch.data import DataError, read_jsonl  # noqa: E402
-from distca.torch.train import main  # noqa: E402
+from distca.torch.train.data import DataError, read_jsonl  # noqa: E402
+from distca.torch.train.trainer import main  # noqa: E402
 
 TINY = ["--preset", "tiny", "--steps", "1", "--workload", "packed"]
 
 
 def train_worker(rank, world, argv, cwd):
-    from distca.torch.train import main as train_main
+    from distca.torch.train.trainer import main as train_main
     os.chdir(cwd)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -156,7 +156,7 @@ def _crafted_v1(folder: Path, marker: Path) -> None:
     """A version-1 (torch.distributed.checkpoint) checkpoint whose .metadata pickle runs a command."""
     folder.mkdir()
     (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    from distca.torch.model import PRESET_CONTEXT, PRESETS
+    from distca.torch.train.model import PRESET_CONTEXT, PRESETS
     # Every field as this run's, so a reader that trusts the header goes on to the pickle.
     head = {"format": checkpoint.FORMAT, "version": 1, "steps_done": 1, "backends": ["cad"], "ranks": 2,
             "context": PRESET_CONTEXT["tiny"], "model": PRESETS["tiny"].to_dict(), "workload": "packed", "seed": 1}
@@ -254,7 +254,7 @@ def test_bad_data_is_one_line_naming_file_and_line(tmp_path, text, message):
 
 
 def test_a_step_with_no_targets_is_refused_naming_the_line(tmp_path):
-    from distca.torch.data import JsonlData
+    from distca.torch.train.data import JsonlData
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "abcdefgh"}\n' + '{"text": "x"}\n' * 64)
     data = JsonlData(str(path), read_jsonl(str(path)), 1, 16)
@@ -308,7 +308,7 @@ def test_data_memory_is_the_files_size_plus_16_bytes_a_document(tmp_path):
 def test_reading_data_reports_progress(tmp_path, monkeypatch):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "some text"}\n' * 5)
-    import distca.torch.data as data
+    import distca.torch.train.data as data
     monkeypatch.setattr(data, "PROGRESS_SECONDS", 0.0)
     lines: list = []
     read_jsonl(str(path), progress=lines.append)
@@ -360,6 +360,6 @@ def test_ctrl_c_leaves_a_whole_checkpoint_and_one_line(tmp_path):
 
 
 def test_grad_return_flag_reaches_the_config():
-    from distca.torch.train_config import parse_args
+    from distca.torch.train.config import parse_args
     assert parse_args(TINY + ["--grad-return", "bf16"]).grad_return == "bf16"
     assert parse_args(TINY).grad_return == "fp32"

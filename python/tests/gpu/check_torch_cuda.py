@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distca  # noqa: E402
 from distca.torch import StepPlanner, cad_attention, get_backend, rank_layout  # noqa: E402
-from distca.torch.backends import BackendUnavailable, causal_shards  # noqa: E402
+from distca.torch.kernels.server import BackendUnavailable, causal_shards  # noqa: E402
 from attention_cases import check_distca_kernels  # noqa: E402
 from torch_cases import COST_MODEL, doc_data, local_rows, whole_document  # noqa: E402
 

@@ -39,7 +39,8 @@ def rel(got, want) -> float:
 def worker(rank, world, device_type, backends, seed):
     import torch.distributed as dist
     from distca.torch import StepPlanner, cad_attention
-    from distca.torch.backends import BackendUnavailable, get_backend
+    from distca.torch.kernels.backends import get_backend
+    from distca.torch.kernels.server import BackendUnavailable
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
     model = {"heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM}

@@ -54,8 +54,10 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..attention import cad_attention
-from ..layout import StepLayout, StepPlanner, agree
+from ..cad.agreement import agree
+from ..cad.attention import cad_attention
+from ..cad.layout import StepLayout
+from ..cad.planner import StepPlanner
 
 __all__ = ["CADContext", "CADCoreAttention", "use_cad", "cad_layer_spec", "core_attention_spec"]
 

@@ -39,8 +39,9 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..attention import cad_attention
-from ..layout import StepLayout, StepPlanner
+from ..cad.attention import cad_attention
+from ..cad.layout import StepLayout
+from ..cad.planner import StepPlanner
 
 __all__ = ["CADInnerAttention", "CADMasks", "TorchTitanCAD", "apply_cad", "document_cu_seqlens"]
 

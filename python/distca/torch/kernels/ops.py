@@ -8,7 +8,7 @@ tensor of (q_offset, q_len, kv_offset, kv_len, is_causal) rows, the task list of
 (tasks may share key rows; the C++ side checks them). o has q's dtype, lse [Tq, Hq] fp32 (natural
 log; -inf where a row sees no key); dq has q's dtype, dk/dv are fp32 (summed over the tasks that
 read a row). The backward takes the O and LSE it is given (a key-split row's merged ones), as
-distca.torch.backends describes. `scale` None is 1/sqrt(D), else a number finite and positive in
+distca.torch.kernels.backends describes. `scale` None is 1/sqrt(D), else a number finite and positive in
 float32 (the kernels' precision: 1e300 and 1e-300 are refused); `num_threads` is the CPU kernels'
 thread count (0: torch.get_num_threads()), ignored on CUDA; `kernel` picks the CUDA implementation,
 one of the kernel registry's CUDA entries (CUDA_KERNELS: "distca", distca's own kernels; "hopper",
@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import _distca
+from ... import _distca
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The kernel registry (C++: kernels/registry.h), by name: the one statement of what each C++ kernel

@@ -1,8 +1,8 @@
-"""The server kernels of distca's own native code through the custom operators of distca.torch.ops:
+"""The server kernels of distca's own native code through the custom operators of distca.torch.kernels.ops:
 `distca` (distca's kernels, src/kernels), `hopper` (its sm_90a kernels) and `cudnn` (cuDNN's fused
-attention on the same task list). The interface they implement is distca.torch.server's
-(contract: the docstring of distca.torch.backends). What each takes (dtypes, head dims) and
-whether this build has it is the C++ kernel registry's (distca.torch.ops.REGISTRY).
+attention on the same task list). The interface they implement is distca.torch.kernels.server's
+(contract: the docstring of distca.torch.kernels.backends). What each takes (dtypes, head dims) and
+whether this build has it is the C++ kernel registry's (distca.torch.kernels.ops.REGISTRY).
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from .server import ServerKernel, ServerTasks
 
 
 class DistcaKernel(ServerKernel):
-    """distca's own attention kernels through the custom operators of distca.torch.ops
+    """distca's own attention kernels through the custom operators of distca.torch.kernels.ops
     (`distca::attention_fwd` / `distca::attention_bwd`): the server's whole task list, causal and
     non-causal, in one native call per pass, on the tensors' memory (no copies; the GIL released).
     Flash-style, GQA read in place, bottom-right causal tasks computed on their unmasked blocks
-    only. The backward takes the merged O and LSE (distca.torch.backends' docstring), so key-split
+    only. The backward takes the merged O and LSE (distca.torch.kernels.backends' docstring), so key-split
     rows are exact without an LSE gradient.
 
     CPU (`_distca.CpuAttention`, the registry's "cpu" entry: its dtypes and head dims; torch.bfloat16
@@ -34,7 +34,7 @@ class DistcaKernel(ServerKernel):
     named `cuda_kernel`: its dtypes and head dims), compute capability 8.0 or newer; on the current
     stream, one native object per device; dK/dV returned as their fp32 sums (never rounded to
     bf16). `auto` on CUDA picks PyTorch's FlashAttention-2 (varlen) first, which ran faster
-    (distca.torch.backends).
+    (distca.torch.kernels.backends).
 
     Head dims the kernels are not built for go to `fallback` where one is set (auto sets it), else
     raise ValueError."""

@@ -1,7 +1,7 @@
 """A step's exchange layout on one rank, as device tensors: StepLayout (what cad_attention takes in
 every layer of the step), its nano-batches' PartLayouts and the ModelShape it checks inputs
 against, and rank_layout, which builds it from a plan without any process group (StepPlanner.plan
-calls it after planning; distca.torch.layout).
+calls it after planning; distca.torch.cad.planner).
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import distca
 from distca import _distca
 from distca.arguments import integer_arg
 
-from .agreement import _describe
-from .backends import ServerTasks, TaskGroup, get_backend
+from ..kernels.backends import get_backend
+from ..kernels.server import ServerTasks, TaskGroup
+from .agreement import describe
 from .nanobatch import NanoSplit, split_plan
 
 
@@ -137,7 +138,7 @@ def _checked_rows(rows: Any, batch: Any, rank: int) -> np.ndarray:
     """rank_layout's rows checked against the batch -> this rank's (begin, end) rows, (n, 2) int64."""
     def refused() -> TypeError:
         return TypeError(f"rows must be the batch's pieces, (doc, begin, end, rank) rows of integers "
-                         f"(batch.to_dict()['pieces']), got {_describe(rows)}")
+                         f"(batch.to_dict()['pieces']), got {describe(rows)}")
     if isinstance(rows, np.ndarray):
         if rows.dtype.kind not in "iu" or rows.ndim != 2 or rows.shape[1] != 4:
             raise refused()
@@ -169,20 +170,20 @@ def rank_layout(plan: "distca.Plan", batch: Any, rows: Any, rank: int, device: U
     start = time.perf_counter()
     if not isinstance(plan, (distca.Plan, distca.LoadedPlan)):
         raise TypeError(f"plan must be a distca.Plan (distca.plan) or a loaded plan (distca.load_plan), "
-                        f"got {_describe(plan)}")
+                        f"got {describe(plan)}")
     if not isinstance(batch, distca.Batch):
-        raise TypeError(f"batch must be a distca.Batch (plan.batch), got {_describe(batch)}")
+        raise TypeError(f"batch must be a distca.Batch (plan.batch), got {describe(batch)}")
     if batch.num_ranks != plan.num_ranks:
         raise ValueError(f"batch has {batch.num_ranks} ranks, the plan {plan.num_ranks}: pass the plan's batch")
     rank = integer_arg(rank, "rank", 32)
     if not 0 <= rank < batch.num_ranks:
         raise ValueError(f"rank {rank} outside the batch's {batch.num_ranks} ranks")
     if not isinstance(pingpong, bool):
-        raise TypeError(f"pingpong must be a bool, got {_describe(pingpong)}")
+        raise TypeError(f"pingpong must be a bool, got {describe(pingpong)}")
     try:
         device = torch.device(device)
     except (TypeError, RuntimeError) as e:
-        raise TypeError(f"device must be a torch.device or a device name, got {_describe(device)}") from e
+        raise TypeError(f"device must be a torch.device or a device name, got {describe(device)}") from e
     mine = _checked_rows(rows, batch, rank)
     split = split_plan(plan.tasks, batch, tolerance=plan.tolerance) if pingpong else None
     routes = []

@@ -1,10 +1,10 @@
-"""Ping-pong against one CAD exchange, on the ranks' real link: `python -m distca.torch.bench_link`.
+"""Ping-pong against one CAD exchange, on the ranks' real link: `python python/bench/bench_link_torch.py`.
 
 Every step, on the same batch, the same inputs and the same server kernel, it times CAD attention
 of --layers layers (forward, then backward, through one step layout: what a model's attention
 does in a training step, without the linear layers) with two StepPlanners of one policy:
   sequential  pingpong=False: one nano-batch; every exchange waits for the compute before it
-  pingpong    pingpong=True: the plan's tasks in two nano-batches (distca.torch.nanobatch), every
+  pingpong    pingpong=True: the plan's tasks in two nano-batches (distca.torch.cad.nanobatch), every
               all-to-all posted asynchronously so one nano-batch's exchange runs during the other's
               compute; gloo runs collectives on its own threads, so it can overlap on CPU
 interleaved (their order alternates step by step), each from a barrier, a step's seconds the
@@ -50,11 +50,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .attention import cad_attention
-from .backends import backend_names, get_backend
-from .layout import StepPlanner
-from .step_layout import PHASES, exchange_bytes
-from .train import TimedKernel
+from distca.torch import StepPlanner, cad_attention, exchange_bytes
+from distca.torch.cad.layout import PHASES
+from distca.torch.kernels.backends import backend_names, get_backend
+from distca.torch.train.trainer import TimedKernel
 
 VARIANTS = ("sequential", "pingpong")
 WORKLOADS = ("two-long", "skewed", "prolong", "wlbllm")
@@ -62,7 +61,7 @@ CHECK_TOLERANCE = 1e-5
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m distca.torch.bench_link", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="bench_link_torch.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="timed steps (default 6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
@@ -99,7 +98,7 @@ def _checked(argv: Optional[list]) -> argparse.Namespace:
 
 def say(rank: int, message: str) -> None:
     if rank == 0:
-        print(f"[bench_link {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        print(f"[bench_link_torch {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _sample(workload: str) -> list:
@@ -108,7 +107,7 @@ def _sample(workload: str) -> list:
     folder = Path(os.environ.get("DISTCA_SHARED_DATA", Path.cwd().parent / "shared" / "data"))
     path = folder / f"dist_{workload}.json"
     if not path.is_file():
-        raise SystemExit(f"bench_link: no {path} (set DISTCA_SHARED_DATA to the folder of dist_{workload}.json)")
+        raise SystemExit(f"bench_link_torch: no {path} (set DISTCA_SHARED_DATA to the folder of dist_{workload}.json)")
     return json.loads(path.read_text())
 
 
@@ -236,7 +235,7 @@ def main(argv: Optional[list] = None) -> int:
             say(rank, f"step {step - a.warmup + 1}/{a.steps}: " + ", ".join(
                 f"{v} {last[v]['seconds']:.3f} s (kernels {last[v]['kernel_seconds']:.3f} s)" for v in VARIANTS))
     if rank == 0:
-        out: dict[str, Any] = {"benchmark": "distca.torch.bench_link", "ranks": world, "workload": a.workload,
+        out: dict[str, Any] = {"benchmark": "bench_link_torch", "ranks": world, "workload": a.workload,
                                "tokens_per_rank": a.tokens, "layers": a.layers, "steps": a.steps,
                                "model": model, "dtype": a.dtype, "policy": a.policy, "kernel": kernel.name,
                                "grad_return": a.grad_return, "threads": a.threads, "check_relative": check,

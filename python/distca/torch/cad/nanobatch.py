@@ -19,7 +19,7 @@ import distca
 from distca import _distca
 from distca.arguments import number_arg
 
-from .agreement import _describe
+from .agreement import describe
 
 KV_BUDGET = _distca.task_split_kv_budget   # ping-pong may move at most 1.05x the plan's bytes (issue 54)
 
@@ -67,12 +67,12 @@ def _checked(tasks: Any, batch: Any, tolerance: Any, kv_budget: Any) -> tuple:
     """split_plan's arguments' types checked (TypeError / ValueError naming the first fault; their
     values are checked in C++) -> (the tasks as an (n, 6) int64 matrix, tolerance, kv_budget)."""
     if not isinstance(batch, distca.Batch):
-        raise TypeError(f"batch must be a distca.Batch (the plan's batch, Plan.batch), got {_describe(batch)}")
+        raise TypeError(f"batch must be a distca.Batch (the plan's batch, Plan.batch), got {describe(batch)}")
     tolerance = number_arg(tolerance, "tolerance")
     kv_budget = number_arg(kv_budget, "kv_budget")
     names: tuple = distca.TASK_DTYPE.names or ()
     if not isinstance(tasks, np.ndarray) or tasks.dtype.names is None or tasks.ndim != 1:
-        got = f"an array of {tasks.dtype}, shape {tasks.shape}" if isinstance(tasks, np.ndarray) else _describe(tasks)
+        got = f"an array of {tasks.dtype}, shape {tasks.shape}" if isinstance(tasks, np.ndarray) else describe(tasks)
         raise TypeError(f"tasks must be a one-dimensional array of distca.TASK_DTYPE (Plan.tasks), got {got}")
     for name in names:
         if name not in tasks.dtype.names:

@@ -9,7 +9,7 @@ rank: the hash is checked), and builds this rank's exchange layout as device ten
 scatter indices, split sizes, the server's task groups, merge maps, and each row's absolute
 position in its document (for RoPE). With ping-pong the plan's tasks are split into two
 nano-batches, each with its own layout (the plan is not remade: both halves run the plan's tasks,
-a few of them cut in two at a query row; distca.torch.nanobatch).
+a few of them cut in two at a query row; distca.torch.cad.nanobatch).
 
 Identity and agreement. A layout is named by (planner_id, serial): planner_id is the same on
 every rank (a hash of the planner's settings, its group's ranks and its ordinal among this
@@ -30,8 +30,8 @@ without an active exception", SIGABRT: a script that finished reports failure). 
 is freed there, joining its threads while the interpreter is whole.
 
 This module holds StepPlanner and its planning; the layout itself (StepLayout, rank_layout) is in
-step_layout, the nano-batch split (split_tasks) in nanobatch, and the call header (call_header,
-InputError, agree) in agreement. Every name of those is re-exported here.
+layout, the nano-batch split (split_tasks) in nanobatch, and the call header (call_header,
+InputError, agree) in agreement.
 """
 from __future__ import annotations
 
@@ -51,13 +51,10 @@ import torch.distributed as dist
 
 import distca
 
+from ..kernels.backends import describe_auto, get_backend
+from .agreement import CALL_NAMES, CALL_PLAN, CALL_PLAN_ASYNC, InputError, call_header, describe, error_message
 from .buffers import ExchangeBuffers
-from .backends import describe_auto, get_backend
-from .agreement import (CALL_CAD_ATTENTION, CALL_PLAN, CALL_PLAN_ASYNC, _CALL_NAMES, InputError,  # noqa: F401
-                        _by_value, _describe, _error_message, _one_line, _ranks_text, agree, call_header)
-from .nanobatch import NanoSplit, split_plan, split_tasks  # noqa: F401
-from .step_layout import (PHASES, ModelShape, PartLayout, StepLayout, _checked_rows, _device_tensor,  # noqa: F401
-                          _part_layout, exchange_bytes, rank_layout)
+from .layout import ModelShape, StepLayout, rank_layout
 
 # Planners constructed in this process per tuple of their group's (global) ranks: a planner's
 # ordinal among those over the same ranks, the same on every rank when every rank constructs its
@@ -130,11 +127,11 @@ def _as_int_list(x: Any, what: str) -> list:
             raise ValueError(f"{what} must be one-dimensional, got an array of shape {x.shape}")
         x = x.tolist()
     elif isinstance(x, (str, bytes)) or not isinstance(x, SequenceABC):
-        raise TypeError(f"{what} must be a sequence (list, tuple), tensor or array of integers, got {_describe(x)}")
+        raise TypeError(f"{what} must be a sequence (list, tuple), tensor or array of integers, got {describe(x)}")
     out = []
     for v in x:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{what} must hold integers, got {_describe(v)}")
+            raise TypeError(f"{what} must hold integers, got {describe(v)}")
         out.append(int(v))
     return out
 
@@ -159,11 +156,11 @@ def _local_pieces(rank: int, cu_seqlens: Any, pieces: Any) -> list:
     elif isinstance(pieces, np.ndarray):
         pieces = list(pieces)
     elif isinstance(pieces, (str, bytes)) or not isinstance(pieces, SequenceABC):
-        raise TypeError(f"pieces must be a sequence of (doc_key, begin, end, doc_length) rows, got {_describe(pieces)}")
+        raise TypeError(f"pieces must be a sequence of (doc_key, begin, end, doc_length) rows, got {describe(pieces)}")
     rows = []
     for i, p in enumerate(pieces):
         if isinstance(p, (str, bytes, Mapping)) or not isinstance(p, (SequenceABC, np.ndarray)):
-            raise TypeError(f"pieces[{i}] must be a row (doc_key, begin, end, doc_length), got {_describe(p)}")
+            raise TypeError(f"pieces[{i}] must be a row (doc_key, begin, end, doc_length), got {describe(p)}")
         p = tuple(p)
         if len(p) != 4:
             raise ValueError(f"pieces[{i}] must be (doc_key, begin, end, doc_length), got {p!r}")
@@ -202,7 +199,7 @@ def _global_batch(gathered: list) -> tuple:
     return batch, rows
 
 
-def _latest_planner() -> Optional["StepPlanner"]:
+def latest_planner() -> Optional["StepPlanner"]:
     """This process's most recently constructed planner that is still alive and open, or None."""
     while _PLANNERS:
         planner = _PLANNERS[-1]()
@@ -417,7 +414,7 @@ class StepPlanner:
         """The local checks and the call header, in the caller's thread -> (this rank's pieces, the
         step's serial). The serial is taken only when the header passes, on every rank alike."""
         if self.closed:
-            raise RuntimeError(f"{_CALL_NAMES[call]}: the planner is closed (close(), or the process is exiting), "
+            raise RuntimeError(f"{CALL_NAMES[call]}: the planner is closed (close(), or the process is exiting), "
                                f"and so are its layouts: make a new StepPlanner")
         local, message = None, None
         if call == CALL_PLAN_ASYNC and self._executor is None:
@@ -426,7 +423,7 @@ class StepPlanner:
             try:
                 local = _local_pieces(self.rank, cu_seqlens, pieces)
             except Exception as e:  # noqa: BLE001 (any rank's fault is agreed on, then raised everywhere)
-                message = _error_message(e)
+                message = error_message(e)
         serial = self._serial + 1
         call_header(self.control_group, call, self.planner_id, serial, message, (self._config_digest, self._ordinal))
         self._serial = serial

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 -m distca.torch.train --preset tiny --data docs.jsonl --attention cad
 
 The PyTorch counterpart of `distca train` (src/model, src/tools/cmd_train.cc), which it follows:
-the model (distca/torch/model.py), byte-level data packed into ranks x --context tokens per step,
+the model (distca/torch/train/model.py), byte-level data packed into ranks x --context tokens per step,
 AdamW with a linear warm-up, global-norm clipping, and two attention backends that share every
 line of code but the plan: `colocated` (StepPlanner policy "none": each rank attends its own
 documents) and `cad` (--policy: the step's core attention rebalanced over all ranks). --compare
@@ -29,7 +29,7 @@ spanning ranks), all with text from a fixed random Markov chain over 32 symbols 
 loss can fall (from ln 256 = 5.5 toward about 1.1 nats); or --data FILE.jsonl (a "text" field per
 line, UTF-8 bytes as tokens, documents packed in order into R x T tokens per step; a document that
 overflows a rank continues on the next, one cut at the end of a step continues in the next as a
-new document, and the file starts again from the top when it runs out); distca/torch/data.py.
+new document, and the file starts again from the top when it runs out); distca/torch/train/data.py.
 
 Per step and backend rank 0 prints the loss, the step seconds (the longest rank's), tokens/s, the
 straggler's attention seconds (inside cad_attention, forward + backward, waiting included; the
@@ -37,11 +37,11 @@ straggler is the rank whose server kernels ran longest) and the attention imbala
 ranks of the server-kernel seconds); the run ends with a table and the speedup of CAD over
 colocated. Every ending is one line and an exit status (--help and docs/torch.md list them): bad
 flags, data or checkpoint 2, a failed or timed-out collective 1 (naming the rank waited for:
-train_watch), Ctrl-C 130; a rank that alone finds its flags bad names itself.
+watch), Ctrl-C 130; a rank that alone finds its flags bad names itself.
 
 This module holds the training itself (Backend, run, main); the flags and their checks are in
-train_config, the records and reports in train_report, the checkpoints in train_checkpoint, the
-heartbeat that names a stalled rank in train_watch.
+config, the records and reports in report, the checkpoints in resume (the format in checkpoint),
+the heartbeat that names a stalled rank in watch, the data in data and the model in model.
 """
 from __future__ import annotations
 
@@ -49,7 +49,6 @@ import datetime
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Optional, Union
@@ -57,21 +56,19 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from .backends import ServerKernel, get_backend
-from .layout import InputError, StepLayout, StepPlanner
-from .attention import cad_attention
+from ..cad.agreement import InputError
+from ..cad.attention import cad_attention
+from ..cad.layout import StepLayout
+from ..cad.planner import StepPlanner
+from ..kernels.backends import get_backend
+from ..kernels.server import ServerKernel
+from .config import (PROG, Config, RunError, UsageError, agree_on_error, check_same_settings, cost_model, env_rank,
+                     parse_args, say)
 from .data import DataError, JsonlData, StepData, SyntheticData, read_jsonl
 from .model import Transformer, packed_cross_entropy
-# Re-exported: every name the trainer had before its split stays importable from here.
-from .train_config import (BACKENDS, CHECKPOINT_FORMAT, CHECKPOINT_META, MAX_BUCKET_MB, MAX_CONTEXT,  # noqa: F401
-                           MAX_SEED, MAX_TIMEOUT, MIN_TIMEOUT, PROG, WORKLOADS, Config, RunError, UsageError,
-                           _Parser, _agree, _check_data_file, _check_json_output, _check_resume_folder, _cost_model,
-                           _env_rank, _same_settings, _settings, _tolerance_arg, build_parser, parse_args, say)
-from .train_report import (PER_RANK, _write_report, gather_record, print_summary, rows_served_remotely,  # noqa: F401
-                           si, step_line, summarise, write_json)
-from .train_checkpoint import (step_on_disk, _checkpoint_meta, _expected_tensors, _state_tensors, check_resume,  # noqa: F401
-                               load_checkpoint, save_checkpoint)
-from .train_watch import CollectiveFailure, Watch, collective_failure
+from .report import gather_record, print_summary, rows_served_remotely, si, step_line, summarise, write_report
+from .resume import check_resume, load_checkpoint, save_checkpoint, step_on_disk
+from .watch import CollectiveFailure, Watch, collective_failure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,12 +141,12 @@ class Backend:
         m = cfg.model
         shape = {"heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.head_dim}
         if name == "cad":
-            self.planner = StepPlanner(attention_group, model=shape, cost_model=_cost_model(m), policy=cfg.policy,
+            self.planner = StepPlanner(attention_group, model=shape, cost_model=cost_model(m), policy=cfg.policy,
                                        tolerance=cfg.tolerance, granularity=cfg.granularity,
                                        pingpong=cfg.pingpong, backward=cfg.backward, grad_return=cfg.grad_return,
                                        backend=cfg.args.kernel, device=device)
         else:
-            self.planner = StepPlanner(attention_group, model=shape, cost_model=_cost_model(m), policy="none",
+            self.planner = StepPlanner(attention_group, model=shape, cost_model=cost_model(m), policy="none",
                                        pingpong=False, backend=cfg.args.kernel, device=device)
         self.model = Transformer(m).to(device)
         self.ddp = DDP(self.model, process_group=ddp_group, device_ids=[device.index] if device.type == "cuda" else None,
@@ -243,7 +240,7 @@ def run(cfg: Config) -> int:
     timeout = datetime.timedelta(seconds=a.timeout)
     ddp_group = dist.new_group(backend=backend, timeout=timeout)
     ctl_group = dist.new_group(backend="gloo", timeout=timeout)
-    _same_settings(a, ctl_group)
+    check_same_settings(a, ctl_group)
     watch = Watch(rank, world)
     try:
         return _train(cfg, rank, world, device, backend, ddp_group, ctl_group, watch)
@@ -271,7 +268,7 @@ def _read_data(cfg: Config, world: int, ctl_group, watch: Watch) -> tuple:
             data = SyntheticData(cfg.workload, cfg.seed, world, cfg.context)
     except DataError as e:
         error = str(e)
-    _agree(error, ctl_group)
+    agree_on_error(error, ctl_group)
     assert data is not None
     if isinstance(data, JsonlData):
         # Every rank read the same bytes (a file that differs between the ranks' machines, or one
@@ -291,7 +288,7 @@ def _read_data(cfg: Config, world: int, ctl_group, watch: Watch) -> tuple:
             steps_done = check_resume(a.resume, cfg, world)
         except UsageError as e:
             error = str(e)
-        _agree(error, ctl_group)
+        agree_on_error(error, ctl_group)
     return data, steps_done
 
 
@@ -319,7 +316,7 @@ def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backe
             load_checkpoint(a.resume, backends)
         except UsageError as e:
             error = str(e)
-        _agree(error, ctl_group)
+        agree_on_error(error, ctl_group)
 
     m = cfg.model
     say(f"{PROG}: {' vs '.join(cfg.backends)}{' (compared, interleaved step by step)' if len(backends) > 1 else ''} "
@@ -371,13 +368,13 @@ def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backe
     json_error = None
     if a.json and rank == 0:
         try:
-            _write_report(a, cfg, m, world, device, steps_done, backends, records, summary)
+            write_report(a, cfg, m, world, device, steps_done, backends, records, summary)
             say(f"json: {a.json}")
         except (OSError, ValueError) as e:
             json_error = f"--json {a.json}: the report could not be written ({e})"
     if a.json:
         watch.at("the report")
-        _agree(json_error, ctl_group, RunError)
+        agree_on_error(json_error, ctl_group, RunError)
     return 0
 
 
@@ -408,7 +405,7 @@ def _usage_verdict(error: Optional[str], is_help: bool) -> tuple:
         return (0, None) if is_help else (None, None)
     if error is None:
         return (0, None) if is_help else (None, None)
-    rank = _env_rank()
+    rank = env_rank()
     if rank == 0 or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return 2, f"{PROG}: error: {error}"
     time.sleep(ALONE_SECONDS)
@@ -532,14 +529,3 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-if __name__ == "__main__":
-    status = main()
-    if status == 130 or dist.is_initialized():
-        # Interrupted, or a collective failed (the group is left as it is: tearing it down could
-        # wait on a peer forever, and a live gloo group at the interpreter's teardown can abort
-        # it): leave at once; the checkpoint on disk is whole.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)

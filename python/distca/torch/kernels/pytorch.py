@@ -1,8 +1,8 @@
 """The server kernels built on PyTorch's own operators: `reference` (the specification, torch ops
 per task in fp32), `sdpa` (PyTorch's fused kernels with their LSE), `varlen` (PyTorch's
 FlashAttention-2 varlen kernel), `flash_attn` (the flash-attn package) and `flex`
-(FlexAttention). The interface they implement is distca.torch.server's (contract: the docstring
-of distca.torch.backends).
+(FlexAttention). The interface they implement is distca.torch.kernels.server's (contract: the docstring
+of distca.torch.kernels.backends).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import torch
 
-from .server import ServerKernel, ServerTasks, ShapeBatch, TaskGroup, _expand_kv, _fold_kv_grad, lse_autograd_backward
+from .server import ServerKernel, ServerTasks, ShapeBatch, TaskGroup, expand_kv, fold_kv_grad, lse_autograd_backward
 
 
 class ReferenceKernel(ServerKernel):
@@ -45,7 +45,7 @@ class ReferenceKernel(ServerKernel):
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for causal, qs, ks in self._tasks(tasks):
             qt = q[qs].float()
-            kt, vt = _expand_kv(k[ks].float(), hq), _expand_kv(v[ks].float(), hq)
+            kt, vt = expand_kv(k[ks].float(), hq), expand_kv(v[ks].float(), hq)
             s = self._scores(qt, kt, causal, scale)
             m = torch.logsumexp(s, dim=-1)                                   # [Hq, Lq]
             o[qs] = torch.einsum("hqk,khd->qhd", torch.exp(s - m[..., None]), vt).to(q.dtype)
@@ -59,15 +59,15 @@ class ReferenceKernel(ServerKernel):
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         for causal, qs, ks in self._tasks(tasks):
             qt, dot, ot = q[qs].float(), do[qs].float(), o[qs].float()
-            kt, vt = _expand_kv(k[ks].float(), hq), _expand_kv(v[ks].float(), hq)
+            kt, vt = expand_kv(k[ks].float(), hq), expand_kv(v[ks].float(), hq)
             s = self._scores(qt, kt, causal, scale)
             p = torch.exp(s - lse[qs].transpose(0, 1)[..., None])           # [Hq, Lq, Lk]
             dp = torch.einsum("qhd,khd->hqk", dot, vt)
             delta = (dot * ot).sum(-1).transpose(0, 1)                      # [Hq, Lq]
             ds = p * (dp - delta[..., None])
             dq[qs] = torch.einsum("hqk,khd->qhd", ds, kt) * scale
-            dk[ks] = _fold_kv_grad(torch.einsum("hqk,qhd->khd", ds, qt) * scale, hkv)
-            dv[ks] = _fold_kv_grad(torch.einsum("hqk,qhd->khd", p, dot), hkv)
+            dk[ks] = fold_kv_grad(torch.einsum("hqk,qhd->khd", ds, qt) * scale, hkv)
+            dv[ks] = fold_kv_grad(torch.einsum("hqk,qhd->khd", p, dot), hkv)
         return dq.to(q.dtype), dk, dv
 
 
@@ -98,7 +98,7 @@ class SdpaKernel(ServerKernel):
     @staticmethod
     def _stack(x, index, batch, length, heads):
         """Rows `index` of x [N, H, D] as [B, L, heads, D] (key/value heads expanded to `heads`)."""
-        return _expand_kv(x.index_select(0, index), heads).view(batch, length, heads, -1)
+        return expand_kv(x.index_select(0, index), heads).view(batch, length, heads, -1)
 
     def forward(self, q, k, v, tasks, scale):
         hq = q.shape[1]
@@ -135,8 +135,8 @@ class SdpaKernel(ServerKernel):
             dqb, dkb, dvb = self._call_backward(dob, qb, kb, vb, ob, lb, b, scale, tasks.cache, i)
             dqb = dqb.reshape(-1, hq, dqb.shape[-1]).to(dq.dtype)
             (dq.index_add_ if b.merge else dq.index_copy_)(0, b.q_index, dqb)
-            dk.index_copy_(0, b.k_index, _fold_kv_grad(dkb.reshape(-1, hk, dkb.shape[-1]).float(), hkv))
-            dv.index_copy_(0, b.k_index, _fold_kv_grad(dvb.reshape(-1, hk, dvb.shape[-1]).float(), hkv))
+            dk.index_copy_(0, b.k_index, fold_kv_grad(dkb.reshape(-1, hk, dkb.shape[-1]).float(), hkv))
+            dv.index_copy_(0, b.k_index, fold_kv_grad(dvb.reshape(-1, hk, dvb.shape[-1]).float(), hkv))
         return dq.to(q.dtype), dk, dv
 
     def _call_forward(self, qb, kb, vb, b: ShapeBatch, scale, cache, i):

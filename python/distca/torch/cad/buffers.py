@@ -1,6 +1,6 @@
 """The exchanges' receive buffers, reused across layers and steps (StepPlanner(static_buffers=True)).
 
-Its own module because both sides use it: the planner owns one (layout.py) and cad_attention
+Its own module because both sides use it: the planner owns one (planner.py) and cad_attention
 receives into it (attention.py), and neither should import the other for it.
 """
 from __future__ import annotations

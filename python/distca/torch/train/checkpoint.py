@@ -7,7 +7,7 @@
                             state.bin's size and SHA-256
     DIR/state.bin           the tensors' bytes, end to end (little-endian, C order)
 
-Versions: 3 names --data by its content (distca.torch.data.Documents.fingerprint, agreed by every
+Versions: 3 names --data by its content (distca.torch.train.data.Documents.fingerprint, agreed by every
 rank after reading); 2 named it by its path, so a resume on a rewritten file went unnoticed; 1 was
 torch.distributed.checkpoint. A reader refuses every version but its own, saying why.
 

@@ -1,7 +1,7 @@
 """The trainer's command line (distca.torch.train): its flags, the Config they make, every check
 that needs no collective (parse_args: each rank reaches the same verdict alone), the errors that
 end a run (UsageError: exit status 2, RunError: 1), and the ranks' agreement on the flags and on
-any rank's error (_same_settings, _agree).
+any rank's error (check_same_settings, agree_on_error).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 import distca
 
+from ..kernels.backends import backend_names, get_backend
 from . import checkpoint
 from .checkpoint import probe_folder
-from .backends import backend_names, get_backend
 from .model import PRESET_CONTEXT, PRESET_WORKLOAD, PRESETS, ModelArgs
 
 
@@ -54,7 +54,7 @@ def _tolerance_arg(text: str) -> Union[float, str]:
         raise argparse.ArgumentTypeError(f"must be auto or a number in [0, 1], got {text!r}") from None
 
 
-def _env_rank() -> int:
+def env_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0") or 0)
@@ -62,7 +62,7 @@ def _env_rank() -> int:
 
 def say(*parts: Any) -> None:
     """Rank 0 prints (flushed)."""
-    if _env_rank() == 0:
+    if env_rank() == 0:
         print(*parts, flush=True)
 
 
@@ -75,7 +75,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
     def _print_message(self, message, file=None):  # --help: rank 0 only
-        if message and _env_rank() == 0:
+        if message and env_rank() == 0:
             super()._print_message(message, file)
 
 
@@ -262,7 +262,7 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
                  grad_return=a.grad_return or "fp32")
     if "cad" in backends:  # the planner's own checks (distca.plan's messages), no collective
         try:
-            distca.plan([[16]], model=_cost_model(model), policy=cfg.policy, tolerance=cfg.tolerance,
+            distca.plan([[16]], model=cost_model(model), policy=cfg.policy, tolerance=cfg.tolerance,
                         granularity=cfg.granularity)
         except (TypeError, ValueError) as e:
             raise UsageError(str(e)) from None
@@ -318,7 +318,7 @@ def _check_json_output(path: str, inputs: dict) -> None:
             raise UsageError(f"--json {path} lies inside the {in_flag} folder {source}; write it elsewhere")
 
 
-def _cost_model(m: ModelArgs) -> dict:
+def cost_model(m: ModelArgs) -> dict:
     """What the planner prices: this model's attention and layer shape."""
     return {"heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.head_dim, "layers": m.n_layers,
             "hidden": m.dim, "ffn_hidden": m.ffn_dim, "dtype_bytes": 4}
@@ -333,7 +333,7 @@ def _settings(a: argparse.Namespace) -> dict:
     return {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v) for k, v in sorted(vars(a).items())}
 
 
-def _same_settings(a: argparse.Namespace, ctl_group) -> None:
+def check_same_settings(a: argparse.Namespace, ctl_group) -> None:
     """UsageError on every rank, naming the first flag that differs, when the ranks were started
     with different settings (before any work: nothing is read or written)."""
     every: list = [None] * dist.get_world_size(ctl_group)
@@ -350,7 +350,7 @@ def _same_settings(a: argparse.Namespace, ctl_group) -> None:
                                  f"command line")
 
 
-def _agree(local_error: Optional[str], ctl_group, error: Optional[type] = None) -> None:
+def agree_on_error(local_error: Optional[str], ctl_group, error: Optional[type] = None) -> None:
     """Raises `error` (UsageError by default) on every rank when any rank has an error (the lowest
     rank's message)."""
     messages: list = [None] * dist.get_world_size(ctl_group)

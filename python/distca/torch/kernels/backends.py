@@ -24,12 +24,12 @@ and CUDA), `varlen` (PyTorch's FlashAttention-2 varlen kernel, one call per caus
 group; CUDA), `flash_attn` (the flash-attn package, when importable; CUDA), `flex`
 (FlexAttention over the whole task list with a task/position mask, compiled; CUDA), `distca`
 (distca's own kernels, src/kernels, through the custom operators distca::attention_fwd/_bwd of
-distca.torch.ops on the tensors' addresses: the whole task list in one call, forward and backward;
+distca.torch.kernels.ops on the tensors' addresses: the whole task list in one call, forward and backward;
 on CPU and CUDA, the current stream), `cudnn` (cuDNN's fused attention on the same task list
 through the same operators; CUDA, builds that found cuDNN), `hopper` (distca's sm_90a kernels;
 CUDA devices of compute capability 9.0; `auto` picks it only where the device's measured kernel
 table names it, after its bench checks passed). The dtypes and head dims these three take, and
-whether this build has them, are the C++ kernel registry's (distca.torch.ops.REGISTRY).
+whether this build has them, are the C++ kernel registry's (distca.torch.kernels.ops.REGISTRY).
 `auto` picks the best that runs on the device:
 on CUDA, per task list by the device's measured kernel table (distca.torch.kernel_table: the
 fastest kernel per kind of list, `long` or `shards`) where one exists, else as an H100 measured
@@ -44,12 +44,11 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import ops
-# The interface, the kernels and what they share live in server, kernels_torch and kernels_distca;
-# this module names the kernels, picks `auto`, and re-exports them all (their names here as before).
-from .server import (BackendUnavailable, ServerKernel, ServerTasks, ShapeBatch, TaskGroup,  # noqa: F401
-                     _expand_kv, _fold_kv_grad, causal_shards, default_scale, lse_autograd_backward)
-from .kernels_torch import FlashAttnKernel, FlexKernel, ReferenceKernel, SdpaKernel, VarlenKernel
-from .kernels_distca import CudnnKernel, DistcaKernel, HopperKernel
+# The interface and what the kernels share live in server, the kernels in pytorch and native; this
+# module names the kernels and picks `auto`.
+from .native import CudnnKernel, DistcaKernel, HopperKernel
+from .pytorch import FlashAttnKernel, FlexKernel, ReferenceKernel, SdpaKernel, VarlenKernel
+from .server import BackendUnavailable, ServerKernel, ServerTasks
 
 
 _BACKENDS: dict[str, Callable[[], ServerKernel]] = {
@@ -113,7 +112,7 @@ class AutoKernel(ServerKernel):
 
     def pick(self, tasks: ServerTasks) -> ServerKernel:
         if "kernel_kind" not in tasks.cache:
-            from .kernel_table import classify
+            from ..kernel_table import classify
             tasks.cache["kernel_kind"] = classify(DistcaKernel.task_array(tasks))
         return self.choices.get(tasks.cache["kernel_kind"], self.default)
 
@@ -126,7 +125,7 @@ class AutoKernel(ServerKernel):
 
 def _table_auto(device: torch.device, dtype: torch.dtype, head_dim: Optional[int]) -> Optional[AutoKernel]:
     """`auto` from the device's measured kernel table, or None where it has none."""
-    from .kernel_table import find_table
+    from ..kernel_table import find_table
     path, table = find_table(torch.cuda.get_device_name(device))
     if table is None:
         return None

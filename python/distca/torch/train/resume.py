@@ -1,6 +1,6 @@
 """The trainer's checkpoints (distca.torch.train): what a save holds (every backend's model and
 AdamW state, by name), rank 0's save, and the checks on --resume against this run's flags, ranks
-and tensors; the format itself is distca.torch.checkpoint's (JSON and raw bytes, nothing
+and tensors; the format itself is distca.torch.train.checkpoint's (JSON and raw bytes, nothing
 unpickled).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import checkpoint
-from .train_config import CHECKPOINT_FORMAT, CHECKPOINT_META, Config, RunError, UsageError, _agree
+from .config import CHECKPOINT_FORMAT, CHECKPOINT_META, Config, RunError, UsageError, agree_on_error
 
 
 def _checkpoint_meta(cfg: Config, world: int, steps_done: int) -> dict:
@@ -60,7 +60,7 @@ def save_checkpoint(path: str, backends: list, steps_done: int, cfg: Config, wor
             checkpoint.save(path, _checkpoint_meta(cfg, world, steps_done), _state_tensors(backends))
         except (OSError, checkpoint.CheckpointError) as e:
             error = f"--checkpoint {path}: the save after step {steps_done} failed ({e})"
-    _agree(error, ctl_group, RunError)
+    agree_on_error(error, ctl_group, RunError)
     cfg.saved_step = steps_done
 
 

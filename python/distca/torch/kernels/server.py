@@ -1,9 +1,9 @@
 """The server-kernel interface and what every kernel shares: the task list a server computes
 (ServerTasks, its TaskGroups and ShapeBatches), the interface itself (ServerKernel, whose contract
-distca.torch.backends' docstring states), BackendUnavailable, the GQA helpers, the backward through
+distca.torch.kernels.backends' docstring states), BackendUnavailable, the GQA helpers, the backward through
 a merged O and LSE (lse_autograd_backward), and the task list of one document's causal shards
-(causal_shards) for benchmarks and checks. The kernels are in kernels_torch and kernels_distca;
-distca.torch.backends names and picks them.
+(causal_shards) for benchmarks and checks. The kernels are in pytorch and native;
+distca.torch.kernels.backends names and picks them.
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ class ServerTasks:
 
 
 class ServerKernel:
-    """The interface (see the docstring of distca.torch.backends). `unavailable(device, dtype)` is
+    """The interface (see the docstring of distca.torch.kernels.backends). `unavailable(device, dtype)` is
     None when the kernel runs there, else the reason."""
     name = "?"
 
@@ -128,13 +128,13 @@ class ServerKernel:
         raise NotImplementedError
 
 
-def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+def expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     """[..., Hkv, D] -> [..., Hq, D] (GQA: query head h reads kv head h // (Hq / Hkv))."""
     group = num_q_heads // x.shape[-2]
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
 
 
-def _fold_kv_grad(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def fold_kv_grad(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[..., Hq, D] -> [..., Hkv, D]: sums the gradients of the query heads sharing a kv head."""
     hq = dx.shape[-2]
     if hq == num_kv_heads:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .data import StepData
 from .model import ModelArgs
-from .train_config import BACKENDS, Config, say
+from .config import BACKENDS, Config, say
 
 
 def rows_served_remotely(plan) -> int:
@@ -139,7 +139,7 @@ def write_json(path: str, doc: dict) -> None:
     _distca.write_file_atomic(path, json.dumps(doc, indent=1))
 
 
-def _write_report(a, cfg: Config, m: ModelArgs, world: int, device, steps_done: int, backends: list, records: list,
+def write_report(a, cfg: Config, m: ModelArgs, world: int, device, steps_done: int, backends: list, records: list,
                   summary: dict) -> None:
     write_json(a.json, {"format": "distca-torch-train", "version": 1,
                         "config": {"preset": a.preset, "backends": list(cfg.backends), "ranks": world,

@@ -1,6 +1,6 @@
 """Ranks agreeing on bad input: the call header that starts every public collective call
 (StepPlanner.plan, plan_async, cad_attention with check_inputs; see "Identity and agreement" in
-distca.torch.layout's docstring), InputError, which every rank raises with the same one-line
+distca.torch.cad.planner's docstring), InputError, which every rank raises with the same one-line
 message, agree() for a check of one's own, and the helpers that word those messages.
 """
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-# The calls that start with a call header (see distca.torch.layout's docstring), by code.
+# The calls that start with a call header (see distca.torch.cad.planner's docstring), by code.
 CALL_PLAN, CALL_PLAN_ASYNC, CALL_CAD_ATTENTION = 1, 2, 3
-_CALL_NAMES = {CALL_PLAN: "StepPlanner.plan", CALL_PLAN_ASYNC: "StepPlanner.plan_async",
+CALL_NAMES = {CALL_PLAN: "StepPlanner.plan", CALL_PLAN_ASYNC: "StepPlanner.plan_async",
                CALL_CAD_ATTENTION: "cad_attention"}
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
     """A value for a message: its type, and its repr when that is short."""
     if x is None:
         return "None"
@@ -49,7 +49,7 @@ def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
 
 
-def _error_message(e: BaseException) -> str:
+def error_message(e: BaseException) -> str:
     """An exception of a local check as one line (TypeError and ValueError say what they are)."""
     text = _one_line(e)
     return text if isinstance(e, (TypeError, ValueError)) and text else f"{type(e).__name__}: {text}"
@@ -69,7 +69,7 @@ def _by_value(values: list) -> dict:
 
 def call_header(control_group: Any, call: int, planner_id: int, serial: int, message: Optional[str],
                 details: Any = None) -> None:
-    """Collective, the first of every public collective call (see distca.torch.layout's docstring): an
+    """Collective, the first of every public collective call (see distca.torch.cad.planner's docstring): an
     all_gather of [call, planner_id, serial, error] (int64) over the planner's control group, in
     the caller's thread. Raises the same one-line InputError on every rank when
       1. the ranks are in different calls (it names each call and its ranks);
@@ -81,7 +81,7 @@ def call_header(control_group: Any, call: int, planner_id: int, serial: int, mes
     One all_gather of 4 int64 per rank when every rank is fine; a failing header adds at most one
     all_gather_object. Ranks in different calls cannot deadlock here: every call's first
     collective has this one shape and op."""
-    what = _CALL_NAMES[call]
+    what = CALL_NAMES[call]
     header = torch.tensor([call, planner_id, serial, 0 if message is None else 1], dtype=torch.int64)
     world = dist.get_world_size(control_group)
     gathered = [torch.empty_like(header) for _ in range(world)]
@@ -91,7 +91,7 @@ def call_header(control_group: Any, call: int, planner_id: int, serial: int, mes
     calls = _by_value([r[0] for r in rows])
     if len(calls) > 1:
         where = [f"{_ranks_text(ranks)} {('is' if len(ranks) == 1 else 'are') + ' ' if i == 0 else ''}in "
-                 f"{_CALL_NAMES.get(c, f'call {c}')}" for i, (c, ranks) in enumerate(calls.items())]
+                 f"{CALL_NAMES.get(c, f'call {c}')}" for i, (c, ranks) in enumerate(calls.items())]
         raise InputError(f"{', '.join(where)}: every rank must make the same calls in the same order")
     # 2. Bad input somewhere: every rank gathers the messages.
     bad = [r for r, row in enumerate(rows) if row[3]]

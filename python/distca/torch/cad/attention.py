@@ -31,10 +31,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .backends import ServerKernel, default_scale, get_backend
+from ..kernels.backends import get_backend
+from ..kernels.ops import scale_problem
+from ..kernels.server import ServerKernel, default_scale
+from .agreement import CALL_CAD_ATTENTION, InputError, call_header, error_message
 from .buffers import ExchangeBuffers
-from .layout import CALL_CAD_ATTENTION, InputError, PartLayout, StepLayout, _error_message, _latest_planner, call_header
-from .ops import scale_problem
+from .layout import PartLayout, StepLayout
+from .planner import latest_planner
 
 # The dtypes cad_attention takes: every CPU and CUDA backend's forward and backward run them
 # (float64's backward does not run on the CPU kernels).
@@ -326,7 +329,7 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Ste
 
     Every argument is checked before the first collective; with the planner's check_inputs (the
     default) the call then starts with the call header (one all_gather of 4 int64 per rank over
-    the control group, see distca.torch.layout), so bad input on any rank, ranks passing layouts
+    the control group, see distca.torch.cad.planner), so bad input on any rank, ranks passing layouts
     of different steps, or a rank in another call (StepPlanner.plan) raise the same InputError on
     every rank. A rank whose `layout` is not a planner's agrees over the control group of this
     process's newest live StepPlanner (or raises at once where there is none). With
@@ -339,13 +342,13 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Ste
             kernel = get_backend(layout.backend if backend is None else backend, layout.device, q.dtype,
                                  head_dim=int(q.shape[-1]))
     except Exception as e:  # noqa: BLE001 (any rank's fault is agreed on, then raised everywhere)
-        message = _error_message(e)
+        message = error_message(e)
     if isinstance(layout, StepLayout) and layout.control_group is not None:
         check, group, planner_id, serial = layout.check_inputs, layout.control_group, layout.planner_id, layout.serial
     else:
         # No planner's layout: its planner is unknown here, so agree over the newest one's group
         # (where the other ranks, making the same calls with their layouts, are).
-        planner = _latest_planner()
+        planner = latest_planner()
         if planner is None:
             raise InputError(f"cad_attention: {message} (and no StepPlanner in this process)")
         check, group, planner_id, serial = planner.check_inputs, planner.control_group, 0, 0
