@@ -4,13 +4,18 @@ module file is over 600 lines (the package is split by idea, not grown by accret
 
 "Alone" is `python -c "import M"` after only the third-party libraries: one fresh interpreter per
 group imports NumPy (and PyTorch for distca.torch) and forks a child per module (import_alone.py),
-so the suite pays for one PyTorch import instead of one per module."""
+so the suite pays for one PyTorch import instead of one per module.
+
+Read from the source (import_graph.py), the modules' imports have no cycle, even one that works
+in the usual order, and no module takes another's private name (`from .m import _x`, `m._x`): a
+helper shared across modules is a public name of the module that owns it."""
 import importlib.util
 from pathlib import Path
 
 import pytest
 
 from import_alone import ImportChecker
+from import_graph import Package, PrivateUse
 
 PACKAGE = Path(__file__).resolve().parents[1] / "distca"
 MAX_LINES = 600
@@ -107,3 +112,61 @@ def test_the_checker_finds_modules_that_do_not_import_alone(tmp_path):
 def test_no_module_is_over_600_lines(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines (at most {MAX_LINES}): split it by idea"
+
+
+def test_no_module_takes_another_modules_private_name():
+    uses = Package(PACKAGE).private_uses()
+    assert not uses, "make the name public in the module that owns it:\n" + "\n".join(map(str, uses))
+
+
+def test_the_modules_imports_have_no_cycle():
+    cycles = Package(PACKAGE).cycles()
+    assert not cycles, "import cycles (at import time):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_import_reader_finds_private_names_and_cycles(tmp_path):
+    """import_graph.py on a package made here: each form of taking another module's private name is
+    found, with its file and line; a private module, a compiled module's stub, a dunder, a module's
+    own private names and an object's are not. a <-> b import each other at import time (a cycle,
+    although each line alone is harmless); c and d do only through a function and under
+    TYPE_CHECKING (no cycle)."""
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from .m import _x\n",                                 # 1: _x of pkg.m
+        "m.py": "_x = 1\n__version__ = '1'\n\n\ndef _own():\n    return _x\n",
+        "_helpers.py": "",
+        "_native.pyi": "",
+        "a.py": "from . import b\n",
+        "b.py": "import pkg.a\n",
+        "c.py": "from typing import TYPE_CHECKING\nfrom . import d\nif TYPE_CHECKING:\n    from . import d as e\n",
+        "d.py": "def f():\n    from . import c\n    return c\n",
+        "uses.py": ("from pkg.m import _x, __version__\n"                     # 1: _x of pkg.m
+                    "from . import _helpers, _native\n"
+                    "import pkg.m as mm\n"
+                    "from pkg import m\n"
+                    "import pkg.sub.n\n"
+                    "\n"
+                    "\n"
+                    "def f(obj):\n"
+                    "    from .m import _own\n"                          # 9: _own of pkg.m
+                    "    return mm._x, m._own, pkg.sub.n._z, obj._p, _helpers, _native, mm.__name__\n"),  # 10
+        "sub/__init__.py": "",
+        "sub/n.py": "from ..m import _x\n_z = _x\n\n\ndef g():\n    return _z\n",   # 1: _x of pkg.m
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    package = Package(root)
+    got = [(u.path.relative_to(root).as_posix(), u.line, u.module, u.name) for u in package.private_uses()]
+    assert got == [("__init__.py", 1, "pkg.m", "_x"),
+                   ("sub/n.py", 1, "pkg.m", "_x"),
+                   ("uses.py", 1, "pkg.m", "_x"),
+                   ("uses.py", 9, "pkg.m", "_own"),
+                   ("uses.py", 10, "pkg.m", "_own"),
+                   ("uses.py", 10, "pkg.m", "_x"),
+                   ("uses.py", 10, "pkg.sub.n", "_z")], got
+    assert str(PrivateUse(root / "uses.py", 9, "pkg.m", "_own")) == \
+        f"{root / 'uses.py'}:9: takes pkg.m._own, a private name of another module"
+    assert package.imports("pkg.c") == {"pkg.d"} and package.imports("pkg.d") == set()
+    assert package.imports("pkg.uses") == {"pkg.m", "pkg._helpers", "pkg._native", "pkg.sub.n"}
+    assert package.cycles() == [["pkg.a", "pkg.b", "pkg.a"]]
