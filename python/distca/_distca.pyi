@@ -164,8 +164,8 @@ def kernel_supports(name: str, tasks: npt.NDArray[np.int64], dims: tuple[int, in
 
 class CudaAttention:
     """distca's CUDA attention kernels on raw device addresses of packed THD arrays and a
-    cudaStream_t as an int (see distca.torch.ops, which checks its tensors before it passes their
-    data_ptr() and torch.cuda.current_stream().cuda_stream). Raises ValueError or RuntimeError with
+    cudaStream_t as an int (see distca.torch.kernels.ops, which checks its tensors before it passes
+    their data_ptr() and torch.cuda.current_stream().cuda_stream). Raises ValueError or RuntimeError with
     the reason where it cannot be made (no CUDA kernels in this build, no such device, compute
     capability below 8.0). `kernel`: one of the registry's CUDA entries (kernels()): "distca"
     (distca's own kernels), "hopper" (its sm_90a kernels) or "cudnn" (cuDNN's fused attention on the
