@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # distca.torch's ping-pong over a real (shaped) network link, in one run: two test hosts
-# (scripts/hosts.sh: network namespaces joined by veth), one gloo process on each
+# (scripts/hosts.py: network namespaces joined by veth), one gloo process on each
 # (`ip netns exec`, torch.distributed over TCP to the first host's address), running
 # python/bench/bench_link_torch.py (CAD attention of --layers layers, forward and backward,
 # sequential and ping-pong interleaved on the same batches):
@@ -69,7 +69,7 @@ fi
 
 prefix="dblt"; subnet="10.83.54"   # bench-link.sh uses dbl / 10.79.0: both can run at once
 work="$(mktemp -d "${TMPDIR:-/tmp}/distca-bench-link-torch.XXXXXX")"
-hosts() { "$root/scripts/hosts.sh" "$@" --prefix "$prefix"; }
+hosts() { "$root/scripts/hosts.py" "$@" --prefix "$prefix"; }
 pids=()
 cleanup() {
   for p in ${pids[@]+"${pids[@]}"}; do kill "$p" 2>/dev/null || true; done  # our ranks only, by id
@@ -84,7 +84,7 @@ hosts up 2 --subnet "$subnet" --dir "$work/hosts" --slots 1 >&2
 rc=$?
 set -e
 [ "$rc" = 77 ] && exit 77
-[ "$rc" = 0 ] || { echo "bench-link-torch.sh: scripts/hosts.sh up failed (exit $rc)" >&2; exit 1; }
+[ "$rc" = 0 ] || { echo "bench-link-torch.sh: scripts/hosts.py up failed (exit $rc)" >&2; exit 1; }
 # shellcheck disable=SC1091
 source "$work/hosts/hosts.env"
 read -r -a namespaces <<< "$DISTCA_HOSTS_NAMESPACES"

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from distca import knobs
 from distca.torch import StepPlanner, cad_attention, exchange_bytes
 from distca.torch.cad.layout import PHASES
 from distca.torch.kernels.backends import backend_names, get_backend
@@ -104,7 +105,7 @@ def say(rank: int, message: str) -> None:
 def _sample(workload: str) -> list:
     """The shared document-length sample: $DISTCA_SHARED_DATA, else ../shared/data from the
     working folder (the repository's root)."""
-    folder = Path(os.environ.get("DISTCA_SHARED_DATA", Path.cwd().parent / "shared" / "data"))
+    folder = Path(knobs.get("DISTCA_SHARED_DATA") or Path.cwd().parent / "shared" / "data")
     path = folder / f"dist_{workload}.json"
     if not path.is_file():
         raise SystemExit(f"bench_link_torch: no {path} (set DISTCA_SHARED_DATA to the folder of dist_{workload}.json)")

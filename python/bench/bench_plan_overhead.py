@@ -41,7 +41,7 @@ SLACK_MS = 1.0
 
 
 def shared_data() -> Path:
-    return Path(os.environ.get("DISTCA_SHARED_DATA") or REPO.parent / "shared" / "data")
+    return Path(distca.knobs.get("DISTCA_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 
 def resolve_batch(name: str) -> tuple[str, Path]:

@@ -84,7 +84,7 @@ def progress(message: str) -> None:
 
 
 def shared_data() -> Path:
-    return Path(os.environ.get("DISTCA_SHARED_DATA") or REPO.parent / "shared" / "data")
+    return Path(distca.knobs.get("DISTCA_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 
 def median(xs: list) -> float:

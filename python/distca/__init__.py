@@ -16,6 +16,7 @@ even 128.0, or a string); see docs/python.md.
 from __future__ import annotations
 
 from . import _distca
+from . import knobs  # noqa: F401  (its import warns once of DISTCA_* variables the table does not know)
 from . import profile
 # The package's modules: argument checks (arguments), batches (batches), plans and their layouts
 # (plans), the simulator (simulation); their public names are distca's.

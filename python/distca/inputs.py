@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from . import knobs
+
 MAX_INPUT_ENV = "DISTCA_MAX_INPUT_MB"
 DEFAULT_MAX_INPUT_MIB = 1024
 MAX_DEPTH = 64            # core/json.h's kMaxJsonDepth
@@ -41,7 +43,7 @@ class InputFileError(ValueError):
 def max_input_bytes() -> int:
     """The input limit in bytes: DISTCA_MAX_INPUT_MB MiB where set, else 1024 MiB; ValueError
     naming the variable for anything but a whole number in 1..1048576."""
-    text = os.environ.get(MAX_INPUT_ENV, "")
+    text = knobs.get(MAX_INPUT_ENV) or ""
     if not text:
         return DEFAULT_MAX_INPUT_MIB << 20
     if not re.fullmatch(r"[0-9]{1,7}", text) or not 1 <= int(text) <= 1 << 20:

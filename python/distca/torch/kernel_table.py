@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _distca
+from .. import _distca, knobs
 from ..arguments import excerpt
 from ..inputs import InputFileError, read_json
 
@@ -219,7 +219,7 @@ def find_table(device_name: str) -> tuple[Optional[str], Optional[dict]]:
     """(path, table) for a device: DISTCA_KERNEL_TABLE where set (a file that is missing or not a
     good table is one ValueError naming the variable and the file), else the shipped table of that
     device, else (None, None)."""
-    env = os.environ.get("DISTCA_KERNEL_TABLE")
+    env = knobs.get("DISTCA_KERNEL_TABLE")
     if env:
         try:
             return env, load_table(env)

@@ -1,4 +1,4 @@
-// distca.torch's split of one plan into ping-pong's two nano-batches (python/distca/torch/
+// distca.torch's split of one plan into ping-pong's two nano-batches (python/distca/torch/cad/
 // nanobatch.py calls it): only the attention tasks are divided, since PyTorch runs the user's
 // linear layers on the whole step's rows. The C++ trainer's split, which divides the rows and
 // their linear work too, is step_split.h.
