@@ -74,8 +74,13 @@ trap 'kill_tree "$deps_pid"; kill_tree "$background_pid"' EXIT
 # part below is what was left of it when ctest ended.
 part python-deps python_deps
 python_log=build/install-python.log
-python_start=$SECONDS
-scripts/install-python.sh >"$python_log" 2>&1 &
+(
+  t0=$SECONDS
+  rc=0
+  scripts/install-python.sh || rc=$?
+  echo "test.sh: the Python package's install took $((SECONDS - t0)) s, beside ctest"
+  exit "$rc"
+) >"$python_log" 2>&1 &
 python_pid=$!
 trap 'kill_tree "$deps_pid"; kill_tree "$background_pid"; kill_tree "$python_pid"' EXIT
 python_wait() {  # what is left of the package's install, then its output
@@ -83,7 +88,6 @@ python_wait() {  # what is left of the package's install, then its output
   wait "$python_pid" || rc=$?
   python_pid=""
   cat "$python_log"
-  echo "test.sh: the Python package's install took $((SECONDS - python_start)) s in all, beside ctest"
   return "$rc"
 }
 part ctest ctest --test-dir build --output-on-failure -j "$(nproc)"
