@@ -137,6 +137,13 @@ class DistcaKernel(ServerKernel):
         return self.backward_tasks(do, q, k, v, o, lse, self._task_tensor(tasks), scale)
 
 
+def _cuda_reason(name, devices, device, dtype):
+    """Why a CUDA-only backend cannot run on this device and dtype (None: it may)."""
+    if device.type != "cuda":
+        return f"the {name} backend runs on {devices}, not {device.type}"
+    return ops.unavailable(device, dtype)
+
+
 class CudnnKernel(DistcaKernel):
     """cuDNN's fused attention (the kernel under TransformerEngine's packed THD attention) on the
     server's task list, through the same operators and native object as `distca` with
@@ -147,12 +154,7 @@ class CudnnKernel(DistcaKernel):
     cuda_kernel = "cudnn"
 
     def unavailable(self, device, dtype):
-        if device.type != "cuda":
-            return f"the cudnn backend runs on CUDA devices, not {device.type}"
-        reason = ops.unavailable(device, dtype)
-        if reason is not None:
-            return reason
-        return self.not_built()
+        return _cuda_reason(self.name, "CUDA devices", device, dtype) or self.not_built()
 
 
 class HopperKernel(DistcaKernel):
@@ -165,9 +167,7 @@ class HopperKernel(DistcaKernel):
     cuda_kernel = "hopper"
 
     def unavailable(self, device, dtype):
-        if device.type != "cuda":
-            return f"the hopper backend runs on CUDA devices of compute capability 9.0, not {device.type}"
-        reason = ops.unavailable(device, dtype)
+        reason = _cuda_reason(self.name, "CUDA devices of compute capability 9.0", device, dtype)
         if reason is not None:
             return reason
         major, minor = torch.cuda.get_device_capability(device)
