@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 # The calls that start with a call header (see distca.torch.cad.planner's docstring), by code.
-CALL_PLAN, CALL_PLAN_ASYNC, CALL_CAD_ATTENTION = 1, 2, 3
+CALL_PLAN, CALL_PLAN_ASYNC, CALL_CAD_ATTENTION, CALL_FINISH = 1, 2, 3, 4
 CALL_NAMES = {CALL_PLAN: "StepPlanner.plan", CALL_PLAN_ASYNC: "StepPlanner.plan_async",
-               CALL_CAD_ATTENTION: "cad_attention"}
+               CALL_CAD_ATTENTION: "cad_attention", CALL_FINISH: "StepPlanner.finish"}
 
 
 def describe(x: Any) -> str:
@@ -87,8 +87,16 @@ def call_header(control_group: Any, call: int, planner_id: int, serial: int, mes
     gathered = [torch.empty_like(header) for _ in range(world)]
     dist.all_gather(gathered, header, group=control_group)
     rows = [g.tolist() for g in gathered]
-    # 1. Different calls: nothing else in the headers is comparable.
+    # 1. Different calls: nothing else in the headers is comparable, except that a rank in finish
+    #    has made its last plan (its serial counts them) while another is still planning.
     calls = _by_value([r[0] for r in rows])
+    if len(calls) > 1 and CALL_FINISH in calls:
+        done = calls[CALL_FINISH]
+        ended = ", ".join(f"rank {r} after {rows[r][2]} plan{'s' if rows[r][2] != 1 else ''}" for r in done)
+        busy = ", ".join(f"rank {r} in {CALL_NAMES.get(rows[r][0], f'call {rows[r][0]}')} of plan {rows[r][2]}"
+                         for r in range(world) if r not in done)
+        raise InputError(f"finished planning ({ended}) while still planning ({busy}): every rank must make the "
+                         f"same number of plans")
     if len(calls) > 1:
         where = [f"{_ranks_text(ranks)} {('is' if len(ranks) == 1 else 'are') + ' ' if i == 0 else ''}in "
                  f"{CALL_NAMES.get(c, f'call {c}')}" for i, (c, ranks) in enumerate(calls.items())]
@@ -118,6 +126,10 @@ def call_header(control_group: Any, call: int, planner_id: int, serial: int, mes
     # 4. One planner, different steps.
     serials = [r[2] for r in rows]
     if len(set(serials)) > 1:
+        if call == CALL_FINISH:
+            plans = ", ".join(f"rank {r}: {s}" for r, s in enumerate(serials))
+            raise InputError(f"StepPlanner.finish: the ranks made different numbers of plans ({plans}): every rank "
+                             f"must make the same number of plans")
         if call == CALL_CAD_ATTENTION:
             stale = [r for r, s in enumerate(serials) if s != max(serials)]
             raise InputError(f"cad_attention: {_ranks_text(stale)} passed the layout of an earlier step than the "

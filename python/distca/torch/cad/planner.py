@@ -52,7 +52,7 @@ import torch.distributed as dist
 import distca
 
 from ..kernels.backends import describe_auto, get_backend
-from .agreement import CALL_NAMES, CALL_PLAN, CALL_PLAN_ASYNC, InputError, call_header, describe, error_message
+from .agreement import CALL_FINISH, CALL_NAMES, CALL_PLAN, CALL_PLAN_ASYNC, InputError, call_header, describe, error_message
 from .buffers import ExchangeBuffers
 from .layout import ModelShape, StepLayout, rank_layout
 
@@ -382,16 +382,19 @@ class StepPlanner:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def plan(self, cu_seqlens: Any = None, *, pieces: Optional[Sequence] = None) -> StepLayout:
+    def plan(self, cu_seqlens: Any = None, *, pieces: Optional[Sequence] = None,
+             input_error: Optional[str] = None) -> StepLayout:
         """Collective over the group: this rank's documents -> the step's layout.
 
         cu_seqlens: this rank's rows are whole documents end to end, with these boundaries (a
           sequence, 1-d tensor or 1-d array of integers from 0).
         pieces: rows (doc_key, begin, end, doc_length) for documents that span ranks: this rank holds
           tokens [begin, end) of the document every rank names `doc_key`, its pieces in row order.
+        input_error: what the caller found wrong with this rank's input (an adapter's own checks), agreed
+          on with the planner's: the step is not planned and every rank raises InputError with it.
         Bad input on any rank, or a rank in another call, raises the same InputError on every rank.
         """
-        local, serial = self._begin(CALL_PLAN, cu_seqlens, pieces)
+        local, serial = self._begin(CALL_PLAN, cu_seqlens, pieces, input_error)
         if self._executor is not None:
             # Behind any plan_async before it, on the planning thread and group: the planning
             # collectives run in call order on every rank.
@@ -410,7 +413,20 @@ class StepPlanner:
         assert self._executor is not None  # _begin refused plan_async without one, on every rank
         return PlannedStep(self, self._executor.submit(self._plan, local, serial, self._plan_group))
 
-    def _begin(self, call: int, cu_seqlens: Any, pieces: Any) -> tuple:
+    def finish(self) -> None:
+        """Collective: this rank has made its last plan. Every rank calls it once it is done; a
+        rank still planning (or in cad_attention) meanwhile, or ranks that made different numbers
+        of plans, raise the same InputError on every rank, naming each rank's count, where
+        otherwise the ranks that finished would go on and the others wait in their next plan.
+        One all_gather of 4 int64 per rank. Then closes the planner (close())."""
+        if self.closed:
+            raise RuntimeError("StepPlanner.finish: the planner is closed (close(), finish(), or the process is exiting)")
+        try:
+            call_header(self.control_group, CALL_FINISH, self.planner_id, self._serial, None)
+        finally:
+            self.close()
+
+    def _begin(self, call: int, cu_seqlens: Any, pieces: Any, input_error: Optional[str] = None) -> tuple:
         """The local checks and the call header, in the caller's thread -> (this rank's pieces, the
         step's serial). The serial is taken only when the header passes, on every rank alike."""
         if self.closed:
@@ -419,6 +435,8 @@ class StepPlanner:
         local, message = None, None
         if call == CALL_PLAN_ASYNC and self._executor is None:
             message = "plan_async needs StepPlanner(..., prefetch=True) (and a planner not closed)"
+        elif input_error is not None:
+            message = str(input_error)
         else:
             try:
                 local = _local_pieces(self.rank, cu_seqlens, pieces)

@@ -1,0 +1,110 @@
+"""distca.torch.adapters.transformers on CPU (gloo): Hugging Face Llama and Qwen3 (GQA) built from a
+config, trained 3 AdamW steps under DDP with CAD attention on 2 ranks (one long document on rank 0,
+short ones on rank 1; and documents of every length 1..18), equal HF's sdpa run document by
+document, in both packed forms (cu_seq_lens_q/k, and position_ids alone), with and without gradient
+checkpointing, one plan per forward; FSDP2; evaluation and generate() without CAD; the refusals, the
+same line on every rank; save_pretrained; the Trainer example under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from distca.torch.spawn import run_ranks  # noqa: E402
+import transformers_cases as cases  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("torch_transformers")
+
+TOLERANCE = 1e-5
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_CASES = ([("llama", form, ckpt, name) for form in ("cu", "positions") for ckpt in (False, True)
+                for name in cases.BATCHES]
+               + [("qwen3", form, ckpt, "skewed") for form in ("cu", "positions") for ckpt in (False, True)]
+               + [("qwen3", "positions", True, "every_length")])
+
+
+def _results(runs):
+    for r in runs:
+        assert r["error"] is None, r["error"]
+    return [r["result"] for r in runs]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return _results(run_ranks(cases.train_worker, 2, TRAIN_CASES, timeout=600, group_timeout=120))
+
+
+def test_import_is_lazy_and_finds_the_real_transformers():
+    code = ("import sys, distca.torch, distca.torch.adapters.transformers\n"
+            "assert 'transformers' not in sys.modules, 'imported transformers eagerly'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    import distca.torch.adapters.transformers as adapter
+    real = adapter._transformers()[0]
+    assert real.__name__ == "transformers" and "distca" not in real.__file__
+
+
+@pytest.mark.parametrize("index", range(len(TRAIN_CASES)), ids=["-".join(map(str, c)) for c in TRAIN_CASES])
+def test_trained_equals_hf_sdpa_document_by_document(trained, index):
+    """The loss of every step on both ranks, every parameter's gradient after DDP's average, and the
+    parameters after 3 AdamW steps: max|a - b| / max|b| per tensor <= 1e-5."""
+    for rank, results in enumerate(trained):
+        r = results[index]
+        assert r["case"] == list(TRAIN_CASES[index])
+        assert r["loss"] <= TOLERANCE and r["grad"] <= TOLERANCE and r["param"] <= TOLERANCE, (rank, r)
+        assert r["plans"] == cases.STEPS and r["forwards"] == cases.STEPS, r     # exactly one plan per forward
+        assert r["calls"] == r["layers"], r                                      # every layer used it
+    # the plans moved attention rows between the ranks (CAD balanced, not each rank alone)
+    assert sum(results[index]["moved"] for results in trained) > 0
+
+
+def test_fsdp2_runs_and_matches():
+    results = _results(run_ranks(cases.fsdp2_worker, 2, timeout=300, group_timeout=120))
+    for r in results:
+        assert r["loss"] <= TOLERANCE and r["param"] <= TOLERANCE, r
+        assert r["plans"] == r["forwards"] == 2, r
+
+
+def test_bad_input_gives_one_line_on_every_rank():
+    """Bad input on one rank (or on both), or ranks that ran different numbers of forwards: every rank
+    raises, nothing hangs (the ranks' collectives time out after 120 s; the test after 300 s)."""
+    got = _results(run_ranks(cases.refusals_worker, 2, timeout=300, group_timeout=120))
+    words = {"padding": "attention mask has zeros", "dropout": "attention dropout 0.1",
+             "window": "longer than the model's sliding window (32)", "rows": "disagree with cu_seq_lens_q",
+             "cu_vs_positions": "position_ids restart at packed row 15", "counts": "finished planning"}
+    for what, word in words.items():
+        for rank in (0, 1):
+            text = got[rank][what]
+            assert text.startswith("InputError: ") and word in text and "\n" not in text, (what, rank, text)
+        if what != "counts":
+            assert got[0][what] == got[1][what], what
+    assert "rank 1 after 1 plan" in got[0]["counts"] and "rank 0 in StepPlanner.plan of plan 2" in got[1]["counts"]
+    for ok in ("window_ok", "eval_one_rank"):   # within the window; an evaluation on one rank makes no collective
+        assert got[0][ok] == got[1][ok] == "no error", ok
+
+
+def test_outside_training_refusals_and_save_pretrained(tmp_path):
+    r = _results(run_ranks(cases.one_process_worker, 1, str(tmp_path / "model"), timeout=300))[0]
+    assert r["eval_vs_documents"] <= TOLERANCE, r
+    assert r["hf_sdpa_with_cache_vs_documents"] > 0.1, r      # HF's own packed evaluation with a cache is not
+    assert r["generate_equal"], r
+    assert r["counts"] == [0, 5, 0], r                        # 1 evaluation + 4 generate() forwards, no plan
+    e = r["errors"]
+    assert e["applied_twice"].startswith("ValueError") and e["not_a_model"].startswith("TypeError")
+    assert "PlainLlamaForCausalLM" in e["no_interface"]
+    assert "attn_logit_softcapping" in e["softcapping"] and "mixes sliding-window" in e["mixed_sliding_layers"]
+    assert "model.layers.1.self_attn" in e["non_causal"] and "'fastest'" in e["bad_planner_option"]
+    saved = (tmp_path / "model" / "config.json").read_text()
+    assert "distca" not in saved
+    code = ("import sys, transformers\nm = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "assert 'distca' not in sys.modules\nprint(m.config._attn_implementation)")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model")], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
