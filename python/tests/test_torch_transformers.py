@@ -108,3 +108,36 @@ def test_outside_training_refusals_and_save_pretrained(tmp_path):
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model")], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def _torchrun(args, tmp_path, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(29600 + os.getpid() % 300))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           env["MASTER_PORT"], str(ROOT / "examples" / "hf_trainer_cad.py")] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+
+
+def test_trainer_example_matches_hf_sdpa(tmp_path):
+    """The Trainer example, 2 processes under torchrun at a small size: it ends with status 0 and
+    CAD's final loss is within 1e-5 of the same Trainer run with sdpa and use_cache=False."""
+    out = tmp_path / "run.json"
+    run = _torchrun(["--steps", "3", "--tokens-per-rank", "384", "--hidden", "64", "--gradient-checkpointing",
+                     "--json", str(out)], tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["format"] == "distca-hf-trainer" and report["ranks"] == 2
+    assert report["final_loss_relative_difference"] <= TOLERANCE, report
+    cad, sdpa = report["runs"]["cad"], report["runs"]["sdpa"]
+    assert cad["plans"] == cad["forwards"] == 3 and len(cad["losses"]) == len(sdpa["losses"]) == 3
+    assert all(abs(c - s) <= TOLERANCE * abs(s) for c, s in zip(cad["losses"], sdpa["losses"]))
+    assert " cad step 3/3  loss " in run.stdout and "CAD plan: attention imbalance" in run.stdout
+    assert "final loss: cad " in run.stdout
+
+
+def test_trainer_example_refuses_bad_arguments(tmp_path):
+    bad = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer_cad.py"), "--steps", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--steps must be positive" in bad.stderr
+    missing = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer_cad.py"), "--lengths",
+                              str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "no document-length sample" in missing.stderr and "Traceback" not in missing.stderr
