@@ -38,16 +38,18 @@ then
   }
 fi
 # The frameworks distca.torch.adapters plug into, for their tests (python/tests/test_torch_megatron.py,
-# test_torch_torchtitan.py): megatron-core with NumPy >= 1.25 (it imports numpy.dtypes; Debian's is
-# 1.24), and TorchTitan's model code without its trainer's dependencies (datasets, wandb,
-# tensorboard: about 1 GB that the adapter does not use). torch stays the version installed above.
+# test_torch_torchtitan.py, test_torch_transformers.py): megatron-core with NumPy >= 1.25 (it imports
+# numpy.dtypes; Debian's is 1.24); Hugging Face transformers and accelerate (its Trainer needs
+# accelerate; TRL is not installed: its padding-free batches are the position_ids form the tests
+# build themselves); and TorchTitan's model code without its trainer's dependencies (datasets,
+# wandb, tensorboard: about 1 GB that the adapter does not use). torch stays the version installed above.
 torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
 .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off "torch==$torch_version" \
-    "numpy>=1.25,<2" "megatron-core==0.16.1" >build/pip-frameworks.log 2>&1 &&
+    "numpy>=1.25,<2" "megatron-core==0.16.1" "transformers==5.24.0" "accelerate==1.16.0" >build/pip-frameworks.log 2>&1 &&
   .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off --no-deps "torchtitan==0.3.0" \
     "spmd_types==0.2.3" "tyro==1.0.17" "docstring-parser==0.18.0" "typeguard==4.6.1" >>build/pip-frameworks.log 2>&1 || {
   tail -30 build/pip-frameworks.log
-  echo "install-python.sh: installing megatron-core and torchtitan failed (log above, also in build/pip-frameworks.log)" >&2
+  echo "install-python.sh: installing megatron-core, transformers, accelerate and torchtitan failed (log above, also in build/pip-frameworks.log)" >&2
   exit 1
 }
 # The package's module is built in build/, the tree scripts/build.sh made: its libraries are compiled
@@ -75,5 +77,5 @@ fi
 }
 .venv/bin/python - <<'PY'
 from importlib.metadata import version
-print("install-python.sh: in .venv: " + ", ".join(f"{p} {version(p)}" for p in ("distca", "torch", "numpy", "megatron-core", "torchtitan")))
+print("install-python.sh: in .venv: " + ", ".join(f"{p} {version(p)}" for p in ("distca", "torch", "numpy", "megatron-core", "transformers", "accelerate", "torchtitan")))
 PY

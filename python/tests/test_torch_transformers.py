@@ -141,3 +141,26 @@ def test_trainer_example_refuses_bad_arguments(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer_cad.py"), "--lengths",
                               str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "no document-length sample" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def _torchrun_script(script, args, timeout=180):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    port = str(29300 + os.getpid() % 300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+           str(Path(__file__).parent / script)] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_script_ending_without_finish_exits_zero():
+    """A finished torchrun job exits 0: the atexit handler agrees on the counts and lets the groups go."""
+    run = _torchrun_script("transformers_exit_case.py", ["2", "2"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 0: done" in run.stdout and "rank 1: done" in run.stdout
+
+
+def test_a_rank_with_fewer_forwards_fails_every_rank_not_a_hang():
+    run = _torchrun_script("transformers_exit_case.py", ["3", "2"])
+    assert run.returncode != 0
+    lines = [l for l in run.stderr.splitlines() if "finished planning" in l]
+    assert any(l.startswith("rank 0: distca CAD forward 3: ") for l in lines), run.stderr[-3000:]
+    assert any(l.startswith("rank 1: distca CAD finish after 2 forwards: ") for l in lines), run.stderr[-3000:]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import time
 import warnings
 import weakref
 from typing import Any, Optional
@@ -73,6 +74,7 @@ _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()      # mode
 _BY_MODULE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # attention module -> HFCAD
 _BY_CONFIG: dict = {}                                                      # id(config) -> weakref(HFCAD)
 _SAID: set = set()                                                         # fallbacks said once
+EXIT_GRACE_SECONDS = 2.0   # a rank whose counts disagree at exit waits this long before exiting
 
 
 def _transformers():
@@ -272,6 +274,9 @@ class HFCAD:
         try:
             layout = planner.plan(cu, input_error=problem)
         except InputError as e:
+            if "finished planning" in str(e):   # the others have stopped: nothing left to agree on at exit
+                self.finished = True
+                planner.close()
             raise InputError(f"distca CAD forward {number}: {e}") from None   # the same line on every rank
         self.mode, self.cu, self.layout = "cad", cu, layout
         self.forwards, self.plans = number, self.plans + 1
@@ -401,7 +406,10 @@ def _finish_at_exit() -> None:
         except InputError as e:
             import os
             import sys
-            print(f"distca: {e}", file=sys.stderr, flush=True)
+            print(f"rank {dist.get_rank()}: {e}", file=sys.stderr, flush=True)
+            # The ranks still in a forward got the same InputError at the same moment; torchrun stops
+            # them as soon as this one exits, so it waits a little for them to report it too.
+            time.sleep(EXIT_GRACE_SECONDS)
             os._exit(1)
         except Exception:   # noqa: BLE001 (a peer already gone: nothing left to agree with)
             pass
