@@ -10,8 +10,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from torch_cases import positive, run_bench  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("torch_transformers")
-
 
 def test_tiny_run_reports_every_variant(tmp_path):
     out = tmp_path / "bench.json"

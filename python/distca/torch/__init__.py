@@ -18,7 +18,8 @@ See docs/torch.md.
     kernels/       the server kernels behind one interface, and `auto`'s choice among them
     kernel_table   the measured table `auto` reads on CUDA (python -m distca.torch.kernel_table makes one)
     train/         the trainer, python -m distca.torch.train
-    adapters/      CAD in Megatron Core's and TorchTitan's attention slot
+    adapters/      CAD in Megatron Core's and TorchTitan's attention slot, and in Hugging Face
+                   transformers' attention interface
     spawn          run_ranks: a function on N local processes joined by a gloo group
 """
 try:

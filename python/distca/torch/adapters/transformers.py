@@ -327,6 +327,13 @@ def _local_attention(cad: HFCAD, module: nn.Module, query, key, value, scaling: 
     return out
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward in this thread (where gradient
+    checkpointing recomputes a layer's forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       **kwargs: Any) -> tuple:
@@ -343,7 +350,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("distca attention: only causal attention is supported")
     window = kwargs.get("sliding_window")
-    in_backward = torch._C._current_graph_task_id() != -1   # gradient checkpointing's recomputation
+    in_backward = _in_backward()   # gradient checkpointing's recomputation: not a call of the forward
     if not in_backward:
         cad.calls += 1
     if cad.mode != "cad":
