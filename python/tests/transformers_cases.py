@@ -113,6 +113,25 @@ def rows_served_remotely(layout) -> int:
     return sum(sum(n for j, n in enumerate(p.q_send_splits) if j != layout.rank) for p in layout.parts)
 
 
+def _backward_both(model: nn.Module, ref: nn.Module, b: dict, form: str, world: int) -> float:
+    """CAD's loss and HF sdpa's document by document, each backpropagated (the reference's gradients
+    averaged over the ranks, as DDP averages CAD's) -> their relative difference."""
+    loss = model(**model_inputs(b, form)).loss
+    loss.backward()
+    want = reference_loss(ref, b)
+    want.backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    return abs(loss.item() - want.item()) / abs(want.item())
+
+
+def _step(*optimizers: torch.optim.Optimizer) -> None:
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+
+
 def train_worker(rank: int, world: int, cases: list) -> list:
     """cases: (kind, form, checkpointing, batch name) -> per case the worst relative differences of the
     losses, gradients and parameters over STEPS AdamW steps under DDP, and the planner's counts."""
@@ -132,21 +151,11 @@ def train_worker(rank: int, world: int, cases: list) -> list:
         moved = 0
         for step in range(STEPS):
             b = batch(BATCHES[batch_name][rank], seed=1000 * step + rank)
-            loss = ddp(**model_inputs(b, form)).loss
-            loss.backward()
-            want = reference_loss(ref, b)
-            want.backward()
-            for p in ref.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            worst["loss"] = max(worst["loss"], abs(loss.item() - want.item()) / abs(want.item()))
+            worst["loss"] = max(worst["loss"], _backward_both(ddp, ref, b, form, world))
             for p, q in zip(model.parameters(), ref.parameters()):
                 worst["grad"] = max(worst["grad"], _rel(p.grad, q.grad))
             moved += rows_served_remotely(cad_state(model).layout)
-            opt.step()
-            opt_ref.step()
-            opt.zero_grad()
-            opt_ref.zero_grad()
+            _step(opt, opt_ref)
         for p, q in zip(model.parameters(), ref.parameters()):
             worst["param"] = max(worst["param"], _rel(p.detach(), q.detach()))
         cad = cad_state(model)
@@ -224,7 +233,7 @@ def refusal_worker(rank: int, world: int, what: str) -> str:
 
 def fsdp2_worker(rank: int, world: int) -> dict:
     """FSDP2 (fully_shard per decoder layer and at the root) with CAD attention: 2 AdamW steps equal the
-    unsharded sdpa reference, document by document."""
+    unsharded sdpa reference, document by document: losses, gradients (gathered) and parameters."""
     from torch.distributed.fsdp import fully_shard
     from distca.torch.adapters.transformers import apply_cad, cad_state
     ref, model = models("llama")
@@ -235,21 +244,13 @@ def fsdp2_worker(rank: int, world: int) -> dict:
         fully_shard(layer)
     fully_shard(model)
     opt, opt_ref = _adamw(model), _adamw(ref)
-    worst = {"loss": 0.0, "param": 0.0}
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(2):
         b = batch(BATCHES["skewed"][rank], seed=1000 * step + rank)
-        loss = model(**model_inputs(b, "positions")).loss
-        loss.backward()
-        want = reference_loss(ref, b)
-        want.backward()
-        for p in ref.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        worst["loss"] = max(worst["loss"], abs(loss.item() - want.item()) / abs(want.item()))
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
+        worst["loss"] = max(worst["loss"], _backward_both(model, ref, b, "positions", world))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            worst["grad"] = max(worst["grad"], _rel(p.grad.full_tensor(), q.grad))
+        _step(opt, opt_ref)
     for p, q in zip(model.parameters(), ref.parameters()):
         worst["param"] = max(worst["param"], _rel(p.full_tensor().detach(), q.detach()))
     cad = cad_state(model)

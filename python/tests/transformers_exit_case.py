@@ -28,6 +28,7 @@ for step in range(int(sys.argv[1 + rank])):
     try:
         model(**b).loss.backward()
     except ValueError as e:   # InputError: the one line, status 1
-        print(f"rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"rank {rank}: {e}\n")   # one write: the ranks share the stream
+        sys.stderr.flush()
         sys.exit(1)
 print(f"rank {rank}: done", flush=True)

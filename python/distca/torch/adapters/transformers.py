@@ -167,7 +167,18 @@ class HFCAD:
             raise InputError(f"distca CAD finish after {self.forwards} forwards: {e} (one plan per CAD forward: "
                              f"every rank must run the same number of training forwards)") from None
         finally:
-            self.group = None
+            self._release_group()
+
+    def _release_group(self) -> None:
+        """Destroys the process group the adapter made (not one it was given), joining its threads
+        while the interpreter is whole: one left to the interpreter's teardown can abort the process
+        ("terminate called without an active exception") after the script has finished."""
+        group, self.group = self.group, None
+        if group is not None and self._own_group and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 (already destroyed with the default group)
+                pass
 
     def remove(self) -> None:
         """Undoes apply_cad: the hooks off, the model's previous attention implementation back."""
@@ -184,7 +195,8 @@ class HFCAD:
             _BY_MODULE.pop(module, None)
         if self.planner is not None and not self.planner.closed:
             self.planner.close()
-        self.planner = self.group = None
+        self.planner = None
+        self._release_group()
 
     # --- per forward -----------------------------------------------------------------------------
     def _documents(self, args: dict, b: int, s: int) -> tuple:
@@ -277,6 +289,7 @@ class HFCAD:
             if "finished planning" in str(e):   # the others have stopped: nothing left to agree on at exit
                 self.finished = True
                 planner.close()
+                self.planner = None
             raise InputError(f"distca CAD forward {number}: {e}") from None   # the same line on every rank
         self.mode, self.cu, self.layout = "cad", cu, layout
         self.forwards, self.plans = number, self.plans + 1
@@ -404,6 +417,7 @@ def _finish_at_exit() -> None:
     a rank whose counts disagree with the others' prints the one line and exits with status 1."""
     for cad in list(_BY_MODEL.values()):
         if cad.finished or cad.planner is None:
+            cad._release_group()
             continue
         if not (dist.is_available() and dist.is_initialized()):
             cad.planner.close()
@@ -413,7 +427,8 @@ def _finish_at_exit() -> None:
         except InputError as e:
             import os
             import sys
-            print(f"rank {dist.get_rank()}: {e}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"rank {dist.get_rank()}: {e}\n")   # one write: ranks share the stream
+            sys.stderr.flush()
             # The ranks still in a forward got the same InputError at the same moment; torchrun stops
             # them as soon as this one exits, so it waits a little for them to report it too.
             time.sleep(EXIT_GRACE_SECONDS)
