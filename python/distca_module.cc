@@ -34,6 +34,7 @@
 #include "distca/kernels/cudnn.h"
 #include "distca/kernels/registry.h"
 #include "distca/plan/batch.h"
+#include "distca/plan/pipeline_schedule.h"
 #include "distca/plan/plan_io.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/verify.h"
@@ -292,7 +293,7 @@ py::dict rank_layout(const plan::Batch& batch, const std::vector<plan::Task>& ta
 }
 
 plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array_t<int64_t, py::array::c_style | py::array::forcecast> pieces,
-                              int64_t tokens_per_rank) {
+                              int64_t tokens_per_rank, int64_t num_ranks) {
   if (pieces.ndim() != 2 || pieces.shape(1) != 4) {
     throw py::value_error("pieces must be an (n, 4) array of (doc, begin, end, rank) rows");
   }
@@ -300,6 +301,10 @@ plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array
   if (tokens_per_rank < 0 || tokens_per_rank > plan::kMaxTokens) {
     throw py::value_error(fmt::format("tokens_per_rank must be in [0, {}] (0: the fullest rank's tokens), got {}",
                                       plan::kMaxTokens, tokens_per_rank));
+  }
+  if (num_ranks < 0 || num_ranks > 1'000'001) {
+    throw py::value_error(fmt::format("num_ranks must be in [0, 1000001] (0: one past the highest rank a piece names), got {}",
+                                      num_ranks));
   }
   plan::Batch b;
   b.doc_lengths = doc_lengths;
@@ -315,10 +320,14 @@ plan::Batch batch_from_pieces(const std::vector<int64_t>& doc_lengths, py::array
       throw py::value_error(fmt::format("piece {}: [begin, end) = [{}, {}) must be a non-empty range within [0, {}]", i,
                                         p[1], p[2], plan::kMaxTokens));
     }
+    if (num_ranks > 0 && p[3] >= num_ranks) {
+      throw py::value_error(fmt::format("piece {}: rank {} is outside the batch's {} ranks (num_ranks)", i, p[3], num_ranks));
+    }
     b.pieces.push_back({static_cast<int32_t>(p[0]), p[1], p[2], static_cast<int32_t>(p[3])});
     max_rank = std::max(max_rank, p[3]);
   }
-  b.num_ranks = static_cast<int32_t>(max_rank + 1);
+  // num_ranks > 0: ranks past the last that holds a piece hold nothing (they serve only).
+  b.num_ranks = static_cast<int32_t>(num_ranks > 0 ? num_ranks : max_rank + 1);
   std::vector<int64_t> held(b.num_ranks, 0);
   for (const plan::Piece& piece : b.pieces) held[piece.rank] += piece.length();
   b.tokens_per_rank = tokens_per_rank > 0 ? tokens_per_rank : std::max<int64_t>(1, *std::max_element(held.begin(), held.end()));
@@ -509,7 +518,8 @@ PYBIND11_MODULE(_distca, m) {
     }
     return b;
   }, py::arg("lengths"), py::arg("num_ranks"), py::arg("tokens_per_rank"), py::arg("is_cut_allowed") = false);
-  m.def("batch_from_pieces", &batch_from_pieces);
+  m.def("batch_from_pieces", &batch_from_pieces, py::arg("doc_lengths"), py::arg("pieces"), py::arg("tokens_per_rank"),
+        py::arg("num_ranks") = 0);
 
   py::class_<facade::PlanRequest>(m, "PlanRequest")
       .def(py::init<>())
@@ -858,6 +868,20 @@ PYBIND11_MODULE(_distca, m) {
   m.def("attention_pairs", [](const TaskArray& tasks) {
     return kernels::total_pairs(attn_tasks(tasks));
   }, py::arg("tasks"));
+  // A pipeline schedule's tick table: ([tick][stage] of ("F" | "B" | "", micro-batch or -1), its text).
+  m.def("pipeline_schedule", [](const std::string& name, int stages, int micro_batches) {
+    const plan::PipelineSchedule s = take(plan::pipeline_schedule(name, stages, micro_batches));
+    py::list ticks;
+    for (const auto& tick : s.ticks) {
+      py::list row;
+      for (const plan::PipeSlot& slot : tick) {
+        const char* op = slot.op == plan::PipeOp::kForward ? "F" : slot.op == plan::PipeOp::kBackward ? "B" : "";
+        row.append(py::make_tuple(op, slot.micro_batch));
+      }
+      ticks.append(row);
+    }
+    return py::make_tuple(ticks, s.to_text());
+  }, py::arg("name"), py::arg("stages"), py::arg("micro_batches"));
   m.def("planner_names", &plan::planner_names);
   m.def("model_preset_names", &plan::model_preset_names);
   m.def("system_names", &sim::system_names);

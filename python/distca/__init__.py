@@ -19,16 +19,17 @@ from . import _distca
 from . import knobs  # noqa: F401  (its import warns once of DISTCA_* variables the table does not know)
 from . import profile
 # The package's modules: argument checks (arguments), batches (batches), plans and their layouts
-# (plans), the simulator (simulation); their public names are distca's.
+# (plans), pipeline tick tables (schedules), the simulator (simulation); their public names are distca's.
 from .arguments import python_names  # noqa: F401
 from .batches import Batch, BatchLike, batch_from_pieces, pack  # noqa: F401
 from .plans import (TASK_DTYPE, LoadedPlan, Plan, RankLayout, VarlenGroup, cpu_throughput_profile,  # noqa: F401
                     load_plan, plan)
+from .schedules import PipelineSchedule, pipeline_schedule  # noqa: F401
 from .simulation import simulate  # noqa: F401
 
 __all__ = [
     "Batch", "Plan", "RankLayout", "VarlenGroup", "plan", "load_plan", "pack", "batch_from_pieces",
-    "simulate", "profile", "planner_names", "cpu_throughput_profile", "model_preset_names", "system_names", "TASK_DTYPE",
+    "simulate", "pipeline_schedule", "PipelineSchedule", "profile", "planner_names", "cpu_throughput_profile", "model_preset_names", "system_names", "TASK_DTYPE",
 ]
 
 __version__ = "0.1.0"

@@ -72,12 +72,15 @@ def pack(lengths: Sequence[int], num_ranks: int, tokens_per_rank: int, *, overfl
                                   integer_arg(tokens_per_rank, "tokens_per_rank"), overflow == "cut")
 
 
-def batch_from_pieces(doc_lengths: Sequence[int], pieces: Any, tokens_per_rank: int = 0) -> Batch:
+def batch_from_pieces(doc_lengths: Sequence[int], pieces: Any, tokens_per_rank: int = 0, num_ranks: int = 0) -> Batch:
     """A batch whose documents may span ranks: pieces is an (n, 4) integer array of rows
     (doc, begin, end, rank), ordered by rank and, within a rank, by position in its linear layout;
-    the pieces of each document tile it. tokens_per_rank = 0 takes the fullest rank's tokens."""
+    the pieces of each document tile it. tokens_per_rank = 0 takes the fullest rank's tokens.
+    num_ranks = 0 takes one past the highest rank a piece names; more adds ranks that hold no
+    tokens (an idle pipeline stage: it only serves attention), and a piece beyond it is refused."""
     rows = np.asarray(pieces)
     if rows.size and (rows.dtype.kind not in "iu" or (rows.dtype.kind == "u" and rows.max() > np.iinfo(np.int64).max)):
         raise TypeError(f"pieces must be an integer array (int64 values), got dtype {rows.dtype}")
     return _distca.batch_from_pieces(lengths_arg(doc_lengths, "doc_lengths"), rows.astype(np.int64),
-                                     integer_arg(tokens_per_rank, "tokens_per_rank"))
+                                     integer_arg(tokens_per_rank, "tokens_per_rank"),
+                                     integer_arg(num_ranks, "num_ranks", 32))

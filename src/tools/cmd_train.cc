@@ -14,7 +14,7 @@
 #include "distca/core/file.h"
 #include "distca/core/memory.h"
 #include "distca/plan/planner.h"
-#include "distca/runtime/pipeline_schedule.h"
+#include "distca/plan/pipeline_schedule.h"
 #include "distca/train/data.h"
 #include "distca/train/trainer.h"
 #include "world.h"
@@ -386,7 +386,7 @@ void print_summary(const nlohmann::json& s, const train::TrainOptions& o) {
 // --print-schedule: the tick table of each backend's pipeline schedule; no training.
 int print_schedules(const train::TrainOptions& o) {
   for (const std::string& name : o.backends) {
-    auto s = runtime::pipeline_schedule(name, o.pp, o.micro_batches == 0 ? 2 * o.pp : o.micro_batches);
+    auto s = plan::pipeline_schedule(name, o.pp, o.micro_batches == 0 ? 2 * o.pp : o.micro_batches);
     if (!s.is_ok()) {
       print_usage_error("train", s.status().message());
       return exit_code(s.status());

@@ -45,10 +45,10 @@ std::pair<int64_t, int64_t> stage_range(const model::ModelState<float>& s, int s
 }
 
 // The stage's peak number of micro-batches between their forward and their backward.
-int peak_in_flight(const runtime::PipelineSchedule& s, int stage) {
+int peak_in_flight(const plan::PipelineSchedule& s, int stage) {
   int held = 0, peak = 0;
   for (const auto& tick : s.ticks) {
-    held += tick[stage].op == runtime::PipeOp::kForward ? 1 : tick[stage].op == runtime::PipeOp::kBackward ? -1 : 0;
+    held += tick[stage].op == plan::PipeOp::kForward ? 1 : tick[stage].op == plan::PipeOp::kBackward ? -1 : 0;
     peak = std::max(peak, held);
   }
   return std::max(peak, 1);
@@ -162,7 +162,7 @@ class PipelineTrainer::TickAttention final : public StagedAttention {
 struct PipelineTrainer::Run {
   std::string name;  // the backend, "colocated" (1F1B) or "cad" (lockstep, pooled plans)
   bool is_cad = false;
-  runtime::PipelineSchedule schedule;
+  plan::PipelineSchedule schedule;
   model::ModelState<float> state;
   std::vector<float> acc;  // the step's gradient of the owned blocks, accumulated over micro-batches
   std::vector<std::unique_ptr<Slot>> slots;  // micro-batch m uses slots[m % size]
@@ -191,7 +191,7 @@ Result<std::vector<EvalRecord>> PipelineTrainer::evaluate() {
   return invalid_argument("--pp does not support --eval-every yet");
 }
 
-const runtime::PipelineSchedule& PipelineTrainer::schedule(size_t backend) const { return runs_.at(backend)->schedule; }
+const plan::PipelineSchedule& PipelineTrainer::schedule(size_t backend) const { return runs_.at(backend)->schedule; }
 model::ModelState<float>& PipelineTrainer::state(size_t backend) { return runs_.at(backend)->state; }
 const std::vector<float>& PipelineTrainer::last_gradient(size_t backend) const { return runs_.at(backend)->acc; }
 
@@ -226,7 +226,7 @@ Result<std::unique_ptr<PipelineTrainer>> PipelineTrainer::create(comm::Communica
     Run& run = *owned;
     run.name = name;
     run.is_cad = name == "cad";
-    DISTCA_ASSIGN_OR_RETURN(run.schedule, runtime::pipeline_schedule(name, o.pp, o.micro_batches));
+    DISTCA_ASSIGN_OR_RETURN(run.schedule, plan::pipeline_schedule(name, o.pp, o.micro_batches));
     run.state = model::ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);
     std::tie(t->own_begin_, t->own_end_) = stage_range(run.state, t->stage_, o.pp);
     run.pingpong = o.pingpong == "on" || o.pingpong == "sequential" || (o.pingpong == "auto" && run.is_cad);
@@ -302,7 +302,7 @@ Result<runtime::ScheduleTiming> PipelineTrainer::run_chains(const Run& run, std:
   return r;
 }
 
-Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(Run& run, const std::vector<runtime::PipeSlot>& tick,
+Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(Run& run, const std::vector<plan::PipeSlot>& tick,
                                                                         const std::vector<StepData>& mbs, int nano,
                                                                         bool is_backward, StepRecord::Rank& me) {
   const auto begin = Clock::now();
@@ -310,7 +310,7 @@ Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(Run& run
   // nothing in this nano-batch adds nothing (its ranks serve in it).
   std::vector<plan::PoolPart> parts;
   for (int r = 0; r < pp_; ++r) {
-    if (tick[r].op == runtime::PipeOp::kIdle) continue;
+    if (tick[r].op == plan::PipeOp::kIdle) continue;
     const int m = tick[r].micro_batch;
     const plan::Batch& b = nano < 0 ? mbs[m].batch : run.nanos[m].batches[nano];
     if (b.num_docs() > 0) parts.push_back({&b, r * dp_, r, m});
@@ -347,16 +347,16 @@ Result<std::unique_ptr<runtime::Dispatcher>> PipelineTrainer::plan_tick(Run& run
   return dispatcher;
 }
 
-Status PipelineTrainer::run_tick(Run& run, const std::vector<runtime::PipeSlot>& tick, const std::vector<StepData>& mbs, double scale,
+Status PipelineTrainer::run_tick(Run& run, const std::vector<plan::PipeSlot>& tick, const std::vector<StepData>& mbs, double scale,
                                  double& loss_sum, StepRecord::Rank& me) {
-  const runtime::PipeSlot mine = tick[stage_];
-  const bool is_cad = run.is_cad, is_idle = mine.op == runtime::PipeOp::kIdle;
+  const plan::PipeSlot mine = tick[stage_];
+  const bool is_cad = run.is_cad, is_idle = mine.op == plan::PipeOp::kIdle;
   // Two nano-batches when a micro-batch of the tick splits: cad, any (the tick's plans pool
   // them all); colocated, this rank's.
-  bool is_backward = mine.op == runtime::PipeOp::kBackward, two = false;
+  bool is_backward = mine.op == plan::PipeOp::kBackward, two = false;
   for (int r = 0; r < pp_; ++r) {
-    if (tick[r].op == runtime::PipeOp::kIdle || (!is_cad && r != stage_)) continue;
-    is_backward = tick[r].op == runtime::PipeOp::kBackward;  // cad: one direction per tick (lockstep)
+    if (tick[r].op == plan::PipeOp::kIdle || (!is_cad && r != stage_)) continue;
+    is_backward = tick[r].op == plan::PipeOp::kBackward;  // cad: one direction per tick (lockstep)
     two = two || (run.pingpong && run.splits[tick[r].micro_batch]);
   }
   if (!is_cad) return is_idle ? Status::ok() : run_micro_batch(run, mine, two, mbs[mine.micro_batch], scale, loss_sum, me);
@@ -473,10 +473,10 @@ Result<double> PipelineTrainer::recompute(Run& run, int slot, const StepData& da
   return tp;
 }
 
-Status PipelineTrainer::run_micro_batch(Run& run, runtime::PipeSlot mine, bool two, const StepData& data, double scale,
+Status PipelineTrainer::run_micro_batch(Run& run, plan::PipeSlot mine, bool two, const StepData& data, double scale,
                                         double& loss_sum, StepRecord::Rank& me) {
   const int64_t T = options_.context, d = options_.model.d_model;
-  const bool is_cad = run.is_cad, is_forward = mine.op == runtime::PipeOp::kForward;
+  const bool is_cad = run.is_cad, is_forward = mine.op == plan::PipeOp::kForward;
   const int m = mine.micro_batch;
   const int slot = m % static_cast<int>(run.slots.size());
   Slot& s = *run.slots[slot];
@@ -642,7 +642,7 @@ Result<StepRecord> PipelineTrainer::step_one(Run& run, const std::vector<StepDat
     const auto t0 = Clock::now();
     const StepRecord::Rank was = me;
     DISTCA_RETURN_IF_ERROR(run_tick(run, tick, mbs, scale, loss_sum, me));
-    if (tick[stage_].op == runtime::PipeOp::kIdle) {
+    if (tick[stage_].op == plan::PipeOp::kIdle) {
       // The idle tick's time less what was accounted (serving, planning): the bubble.
       const double accounted = (me.attention - was.attention) + (me.comm - was.comm) + (me.other - was.other);
       me.idle += seconds_since(t0) - accounted;

@@ -14,7 +14,7 @@
 #include <fmt/format.h>
 
 #include "distca/comm/local_comm.h"
-#include "distca/runtime/pipeline_schedule.h"
+#include "distca/plan/pipeline_schedule.h"
 #include "pipeline_util.h"
 #include "soak.h"
 
@@ -119,7 +119,7 @@ TEST(Pipeline, MemoryPerRankIsWhatTheStageHoldsAndAddsUp) {
     for (const Status& st : statuses) ASSERT_TRUE(st.is_ok()) << st.message();
     const StepRecord& r = records[0];
     ASSERT_EQ(r.ranks.size(), 4u);
-    const auto sched = runtime::pipeline_schedule(schedule, 2, 3).value();
+    const auto sched = plan::pipeline_schedule(schedule, 2, 3).value();
     int64_t most = 0;
     double mean = 0;
     for (int w = 0; w < 4; ++w) {
@@ -130,7 +130,7 @@ TEST(Pipeline, MemoryPerRankIsWhatTheStageHoldsAndAddsUp) {
       const int stage = w / 2;
       int held = 0, peak = 0;
       for (const auto& tick : sched.ticks) {
-        held += tick[stage].op == runtime::PipeOp::kForward ? 1 : tick[stage].op == runtime::PipeOp::kBackward ? -1 : 0;
+        held += tick[stage].op == plan::PipeOp::kForward ? 1 : tick[stage].op == plan::PipeOp::kBackward ? -1 : 0;
         peak = std::max(peak, held);
       }
       // A workspace per micro-batch in flight, and the buffer its stage messages land in (the

@@ -3,7 +3,7 @@
 // optionally split over TP tensor-parallel ranks (the rank map of tensor_parallel.h: world rank
 // w is TP index w % TP, replica (w / TP) % D, stage w / (TP x D); every group below is per TP
 // index), M micro-batches per step (each D ranks x T tokens, packed from the stream as the
-// data-parallel trainer packs a step), walked by a tick table (runtime/pipeline_schedule.h).
+// data-parallel trainer packs a step), walked by a tick table (plan/pipeline_schedule.h).
 // Each backend is a schedule; with two, both train on the same micro-batches, step by step:
 //   colocated  plain 1F1B; each stage attends its own micro-batch over its DP group (planner
 //              "none": only a document split across DP ranks moves its key prefix)
@@ -28,7 +28,7 @@
 #include "distca/layout/step_split.h"
 #include "distca/model/model.h"
 #include "distca/runtime/pingpong.h"
-#include "distca/runtime/pipeline_schedule.h"
+#include "distca/plan/pipeline_schedule.h"
 #include "distca/train/data.h"
 #include "distca/train/dispatch_attention.h"
 #include "distca/train/tensor_parallel.h"
@@ -53,7 +53,7 @@ class PipelineTrainer final : public Trainer {
   Result<std::vector<EvalRecord>> evaluate() override;
   StepPlans last_plans(size_t backend) const override;
 
-  const runtime::PipelineSchedule& schedule(size_t backend) const;
+  const plan::PipelineSchedule& schedule(size_t backend) const;
   int tp_index() const { return groups_.me.tp; }
   int stage() const { return stage_; }
   int replica() const { return replica_; }
@@ -75,11 +75,11 @@ class PipelineTrainer final : public Trainer {
   PipelineTrainer(comm::Communicator& world, TrainOptions options);
   Result<StepRecord> step_one(Run& run, const std::vector<StepData>& mbs);
   Status send(const float* data, int64_t count, int peer, int tag);
-  Status run_tick(Run& run, const std::vector<runtime::PipeSlot>& tick, const std::vector<StepData>& mbs, double scale,
+  Status run_tick(Run& run, const std::vector<plan::PipeSlot>& tick, const std::vector<StepData>& mbs, double scale,
                   double& loss_sum, StepRecord::Rank& me);
   // cad: the tick's pooled plan and its dispatcher; nano -1: the whole micro-batches, else each
   // one's nano-batch `nano`.
-  Result<std::unique_ptr<runtime::Dispatcher>> plan_tick(Run& run, const std::vector<runtime::PipeSlot>& tick,
+  Result<std::unique_ptr<runtime::Dispatcher>> plan_tick(Run& run, const std::vector<plan::PipeSlot>& tick,
                                                          const std::vector<StepData>& mbs, int nano, bool is_backward,
                                                          StepRecord::Rank& me);
   // Gives slot a workspace, freeing the one whose backward comes last if none is free (its
@@ -90,7 +90,7 @@ class PipelineTrainer final : public Trainer {
   // seconds of tensor-parallel all-reduces in it (communication).
   Result<double> recompute(Run& run, int slot, const StepData& data, double scale);
   // This rank's micro-batch of the tick, whole or as two nano-batches run in ping-pong.
-  Status run_micro_batch(Run& run, runtime::PipeSlot mine, bool two, const StepData& data, double scale,
+  Status run_micro_batch(Run& run, plan::PipeSlot mine, bool two, const StepData& data, double scale,
                          double& loss_sum, StepRecord::Rank& me);
   // Two chains in ping-pong (or in sequence, for benchmarks) with the progress option.
   Result<runtime::ScheduleTiming> run_chains(const Run& run, std::array<std::vector<runtime::Stage>, 2>& chains);

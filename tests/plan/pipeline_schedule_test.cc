@@ -1,6 +1,6 @@
 // Pipeline schedules as data: tables worked out by hand from the rules (the header's), tick by
 // tick, for small P and M, and the properties every table must have for P 1..4, M 1..8.
-#include "distca/runtime/pipeline_schedule.h"
+#include "distca/plan/pipeline_schedule.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace distca::runtime {
+namespace distca::plan {
 namespace {
 
 // "F0 F1 . B0 | . F0 B0 ." -> [stage][tick] tokens.
@@ -219,4 +219,4 @@ TEST(PipelineSchedule, PrintsOneLinePerStageAndRefusesBadSizes) {
 }
 
 }  // namespace
-}  // namespace distca::runtime
+}  // namespace distca::plan

@@ -1,10 +1,10 @@
-#include "distca/runtime/pipeline_schedule.h"
+#include "distca/plan/pipeline_schedule.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 
-namespace distca::runtime {
+namespace distca::plan {
 namespace {
 
 constexpr int kMaxStages = 1024;
@@ -145,4 +145,4 @@ Status check_schedule(const PipelineSchedule& s, bool lockstep) {
   return Status::ok();
 }
 
-}  // namespace distca::runtime
+}  // namespace distca::plan

@@ -21,7 +21,7 @@
 
 #include "distca/core/status.h"
 
-namespace distca::runtime {
+namespace distca::plan {
 
 enum class PipeOp { kIdle, kForward, kBackward };
 
@@ -55,4 +55,4 @@ Result<PipelineSchedule> pipeline_schedule(const std::string& name, int stages, 
 // With `lockstep`, no tick mixes forwards and backwards. OK, or what is wrong.
 Status check_schedule(const PipelineSchedule& s, bool lockstep);
 
-}  // namespace distca::runtime
+}  // namespace distca::plan
