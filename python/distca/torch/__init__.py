@@ -33,6 +33,7 @@ from .cad.buffers import ExchangeBuffers
 from .cad.layout import ModelShape, StepLayout, exchange_bytes, rank_layout
 from .cad.nanobatch import NanoSplit, split_plan, split_tasks
 from .cad.planner import PlannedStep, StepPlanner
+from .cad.serve import cad_serve
 from .kernels.backends import backend_names, get_backend
 from .kernels.server import BackendUnavailable, ServerKernel
 from .spawn import run_ranks
@@ -40,6 +41,6 @@ from .spawn import run_ranks
 __all__ = [
     "StepPlanner", "StepLayout", "PlannedStep", "ModelShape", "InputError", "rank_layout", "split_tasks", "split_plan",
     "NanoSplit", "exchange_bytes",
-    "cad_attention", "CADAttention", "ExchangeBuffers",
+    "cad_attention", "cad_serve", "CADAttention", "ExchangeBuffers",
     "BackendUnavailable", "ServerKernel", "backend_names", "get_backend", "run_ranks",
 ]

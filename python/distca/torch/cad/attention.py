@@ -15,7 +15,7 @@ nano-batch:
 With two nano-batches (ping-pong) every all-to-all is posted asynchronously and waited for only
 when its result is needed: the second nano-batch's dispatch runs while the first computes, the
 first one's return while the second computes. The one that moves more goes second in the forward
-and first in the backward (_forward_order). (Posting the second dispatch only once the first has
+and first in the backward (forward_order). (Posting the second dispatch only once the first has
 arrived, so that the two never share the link, measured 5-10 % slower over a shaped link between
 two network-namespace hosts: reports/cpu/2026-11-27-bench-link-torch.)
 
@@ -85,7 +85,7 @@ class _Exchange:
         return self.out
 
 
-def _forward_order(layout: StepLayout, hq: int, hkv: int) -> list:
+def forward_order(layout: StepLayout, hq: int, hkv: int) -> list:
     """The order the forward runs the nano-batches in; the backward runs the reverse. A
     nano-batch's exchanges can run only during the other's compute: the second one's dispatch
     during the first's compute, the first one's return during the second's. So the nano-batch
@@ -206,7 +206,7 @@ class CADAttention(torch.autograd.Function):
         kv = torch.stack((k, v), dim=1)                                       # [T, 2, Hkv, D]
         # 1. Dispatch every nano-batch's Q and K/V (posted, not waited for).
         pool, stage = layout.buffers, layout.host_staging
-        order = _forward_order(layout, hq, k.shape[1])
+        order = forward_order(layout, hq, k.shape[1])
         dispatch = {i: (_Exchange(q.index_select(0, layout.parts[i].q_send_index), layout.parts[i].q_send_splits,
                                   layout.parts[i].q_recv_splits, group, pool, ("fwd", i, "q"), stage),
                         _Exchange(kv.index_select(0, layout.parts[i].kv_send_index), layout.parts[i].kv_send_splits,
@@ -250,67 +250,81 @@ class CADAttention(torch.autograd.Function):
         if torch.is_grad_enabled():  # the engine runs a backward with grad mode on only for create_graph=True
             raise RuntimeError("cad_attention does not support double backward (create_graph=True): its backward "
                                "is not differentiable; call backward() / autograd.grad() without create_graph")
-        layout, kernel, scale = ctx.layout, ctx.kernel, ctx.scale
-        group = layout.group
         out, lse, *inputs = ctx.saved_tensors
-        dout = dout.contiguous()
-        hq, d = out.shape[1], out.shape[2]
-        hkv = ctx.num_kv_heads
-        stateless = layout.backward == "stateless"
-        wire = GRAD_RETURN_DTYPES[layout.grad_return]
+        layout, order = ctx.layout, ctx.order[::-1]   # the reverse of the forward's (forward_order)
+        if layout.backward_layout is not None:
+            # Planned apart (a pipeline's backward tick, stateless): the same rows of this rank,
+            # served where that tick's plan puts them.
+            layout = layout.backward_layout
+            order = forward_order(layout, out.shape[1], ctx.num_kv_heads)[::-1]
+        dq, dk, dv = backward_exchange(layout, ctx.kernel, ctx.scale, order, ctx.num_kv_heads, out, lse, dout, inputs)
+        return dq, dk, dv, None, None, None
+
+
+def backward_exchange(layout: StepLayout, kernel, scale: float, order: list, hkv: int, out: torch.Tensor,
+                      lse: torch.Tensor, dout: torch.Tensor, inputs: list) -> tuple:
+    """cad_attention's backward data path over `layout`, the nano-batches in `order`: this rank's
+    dO with its merged O [T, Hq, D] and LSE [T, Hq] -> (dq, dk, dv) of its rows. inputs: stateless,
+    this rank's (q, k, v); stateful, the servers' saved (q, k, v) per nano-batch, flattened.
+    Collective over the layout's group; a rank with no rows (T = 0) passes empty tensors and only
+    serves (distca.torch.cad.serve)."""
+    group = layout.group
+    dout = dout.contiguous()
+    hq, d = out.shape[1], out.shape[2]
+    stateless = layout.backward == "stateless"
+    wire = GRAD_RETURN_DTYPES[layout.grad_return]
+    if stateless:
+        q, k, v = inputs
+        kv = torch.stack((k, v), dim=1)
+    else:
+        server_state = [inputs[3 * i:3 * i + 3] for i in range(len(layout.parts))]   # (q, k, v) per part
+    # 1. Dispatch dO with the merged O and LSE (stateless: Q and K/V again), every nano-batch.
+    dispatch = []
+    pool, stage = layout.buffers, layout.host_staging
+    for i in order:
+        p = layout.parts[i]
+        rows = _pack(dout.index_select(0, p.q_send_index), out.index_select(0, p.q_send_index),
+                     lse.index_select(0, p.q_send_index))
+        xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group, pool, ("bwd", i, "dout"), stage)
         if stateless:
-            q, k, v = inputs
-            kv = torch.stack((k, v), dim=1)
+            xs = (_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group,
+                            pool, ("bwd", i, "q"), stage),
+                  _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group,
+                            pool, ("bwd", i, "kv"), stage))
         else:
-            server_state = [inputs[3 * i:3 * i + 3] for i in range(len(layout.parts))]   # (q, k, v) per part
-        # 1. Dispatch dO with the merged O and LSE (stateless: Q and K/V again), every nano-batch.
-        dispatch = []
-        pool, stage = layout.buffers, layout.host_staging
-        order = ctx.order[::-1]   # the reverse of the forward's (_forward_order)
-        for i in order:
-            p = layout.parts[i]
-            rows = _pack(dout.index_select(0, p.q_send_index), out.index_select(0, p.q_send_index),
-                         lse.index_select(0, p.q_send_index))
-            xq = _Exchange(rows, p.q_send_splits, p.q_recv_splits, group, pool, ("bwd", i, "dout"), stage)
-            if stateless:
-                xs = (_Exchange(q.index_select(0, p.q_send_index), p.q_send_splits, p.q_recv_splits, group,
-                                pool, ("bwd", i, "q"), stage),
-                      _Exchange(kv.index_select(0, p.kv_send_index), p.kv_send_splits, p.kv_recv_splits, group,
-                                pool, ("bwd", i, "kv"), stage))
-            else:
-                xs = None
-            dispatch.append((xq, xs))
-        # 2. Server: kernel backward per nano-batch; dQ back like O, dK/dV summed per received row.
-        returns = []
-        for i, (xq, xs) in zip(order, dispatch):
-            p = layout.parts[i]
-            do_recv, o_recv, lse_recv = _unpack(xq.wait(), [((hq, d), out.dtype), ((hq, d), out.dtype),
-                                                            ((hq,), torch.float32)])
-            if stateless:
-                q_recv, kv_recv = xs[0].wait(), xs[1].wait()
-                q_var = q_recv.index_select(0, p.q_gather)
-                kv_var = kv_recv.index_select(0, p.kv_gather)
-                k_var, v_var = kv_var[:, 0].contiguous(), kv_var[:, 1].contiguous()
-            else:
-                q_var, k_var, v_var = server_state[i]
-            do_var, o_var, lse_var = (x.index_select(0, p.q_gather) for x in (do_recv, o_recv, lse_recv))
-            dq_var, dk_var, dv_var = kernel.backward(do_var, q_var, k_var, v_var, o_var, lse_var, p.tasks, scale)
-            dq_send = dq_var.new_empty((p.num_q_recv, hq, d)).index_copy_(0, p.q_gather, dq_var)
-            dkv_send = torch.zeros((p.num_kv_recv, 2, hkv, d), dtype=torch.float32, device=out.device)
-            dkv_send.index_add_(0, p.kv_gather, torch.stack((dk_var.float(), dv_var.float()), dim=1))
-            returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group, pool, ("bwd_return", i, "dq"), stage),
-                            _Exchange(dkv_send.to(wire), p.kv_recv_splits, p.kv_send_splits, group, pool,
-                                      ("bwd_return", i, "dkv"), stage),
-                            dkv_send))
-        # 3. Owner: sum each row's entries (fp32).
-        dq = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-        dkv = torch.zeros((out.shape[0], 2, hkv, d), dtype=torch.float32, device=out.device)
-        for i, (xdq, xdkv, dkv_sent) in zip(order, returns):
-            p = layout.parts[i]
-            dq.index_add_(0, p.q_send_index, xdq.wait().float())
-            dkv.index_add_(0, p.kv_send_index, _owner_dkv(xdkv.wait(), dkv_sent, p, layout.rank))
-        dtype = out.dtype
-        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None
+            xs = None
+        dispatch.append((xq, xs))
+    # 2. Server: kernel backward per nano-batch; dQ back like O, dK/dV summed per received row.
+    returns = []
+    for i, (xq, xs) in zip(order, dispatch):
+        p = layout.parts[i]
+        do_recv, o_recv, lse_recv = _unpack(xq.wait(), [((hq, d), out.dtype), ((hq, d), out.dtype),
+                                                        ((hq,), torch.float32)])
+        if xs is not None:   # stateless
+            q_recv, kv_recv = xs[0].wait(), xs[1].wait()
+            q_var = q_recv.index_select(0, p.q_gather)
+            kv_var = kv_recv.index_select(0, p.kv_gather)
+            k_var, v_var = kv_var[:, 0].contiguous(), kv_var[:, 1].contiguous()
+        else:
+            q_var, k_var, v_var = server_state[i]
+        do_var, o_var, lse_var = (x.index_select(0, p.q_gather) for x in (do_recv, o_recv, lse_recv))
+        dq_var, dk_var, dv_var = kernel.backward(do_var, q_var, k_var, v_var, o_var, lse_var, p.tasks, scale)
+        dq_send = dq_var.new_empty((p.num_q_recv, hq, d)).index_copy_(0, p.q_gather, dq_var)
+        dkv_send = torch.zeros((p.num_kv_recv, 2, hkv, d), dtype=torch.float32, device=out.device)
+        dkv_send.index_add_(0, p.kv_gather, torch.stack((dk_var.float(), dv_var.float()), dim=1))
+        returns.append((_Exchange(dq_send, p.q_recv_splits, p.q_send_splits, group, pool, ("bwd_return", i, "dq"), stage),
+                        _Exchange(dkv_send.to(wire), p.kv_recv_splits, p.kv_send_splits, group, pool,
+                                  ("bwd_return", i, "dkv"), stage),
+                        dkv_send))
+    # 3. Owner: sum each row's entries (fp32).
+    dq = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    dkv = torch.zeros((out.shape[0], 2, hkv, d), dtype=torch.float32, device=out.device)
+    for i, (xdq, xdkv, dkv_sent) in zip(order, returns):
+        p = layout.parts[i]
+        dq.index_add_(0, p.q_send_index, xdq.wait().float())
+        dkv.index_add_(0, p.kv_send_index, _owner_dkv(xdkv.wait(), dkv_sent, p, layout.rank))
+    dtype = out.dtype
+    return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype)
 
 
 def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout, *,

@@ -89,6 +89,34 @@ class StepLayout:
     host_staging: bool = False     # the exchanges go through host memory (CUDA tensors over gloo; testing)
     grad_return: str = "fp32"      # the dtype dK/dV partial sums travel in on the backward return (fp32 | bf16)
     split: Optional[NanoSplit] = None  # ping-pong's split of the plan (cuts, duplicated K/V rows), or None
+    backward_layout: Optional["StepLayout"] = None  # the layout the backward runs on, when planned apart
+
+    def set_backward_layout(self, other: "StepLayout") -> None:
+        """The backward of every cad_attention call made with this layout runs on `other`: the same
+        rows of this rank, planned in another step (a pipeline's backward tick, pooled with other
+        stages' micro-batches; distca.torch.pipeline). Both stateless (the backward sends Q/K/V
+        again; a stateful server's saved rows belong to this layout's plan) and of one group, rank,
+        device and model, with the same rows: else ValueError."""
+        if not isinstance(other, StepLayout):
+            raise TypeError(f"set_backward_layout takes a StepLayout (StepPlanner.plan), got {describe(other)}")
+        problems = []
+        if self.backward != "stateless" or other.backward != "stateless":
+            problems.append(f"both layouts must be stateless (StepPlanner(backward='stateless')), "
+                            f"got {self.backward} and {other.backward}")
+        for what, mine, theirs in (("world size", self.world_size, other.world_size), ("rank", self.rank, other.rank),
+                                   ("device", self.device, other.device), ("model", self.model, other.model)):
+            if mine != theirs:
+                problems.append(f"{what} {mine} against {theirs}")
+        if self.group is not other.group:
+            problems.append("different process groups")
+        if not (torch.equal(self.local_cu_seqlens.cpu(), other.local_cu_seqlens.cpu())
+                and torch.equal(self.positions.cpu(), other.positions.cpu())):
+            problems.append(f"different rows (documents {self.local_cu_seqlens.tolist()[:6]} against "
+                            f"{other.local_cu_seqlens.tolist()[:6]})")
+        if problems:
+            raise ValueError("set_backward_layout: the backward layout must plan this layout's rows: "
+                             + "; ".join(problems))
+        self.backward_layout = other
 
     @property
     def hash(self) -> int:

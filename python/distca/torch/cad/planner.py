@@ -143,8 +143,8 @@ def _local_pieces(rank: int, cu_seqlens: Any, pieces: Any) -> list:
                          "exactly one")
     if cu_seqlens is not None:
         cu = _as_int_list(cu_seqlens, "cu_seqlens")
-        if len(cu) < 2 or cu[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {cu[:8]}")
+        if not cu or cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0 ([0] for a rank with no rows this step), got {cu[:8]}")
         lengths = [b - a for a, b in zip(cu, cu[1:])]
         bad = next((i for i, n in enumerate(lengths) if n <= 0), None)
         if bad is not None:
@@ -175,8 +175,6 @@ def _local_pieces(rank: int, cu_seqlens: Any, pieces: Any) -> list:
         except TypeError:
             raise TypeError(f"pieces[{i}]: the document key must be hashable (an int or str), got {type(key).__name__}")
         rows.append((("key", key), begin, end, length))
-    if not rows:
-        raise ValueError("pieces: this rank holds no piece (every rank needs at least one token)")
     return rows
 
 
@@ -195,7 +193,11 @@ def _global_batch(gathered: list) -> tuple:
                 raise ValueError(f"document {key[1]!r}: rank {rank} says its length is {length}, another rank "
                                  f"{lengths[doc]}")
             rows.append((doc, begin, end, rank))
-    batch = distca.batch_from_pieces(lengths, np.asarray(rows, dtype=np.int64).reshape(-1, 4))
+    if not rows:
+        raise ValueError("no rank holds a token this step: at least one rank needs rows to plan "
+                         "(a rank with none serves the others)")
+    batch = distca.batch_from_pieces(lengths, np.asarray(rows, dtype=np.int64).reshape(-1, 4),
+                                     num_ranks=len(gathered))
     return batch, rows
 
 
@@ -387,9 +389,11 @@ class StepPlanner:
         """Collective over the group: this rank's documents -> the step's layout.
 
         cu_seqlens: this rank's rows are whole documents end to end, with these boundaries (a
-          sequence, 1-d tensor or 1-d array of integers from 0).
+          sequence, 1-d tensor or 1-d array of integers from 0); [0] for a rank with no rows this
+          step (an idle pipeline stage), which only serves others' attention (cad_serve).
         pieces: rows (doc_key, begin, end, doc_length) for documents that span ranks: this rank holds
-          tokens [begin, end) of the document every rank names `doc_key`, its pieces in row order.
+          tokens [begin, end) of the document every rank names `doc_key`, its pieces in row order
+          (none: no rows). At least one rank of the group holds a token.
         input_error: what the caller found wrong with this rank's input (an adapter's own checks), agreed
           on with the planner's: the step is not planned and every rank raises InputError with it.
         Bad input on any rank, or a rank in another call, raises the same InputError on every rank.
@@ -472,6 +476,11 @@ class StepPlanner:
         self._layouts[id(layout)] = layout
         _GROUP_HOLDERS[id(layout)] = layout
         return layout
+
+    @property
+    def prefetch(self) -> bool:
+        """plan_async is available (StepPlanner(..., prefetch=True), not closed)."""
+        return self._executor is not None
 
     @property
     def closed(self) -> bool:

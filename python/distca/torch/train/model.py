@@ -23,7 +23,7 @@ from N(0, init_std) from a fixed seed, norm gains are 1.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -196,6 +196,63 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, core_attention)
         return self.output(self.norm(h))                                         # [T, vocab]
+
+
+def document_positions(cu_seqlens: Any) -> torch.Tensor:
+    """Each row's position in its document (int64 [T]) for documents end to end at cu_seqlens."""
+    bounds = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    parts = [torch.arange(b - a, dtype=torch.int64) for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def local_attention(cu_seqlens: Any) -> tuple:
+    """A TransformerStage's attention source without CAD: (positions, document_attention) of its
+    micro-batch's documents (what PyTorch's own pipeline schedules run)."""
+    return document_positions(cu_seqlens), document_attention(torch.as_tensor(cu_seqlens, dtype=torch.int64))
+
+
+AttentionSource = Callable[[Any], tuple]   # cu_seqlens -> (positions [T] int64, core_attention)
+
+
+class TransformerStage(nn.Module):
+    """Pipeline stage `stage` of `stages` of a Transformer: its layers [stage L/P, (stage+1) L/P)
+    (keys their indices in the whole model), the embedding on the first stage, the final norm and
+    the LM head on the last. forward(x, cu_seqlens): x the tokens [T] (first stage) or the hidden
+    rows [T, dim]; returns the hidden rows, or the logits on the last stage.
+
+    source(cu_seqlens) -> (positions, core_attention) gives the rows' positions and the core
+    attention of the micro-batch (default local_attention; under ScheduleCADLockstep its
+    `attention` method, which reads the tick's layout). The weights are the whole model's
+    (Transformer(args)), sliced: a stage equals the same layers of the one-process model."""
+
+    def __init__(self, args: ModelArgs, stage: int, stages: int, source: Optional[AttentionSource] = None):
+        super().__init__()
+        args.validate()
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or args.n_layers % stages:
+            raise ValueError(f"pipeline: {args.n_layers} layers do not split into {stages!r} stages of equal layers "
+                             f"(every stage serves as many attention exchanges as the busiest)")
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+            raise ValueError(f"pipeline: stage must be in [0, {stages}), got {stage!r}")
+        if args.tie_embeddings and stages > 1:
+            raise ValueError("pipeline: tie_embeddings needs the embedding and the LM head on one stage (stages 1)")
+        whole = Transformer(args)
+        self.args, self.stage, self.stages = args, stage, stages
+        self.source = source or local_attention
+        per = args.n_layers // stages
+        self.layers = nn.ModuleDict({str(i): whole.layers[i] for i in range(stage * per, (stage + 1) * per)})
+        self.tok_embeddings = whole.tok_embeddings if stage == 0 else None
+        self.norm = whole.norm if stage == stages - 1 else None
+        self.output = whole.output if stage == stages - 1 else None
+
+    def forward(self, x: torch.Tensor, cu_seqlens: Any = None) -> torch.Tensor:
+        positions, core_attention = self.source(cu_seqlens)
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_base, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, core_attention)
+        if self.output is None or self.norm is None:
+            return h
+        return self.output(self.norm(h))
 
 
 def packed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
