@@ -92,3 +92,45 @@ def test_prefetch_plans_the_next_tick_beside_this_one(pp2_dp2):
     assert losses == want[:1]
     for res, ref in zip(results, pp2_dp2["cad"]):
         assert [t["planned_rows"] for t in res["ticks"][0]] == [t["planned_rows"] for t in ref["ticks"][0]]
+
+
+@pytest.mark.xdist_group("torch_tensor_parallel")
+def test_tp2_dp2_equals_one_process_and_moves_half_the_bytes():
+    from pipeline_cases import one_process_grads, tp_worker
+    one = one_process_grads(replicas=2)
+    tp2 = ok(run_ranks(tp_worker, 4, 2, timeout=300))
+    tp1 = ok(run_ranks(tp_worker, 2, 1, timeout=300))
+    for res in tp2 + tp1:
+        assert rel(res["loss"], one["loss"]) < 1e-5, (res["loss"], one["loss"])
+        worst = max(rel(res["grads"][k], one["grads"][k]) for k in one["grads"])
+        assert worst < 1e-5, worst
+    # Each TP rank's exchanges carry its own head group: half the bytes of the same plan at TP 1.
+    for res in tp2:
+        same = next(r for r in tp1 if r["replica"] == res["replica"])
+        assert res["hash"] == same["hash"]
+        assert same["sent_bytes"] > 0 and 2 * res["sent_bytes"] == same["sent_bytes"], (res, same)
+
+
+@pytest.mark.xdist_group("torch_3d")
+def test_pp2_tp2_dp2_equals_one_process():
+    steps = 3
+    one = one_process(steps, replicas=2)
+    results = ok(run_ranks(pipeline_worker, 8, 2, "cad", steps, False, 2, timeout=600))
+    losses = next(r["losses"] for r in results if r["losses"] is not None)
+    assert rel(losses, one["losses"]) < 1e-5, (losses, one["losses"])
+    params = merged_params(results)
+    assert max(rel(params[k], one["params"][k]) for k in one["params"]) < 1e-5
+    for res in results:
+        for step in res["ticks"]:
+            assert all(t["served_rows"] == t["planned_rows"] for t in step)
+
+
+@pytest.mark.parametrize("fault", ["skip", "table"])
+def test_a_rank_that_skips_a_tick_or_walks_another_table_fails_every_rank(fault):
+    results = ok(run_ranks(pipeline_worker, 4, 2, "cad", 1, False, 1, fault, timeout=120, group_timeout=30))
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("InputError: ScheduleCADLockstep: the ranks are at different ticks"), message
+    assert "rank 1 (stage 0) at tick" in message
+    assert max(r["seconds"] for r in results) < 10

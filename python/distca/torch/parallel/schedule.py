@@ -5,7 +5,9 @@ stage in a bubble never reaches a collective. This schedule walks distca's locks
 (distca.pipeline_schedule("cad", P, M): P - 1 warm-up forward ticks, M steady [forward,
 backward] pairs, P - 1 cool-down backward ticks) on every rank of the CAD group, every tick:
 
-    each tick        every rank plans (StepPlanner.plan over the CAD group: the DP x PP ranks of
+    each tick        every rank agrees on the tick (one all_gather of 4 int64: a rank that skipped
+                     a tick or walks another table raises the same InputError on every rank),
+                     plans (StepPlanner.plan over the CAD group: the DP x PP ranks of
                      one TP index) with its micro-batch's documents, or [0] when it idles, so the
                      core attention of every busy (stage, micro-batch) of the tick is balanced
                      over all ranks, idle stages included
@@ -28,6 +30,7 @@ attention from schedule.current (a StepLayout): see distca.torch.train.model.Tra
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
@@ -43,6 +46,7 @@ from ..cad.attention import cad_attention
 from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
 from ..cad.serve import cad_serve
+from .tensor import check_tp_plan
 
 
 @dataclass
@@ -83,6 +87,34 @@ def _post(ops: list) -> list:
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def _tick_text(tick: tuple) -> str:
+    return " ".join(f"{op}{m}" if op else "." for op, m in tick)
+
+
+def agree_on_tick(control_group: Any, t: int, tick: tuple, stage: int) -> None:
+    """Collective, first of every tick: every rank of the CAD group is at the same tick of the
+    same table. One all_gather of 4 int64 per rank ([tick, the tick's row hash, stage, slot]);
+    on a mismatch (a rank that skipped a tick, walks another table, or runs another micro-batch)
+    the same InputError on every rank, naming each rank's tick."""
+    text = _tick_text(tick)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    op, m = tick[stage]
+    mine = torch.tensor([t, digest, stage, ({"F": 1, "B": 2}.get(op, 0) << 32) | (m + 1 if op else 0)],
+                        dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(control_group))]
+    dist.all_gather(gathered, mine, group=control_group)
+    if len({(int(g[0]), int(g[1])) for g in gathered}) == 1:
+        return
+    texts: list = [None] * len(gathered)
+    dist.all_gather_object(texts, (t, stage, text), group=control_group)
+    by: dict = {}
+    for r, (tt, s, row) in enumerate(texts):
+        by.setdefault((tt, row), []).append(f"{r} (stage {s})")
+    raise InputError("ScheduleCADLockstep: the ranks are at different ticks (a rank skipped a tick, or walks another "
+                     "table): " + "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} at tick {tt} [{row}]"
+                                            for (tt, row), rs in by.items()))
+
+
 def _unwrap(e: RuntimeError) -> BaseException:
     """PipelineStage wraps a forward's exception in a RuntimeError of its own: an InputError (the
     same on every rank) is raised as itself."""
@@ -105,17 +137,20 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
     documents: the micro-batch keyword holding its documents' cu_seqlens.
     dtype: the dtype of q/k/v, which an idle stage serves in.
     loss_fn, scale_grads: as PipelineScheduleSingle's.
+    tp_group: with tensor parallelism, the rank's TP group: every tick's plan hash is checked
+      across it (parallel.tensor.check_tp_plan).
     """
 
     def __init__(self, stage: Any, n_microbatches: int, planner: StepPlanner, *, layers_per_stage: int,
                  documents: str = "cu_seqlens", dtype: torch.dtype = torch.float32,
-                 loss_fn: Optional[Callable] = None, scale_grads: bool = True):
+                 loss_fn: Optional[Callable] = None, scale_grads: bool = True, tp_group: Any = None):
         if not isinstance(planner, StepPlanner):
             raise TypeError(f"planner must be a StepPlanner, got {type(planner).__name__}")
         if planner.closed:
             raise ValueError("planner is closed")
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
         self._planner = planner
+        self._tp_group = tp_group
         self._documents = documents
         self._dtype = dtype
         self.table = distca.pipeline_schedule("cad", self._num_stages, n_microbatches)
@@ -179,12 +214,15 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
         pending = self._planner.plan_async(self._documents_of(kwarg_mbs, ticks[0][s][1])) if prefetch else None
         for t, tick in enumerate(ticks):
             op, m = tick[s]
+            agree_on_tick(self._planner.control_group, t, tick, s)
             if pending is not None:
                 layout = pending.result()
                 pending = (self._planner.plan_async(self._documents_of(kwarg_mbs, ticks[t + 1][s][1]))
                            if t + 1 < len(ticks) else None)
             else:
                 layout = self._planner.plan(self._documents_of(kwarg_mbs, m))
+            if self._tp_group is not None:
+                check_tp_plan(self._planner, layout, self._tp_group)
             t1 = time.perf_counter()
             direction = self.table.direction(t)
             try:
