@@ -231,7 +231,7 @@ def tp_worker(rank: int, world: int, tp: int) -> dict:
                           cost_model=COST_MODEL, tolerance=0.0, granularity=16)
     b = batches(0, groups.map.dp, skewed=True)
     tokens, targets, cu = _step_rows(b[groups.me.replica])
-    layout = plan_tp(planner, cu, groups.tp)
+    layout = plan_tp(planner, groups.tp, cu)
     sent = {"bytes": 0}
     real = attention._Exchange
 

@@ -99,7 +99,7 @@ class RankGroups:
     cad: Any
 
     @staticmethod
-    def make(*, tp: int = 1, pp: int = 1, backend: Any = None) -> "RankGroups":
+    def make(*, tp: int = 1, pp: int = 1, backend: Any = None, timeout: Any = None) -> "RankGroups":
         """Collective over the default group (every rank calls it, as new_group needs): the map of
         the world and every group of it, this rank's kept. backend: the groups' (default the
         world's)."""
@@ -116,7 +116,7 @@ class RankGroups:
                 if ranks in seen:
                     continue
                 seen.append(ranks)
-                group = dist.new_group(ranks, backend=backend)
+                group = dist.new_group(ranks, backend=backend, **({} if timeout is None else {"timeout": timeout}))
                 if rank in ranks:
                     mine[kind] = group
         return RankGroups(m, rank, m.coords(rank), mine["tp"], mine["dp"], mine["pp"], mine["cad"])

@@ -58,7 +58,9 @@ class TickRecord:
     local_rows: int                # this rank's own rows
     served_rows: int               # query rows this rank's server computed (its own included)
     planned_rows: int              # query rows the tick's plan gives this rank's server
-    plan_ms: float
+    served_for_others: int         # of served_rows, those of other ranks
+    plan_imbalance: float          # the tick's plan: the planner's estimate of its busiest server over the mean
+    plan_ms: float                 # wall: the tick's agreement, planning (gather, C++, hash check) and layout
     compute_ms: float              # the tick's work on this rank after planning: P2P, forward/backward, serving
 
     def to_dict(self) -> dict:
@@ -139,11 +141,14 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
     loss_fn, scale_grads: as PipelineScheduleSingle's.
     tp_group: with tensor parallelism, the rank's TP group: every tick's plan hash is checked
       across it (parallel.tensor.check_tp_plan).
+    backend: the server kernel (a name or ServerKernel) of attention() and of the idle stages'
+      serving; default the planner's.
     """
 
     def __init__(self, stage: Any, n_microbatches: int, planner: StepPlanner, *, layers_per_stage: int,
                  documents: str = "cu_seqlens", dtype: torch.dtype = torch.float32,
-                 loss_fn: Optional[Callable] = None, scale_grads: bool = True, tp_group: Any = None):
+                 loss_fn: Optional[Callable] = None, scale_grads: bool = True, tp_group: Any = None,
+                 backend: Any = None):
         if not isinstance(planner, StepPlanner):
             raise TypeError(f"planner must be a StepPlanner, got {type(planner).__name__}")
         if planner.closed:
@@ -151,6 +156,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
         self._planner = planner
         self._tp_group = tp_group
+        self.backend = backend
         self._documents = documents
         self._dtype = dtype
         self.table = distca.pipeline_schedule("cad", self._num_stages, n_microbatches)
@@ -188,7 +194,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
         layout = self.current
         if layout is None:
             raise RuntimeError("ScheduleCADLockstep.attention: called outside a forward tick of the schedule")
-        return layout.positions, lambda q, k, v: cad_attention(q, k, v, layout)
+        return layout.positions, lambda q, k, v: cad_attention(q, k, v, layout, backend=self.backend)
 
     def _documents_of(self, kwarg_mbs: list, m: Optional[int]) -> Any:
         if m is None:
@@ -214,6 +220,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
         pending = self._planner.plan_async(self._documents_of(kwarg_mbs, ticks[0][s][1])) if prefetch else None
         for t, tick in enumerate(ticks):
             op, m = tick[s]
+            t0 = time.perf_counter()
             agree_on_tick(self._planner.control_group, t, tick, s)
             if pending is not None:
                 layout = pending.result()
@@ -236,7 +243,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
                     sends += _post(stage.get_fwd_send_ops(m))
                 elif direction == "F":
                     for _ in range(self._layers):
-                        cad_serve(layout, self._dtype)
+                        cad_serve(layout, self._dtype, backend=self.backend)
                 elif op:
                     _wait(_post(stage.get_bwd_recv_ops(m)))
                     forward_layouts.pop(m).set_backward_layout(layout)
@@ -246,7 +253,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
                     sends += _post(stage.get_bwd_send_ops(m))
                 else:
                     for _ in range(self._layers):
-                        cad_serve(layout, self._dtype, backward=True)
+                        cad_serve(layout, self._dtype, backward=True, backend=self.backend)
             except RuntimeError as e:
                 cause = _unwrap(e)
                 if cause is e:
@@ -255,7 +262,9 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
             finally:
                 self.current = None
             self.records.append(TickRecord(t, direction, m, layout.num_local_rows, _served_rows(layout),
-                                           _planned_rows(layout), layout.plan_ms,
+                                           _planned_rows(layout),
+                                           _served_rows(layout) - sum(p.q_recv_splits[layout.rank] for p in layout.parts),
+                                           float(layout.plan.load["imbalance"]), (t1 - t0) * 1e3,
                                            (time.perf_counter() - t1) * 1e3))
         _wait(sends)
         self._update_losses(stage, losses)

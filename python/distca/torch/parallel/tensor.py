@@ -13,7 +13,8 @@ replicated parameters get the whole gradient on every TP rank. Hkv not divisible
 refused (a key/value head would have to be copied to several TP ranks).
 
     shard_model(model, tp_group)          # a Transformer or TransformerStage, in place
-    layout = plan_tp(planner, cu_seqlens, tp_group)  # the plan's hash checked across the TP group
+    clip_grad_norm(model, 1.0, tp_group)  # the whole model's norm, the same on every TP rank
+    layout = plan_tp(planner, tp_group, cu_seqlens)  # the plan's hash checked across the TP group
 """
 from __future__ import annotations
 
@@ -155,6 +156,36 @@ def full_state_dict(model: nn.Module, group: Any) -> dict:
     return out
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: Any, pp_group: Any = None) -> float:
+    """torch.nn.utils.clip_grad_norm_ over the whole model when its blocks are split over the TP
+    group (and its layers over the stages of pp_group): the split weights' squares summed over
+    the TP group, the replicated ones counted once, the stages' sums added; every rank scales its
+    gradients by the same factor. Collective over both groups. Returns the norm before clipping."""
+    split = torch.zeros((), dtype=torch.float64)
+    whole = torch.zeros((), dtype=torch.float64)
+    grads = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if any(name.endswith(suffix) for suffix in _SPLIT_DIMS):
+            split += sq
+        else:
+            whole += sq
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(split, group=tp_group)
+    total = split + whole
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    norm = float(total.sqrt())
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
 def check_tp_plan(planner: StepPlanner, layout: StepLayout, tp_group: Any) -> None:
     """The layout's plan hash compared over the TP group (see plan_tp)."""
     size = dist.get_world_size(tp_group)
@@ -170,11 +201,11 @@ def check_tp_plan(planner: StepPlanner, layout: StepLayout, tp_group: Any) -> No
     agree(planner.control_group, message, "tensor parallelism")
 
 
-def plan_tp(planner: StepPlanner, cu_seqlens: Any, tp_group: Any) -> StepLayout:
-    """planner.plan(cu_seqlens) over this TP index's CAD group, then its plan's hash compared over
+def plan_tp(planner: StepPlanner, tp_group: Any, cu_seqlens: Any = None, *, pieces: Any = None) -> StepLayout:
+    """planner.plan(cu_seqlens or pieces) over this TP index's CAD group, then its plan's hash compared over
     the TP group (the TP ranks of a replica hold the same documents, so their plans, over their
     own CAD groups, must be one): a mismatch raises the same InputError on every rank (agreed
     over the TP group, then over the CAD group, which together reach every rank)."""
-    layout = planner.plan(cu_seqlens)
+    layout = planner.plan(cu_seqlens, pieces=pieces)
     check_tp_plan(planner, layout, tp_group)
     return layout

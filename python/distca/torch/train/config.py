@@ -108,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data", metavar="FILE.jsonl",
                    help="JSON lines with a \"text\" field each, instead of synthetic data")
     g.add_argument("--tie-embeddings", action="store_true", help="the LM head reuses the embedding matrix")
+    g.add_argument("--layers", type=int, metavar="L", help="transformer layers (default: the preset's)")
+    g.add_argument("--kv-heads", type=int, metavar="H",
+                   help="key/value heads, a divisor of the query heads (default: the preset's)")
+    g = p.add_argument_group("parallelism (world = pp x tp x dp; rank w = (stage x dp + replica) x tp + tp index)")
+    g.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline stages, each --layers / P layers; cad: the paper's lockstep 1F1B, every tick's core "
+                        "attention pooled over every stage and replica, idle stages serving; colocated: PyTorch's "
+                        "Schedule1F1B (default 1)")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel ranks per replica: each holds heads / T and kv-heads / T (which T must "
+                        "divide) and FFN / T; one CAD group per TP index (default 1)")
+    g.add_argument("--micro-batches", type=int, metavar="M",
+                   help="with --pp: micro-batches per step, each --context tokens of whole documents (default 2 x P)")
     g = p.add_argument_group("attention")
     g.add_argument("--attention", choices=BACKENDS, help="the core attention backend (default cad)")
     g.add_argument("--compare", action="store_true",
@@ -168,8 +181,26 @@ class Config:
     backward: str
     pingpong: Any               # "auto", True or False
     grad_return: str = "fp32"   # fp32 | bf16: the dK/dV return's dtype
+    pp: int = 1                 # pipeline stages
+    tp: int = 1                 # tensor-parallel ranks per replica
+    micro_batches: int = 1      # per replica per step (--pp); 1 without
     saved_step: Optional[int] = None   # the step of the last checkpoint this run saved
     data_fingerprint: Optional[str] = None   # --data: its content's (JsonlData.fingerprint), agreed by every rank
+
+    @property
+    def is_3d(self) -> bool:
+        return self.pp > 1 or self.tp > 1
+
+    def slices(self, world: int) -> int:
+        """The step's slices of --context tokens: one per replica and micro-batch (one per rank
+        without --pp or --tp)."""
+        return world // (self.pp * self.tp) * self.micro_batches
+
+    def check_world(self, world: int) -> None:
+        """UsageError unless the world splits into replicas of pp x tp ranks."""
+        if world % (self.pp * self.tp):
+            raise UsageError(f"--pp {self.pp} x --tp {self.tp} = {self.pp * self.tp} ranks a replica does not divide the "
+                             f"world's {world} ranks (DP = world / (pp x tp))")
 
     @property
     def data_identity(self) -> dict:
@@ -253,13 +284,24 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
                 raise UsageError(f"--json {a.json} names the --checkpoint folder or lies inside it, which a save "
                                  f"replaces; write it elsewhere")
     model = replace(PRESETS[a.preset], tie_embeddings=a.tie_embeddings)
+    if a.layers is not None:
+        model = replace(model, n_layers=a.layers)
+    if a.kv_heads is not None:
+        model = replace(model, n_kv_heads=a.kv_heads)
+    try:
+        model.validate()
+    except ValueError as e:
+        raise UsageError(f"--layers/--kv-heads: {e}") from None
+    micro_batches = _check_parallel(a, model, backends)
     cfg = Config(a, model, context, backends,
                  workload=None if a.data else (a.workload or PRESET_WORKLOAD[a.preset]),
                  seed=None if a.data else (1 if a.seed is None else a.seed),
                  policy=a.policy or "minlink", tolerance="auto" if a.tolerance is None else a.tolerance,
                  granularity=a.granularity, backward=a.backward or "stateful",
                  pingpong={"on": True, "off": False}.get(a.pingpong or "auto", "auto"),
-                 grad_return=a.grad_return or "fp32")
+                 grad_return=a.grad_return or "fp32", pp=a.pp, tp=a.tp, micro_batches=micro_batches)
+    if a.pp > 1:
+        cfg.backward = a.backward or "stateless"
     if "cad" in backends:  # the planner's own checks (distca.plan's messages), no collective
         try:
             distca.plan([[16]], model=cost_model(model), policy=cfg.policy, tolerance=cfg.tolerance,
@@ -267,6 +309,43 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
         except (TypeError, ValueError) as e:
             raise UsageError(str(e)) from None
     return cfg
+
+
+def _check_parallel(a: argparse.Namespace, model: ModelArgs, backends: tuple) -> int:
+    """--pp, --tp and --micro-batches against the model and the other flags (the world is
+    checked once known: Config.check_world) -> the micro-batches per step."""
+    for flag, value in (("--pp", a.pp), ("--tp", a.tp)):
+        if not 1 <= value <= 1024:
+            raise UsageError(f"{flag} must be 1..1024, got {value}")
+    if a.micro_batches is not None and a.pp == 1:
+        raise UsageError("--micro-batches applies with --pp > 1 (the pipeline's micro-batches)")
+    m = a.micro_batches if a.micro_batches is not None else 2 * a.pp
+    if a.pp > 1 and not 1 <= m <= 65536:
+        raise UsageError(f"--micro-batches must be 1..65536, got {m}")
+    if model.n_layers % a.pp:
+        raise UsageError(f"--pp {a.pp}: the model's {model.n_layers} layers do not split into {a.pp} stages of equal "
+                         f"layers (an idle stage serves one exchange per layer of the busy ones); see --layers")
+    if model.n_kv_heads % a.tp or model.ffn_dim % a.tp:
+        raise UsageError(f"--tp {a.tp}: each TP rank holds key/value heads / T and FFN / T: the model's "
+                         f"{model.n_kv_heads} key/value heads and FFN {model.ffn_dim} must split (see --kv-heads)")
+    if a.pp > 1 or a.tp > 1:
+        used = [f for f, v in (("--checkpoint", a.checkpoint), ("--resume", a.resume)) if v]
+        if used:
+            raise UsageError(f"{', '.join(used)} with --pp/--tp: not supported yet (a checkpoint holds one replica's "
+                             f"whole model); train without it, or with --pp 1 --tp 1")
+    if a.pp > 1:
+        if a.data or (a.workload or "skewed") != "skewed":
+            raise UsageError("--pp needs whole documents in every micro-batch: --workload skewed (the spanning and "
+                             "packed workloads and --data put documents across micro-batches)")
+        if a.backward == "stateful":
+            raise UsageError("--pp with --backward stateful: the lockstep schedule plans each backward tick apart "
+                             "(other stages' micro-batches than its forward), so Q/K/V travel again: stateless")
+        if a.tie_embeddings:
+            raise UsageError("--tie-embeddings with --pp: the embedding and the LM head would be on different stages")
+        if "colocated" in backends and m < a.pp:
+            raise UsageError(f"--micro-batches {m} < --pp {a.pp}: colocated's Schedule1F1B needs at least one "
+                             f"micro-batch per stage")
+    return m if a.pp > 1 else 1
 
 
 def _check_data_file(path: str) -> None:

@@ -34,23 +34,53 @@ PER_RANK = ("step_seconds", "plan_seconds", "forward_seconds", "backward_seconds
             "loss_sum")
 
 
+# With --pp: each rank's own micro-batches' forward and backward, its serving in idle ticks, its
+# wait (the step less planning, compute, serving, gradient sync and optimizer), the rows it served
+# in idle ticks and for other ranks.
+PIPELINE_PER_RANK = ("compute_seconds", "serve_seconds", "wait_seconds", "served_idle_rows", "rows_served_remotely")
+
+
+def _pipeline_record(per_rank: dict, cfg: Config, world: int) -> dict:
+    """The pipeline's part of a step record: the straggler (the rank busiest with its own and
+    served work, whom the others wait for), the bubble (the mean over ranks of the share of the
+    step spent waiting) and each stage's compute, attention and wait (the max over its ranks)."""
+    from ..parallel.ranks import RankMap
+    rank_map = RankMap.of(world, tp=cfg.tp, pp=cfg.pp)
+    busy = [c + s for c, s in zip(per_rank["compute_seconds"], per_rank["serve_seconds"])]
+    straggler = max(range(world), key=lambda r: busy[r])
+    stages = []
+    for s in range(cfg.pp):
+        ranks = [w for w in range(world) if rank_map.coords(w).stage == s]
+        stages.append({"stage": s, "ranks": ranks,
+                       **{k: max(per_rank[k][w] for w in ranks)
+                          for k in ("compute_seconds", "attention_seconds", "serve_seconds", "wait_seconds")},
+                       "served_idle_rows": sum(int(per_rank["served_idle_rows"][w]) for w in ranks)})
+    return {"straggler_rank": straggler, "straggler_busy_seconds": busy[straggler],
+            "bubble": sum(w / t for w, t in zip(per_rank["wait_seconds"], per_rank["step_seconds"])) / world,
+            "wait_max_seconds": max(per_rank["wait_seconds"]), "stages": stages}
+
+
 def gather_record(local: dict, step: int, backend: str, data: StepData, cfg: Config, world: int, ctl_group) -> dict:
     """Every rank's measurements -> the step's record (the same on every rank)."""
-    mine = torch.tensor([local[k] for k in PER_RANK], dtype=torch.float64)
+    keys = PER_RANK + (PIPELINE_PER_RANK if cfg.pp > 1 else ())
+    mine = torch.tensor([local[k] for k in keys], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=ctl_group)
-    per_rank = {k: [float(t[i]) for t in everyone] for i, k in enumerate(PER_RANK)}
+    per_rank = {k: [float(t[i]) for t in everyone] for i, k in enumerate(keys)}
     kernel = per_rank["attention_kernel_seconds"]
-    straggler = max(range(world), key=lambda r: kernel[r])
+    pipeline = _pipeline_record(per_rank, cfg, world) if cfg.pp > 1 else None
+    straggler = pipeline["straggler_rank"] if pipeline else max(range(world), key=lambda r: kernel[r])
     step_s = max(per_rank["step_seconds"])
     mean_kernel = sum(kernel) / world
-    return {
+    record = {
         "step": step + 1, "backend": backend,
         "loss": sum(per_rank["loss_sum"]) / data.num_targets,
         "lr": local["lr"], "grad_norm": local["grad_norm"],
-        "rows_served_remotely": local["rows_served_remotely"], "plan_imbalance_estimated": local["plan_imbalance"],
+        "rows_served_remotely": (int(sum(per_rank["rows_served_remotely"])) if pipeline
+                                 else local["rows_served_remotely"]),
+        "plan_imbalance_estimated": local["plan_imbalance"],
         "plan_tolerance": local.get("plan_tolerance"),
-        "step_seconds": step_s, "tokens_per_second": world * cfg.context / step_s,
+        "step_seconds": step_s, "tokens_per_second": cfg.slices(world) * cfg.context / step_s,
         "straggler_rank": straggler,
         "attention_seconds": per_rank["attention_seconds"][straggler],
         "attention_kernel_max_seconds": max(kernel), "attention_kernel_min_seconds": min(kernel),
@@ -60,6 +90,10 @@ def gather_record(local: dict, step: int, backend: str, data: StepData, cfg: Con
         "documents_spanning_ranks": data.spanning_documents(),
         "per_rank": {k: v for k, v in per_rank.items() if k != "loss_sum"},
     }
+    if pipeline:
+        record["pipeline"] = pipeline
+        record["ticks"] = local["ticks"]   # this rank's (rank 0's in the report)
+    return record
 
 
 def si(x: float) -> str:
@@ -71,6 +105,14 @@ def si(x: float) -> str:
 
 def step_line(r: dict, steps: int, elapsed: float, remaining: Optional[float]) -> str:
     eta = f"  [{elapsed:.0f}s, ~{remaining:.0f}s left]" if remaining is not None else f"  [{elapsed:.0f}s]"
+    if "pipeline" in r:
+        p = r["pipeline"]
+        stages = ", ".join(f"stage {s['stage']} attn {s['attention_seconds']:.3f}s wait {s['wait_seconds']:.3f}s"
+                           for s in p["stages"])
+        return (f"step {r['step']:>4}/{steps} {r['backend']:<9} loss {r['loss']:.4f}  {si(r['tokens_per_second']):>6} "
+                f"tok/s  {r['step_seconds']:.3f}s  straggler rank {p['straggler_rank']} "
+                f"({p['straggler_busy_seconds']:.3f}s busy)  bubble {100 * p['bubble']:.0f}%  {stages}  plan "
+                f"{r['plan_ms_max']:.1f} ms{eta}")
     return (f"step {r['step']:>4}/{steps} {r['backend']:<9} loss {r['loss']:.4f}  {si(r['tokens_per_second']):>6} tok/s  "
             f"{r['step_seconds']:.3f}s  attn {r['attention_seconds']:.3f}s (rank {r['straggler_rank']}; kernels "
             f"{r['attention_kernel_min_seconds']:.3f}-{r['attention_kernel_max_seconds']:.3f}s, imbalance "
@@ -86,12 +128,16 @@ def summarise(records: list, cfg: Config, first_step: int, wall: float) -> dict:
         k = max(1, min(10, len(rs) // 2))
         mean = lambda key: statistics.fmean(r[key] for r in timed)  # noqa: E731
         out["backends"][name] = {
-            "step_seconds": mean("step_seconds"), "tokens_per_second": cfg.context * len(timed[0]["per_rank"]["step_seconds"]) / mean("step_seconds"),
+            "step_seconds": mean("step_seconds"),
+            "tokens_per_second": cfg.context * cfg.slices(len(timed[0]["per_rank"]["step_seconds"])) / mean("step_seconds"),
             "attention_seconds": mean("attention_seconds"), "attention_kernel_max_seconds": mean("attention_kernel_max_seconds"),
             "attention_imbalance": mean("attention_imbalance"), "plan_ms": mean("plan_ms_max"),
             "first_timed_step": timed[0]["step"], "timed_steps": len(timed), "loss_steps": k,
             "loss_first": statistics.fmean(r["loss"] for r in rs[:k]), "loss_last": statistics.fmean(r["loss"] for r in rs[-k:]),
         }
+        if cfg.pp > 1:
+            out["backends"][name]["bubble"] = statistics.fmean(r["pipeline"]["bubble"] for r in timed)
+            out["backends"][name]["wait_max_seconds"] = statistics.fmean(r["pipeline"]["wait_max_seconds"] for r in timed)
     b = out["backends"]
     out["loss_first"] = b[cfg.backends[-1]]["loss_first"]
     out["loss_last"] = b[cfg.backends[-1]]["loss_last"]
@@ -123,6 +169,10 @@ def print_summary(s: dict, cfg: Config) -> None:
             say(f"{name:<10} {b['step_seconds']:>9.3f} {si(b['tokens_per_second']):>9} {b['attention_seconds']:>9.3f} "
                 f"{b['attention_kernel_max_seconds']:>11.3f} {b['attention_imbalance']:>9.2f} {b['plan_ms']:>9.1f}  "
                 f"{b['loss_first']:.4f} -> {b['loss_last']:.4f}")
+    if cfg.pp > 1:
+        say("pipeline: " + "; ".join(f"{name} bubble {100 * b['bubble']:.0f}% (the ranks' mean share of the step "
+                                     f"spent waiting), longest wait {b['wait_max_seconds']:.3f} s"
+                                     for name, b in s["backends"].items()))
     say(f"times: means over steps {any_b['first_timed_step']}..{any_b['first_timed_step'] + any_b['timed_steps'] - 1} "
         f"(--skip leaves out warm-up); step: the longest rank's; attn: the straggler's time inside cad_attention "
         f"(forward + backward, waiting included); kernels: the busiest rank's server-kernel seconds; imbalance: their "
@@ -141,8 +191,11 @@ def write_json(path: str, doc: dict) -> None:
 
 def write_report(a, cfg: Config, m: ModelArgs, world: int, device, steps_done: int, backends: list, records: list,
                   summary: dict) -> None:
+    from ..parallel.ranks import RankMap
     write_json(a.json, {"format": "distca-torch-train", "version": 1,
                         "config": {"preset": a.preset, "backends": list(cfg.backends), "ranks": world,
+                                   "rank_map": RankMap.of(world, tp=cfg.tp, pp=cfg.pp).to_dict(),
+                                   "micro_batches": cfg.micro_batches,
                                    "device": device.type, "context": cfg.context, "steps": a.steps,
                                    "resumed_after": steps_done, "model": m.to_dict(), **cfg.data_identity,
                                    "policy": cfg.policy if "cad" in cfg.backends else None,

@@ -61,85 +61,34 @@ from ..cad.attention import cad_attention
 from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
 from ..kernels.backends import get_backend
-from ..kernels.server import ServerKernel
+from ..parallel.ranks import RankGroups
+from ..parallel.tensor import clip_grad_norm, plan_tp, shard_model
 from .config import (PROG, Config, RunError, UsageError, agree_on_error, check_same_settings, cost_model, env_rank,
                      parse_args, say)
 from .data import DataError, JsonlData, StepData, SyntheticData, read_jsonl
 from .model import Transformer, packed_cross_entropy
+from .pipeline import PipelineBackend
 from .report import gather_record, print_summary, rows_served_remotely, si, step_line, summarise, write_report
 from .resume import check_resume, load_checkpoint, save_checkpoint, step_on_disk
+from .timing import AttentionWatch, TimedKernel, lr_at
 from .watch import CollectiveFailure, Watch, collective_failure
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-
-
-class TimedKernel(ServerKernel):
-    """A server kernel with a stopwatch (forward + backward seconds). On CUDA it synchronises
-    around each call, so the seconds are the kernel's own (and the overlap of ping-pong is lost)."""
-
-    def __init__(self, inner: ServerKernel, device: torch.device):
-        self.inner, self.name, self.device = inner, inner.name, device
-        self.seconds = 0.0
-
-    def unavailable(self, device, dtype):
-        return self.inner.unavailable(device, dtype)
-
-    def _timed(self, fn, args):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.seconds += time.perf_counter() - start
-
-    def forward(self, *args):
-        return self._timed(self.inner.forward, args)
-
-    def backward(self, *args):
-        return self._timed(self.inner.backward, args)
-
-
-class AttentionWatch:
-    """Seconds inside cad_attention: the forward call, and the backward from the moment the
-    output's gradient is ready (a hook on o) to the moment the inputs' gradients are (a hook on q)."""
-
-    def __init__(self):
-        self.forward = self.backward = 0.0
-        self._started: Optional[float] = None
-
-    def reset(self) -> None:
-        self.forward = self.backward = 0.0
-        self._started = None
-
-    def _begin(self, grad):
-        self._started = time.perf_counter()
-
-    def _end(self, grad):
-        if self._started is not None:
-            self.backward += time.perf_counter() - self._started
-            self._started = None
 
 
 # ---------------------------------------------------------------------------------------------
 # One backend: model, DDP, optimizer, planner
 
 
-def lr_at(step: int, lr: float, warmup: int) -> float:
-    """Linear warm-up from lr / warmup to lr over `warmup` steps (step counts from 0), then constant."""
-    return lr * (step + 1) / warmup if step < warmup else lr
-
-
 class Backend:
-    def __init__(self, name: str, cfg: Config, device: torch.device, attention_group, ddp_group):
+    """Data parallelism (DDP over the DP group), with tensor parallelism by head group when
+    --tp > 1 (groups: the rank map's; attention over the rank's CAD group, one per TP index)."""
+
+    def __init__(self, name: str, cfg: Config, device: torch.device, attention_group, ddp_group,
+                 groups: Optional[RankGroups] = None):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        self.name, self.cfg, self.device = name, cfg, device
+        self.name, self.cfg, self.device, self.groups = name, cfg, device, groups
         m = cfg.model
-        shape = {"heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.head_dim}
+        tp = cfg.tp
+        shape = {"heads": m.n_heads // tp, "kv_heads": m.n_kv_heads // tp, "head_dim": m.head_dim}
         if name == "cad":
             self.planner = StepPlanner(attention_group, model=shape, cost_model=cost_model(m), policy=cfg.policy,
                                        tolerance=cfg.tolerance, granularity=cfg.granularity,
@@ -148,7 +97,10 @@ class Backend:
         else:
             self.planner = StepPlanner(attention_group, model=shape, cost_model=cost_model(m), policy="none",
                                        pingpong=False, backend=cfg.args.kernel, device=device)
-        self.model = Transformer(m).to(device)
+        self.model = Transformer(m)
+        if groups is not None:
+            shard_model(self.model, groups.tp)
+        self.model = self.model.to(device)
         self.ddp = DDP(self.model, process_group=ddp_group, device_ids=[device.index] if device.type == "cuda" else None,
                        bucket_cap_mb=cfg.args.bucket_mb)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
@@ -176,7 +128,10 @@ class Backend:
         def at(phase: str) -> None:
             watch.at(f"step {step + 1}'s {phase} ({self.name})")
         at("barrier")
-        tokens, targets, pieces, cu = data.rank_slice(rank, cfg.context)
+        groups = self.groups
+        replica = groups.me.replica if groups is not None else rank
+        replicas = groups.map.dp if groups is not None else world
+        tokens, targets, pieces, cu = data.rank_slice(replica, cfg.context)
         tokens_t = torch.from_numpy(tokens).to(self.device)
         targets_t = torch.from_numpy(targets).to(self.device)
         self.kernel.seconds = 0.0
@@ -186,13 +141,17 @@ class Backend:
         dist.barrier(group=ctl_group)
         t0 = time.perf_counter()
         at("planning")
-        layout = self.layout = self.planner.plan(cu) if cu is not None else self.planner.plan(pieces=pieces)
+        if groups is not None and groups.map.tp > 1:
+            layout = self.layout = plan_tp(self.planner, groups.tp, cu) if cu is not None else \
+                plan_tp(self.planner, groups.tp, pieces=pieces)
+        else:
+            layout = self.layout = self.planner.plan(cu) if cu is not None else self.planner.plan(pieces=pieces)
         t_plan = time.perf_counter()
         at("forward")
         logits = self.ddp(tokens_t, layout.positions, self.attention)
         loss_sum = packed_cross_entropy(logits, targets_t)
-        # The mean over every rank's targets; DDP averages gradients over ranks, hence x world.
-        loss = loss_sum * (world / data.num_targets)
+        # The mean over every replica's targets; DDP averages gradients over replicas, hence x replicas.
+        loss = loss_sum * (replicas / data.num_targets)
         sync()
         t_fwd = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -202,7 +161,11 @@ class Backend:
         t_bwd = time.perf_counter()
         at("optimizer step")
         params = list(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.args.clip if cfg.args.clip > 0 else math.inf)
+        max_norm = cfg.args.clip if cfg.args.clip > 0 else math.inf
+        if groups is not None and groups.map.tp > 1:   # the whole model's norm, the same on every TP rank
+            grad_norm = clip_grad_norm(self.model, max_norm, groups.tp)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         lr = lr_at(step, cfg.args.lr, cfg.args.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -216,7 +179,9 @@ class Backend:
                 "attention_kernel_seconds": self.kernel.seconds,
                 "attention_seconds": self.watch.forward + self.watch.backward,
                 "attention_forward_seconds": self.watch.forward, "attention_backward_seconds": self.watch.backward,
-                "loss_sum": float(loss_sum.detach()), "grad_norm": float(grad_norm), "lr": lr,
+                # The loss once per replica (its TP ranks compute the same one).
+                "loss_sum": float(loss_sum.detach()) if groups is None or groups.me.tp == 0 else 0.0,
+                "grad_norm": float(grad_norm), "lr": lr,
                 "rows_served_remotely": rows_served_remotely(plan), "plan_imbalance": float(plan.load["imbalance"]),
                 "plan_tolerance": float(plan.tolerance)}
 
@@ -241,9 +206,13 @@ def run(cfg: Config) -> int:
     ddp_group = dist.new_group(backend=backend, timeout=timeout)
     ctl_group = dist.new_group(backend="gloo", timeout=timeout)
     check_same_settings(a, ctl_group)
+    groups = None
+    if cfg.is_3d:
+        cfg.check_world(world)   # every rank reaches the same verdict
+        groups = RankGroups.make(tp=cfg.tp, pp=cfg.pp, backend=backend, timeout=timeout)
     watch = Watch(rank, world)
     try:
-        return _train(cfg, rank, world, device, backend, ddp_group, ctl_group, watch)
+        return _train(cfg, rank, world, device, backend, ddp_group, ctl_group, watch, groups)
     except RuntimeError as e:
         kind = collective_failure(e)
         if kind is None:
@@ -262,10 +231,10 @@ def _read_data(cfg: Config, world: int, ctl_group, watch: Watch) -> tuple:
     data: Union[JsonlData, SyntheticData, None] = None
     try:
         if a.data:
-            data = JsonlData(a.data, read_jsonl(a.data, progress=say), world, cfg.context)
+            data = JsonlData(a.data, read_jsonl(a.data, progress=say), cfg.slices(world), cfg.context)
         else:
             assert cfg.workload is not None and cfg.seed is not None
-            data = SyntheticData(cfg.workload, cfg.seed, world, cfg.context)
+            data = SyntheticData(cfg.workload, cfg.seed, cfg.slices(world), cfg.context)
     except DataError as e:
         error = str(e)
     agree_on_error(error, ctl_group)
@@ -293,14 +262,26 @@ def _read_data(cfg: Config, world: int, ctl_group, watch: Watch) -> tuple:
 
 
 def _train(cfg: Config, rank: int, world: int, device: torch.device, backend: str, ddp_group, ctl_group,
-           watch: Watch) -> int:
+           watch: Watch, groups: Optional[RankGroups]) -> int:
     data, steps_done = _read_data(cfg, world, ctl_group, watch)
     watch.at("the set-up (models, planners, the resumed checkpoint)")
     backends: list = []
+    self_group = None
+    if cfg.pp > 1 and "colocated" in cfg.backends:
+        # Colocated stages attend alone: a planner of policy none over a group of this rank only
+        # (new_group is collective: every rank makes every rank's).
+        for r in range(world):
+            g = dist.new_group([r], backend=backend)
+            self_group = g if r == rank else self_group
     try:
         for name in cfg.backends:
-            backends.append(Backend(name, cfg, device, dist.group.WORLD, ddp_group))
-        return _train_steps(cfg, rank, world, device, backend, ctl_group, watch, data, steps_done, backends)
+            if groups is not None and cfg.pp > 1:
+                backends.append(PipelineBackend(name, cfg, device, groups, self_group))
+            elif groups is not None:
+                backends.append(Backend(name, cfg, device, groups.cad, groups.dp, groups))
+            else:
+                backends.append(Backend(name, cfg, device, dist.group.WORLD, ddp_group))
+        return _train_steps(cfg, rank, world, device, backend, ctl_group, watch, data, steps_done, backends, groups)
     finally:
         # The planners let go of their groups, so destroy_process_group frees them (StepPlanner.close).
         for b in backends:
@@ -308,7 +289,8 @@ def _train(cfg: Config, rank: int, world: int, device: torch.device, backend: st
 
 
 def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backend: str, ctl_group, watch: Watch,
-                 data: Union[JsonlData, SyntheticData], steps_done: int, backends: list) -> int:
+                 data: Union[JsonlData, SyntheticData], steps_done: int, backends: list,
+                 groups: Optional[RankGroups] = None) -> int:
     a = cfg.args
     if a.resume:
         error = None
@@ -324,7 +306,19 @@ def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backe
     say(f"  model      {m.n_layers} layers, d {m.dim}, heads {m.n_heads}/{m.n_kv_heads} x {m.head_dim}, ffn "
         f"{m.ffn_dim}, vocab {m.vocab_size}{', tied embeddings' if m.tie_embeddings else ''}: "
         f"{si(m.num_parameters())} parameters")
-    say(f"  data       {data.describe()}; {cfg.context} tokens per rank per step, {a.steps} steps"
+    if groups is not None:
+        rm = groups.map
+        say(f"  ranks      pp {rm.pp} x tp {rm.tp} x dp {rm.dp} (rank w = (stage x dp + replica) x tp + tp index)"
+            + (f"; {cfg.micro_batches} micro-batches of {cfg.context} tokens per replica per step, "
+               f"{'lockstep 1F1B' if 'cad' in cfg.backends else ''}"
+               f"{' vs ' if len(cfg.backends) > 1 else ''}{'Schedule1F1B' if 'colocated' in cfg.backends else ''}"
+               if cfg.pp > 1 else ""))
+        for r in range(min(world, 16)):
+            say(f"    {rm.describe(r)}")
+        if world > 16:
+            say(f"    ... {world - 16} more ranks (the JSON report's config.rank_map lists every one)")
+    say(f"  data       {data.describe()}; {cfg.context} tokens per {'micro-batch' if cfg.pp > 1 else 'rank'} per step, "
+        f"{a.steps} steps"
         f"{f' (resumed after step {steps_done})' if steps_done else ''}")
     if "cad" in cfg.backends:
         cad_planner = backends[cfg.backends.index("cad")].planner

@@ -1,0 +1,66 @@
+"""The distca.torch trainer in three dimensions (--pp, --tp): CAD's lockstep schedule and
+colocated Schedule1F1B train the same loss curve, tensor parallelism trains what one rank does,
+the report's parts add up, and what cannot run is refused in one line with exit status 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_torch_train import _losses, _max_rel, _refusals, _train  # noqa: E402
+
+TINY = ["--preset", "tiny", "--steps", "3", "--kv-heads", "2", "--lr", "3e-3"]
+
+
+@pytest.mark.parametrize("world, flags", [(2, ["--pp", "2"]), (4, ["--pp", "2", "--tp", "2"])])
+def test_pipeline_compare_trains_one_curve_and_reports_parts_that_add_up(tmp_path, world, flags):
+    report = tmp_path / "t.json"
+    out = _train(world, TINY + flags + ["--compare", "--json", str(report)], timeout=300)
+    assert all(r["code"] == 0 for r in out), out[0]["stdout"]
+    text = out[0]["stdout"]
+    assert "rank 0: tp 0, stage 0, replica 0" in text and "bubble" in text
+    doc = json.loads(report.read_text())
+    assert doc["config"]["rank_map"]["pp"] == 2
+    assert _max_rel(_losses(doc, "cad"), _losses(doc, "colocated")) < 1e-5
+    for r in doc["steps"]:
+        p, per = r["pipeline"], r["per_rank"]
+        for w in range(world):
+            parts = per["plan_seconds"][w] + per["compute_seconds"][w] + per["serve_seconds"][w] + per["wait_seconds"][w]
+            assert parts <= per["step_seconds"][w] + 1e-9
+            assert parts + per["optimizer_seconds"][w] == pytest.approx(per["step_seconds"][w], rel=1e-6, abs=1e-6)
+        assert 0 <= p["bubble"] < 1 and len(p["stages"]) == 2
+        if r["backend"] == "cad":
+            assert sum(s["served_idle_rows"] for s in p["stages"]) > 0
+            assert {t["micro_batch"] for t in r["ticks"]} >= {None, 0}
+        else:
+            assert all(s["served_idle_rows"] == 0 for s in p["stages"])
+
+
+def test_tensor_parallel_trains_what_one_rank_does(tmp_path):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert _train(1, TINY + ["--json", str(one)])[0]["code"] == 0
+    assert all(r["code"] == 0 for r in _train(2, TINY + ["--tp", "2", "--json", str(two)]))
+    a, b = (json.loads(p.read_text()) for p in (one, two))
+    assert _max_rel(_losses(b, "cad"), _losses(a, "cad")) < 1e-5
+
+
+def test_what_cannot_run_is_refused_in_one_line():
+    runs = [["--preset", "tiny", "--pp", "3"], ["--preset", "tiny", "--tp", "2"],
+            ["--preset", "tiny", "--pp", "2", "--workload", "packed"],
+            ["--preset", "tiny", "--pp", "2", "--checkpoint", "/tmp/distca-3d-never"],
+            ["--preset", "tiny", "--micro-batches", "4"],
+            ["--preset", "tiny", "--pp", "2", "--backward", "stateful"],
+            ["--preset", "tiny", "--pp", "2", "--compare", "--micro-batches", "1"],
+            ["--preset", "tiny", "--pp", "2", "--kv-heads", "2", "--tp", "2"]]
+    want = ["--pp 3: the model's 2 layers do not split into 3 stages", "--tp 2: each TP rank holds key/value heads",
+            "--pp needs whole documents in every micro-batch", "--checkpoint with --pp/--tp: not supported yet",
+            "--micro-batches applies with --pp > 1", "--pp with --backward stateful",
+            "--micro-batches 1 < --pp 2", "--pp 2 x --tp 2 = 4 ranks a replica does not divide the world's 2 ranks"]
+    results = _refusals(2, [[r, r] for r in runs])
+    for run, expected, ranks in zip(runs, want, results):
+        for rank in ranks:
+            assert rank["code"] == 2, (run, rank)
+        lines = [line for line in ranks[0]["stdout"].splitlines() if line.strip()]
+        assert len(lines) == 1 and expected in lines[0], (run, ranks[0]["stdout"])
