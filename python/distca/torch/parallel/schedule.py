@@ -60,7 +60,7 @@ class TickRecord:
     planned_rows: int              # query rows the tick's plan gives this rank's server
     served_for_others: int         # of served_rows, those of other ranks
     plan_imbalance: float          # the tick's plan: the planner's estimate of its busiest server over the mean
-    plan_ms: float                 # wall: the tick's agreement, planning (gather, C++, hash check) and layout
+    plan_ms: float                 # wall: planning (gather, C++, hash check) and the layout, after the tick's agreement
     compute_ms: float              # the tick's work on this rank after planning: P2P, forward/backward, serving
 
     def to_dict(self) -> dict:
@@ -220,8 +220,8 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
         pending = self._planner.plan_async(self._documents_of(kwarg_mbs, ticks[0][s][1])) if prefetch else None
         for t, tick in enumerate(ticks):
             op, m = tick[s]
+            agree_on_tick(self._planner.control_group, t, tick, s)   # where a rank waits for the slowest
             t0 = time.perf_counter()
-            agree_on_tick(self._planner.control_group, t, tick, s)
             if pending is not None:
                 layout = pending.result()
                 pending = (self._planner.plan_async(self._documents_of(kwarg_mbs, ticks[t + 1][s][1]))
