@@ -259,3 +259,22 @@ def tp_worker(rank: int, world: int, tp: int) -> dict:
     groups.destroy()
     return {"loss": float(total), "grads": grads, "sent_bytes": sent["bytes"], "hash": layout.hash,
             "replica": groups.me.replica, "tp": groups.me.tp}
+
+
+def tp_mismatch_worker(rank: int, world: int) -> dict:
+    """TP 2 x DP 1: TP rank 1 gives other documents than rank 0, so their plans differ; returns
+    what each rank raised and how long plan_tp took to raise it."""
+    from distca.torch import StepPlanner
+    from distca.torch.parallel import RankGroups, plan_tp
+    groups = RankGroups.make(tp=2)
+    planner = StepPlanner(groups.cad, model={"heads": 2, "kv_heads": 1, "head_dim": 8}, cost_model=COST_MODEL)
+    cu = [0, 40, 64] if rank == 0 else [0, 10, 64]
+    start = time.perf_counter()
+    try:
+        plan_tp(planner, groups.tp, cu)
+        error = None
+    except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+        error = f"{type(e).__name__}: {e}"
+    planner.close()
+    groups.destroy()
+    return {"error": error, "seconds": time.perf_counter() - start}

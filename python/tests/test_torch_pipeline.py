@@ -134,3 +134,12 @@ def test_a_rank_that_skips_a_tick_or_walks_another_table_fails_every_rank(fault)
     assert message.startswith("InputError: ScheduleCADLockstep: the ranks are at different ticks"), message
     assert "rank 1 (stage 0) at tick" in message
     assert max(r["seconds"] for r in results) < 10
+
+
+def test_tp_ranks_that_plan_different_documents_fail_every_rank():
+    from pipeline_cases import tp_mismatch_worker
+    results = ok(run_ranks(tp_mismatch_worker, 2, timeout=120, group_timeout=30))
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1 and None not in messages, messages
+    assert "the TP ranks of a replica made different plans" in messages.pop()
+    assert max(r["seconds"] for r in results) < 10
