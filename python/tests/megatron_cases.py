@@ -472,3 +472,31 @@ def te_comparison(device: str):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def tp_worker(rank: int, world: int) -> dict:
+    """TP 2 x DP world / 2 on CPU: Megatron's own attention (per document) and CAD (THD, over the
+    data-parallel group of this rank's TP index: the CAD group), both with Megatron's
+    tensor-parallel layers (heads, FFN and vocabulary split over the TP group), 3 SGD steps from
+    the same weights. Returns both runs' losses, the largest relative difference of this rank's
+    parameter shards after training, and the CAD planner's attention shape."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+        mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    ps.initialize_model_parallel(2, 1)
+    dp_group, replica, replicas = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    config = make_config(tensor_model_parallel_size=2)
+    ref = make_model(config, local_spec())
+    r_ref = train(ref, "per_doc", replica, replicas, dp_group)
+    cad = new_cad(config, dp_group)
+    model = make_model(config, cad_mc.use_cad(local_spec(), cad))
+    r_cad = train(model, "thd", replica, replicas, dp_group)
+    worst = max(rel(a.detach(), b.detach()) for a, b in zip(model.parameters(), ref.parameters()))
+    m = cad.planner.model
+    out = {"ref": r_ref["losses"], "cad": r_cad["losses"], "param_rel": worst, "num_plans": cad.num_plans,
+           "shape": [m.num_q_heads, m.num_kv_heads, m.head_dim], "tp_rank": ps.get_tensor_model_parallel_rank(),
+           "moved": sum(sum(p.q_send_splits) - p.q_send_splits[dist.get_rank(dp_group)] for p in cad.layout.parts)}
+    cad.planner.close()
+    return out

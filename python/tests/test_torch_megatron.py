@@ -140,3 +140,18 @@ def test_bad_settings_raise(runs, case, words):
     message = runs["w1"]["layer"]["errors"][case]
     assert message.startswith(("ValueError", "InputError")), message
     assert words in message, message
+
+
+def test_tensor_parallel_2_x_data_parallel_2_equals_megatron_attention():
+    """Megatron's tensor-parallel layers on 4 gloo ranks (TP 2 x DP 2): CAD over each TP index's
+    data-parallel group trains what Megatron's own attention does, each rank holding 2 of the 4
+    query heads and 1 of the 2 key/value heads."""
+    results = run_ranks(mc.tp_worker, 4, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+    out = [r["result"] for r in results]
+    for r in out:
+        assert mc.rel(torch.tensor(r["cad"]), torch.tensor(r["ref"])) < 1e-5, r
+        assert r["param_rel"] < 1e-5 and r["num_plans"] == 3 and r["shape"] == [2, 1, 16]
+    assert sorted(r["tp_rank"] for r in out) == [0, 0, 1, 1]
+    assert sum(r["moved"] for r in out) > 0     # CAD moved attention rows between the replicas

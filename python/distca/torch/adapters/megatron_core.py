@@ -36,7 +36,8 @@ Parallelism. The context's group is the data-parallel group (default: parallel_s
 without context parallelism): its ranks hold the same attention heads and different documents.
 With tensor parallelism each rank's layer holds num_attention_heads / tp query heads and
 num_query_groups / tp key/value heads (CADContext reads tp from parallel_state, or `tp_size=`),
-and the ranks of one TP group plan the same documents alike. Context parallelism, attention dropout,
+and the ranks of one TP group plan the same documents alike (TP 2 x DP 2 on CPU: test_torch_megatron.py).
+Context parallelism, attention dropout,
 sliding windows, attention bias, softmax offsets, multi-latent and cross attention raise ValueError.
 
 Megatron is imported only when the adapter is used (CADCoreAttention is built on first access);
