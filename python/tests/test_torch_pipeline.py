@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pipeline_cases import MICRO_BATCHES, one_process, pipeline_worker, serve_worker  # noqa: E402
 
 from distca.torch.spawn import run_ranks  # noqa: E402
+from sizes import soak  # noqa: E402
 
 
 def ok(results):
@@ -113,7 +114,7 @@ def test_tp2_dp2_equals_one_process_and_moves_half_the_bytes():
 
 @pytest.mark.xdist_group("torch_3d")
 def test_pp2_tp2_dp2_equals_one_process():
-    steps = 3
+    steps = soak(1, 3)   # 8 processes on the suite's 2 cores: one AdamW step; 3 under scripts/test.sh --long
     one = one_process(steps, replicas=2)
     results = ok(run_ranks(pipeline_worker, 8, 2, "cad", steps, False, 2, timeout=600))
     losses = next(r["losses"] for r in results if r["losses"] is not None)
