@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan.models.llama3")
 
 from distca.torch.spawn import run_ranks  # noqa: E402
+import torchtitan_cases as tc  # noqa: E402
 from torchtitan_cases import STEPS, one_process_worker, two_rank_worker  # noqa: E402
 
 # The module's fixture starts ranks once; its tests share one pytest-xdist worker (--dist loadgroup).
@@ -114,3 +115,16 @@ def test_bad_configurations_raise(one_process):
     for key, words in expect.items():
         assert e[key] is not None and e[key].startswith("ValueError") and words in e[key], (key, e[key])
     assert e["removed_is_flex"] == "FlexAttention" and e["removed_masks"] == "BlockMask"
+
+
+def test_pipeline_stages_under_the_lockstep_schedule_equal_one_process():
+    """TorchTitan's model split into 2 stages as pipeline_llm does, CAD in each, run by
+    ScheduleCADLockstep on 2 gloo ranks: the losses and each stage's weights after 3 AdamW steps
+    equal the whole model on one process; the idle stage serves rows."""
+    results = run_ranks(tc.pipeline_worker, 2, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+    for r in (x["result"] for x in results):
+        assert tc.max_rel(r["got"], r["want"]) <= TOLERANCE, r
+        assert r["params"] <= TOLERANCE, r
+        assert r["served_idle_rows"] > 0

@@ -371,3 +371,63 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def pipeline_worker(rank, world):
+    """PP 2 on 2 ranks: the TorchTitan model split into two stages as pipeline_llm does
+    (torchtitan's _split_module: embedding and layer 0, then layer 1, the norm and the LM head),
+    CAD in each stage, run by ScheduleCADLockstep over 4 micro-batches (one row each) for 3
+    AdamW steps; each rank also trains the whole model alone over the same rows (TorchTitan's
+    block-causal mask applied densely). Returns the losses, and each stage's parameters' largest
+    relative difference from the one-process model's (as one vector)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torchtitan.distributed.pipeline_parallel import _split_module
+
+    from distca.torch import StepPlanner
+    from distca.torch.adapters.torchtitan import LockstepMasks, apply_cad, lockstep_documents
+    from distca.torch.parallel import ScheduleCADLockstep
+
+    micro_batches = 4
+    whole = build_model("flex")
+    out = {}
+    names = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]][rank]
+    module = _split_module(whole, names)
+    reference = copy.deepcopy(whole)
+    use_dense_reference(reference)
+    out["want"] = train(reference, [global_batch(s, micro_batches) for s in range(STEPS)], own_masks)
+    planner = StepPlanner(model={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}, cost_model=COST_MODEL,
+                          backward="stateless", policy="minbytes", granularity=16, tolerance=0.0)
+    apply_cad(module, planner=planner)
+    ex_in = torch.zeros(1, SEQ, dtype=torch.long) if rank == 0 else torch.zeros(1, SEQ, DIM, requires_grad=True)
+    ex_out = torch.zeros(1, SEQ, DIM if rank == 0 else VOCAB, requires_grad=True)
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=(ex_in,), output_args=(ex_out,))
+    total = {"n": 1}
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / total["n"]
+
+    schedule = ScheduleCADLockstep(stage, micro_batches, planner, layers_per_stage=1, loss_fn=loss_fn,
+                                   scale_grads=False, documents=lockstep_documents)
+    masks = LockstepMasks(schedule, 1, SEQ)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    got, served = [], 0
+    for step in range(STEPS):
+        rows = skewed_rows(step, micro_batches)
+        total["n"] = sum(labels.numel() for _, labels, _ in rows)
+        losses: list = []
+        schedule.step(arg_mbs=[(tokens,) if rank == 0 else () for tokens, _, _ in rows],
+                      kwarg_mbs=[{"positions": positions, "attention_masks": masks} for _, _, positions in rows],
+                      target_mbs=[labels for _, labels, _ in rows], losses=losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.tensor([sum(float(x.detach()) for x in losses) if rank == 1 else 0.0], dtype=torch.float64)
+        dist.all_reduce(loss)
+        got.append(float(loss))
+        served += sum(t.served_rows for t in schedule.records if t.micro_batch is None)
+    planner.finish()
+    mine = dict(module.named_parameters())
+    ref_params = dict(reference.named_parameters())
+    # As the other runs here compare them: the stage's parameters as one vector (flat_params).
+    flat = lambda params: torch.cat([params[k].detach().reshape(-1) for k in sorted(mine)])  # noqa: E731
+    out.update(got=got, served_idle_rows=served, num_params=len(mine), params=max_rel(flat(mine), flat(ref_params)))
+    return out

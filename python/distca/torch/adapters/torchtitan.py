@@ -21,8 +21,13 @@ from its dataloaders), before the inner attention; CAD does not touch positions.
 TorchTitan's Trainer calls get_attention_masks only for models configured with its flex or varlen
 backend (the language-model default): keep that config; with ScaledDotProductAttention, call
 cad.plan(shape=(B, L)) (one document per row) and pass the result as attention_masks yourself.
-CADInnerAttention runs eagerly under torch.compile. Untested: context, pipeline and tensor
-parallelism, activation checkpointing (its recomputed forward calls cad_attention again, on every
+CADInnerAttention runs eagerly under torch.compile.
+
+Pipeline parallelism: split the model into stages as TorchTitan's pipeline_llm does, apply_cad to
+each stage module, and run the stages under distca.torch.parallel.ScheduleCADLockstep with
+documents=lockstep_documents and attention_masks=LockstepMasks(schedule, B, L) in every
+micro-batch's keywords (tested: 2 stages on 2 gloo ranks against one process). Untested: context
+and tensor parallelism, activation checkpointing (its recomputed forward calls cad_attention again, on every
 rank in the same order).
 
 Not supported (ValueError): attention modules other than TorchTitan's GQAttention family, models
@@ -44,7 +49,8 @@ from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
 from .documents import document_cu_seqlens
 
-__all__ = ["CADInnerAttention", "CADMasks", "TorchTitanCAD", "apply_cad", "document_cu_seqlens"]
+__all__ = ["CADInnerAttention", "CADMasks", "LockstepMasks", "TorchTitanCAD", "apply_cad", "document_cu_seqlens",
+           "lockstep_documents"]
 
 
 def _torchtitan():
@@ -72,6 +78,30 @@ class CADMasks:
     @property
     def num_documents(self) -> int:
         return len(self.cu_seqlens) - 1
+
+
+@dataclass
+class LockstepMasks:
+    """attention_masks for a TorchTitan pipeline stage under ScheduleCADLockstep
+    (distca.torch.parallel): every micro-batch passes the same object, and each layer reads the
+    layout of the tick being run (schedule.current). batch and seq_len: a micro-batch's [B, L]."""
+    schedule: Any
+    batch: int
+    seq_len: int
+
+    @property
+    def layout(self) -> StepLayout:
+        layout = self.schedule.current
+        if layout is None:
+            raise ValueError("LockstepMasks: the stage ran outside a forward tick of its ScheduleCADLockstep")
+        return layout
+
+
+def lockstep_documents(kwargs: dict) -> list:
+    """ScheduleCADLockstep's documents= for TorchTitan stages: a micro-batch's cu_seqlens from
+    its `positions` keyword (documents restart where positions is 0), as get_attention_masks
+    reads them."""
+    return document_cu_seqlens(kwargs["positions"], None)
 
 
 class TorchTitanCAD:
@@ -144,7 +174,7 @@ class CADInnerAttention(nn.Module):
                 attention_masks: Any = None, scale: Optional[float] = None, enable_gqa: bool = False,
                 out_transform: Any = None, score_mod: Any = None, is_causal: bool = True,
                 **kwargs: Any) -> torch.Tensor:
-        if not isinstance(attention_masks, CADMasks):
+        if not isinstance(attention_masks, (CADMasks, LockstepMasks)):
             got = "None" if attention_masks is None else type(attention_masks).__name__
             raise ValueError(
                 f"CADInnerAttention needs the step's CADMasks as attention_masks, got {got}: after apply_cad, "

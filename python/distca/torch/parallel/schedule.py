@@ -136,7 +136,8 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
     planner: a StepPlanner over the CAD group (every stage of every replica of this TP index),
       backward="stateless" (a backward tick's plan differs from its forward's).
     layers_per_stage: the attention layers of this rank's stage, the same on every stage.
-    documents: the micro-batch keyword holding its documents' cu_seqlens.
+    documents: the micro-batch keyword holding its documents' cu_seqlens, or a function of the
+      micro-batch's keywords that returns them (e.g. from TorchTitan's positions).
     dtype: the dtype of q/k/v, which an idle stage serves in.
     loss_fn, scale_grads: as PipelineScheduleSingle's.
     tp_group: with tensor parallelism, the rank's TP group: every tick's plan hash is checked
@@ -146,7 +147,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
     """
 
     def __init__(self, stage: Any, n_microbatches: int, planner: StepPlanner, *, layers_per_stage: int,
-                 documents: str = "cu_seqlens", dtype: torch.dtype = torch.float32,
+                 documents: Any = "cu_seqlens", dtype: torch.dtype = torch.float32,
                  loss_fn: Optional[Callable] = None, scale_grads: bool = True, tp_group: Any = None,
                  backend: Any = None):
         if not isinstance(planner, StepPlanner):
@@ -200,6 +201,8 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
         if m is None:
             return [0]
         kwargs = kwarg_mbs[m]
+        if callable(self._documents):
+            return self._documents(kwargs)
         if self._documents not in kwargs:
             raise ValueError(f"micro-batch {m} has no keyword {self._documents!r} (its documents' cu_seqlens)")
         return kwargs[self._documents]
