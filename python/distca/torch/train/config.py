@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel ranks per replica: each holds heads / T and kv-heads / T (which T must "
                         "divide) and FFN / T; one CAD group per TP index (default 1)")
     g.add_argument("--micro-batches", type=int, metavar="M",
-                   help="with --pp: micro-batches per step, each --context tokens of whole documents (default 2 x P)")
+                   help="with --pp: micro-batches per step, each --context tokens; a document crossing into the next "
+                        "micro-batch is cut there, as at a step's end (default 2 x P)")
     g = p.add_argument_group("attention")
     g.add_argument("--attention", choices=BACKENDS, help="the core attention backend (default cad)")
     g.add_argument("--compare", action="store_true",
@@ -334,9 +335,6 @@ def _check_parallel(a: argparse.Namespace, model: ModelArgs, backends: tuple) ->
             raise UsageError(f"{', '.join(used)} with --pp/--tp: not supported yet (a checkpoint holds one replica's "
                              f"whole model); train without it, or with --pp 1 --tp 1")
     if a.pp > 1:
-        if a.data or (a.workload or "skewed") != "skewed":
-            raise UsageError("--pp needs whole documents in every micro-batch: --workload skewed (the spanning and "
-                             "packed workloads and --data put documents across micro-batches)")
         if a.backward == "stateful":
             raise UsageError("--pp with --backward stateful: the lockstep schedule plans each backward tick apart "
                              "(other stages' micro-batches than its forward), so Q/K/V travel again: stateless")

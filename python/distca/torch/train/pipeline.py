@@ -7,6 +7,8 @@ group) under torch.distributed.pipelining, the step's micro-batches --context to
     colocated  PyTorch's Schedule1F1B, each stage attending its own micro-batch with the same
                server kernel (a planner of policy none over a group of this rank alone)
 
+Micro-batches hold whole documents; one that crosses into the next micro-batch (the spanning
+and packed workloads, --data) is cut there, each part a document of its own, as at a step's end.
 Gradients are summed over the micro-batches (the loss of each is its cross-entropy over the
 step's targets), all-reduced over the DP group, clipped by the whole model's norm (the split
 weights summed over the TP group, the stages' over the PP group) and stepped by AdamW, as the
@@ -33,6 +35,19 @@ from .config import Config, cost_model
 from .data import StepData
 from .model import TransformerStage, packed_cross_entropy
 from .timing import AttentionWatch, TimedKernel, lr_at
+
+
+def micro_batch_documents(pieces: list, cu: Any) -> list:
+    """A micro-batch's cu_seqlens: its documents, where a document crosses into another
+    micro-batch cut there, the part in this one a document of its own (positions from 0), as
+    a document cut at a step's end continues in the next step. A micro-batch's attention cannot
+    reach another's keys: they run in different ticks."""
+    if cu is not None:
+        return [int(x) for x in cu]
+    out = [0]
+    for _, begin, end, _ in pieces:
+        out.append(out[-1] + int(end - begin))
+    return out
 
 
 class PipelineBackend:
@@ -135,7 +150,7 @@ class PipelineBackend:
         losses: list = []
         self.schedule.step(
             arg_mbs=[(torch.from_numpy(tokens).to(self.device),) if self.first else () for tokens, _, _, _ in mbs],
-            kwarg_mbs=[{"cu_seqlens": [int(x) for x in cu]} for _, _, _, cu in mbs],
+            kwarg_mbs=[{"cu_seqlens": micro_batch_documents(pieces, cu)} for _, _, pieces, cu in mbs],
             target_mbs=[torch.from_numpy(targets).to(self.device) for _, targets, _, _ in mbs], losses=losses)
         sync()
         t_pipe = time.perf_counter()
