@@ -27,6 +27,8 @@ def test_pipeline_compare_trains_one_curve_and_reports_parts_that_add_up(tmp_pat
     for r in doc["steps"]:
         p, per = r["pipeline"], r["per_rank"]
         for w in range(world):
+            assert per["forward_seconds"][w] + per["backward_seconds"][w] == pytest.approx(per["compute_seconds"][w])
+            assert per["forward_seconds"][w] > 0 and per["backward_seconds"][w] > 0
             parts = per["plan_seconds"][w] + per["compute_seconds"][w] + per["serve_seconds"][w] + per["wait_seconds"][w]
             assert parts <= per["step_seconds"][w] + 1e-9
             assert parts + per["optimizer_seconds"][w] == pytest.approx(per["step_seconds"][w], rel=1e-6, abs=1e-6)

@@ -91,7 +91,7 @@ class PipelineBackend:
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.args.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=cfg.args.lr, betas=(0.9, 0.95), eps=1e-8)
-        self.compute_seconds = 0.0
+        self.chunk_seconds = {"forward_one_chunk": 0.0, "backward_one_chunk": 0.0}
         self.local_plan_seconds = 0.0   # colocated: planning inside each forward, taken out of compute
         self._time_chunks()
 
@@ -100,12 +100,12 @@ class PipelineBackend:
         for method in ("forward_one_chunk", "backward_one_chunk"):
             inner = getattr(self.stage, method)
 
-            def timed(*args, _inner=inner, **kwargs):
+            def timed(*args, _inner=inner, _name=method, **kwargs):
                 start = time.perf_counter()
                 try:
                     return _inner(*args, **kwargs)
                 finally:
-                    self.compute_seconds += time.perf_counter() - start
+                    self.chunk_seconds[_name] += time.perf_counter() - start
             setattr(self.stage, method, timed)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,8 @@ class PipelineBackend:
         first_slice = groups.me.replica * cfg.micro_batches
         mbs = [data.rank_slice(first_slice + i, cfg.context) for i in range(cfg.micro_batches)]
         self._targets = data.num_targets
-        self.kernel.seconds = self.compute_seconds = self.local_plan_seconds = 0.0
+        self.kernel.seconds = self.local_plan_seconds = 0.0
+        self.chunk_seconds = dict.fromkeys(self.chunk_seconds, 0.0)
         self.watch.reset()
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -172,14 +173,17 @@ class PipelineBackend:
         records = getattr(self.schedule, "records", [])
         plan_s = sum(r.plan_ms for r in records) / 1e3 + self.local_plan_seconds
         serve_s = sum(r.compute_ms for r in records if r.micro_batch is None) / 1e3
-        compute_s = self.compute_seconds - self.local_plan_seconds
+        # Colocated plans inside each forward: that time is planning, not the forward's.
+        forward_s = self.chunk_seconds["forward_one_chunk"] - self.local_plan_seconds
+        backward_s = self.chunk_seconds["backward_one_chunk"]
+        compute_s = forward_s + backward_s
         pipe_s = t_pipe - t0
         wait_s = max(0.0, pipe_s - plan_s - compute_s - serve_s)
         # The loss once per replica: its last stage's TP index 0 (the micro-batches' sums).
         loss_sum = sum(float(x.detach()) for x in losses) * self._targets if self.last and groups.me.tp == 0 else 0.0
         served = [r for r in records if r.micro_batch is None]
-        return {"step_seconds": t_end - t0, "plan_seconds": plan_s, "forward_seconds": compute_s,
-                "backward_seconds": 0.0, "optimizer_seconds": t_end - t_pipe,
+        return {"step_seconds": t_end - t0, "plan_seconds": plan_s, "forward_seconds": forward_s,
+                "backward_seconds": backward_s, "optimizer_seconds": t_end - t_pipe,
                 "attention_kernel_seconds": self.kernel.seconds,
                 "attention_seconds": self.watch.forward + self.watch.backward + serve_s,
                 "attention_forward_seconds": self.watch.forward, "attention_backward_seconds": self.watch.backward,
