@@ -362,7 +362,7 @@ def error_cases(config, cad, layer, psp, q, k, v) -> dict:
                                                   packed_seq_params=psp))
     e["sbhd_padding_causal"] = _error(lambda: layer(q[:, None], k[:, None], v[:, None], None,
                                                     attn_mask_type=AttnMaskType.padding_causal))
-    e["use_cad_no_slot"] = _error(lambda: cad_mc.use_cad(cad_mc._megatron().ModuleSpec(module=torch.nn.Identity), cad))
+    e["use_cad_no_slot"] = _error(lambda: cad_mc.use_cad(cad_mc.require_megatron().ModuleSpec(module=torch.nn.Identity), cad))
     return e
 
 

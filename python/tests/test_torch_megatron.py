@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +157,41 @@ def test_tensor_parallel_2_x_data_parallel_2_equals_megatron_attention():
         assert r["param_rel"] < 1e-5 and r["num_plans"] == 3 and r["shape"] == [2, 1, 16]
     assert sorted(r["tp_rank"] for r in out) == [0, 0, 1, 1]
     assert sum(r["moved"] for r in out) > 0     # CAD moved attention rows between the replicas
+
+
+def test_lockstep_pipeline_2_x_data_parallel_2_equals_one_process():
+    """Megatron's GPT in 2 pipeline stages x 2 replicas on 4 gloo ranks under LockstepForwardBackward
+    (Megatron's forward_backward_func signature): 3 SGD steps over 4 micro-batches a replica, one
+    holding a single long document, equal the whole model on one process with Megatron's own
+    attention; the idle stages of every warm-up and cool-down tick serve what the tick's plan
+    gives them; a rank with another micro-batch count fails with one error on every rank."""
+    import megatron_pipeline_cases as mp
+    out = Path(tempfile.mkdtemp())
+    ref = run_ranks(mp.reference_worker, 1, str(out), timeout=300)
+    assert ref[0]["error"] is None, ref[0]["error"]
+    results = run_ranks(mp.pipeline_worker, 4, str(out), timeout=300)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+    res = [r["result"] for r in results]
+    want = ref[0]["result"]["losses"]
+    last = [r for r in res if r["stage"] == 1]
+    assert len(last) == 2
+    for r in last:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], want)) < TOL, (r["losses"], want)
+        assert abs(r["forward_only"] - want[0]) / want[0] < TOL      # forward_only: the first step's loss
+    reference = torch.load(out / "pipeline_reference.pt")
+    for stage in (0, 1):
+        mine = torch.load(out / f"pipeline_stage{stage}_tp0.pt")
+        assert len(mine) > 10 and mine.keys() <= reference.keys()
+        assert max(mc.rel(mine[k], reference[k]) for k in mine) < TOL
+    ticks = 2 * mp.MICRO + 2 * (2 - 1)
+    for r in res:
+        for step in r["records"]:
+            assert len(step) == ticks
+            idle = [t for t in step if t["micro_batch"] is None]
+            assert len(idle) == 2                    # one warm-up or cool-down tick on each stage
+            for t in idle:
+                assert t["local_rows"] == 0 and t["served_rows"] > 0 and t["served_rows"] == t["planned_rows"]
+        assert r["num_plans"] == (mp.MICRO + 1) + ticks * mp.STEPS     # one plan a tick (forward_only: 5 ticks)
+        assert r["mismatch"].startswith("InputError: LockstepForwardBackward: the ranks differ in num_microbatches")
+    assert len({r["mismatch"] for r in res}) == 1

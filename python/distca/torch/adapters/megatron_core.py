@@ -63,7 +63,8 @@ from ..cad.planner import StepPlanner
 __all__ = ["CADContext", "CADCoreAttention", "use_cad", "cad_layer_spec", "core_attention_spec"]
 
 
-def _megatron():
+def require_megatron() -> types.SimpleNamespace:
+    """Megatron Core's modules the adapters use (an ImportError naming what to install without it)."""
     try:
         import megatron.core  # noqa: F401
         from megatron.core import parallel_state
@@ -81,7 +82,7 @@ def _tp_size(pg_collection: Any = None) -> int:
     tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     if tp is not None:
         return tp.size()
-    ps = _megatron().parallel_state
+    ps = require_megatron().parallel_state
     if ps.model_parallel_is_initialized():
         return ps.get_tensor_model_parallel_world_size()
     return 1
@@ -129,7 +130,7 @@ class CADContext:
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
             raise ValueError(f"cache_size must be a positive integer, got {cache_size!r}")
         if group is None:
-            ps = _megatron().parallel_state if config is not None else None
+            ps = require_megatron().parallel_state if config is not None else None
             if ps is not None and ps.model_parallel_is_initialized():
                 group = ps.get_data_parallel_group(with_context_parallel=False)
         if config is not None:
@@ -150,6 +151,9 @@ class CADContext:
         self.planner = StepPlanner(group, model=model, **planner_options)
         self.auto_plan = auto_plan
         self.num_plans = 0
+        # A pipeline schedule's current tick (megatron_lockstep.LockstepForwardBackward): while set,
+        # the layers take their layout from it instead of planning on first sight.
+        self.tick: Any = None
         self._cache: "collections.OrderedDict[Any, tuple]" = collections.OrderedDict()
         self._cache_size = cache_size
 
@@ -198,6 +202,8 @@ class CADContext:
         cu = packed_seq_params.cu_seqlens_q
         if cu is None:
             raise ValueError("CADCoreAttention: THD input needs packed_seq_params.cu_seqlens_q")
+        if self.tick is not None:
+            return self.tick.layout(self, ("thd", cu), lambda: self._thd_documents(packed_seq_params, num_rows))
         if not self.auto_plan:
             return self._current(num_rows)
         if not isinstance(cu, torch.Tensor):
@@ -206,17 +212,7 @@ class CADContext:
         key = ("thd", id(cu))     # the entry holds cu itself, so its id is not reused while cached
 
         def make_cu():
-            host = cu.detach().to("cpu", torch.int64)
-            message = None
-            for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-                other = getattr(packed_seq_params, name, None)
-                if other is not None and other is not cu and not torch.equal(
-                        torch.as_tensor(other).detach().to("cpu", torch.int64), host):
-                    message = (f"packed_seq_params.{name} differs from cu_seqlens_q (CAD runs self-attention "
-                               "over unpadded documents: the keys are the queries' rows)")
-                    break
-            if message is None and (host.dim() != 1 or len(host) < 2 or int(host[-1]) != num_rows):
-                message = f"cu_seqlens_q {host.tolist()[:8]} does not end at q's {num_rows} rows"
+            host, message = self._thd_documents(packed_seq_params, num_rows)
             # Every rank raises the same error, so none is left waiting in the plan's collectives.
             agree(self.planner.control_group, message, "CADCoreAttention")
             return host
@@ -228,8 +224,28 @@ class CADContext:
             state += [t, t._version if isinstance(t, torch.Tensor) else -1]
         return self._cached(key, tuple(state), make_cu)
 
+    @staticmethod
+    def _thd_documents(packed_seq_params: Any, num_rows: int) -> tuple:
+        """(cu_seqlens_q on the host, what is wrong with the micro-batch's packing or None)."""
+        cu = packed_seq_params.cu_seqlens_q
+        if not isinstance(cu, torch.Tensor):
+            return None, f"packed_seq_params.cu_seqlens_q must be a tensor, got {type(cu).__name__}"
+        host = cu.detach().to("cpu", torch.int64)
+        for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            other = getattr(packed_seq_params, name, None)
+            if other is not None and other is not cu and not torch.equal(
+                    torch.as_tensor(other).detach().to("cpu", torch.int64), host):
+                return host, (f"packed_seq_params.{name} differs from cu_seqlens_q (CAD runs self-attention "
+                              "over unpadded documents: the keys are the queries' rows)")
+        if host.dim() != 1 or len(host) < 2 or int(host[-1]) != num_rows:
+            return host, f"cu_seqlens_q {host.tolist()[:8]} does not end at q's {num_rows} rows"
+        return host, None
+
     def layout_sbhd(self, seq_len: int, batch: int) -> StepLayout:
         """The layout of an sbhd micro-batch: `batch` documents of `seq_len` rows (b-major)."""
+        if self.tick is not None:
+            return self.tick.layout(self, ("sbhd", seq_len, batch),
+                                    lambda: (torch.arange(batch + 1, dtype=torch.int64) * seq_len, None))
         if not self.auto_plan:
             return self._current(seq_len * batch)
         return self._cached(("sbhd", seq_len, batch), (), lambda: torch.arange(batch + 1, dtype=torch.int64) * seq_len)
@@ -245,7 +261,7 @@ class CADContext:
 
 def _check_settings(config: Any, attn_mask_type: Any, attention_type: str, attention_dropout: Optional[float],
                     layer_number: int) -> None:
-    m = _megatron()
+    m = require_megatron()
     problems = []
     if attention_type != "self":
         problems.append(f"attention_type {attention_type!r} (CAD serves causal self-attention only)")
@@ -269,7 +285,7 @@ def _check_settings(config: Any, attn_mask_type: Any, attention_type: str, atten
 
 
 def _build_core_attention_class():
-    m = _megatron()
+    m = require_megatron()
 
     class CADCoreAttention(m.MegatronModule):
         """Megatron Core's `core_attention` computed by CAD (see the module docstring). Constructed by
@@ -361,7 +377,7 @@ def core_attention_spec(cad: CADContext) -> Any:
     """A ModuleSpec for a `core_attention` slot: CADCoreAttention with this context."""
     if not isinstance(cad, CADContext):
         raise TypeError(f"cad must be a CADContext, got {type(cad).__name__}")
-    return _megatron().ModuleSpec(module=__getattr__("CADCoreAttention"), params={"cad": cad})
+    return require_megatron().ModuleSpec(module=__getattr__("CADCoreAttention"), params={"cad": cad})
 
 
 def use_cad(spec: Any, cad: CADContext) -> Any:
@@ -399,6 +415,6 @@ def use_cad(spec: Any, cad: CADContext) -> Any:
 def cad_layer_spec(cad: CADContext, **local_spec_kwargs: Any) -> Any:
     """Megatron's local GPT layer spec (get_gpt_layer_local_spec(**local_spec_kwargs)) with CAD core
     attention. For Transformer Engine layers: use_cad(get_gpt_layer_with_transformer_engine_spec(), cad)."""
-    _megatron()
+    require_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     return use_cad(get_gpt_layer_local_spec(**local_spec_kwargs), cad)

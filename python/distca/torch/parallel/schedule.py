@@ -66,6 +66,15 @@ class TickRecord:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, tick: int, direction: str, micro_batch: Optional[int], layout: StepLayout, plan_ms: float,
+           compute_ms: float) -> "TickRecord":
+        """The record of a tick this rank ran with `layout` (the tick's plan)."""
+        served = _served_rows(layout)
+        return cls(tick, direction, micro_batch, layout.num_local_rows, served, _planned_rows(layout),
+                   served - sum(p.q_recv_splits[layout.rank] for p in layout.parts),
+                   float(layout.plan.load["imbalance"]), plan_ms, compute_ms)
+
 
 def _served_rows(layout: StepLayout) -> int:
     return sum(p.num_q_recv for p in layout.parts)
@@ -264,11 +273,8 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
                 raise cause from None
             finally:
                 self.current = None
-            self.records.append(TickRecord(t, direction, m, layout.num_local_rows, _served_rows(layout),
-                                           _planned_rows(layout),
-                                           _served_rows(layout) - sum(p.q_recv_splits[layout.rank] for p in layout.parts),
-                                           float(layout.plan.load["imbalance"]), (t1 - t0) * 1e3,
-                                           (time.perf_counter() - t1) * 1e3))
+            self.records.append(TickRecord.of(t, direction, m, layout, (t1 - t0) * 1e3,
+                                              (time.perf_counter() - t1) * 1e3))
         _wait(sends)
         self._update_losses(stage, losses)
         stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
