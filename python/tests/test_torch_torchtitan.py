@@ -128,3 +128,20 @@ def test_pipeline_stages_under_the_lockstep_schedule_equal_one_process():
         assert tc.max_rel(r["got"], r["want"]) <= TOLERANCE, r
         assert r["params"] <= TOLERANCE, r
         assert r["served_idle_rows"] > 0
+
+
+def test_tensor_parallel_2_x_data_parallel_2_equals_one_process():
+    """tensor_parallel (DTensor on a CPU mesh, TorchTitan's dense TP plan) x 2 replicas on 4 gloo
+    ranks, CAD over each TP index's replicas: 3 AdamW steps equal the whole model on one process;
+    each rank's attention holds 2 of the 4 heads and 1 of the 2 key/value heads; a TP rank that
+    plans other documents than its peer fails with one error on every rank."""
+    out = _result(run_ranks(tc.tp_worker, 4, timeout=300))
+    for r in out:
+        assert _rel(r["got"], r["want"]) < TOLERANCE, (r["got"], r["want"])
+        assert r["params"] < TOLERANCE, r["params"]
+        assert r["shape"] == [tc.HEADS // 2, tc.KV_HEADS // 2, tc.HEAD_DIM]
+        assert r["plans"] == STEPS and r["calls"] == [STEPS] * tc.LAYERS
+        assert len(r["sharded"]) == 5 * tc.LAYERS      # wqkv, wo, w1, w2, w3 of each layer
+        assert r["tp_mismatch"].startswith("InputError") and "TP ranks of a replica made different plans" in \
+            r["tp_mismatch"], r["tp_mismatch"]
+    assert sum(r["moved"] for r in out) > 0            # CAD moved attention rows between the replicas

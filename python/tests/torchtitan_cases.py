@@ -431,3 +431,57 @@ def pipeline_worker(rank, world):
     flat = lambda params: torch.cat([params[k].detach().reshape(-1) for k in sorted(mine)])  # noqa: E731
     out.update(got=got, served_idle_rows=served, num_params=len(mine), params=max_rel(flat(mine), flat(ref_params)))
     return out
+
+
+def tp_worker(rank, world):
+    """TP 2 x DP 2 on 4 ranks: the model sharded by tensor_parallel (DTensor on a CPU mesh), CAD
+    over each TP index's data-parallel group, each replica one row of the skewed global batch, 3
+    AdamW steps; each rank also trains the whole model alone over both rows (TorchTitan's
+    block-causal mask applied densely). Returns the losses, the full (gathered) parameters' largest
+    relative difference from the one-process model's (as one vector), the planner's attention
+    shape, the rows CAD moved, and the error of a TP rank that plans other documents."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from distca.torch.adapters.torchtitan import apply_cad, tensor_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    replica, dp_group, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh["tp"].get_group()
+    whole = build_model("flex")
+    reference = copy.deepcopy(whole)
+    use_dense_reference(reference)
+    out = {"want": train(reference, [global_batch(s) for s in range(STEPS)], own_masks)}
+    model = tensor_parallel(copy.deepcopy(whole), mesh["tp"])
+    cad = apply_cad(model, group=dp_group, tp_group=tp_group, policy="minbytes", cost_model=COST_MODEL,
+                    granularity=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    got, moved = [], 0
+    for step in range(STEPS):
+        tokens, labels, positions = skewed_rows(step)[replica]
+        masks = model.get_attention_masks(positions)
+        moved += rows_served_remotely(masks)
+        logits = model(tokens, positions=positions, attention_masks=masks)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (2 * SEQ)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=dp_group)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=dp_group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        got.append(float(total))
+    full = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for k, p in model.named_parameters()}
+    sharded = sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor))
+    ref_params = dict(reference.named_parameters())
+    flat = lambda params: torch.cat([params[k].detach().reshape(-1) for k in sorted(full)])  # noqa: E731
+    m = cad.planner.model
+    out.update(got=got, params=max_rel(flat(full), flat(ref_params)), moved=moved, sharded=sharded,
+               shape=[m.num_q_heads, m.num_kv_heads, m.head_dim], plans=cad.num_plans,
+               calls=[a.calls for a in cad.inner_attentions])
+    # A TP rank of replica 0 planning other documents than its TP peer: one error on every rank.
+    _, _, positions = skewed_rows(0)[replica]
+    if rank == 1:
+        positions = skewed_rows(1)[1][2]
+    out["tp_mismatch"] = _error(lambda: model.get_attention_masks(positions))
+    cad.planner.finish()
+    return out

@@ -26,14 +26,24 @@ CADInnerAttention runs eagerly under torch.compile.
 Pipeline parallelism: split the model into stages as TorchTitan's pipeline_llm does, apply_cad to
 each stage module, and run the stages under distca.torch.parallel.ScheduleCADLockstep with
 documents=lockstep_documents and attention_masks=LockstepMasks(schedule, B, L) in every
-micro-batch's keywords (tested: 2 stages on 2 gloo ranks against one process). Untested: context
-and tensor parallelism, activation checkpointing (its recomputed forward calls cad_attention again, on every
-rank in the same order).
+micro-batch's keywords (tested: 2 stages on 2 gloo ranks against one process).
+
+Tensor parallelism by head group: tensor_parallel(model, tp_mesh) shards every layer with
+PyTorch's DTensor (torch.distributed.tensor.parallel: the query/key/value and FFN input
+projections column-wise, the attention output and FFN output projections row-wise, as
+TorchTitan's dense TP plan; embeddings, norms and the LM head replicated), so each TP rank's
+attention sees Hq / T query and Hkv / T key/value heads as plain tensors; then
+apply_cad(model, group=<the DP ranks of this TP index>, tp_group=<the TP group>) plans with that
+shape and checks each plan's hash over the TP group (a mismatch: one InputError on every rank).
+TorchTitan 0.3's own parallelize path declares its sharding through spmd_types on the configs and
+ParallelDims; that path is not used here. Untested: context parallelism, activation
+checkpointing (its recomputed forward calls cad_attention again, on every rank in the same order).
 
 Not supported (ValueError): attention modules other than TorchTitan's GQAttention family, models
 with their own get_attention_masks (sliding windows, multimodal masks), out_transform (attention
-sinks), score_mod, non-causal calls, value head dim != query head dim (MLA), and a planner whose
-attention shape is not the model's (tensor parallelism is not supported by this adapter). The
+sinks), score_mod, non-causal calls, value head dim != query head dim (MLA), a planner whose
+attention shape is not this rank's (the model's heads / T under tp_group), and heads or key/value
+heads not divisible by T. The
 framework is imported only here, when used; `import distca.torch` never needs it.
 """
 from __future__ import annotations
@@ -42,15 +52,17 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..cad.attention import cad_attention
 from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
+from ..parallel.tensor import check_tp_plan
 from .documents import document_cu_seqlens
 
 __all__ = ["CADInnerAttention", "CADMasks", "LockstepMasks", "TorchTitanCAD", "apply_cad", "document_cu_seqlens",
-           "lockstep_documents"]
+           "lockstep_documents", "tensor_parallel"]
 
 
 def _torchtitan():
@@ -110,8 +122,9 @@ class TorchTitanCAD:
     get_attention_masks(positions) (installed as the model's) / plan(positions): collective over
     the planner's group, once per step; every layer's CADInnerAttention reuses the CADMasks."""
 
-    def __init__(self, planner: StepPlanner):
+    def __init__(self, planner: StepPlanner, tp_group: Any = None):
         self.planner = planner
+        self.tp_group = tp_group          # the plan's hash is checked over it (tensor parallelism)
         self.num_plans = 0
         self.last: Optional[CADMasks] = None
         self._swapped: list = []          # (attention module, its original inner attention)
@@ -129,6 +142,8 @@ class TorchTitanCAD:
         cu = document_cu_seqlens(positions, shape)      # checks positions / shape
         b, s = tuple(positions.shape) if positions is not None else tuple(shape or ())
         layout = self.planner.plan(cu)
+        if self.tp_group is not None:
+            check_tp_plan(self.planner, layout, self.tp_group)
         self.num_plans += 1
         self.last = CADMasks(layout, int(b), int(s), cu, self.num_plans)
         return self.last
@@ -216,13 +231,16 @@ def _attention_modules(model: nn.Module) -> list:
 
 
 def apply_cad(model: nn.Module, planner: Optional[StepPlanner] = None, *, group: Any = None,
-              backend: Optional[str] = None, **planner_kwargs: Any) -> TorchTitanCAD:
+              tp_group: Any = None, backend: Optional[str] = None, **planner_kwargs: Any) -> TorchTitanCAD:
     """Swaps every layer's inner attention of a TorchTitan decoder for CADInnerAttention and
     installs TorchTitanCAD.get_attention_masks as the model's; returns the TorchTitanCAD.
 
-    planner: a StepPlanner whose model shape is the layers' (heads, kv_heads, head_dim); without
-      one, StepPlanner(group, model=that shape, **planner_kwargs) is made (collective over the
-      group; torch.distributed must be initialised, world size 1 included).
+    planner: a StepPlanner whose model shape is this rank's layers' (heads, kv_heads, head_dim);
+      without one, StepPlanner(group, model=that shape, **planner_kwargs) is made (collective over
+      the group; torch.distributed must be initialised, world size 1 included).
+    tp_group: with tensor parallelism (tensor_parallel), the rank's TP group: each rank's layers
+      hold heads / T and kv_heads / T, and every plan's hash is checked over it. `group` is then
+      the CAD group, the data-parallel ranks of this TP index.
     backend: the server kernel cad_attention uses (default: the planner's).
     """
     _, tt_attention, tt_decoder = _torchtitan()
@@ -259,6 +277,11 @@ def apply_cad(model: nn.Module, planner: Optional[StepPlanner] = None, *, group:
         raise ValueError(f"apply_cad: the layers' attention shapes differ ({sorted(shapes)}); one planner "
                          f"serves one shape")
     heads, kv_heads, head_dim = shapes.pop()
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    if heads % tp or kv_heads % tp:
+        raise ValueError(f"apply_cad: {heads} heads and {kv_heads} key/value heads do not split over tensor "
+                         f"parallelism {tp} (each TP rank holds whole head groups)")
+    heads, kv_heads = heads // tp, kv_heads // tp
     if planner is None:
         planner = StepPlanner(group, model={"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim},
                               **planner_kwargs)
@@ -270,9 +293,10 @@ def apply_cad(model: nn.Module, planner: Optional[StepPlanner] = None, *, group:
         shape = (planner.model.num_q_heads, planner.model.num_kv_heads, planner.model.head_dim)
         if shape != (heads, kv_heads, head_dim):
             raise ValueError(f"apply_cad: the planner's attention shape (heads, kv_heads, head_dim) = {shape} is "
-                             f"not the model's {(heads, kv_heads, head_dim)} (tensor parallelism is not supported "
-                             f"by this adapter)")
-    cad = TorchTitanCAD(planner)
+                             + (f"not the model's {(heads, kv_heads, head_dim)}" if tp == 1 else
+                                f"not this rank's {(heads, kv_heads, head_dim)} (the model's heads over tensor "
+                                f"parallelism {tp})"))
+    cad = TorchTitanCAD(planner, tp_group if tp > 1 else None)
     for _, attn in found:
         inner = attn.inner_attention
         cad._swapped.append((attn, inner))
@@ -282,3 +306,43 @@ def apply_cad(model: nn.Module, planner: Optional[StepPlanner] = None, *, group:
     model.__dict__["_distca_cad"] = cad   # plain attribute (not a submodule): marks the model
     model.get_attention_masks = cad.get_attention_masks
     return cad
+
+
+def tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Shards a TorchTitan decoder's layers over a 1-d DeviceMesh with DTensor (in place; returns
+    the model): per layer, the attention's fused wqkv (or wq, wk, wv) and the FFN's w1, w3
+    column-wise, the attention's wo and the FFN's w2 row-wise, outputs as plain tensors; the
+    embeddings, norms and LM head stay replicated (their gradients agree over the TP group). Each
+    rank's attention then holds n_heads / T query and n_kv_heads / T key/value heads: pass the TP
+    group to apply_cad(..., tp_group=). Raises ValueError on a model whose layers do not split."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    _, tt_attention, tt_decoder = _torchtitan()
+    if not isinstance(model, tt_decoder.Decoder):
+        raise ValueError(f"tensor_parallel: supports TorchTitan decoders, got {type(model).__name__}")
+    tp = tp_mesh.size()
+    for name, layer in model.layers.items():
+        attn = getattr(layer, "attention", None)
+        if not isinstance(attn, tt_attention.GQAttention):
+            raise ValueError(f"tensor_parallel: layer {name} has no GQAttention")
+        if attn.n_heads % tp or attn.n_kv_heads % tp:
+            raise ValueError(f"tensor_parallel: layer {name}'s {attn.n_heads} heads / {attn.n_kv_heads} key/value "
+                             f"heads do not split over {tp} ranks")
+        qkv = attn.qkv_linear
+        plan: dict = {"attention.wo": RowwiseParallel()}
+        if isinstance(qkv, tt_attention.FusedQKVLinear):
+            plan["attention.qkv_linear.wqkv"] = ColwiseParallel()     # rows [kv head, q heads + k + v, head_dim]
+        elif isinstance(qkv, tt_attention.QKVLinear):
+            plan.update({f"attention.qkv_linear.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
+        else:
+            raise ValueError(f"tensor_parallel: layer {name}'s {type(qkv).__name__} projection is not one this "
+                             "plan splits (QKVLinear or FusedQKVLinear)")
+        ffn = getattr(layer, "feed_forward", None)
+        if ffn is None or not all(isinstance(getattr(ffn, w, None), nn.Linear) for w in ("w1", "w2", "w3")):
+            raise ValueError(f"tensor_parallel: layer {name} has no dense SwiGLU feed-forward (w1, w2, w3)")
+        if ffn.w1.out_features % tp:
+            raise ValueError(f"tensor_parallel: layer {name}'s FFN width {ffn.w1.out_features} does not split over "
+                             f"{tp} ranks")
+        plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+                     "feed_forward.w3": ColwiseParallel()})
+        parallelize_module(layer, tp_mesh, plan)
+    return model
