@@ -59,15 +59,37 @@ def test_tensor_parallel_trains_what_one_rank_does(tmp_path):
     assert _max_rel(_losses(b, "cad"), _losses(a, "cad")) < 1e-5
 
 
+@pytest.mark.parametrize("flags", [["--pp", "2", "--compare"], ["--tp", "2"]])
+def test_resume_under_pp_or_tp_repeats_the_curve(tmp_path, flags):
+    """Steps 3..4 after resuming from step 2 equal a straight run's bit for bit: each rank of the
+    replica saved and loaded under its own place; a resume under another rank map is refused."""
+    common = TINY[:2] + TINY[4:] + flags
+    straight, resumed, ck = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ck"
+    assert [r["code"] for r in _train(2, common + ["--steps", "4", "--json", str(straight)])] == [0, 0]
+    assert [r["code"] for r in _train(2, common + ["--steps", "2", "--checkpoint", str(ck)])] == [0, 0]
+    head = json.loads((ck / "distca_train.json").read_text())
+    assert head["rank_map"] == {"tp": 2 if "--tp" in flags else 1, "pp": 2 if "--pp" in flags else 1, "dp": 1}
+    places = {e["name"].split("/")[1] for e in head["tensors"]["entries"]}
+    assert places == ({"stage0.tp0", "stage1.tp0"} if "--pp" in flags else {"stage0.tp0", "stage0.tp1"})
+    results = _train(2, common + ["--steps", "4", "--resume", str(ck), "--json", str(resumed)])
+    assert [r["code"] for r in results] == [0, 0], results[0]["stdout"]
+    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    for backend in {r["backend"] for r in a["steps"]}:
+        want, got = _losses(a, backend)[2:], _losses(b, backend)
+        assert len(got) == 2 and got == want, (backend, want, got)      # bit for bit (CPU, deterministic)
+    other = ["--tp", "2", "--compare"] if "--pp" in flags else ["--pp", "2"]
+    bad = _refusals(2, [[TINY[:2] + TINY[4:] + other + ["--steps", "4", "--resume", str(ck)]] * 2])[0]
+    assert [r["code"] for r in bad] == [2, 2]
+    assert 'field "rank_map"' in bad[0]["stdout"] and "resume with the same flags, ranks and data" in bad[0]["stdout"]
+
+
 def test_what_cannot_run_is_refused_in_one_line():
     runs = [["--preset", "tiny", "--pp", "3"], ["--preset", "tiny", "--tp", "2"],
-            ["--preset", "tiny", "--pp", "2", "--checkpoint", "/tmp/distca-3d-never"],
             ["--preset", "tiny", "--micro-batches", "4"],
             ["--preset", "tiny", "--pp", "2", "--backward", "stateful"],
             ["--preset", "tiny", "--pp", "2", "--compare", "--micro-batches", "1"],
             ["--preset", "tiny", "--pp", "2", "--kv-heads", "2", "--tp", "2"]]
     want = ["--pp 3: the model's 2 layers do not split into 3 stages", "--tp 2: each TP rank holds key/value heads",
-"--checkpoint with --pp/--tp: not supported yet",
             "--micro-batches applies with --pp > 1", "--pp with --backward stateful",
             "--micro-batches 1 < --pp 2", "--pp 2 x --tp 2 = 4 ranks a replica does not divide the world's 2 ranks"]
     results = _refusals(2, [[r, r] for r in runs])

@@ -329,11 +329,6 @@ def _check_parallel(a: argparse.Namespace, model: ModelArgs, backends: tuple) ->
     if model.n_kv_heads % a.tp or model.ffn_dim % a.tp:
         raise UsageError(f"--tp {a.tp}: each TP rank holds key/value heads / T and FFN / T: the model's "
                          f"{model.n_kv_heads} key/value heads and FFN {model.ffn_dim} must split (see --kv-heads)")
-    if a.pp > 1 or a.tp > 1:
-        used = [f for f, v in (("--checkpoint", a.checkpoint), ("--resume", a.resume)) if v]
-        if used:
-            raise UsageError(f"{', '.join(used)} with --pp/--tp: not supported yet (a checkpoint holds one replica's "
-                             f"whole model); train without it, or with --pp 1 --tp 1")
     if a.pp > 1:
         if a.backward == "stateful":
             raise UsageError("--pp with --backward stateful: the lockstep schedule plans each backward tick apart "

@@ -95,6 +95,11 @@ class PipelineBackend:
         self.local_plan_seconds = 0.0   # colocated: planning inside each forward, taken out of compute
         self._time_chunks()
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's stage module (what a checkpoint saves and loads)."""
+        return self.module
+
     # The stage's micro-batches, timed: forward_one_chunk and backward_one_chunk of this rank.
     def _time_chunks(self) -> None:
         for method in ("forward_one_chunk", "backward_one_chunk"):

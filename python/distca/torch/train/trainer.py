@@ -69,7 +69,7 @@ from .data import DataError, JsonlData, StepData, SyntheticData, read_jsonl
 from .model import Transformer, packed_cross_entropy
 from .pipeline import PipelineBackend
 from .report import gather_record, print_summary, rows_served_remotely, si, step_line, summarise, write_report
-from .resume import check_resume, load_checkpoint, save_checkpoint, step_on_disk
+from .resume import check_resume, load_own_checkpoint, save_checkpoint, step_on_disk
 from .timing import AttentionWatch, TimedKernel, lr_at
 from .watch import CollectiveFailure, Watch, collective_failure
 
@@ -295,7 +295,7 @@ def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backe
     if a.resume:
         error = None
         try:
-            load_checkpoint(a.resume, backends)
+            load_own_checkpoint(a.resume, backends, cfg, world, rank)
         except UsageError as e:
             error = str(e)
         agree_on_error(error, ctl_group)
