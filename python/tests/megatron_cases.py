@@ -45,14 +45,20 @@ SEED = 1234
 
 # Setup -----------------------------------------------------------------------------------------
 
+def cpu_shims() -> None:
+    """The two CPU shims (module docstring), applied only when there is no GPU."""
+    from megatron.core.tensor_parallel import random as mrandom
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+        mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+
+
 def setup(device: str = "cpu") -> None:
     """Megatron's model-parallel state over the current world (TP = PP = CP = 1: DP = world), and
     the CPU shims (module docstring) when there is no GPU."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-    if device == "cpu" and not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"
-        mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    if device == "cpu":
+        cpu_shims()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
 
@@ -481,10 +487,7 @@ def tp_worker(rank: int, world: int) -> dict:
     the same weights. Returns both runs' losses, the largest relative difference of this rank's
     parameter shards after training, and the CAD planner's attention shape."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"
-        mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    cpu_shims()
     ps.initialize_model_parallel(2, 1)
     dp_group, replica, replicas = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     config = make_config(tensor_model_parallel_size=2)

@@ -12,7 +12,6 @@ global batch divided by its token count, so micro-batches and replicas add up.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import sys
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megatron_cases as mc  # noqa: E402
@@ -33,14 +31,6 @@ ROWS = 96
 REPLICAS = 2
 STEPS = 3
 LR = 0.5
-
-
-def shims() -> None:
-    """megatron_cases' two CPU shims (see its docstring)."""
-    from megatron.core.tensor_parallel import random as mrandom
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"
-        mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
 
 
 def micro_lengths(step: int, replica: int, m: int) -> list:
@@ -97,7 +87,7 @@ def build(config, spec, pre: bool, post: bool, offset: int):
 def reference_worker(rank: int, world: int, out_dir: str) -> dict:
     """One process, the whole model, Megatron's attention one document per forward."""
     from megatron.core import parallel_state as ps
-    shims()
+    mc.cpu_shims()
     ps.initialize_model_parallel(1, 1)
     model = build(mc.make_config(num_layers=LAYERS), mc.local_spec(), True, True, 0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -141,7 +131,7 @@ def pipeline_worker(rank: int, world: int, out_dir: str, tp: int = 1) -> dict:
     """PP 2 x DP 2 (x TP tp) on world gloo ranks: the lockstep forward-backward function trains the
     stages 3 SGD steps; returns the losses (last stage), the tick records, and faults' messages."""
     from megatron.core import parallel_state as ps
-    shims()
+    mc.cpu_shims()
     ps.initialize_model_parallel(tp, 2)
     stage, replica = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     assert ps.get_data_parallel_world_size() == REPLICAS
