@@ -26,7 +26,7 @@ def serve_worker(rank: int, world: int, backward: str) -> dict:
     from distca.torch import StepPlanner, cad_attention, cad_serve
     from torch_cases import whole_document
     lengths = {0: [200], 1: [9, 30, 17, 4]}
-    planner = StepPlanner(model=MODEL, cost_model=COST_MODEL, backward=backward, policy="minlink", tolerance=0.0,
+    planner = StepPlanner(model=MODEL, cost_model=COST_MODEL, backward=backward, state_budget=None, policy="minlink", tolerance=0.0,
                            granularity=32)
     mine = lengths.get(rank, [])
     layout = planner.plan([0] + list(np.cumsum(mine)))

@@ -49,14 +49,17 @@ def matrix_worker(rank, world, num_batches, seed):
     planners = {}
     for policy in POLICIES:
         for pingpong in (False, True):
-            for backward in ("stateful", "stateless"):
+            # stateful: every call keeps its servers' Q/K/V (no state budget); budgeted: the default
+            # budget (stateful only where no server holds more rows than it owns).
+            for backward in ("stateful", "budgeted", "stateless"):
                 planners[policy, pingpong, backward] = StepPlanner(
                     model=MODEL, cost_model=COST_MODEL, policy=policy, granularity=16 if policy in ("minmax", "minbytes") else None,
-                    pingpong=pingpong, backward=backward, backend="sdpa")
+                    pingpong=pingpong, backward="stateless" if backward == "stateless" else "stateful",
+                    state_budget=None if backward == "stateful" else 0, backend="sdpa")
     rng = np.random.default_rng(seed)
     worst = {}
     counts = {"cases": 0, "merged_entries": 0, "spanning_batches": 0, "pingpong_split": 0, "pingpong_identical": 0,
-              "pingpong_cuts": 0, "pingpong_max_diff": 0.0, "multi_layer": 0}
+              "pingpong_cuts": 0, "pingpong_max_diff": 0.0, "multi_layer": 0, "mixed_layers": 0, "budgeted_stateless": 0}
     for b in range(num_batches):
         spanning = b % 2 == 1
         lengths, ranks = random_batch(rng, world, spanning)
@@ -66,7 +69,7 @@ def matrix_worker(rank, world, num_batches, seed):
         refs = [whole_document(*d) for d in data]
         pieces = ranks[rank]
         want = [local_rows([r[i] for r in refs], pieces) for i in range(4)]
-        backward = "stateless" if b % 3 == 2 else "stateful"
+        backward = ("stateful", "budgeted", "stateless")[b % 3]
         for policy in POLICIES:
             layouts = {}
             for pingpong in (False, True):
@@ -83,6 +86,8 @@ def matrix_worker(rank, world, num_batches, seed):
                 worst[key] = [max(a, e) for a, e in zip(worst.get(key, [0.0] * 4), errors)]
                 results[backend, pingpong] = got
                 counts["cases"] += 1
+            if backward == "budgeted":
+                counts["budgeted_stateless"] += int(layouts[True].stateless_calls > 0)
             counts["pingpong_split"] += int(layouts[True].is_pingpong)
             off, on = results["sdpa", False], results["sdpa", True]
             diff = _max_rel(list(zip(on, [x.double() for x in off])))
@@ -94,7 +99,14 @@ def matrix_worker(rank, world, num_batches, seed):
                 data2 = doc_data(lengths, seed * 100003 + b + 7777)
                 refs2 = [whole_document(*d) for d in data2]
                 want2 = [local_rows([r[i] for r in refs2], pieces) for i in range(4)]
-                got2 = _run_layer(layouts[True], data2, pieces, "sdpa")
+                # Stateful: a budget of the calls so far sends this one's Q/K/V again (stateless)
+                # while the first layer's servers kept theirs: both in one step's layout.
+                lay = layouts[True]
+                extra, before = lay.extra_state_bytes(torch.float32), lay.stateless_calls
+                if lay.backward == "stateful" and extra > 0 and lay.kept_calls > 0:
+                    lay.state_budget = extra * lay.kept_calls
+                got2 = _run_layer(lay, data2, pieces, "sdpa")
+                counts["mixed_layers"] += int(lay.kept_calls > 0 and lay.stateless_calls == before + 1)
                 errors = _max_rel(list(zip(got2, want2)))
                 worst["sdpa second layer"] = [max(a, e) for a, e in zip(worst.get("sdpa second layer", [0.0] * 4), errors)]
                 counts["multi_layer"] += 1
@@ -125,6 +137,8 @@ def test_cad_attention_equals_whole_document_attention(world):
     assert counts["pingpong_identical"] >= num_batches * len(POLICIES) // 4, counts
     assert counts["pingpong_max_diff"] <= 1e-6, counts
     assert counts["multi_layer"] == (num_batches + 9) // 10  # the batches b with b % 10 == 0
+    assert counts["mixed_layers"] >= 1, counts          # batch 0: stateful, then stateless, in one layout
+    assert counts["budgeted_stateless"] >= 1, counts    # the default budget sent Q/K/V again somewhere
 
 
 def bf16_worker(rank, world, num_batches, seed):

@@ -28,7 +28,7 @@ def distca_matrix_worker(rank, world, num_batches, seed):
     model = {"heads": HQ, "kv_heads": HKV, "head_dim": MATRIX_D}
     planners = {(policy, pingpong, backward): StepPlanner(
         model=model, cost_model=COST_MODEL, policy=policy, granularity=16 if policy in ("minmax", "minbytes") else None,
-        pingpong=pingpong, backward=backward, backend="distca")
+        pingpong=pingpong, backward=backward, state_budget=None, backend="distca")   # stateful: every call keeps its state
         for policy in POLICIES for pingpong in (False, True) for backward in ("stateful", "stateless")}
     rng = np.random.default_rng(seed)
     worst: dict = {}

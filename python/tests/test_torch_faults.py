@@ -56,12 +56,12 @@ def faults_worker(rank, world):
     def leaves(dtype=torch.float32):
         return [x.detach().to(dtype).clone().requires_grad_() for x in rows[:3]]
 
-    # Row 7: twice through the default (stateful) backward, then once more without retain_graph.
+    # Row 7: twice through the stateful backward, then once more without retain_graph.
     for pingpong in (False, True):
         case = out[f"row7 pingpong={pingpong}"] = {}
         try:
             planner = StepPlanner(model=model, cost_model=COST_MODEL, policy="minbytes", granularity=16,
-                                  pingpong=pingpong)
+                                  pingpong=pingpong, state_budget=None)   # every call stateful
             layout = planner.plan(pieces=pieces)
             case["parts"], case["backward"] = len(layout.parts), layout.backward
             q, k, v = leaves()

@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from distca.torch.spawn import run_ranks  # noqa: E402
 from sizes import soak  # noqa: E402
+from test_torch_train_memory import check_report as check_memory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
@@ -148,6 +149,13 @@ def test_demo_model_cad_equals_colocated_2_ranks(tmp_path):
     assert all(r["rows_served_remotely"] == 0 for r in doc["steps"] if r["backend"] == "colocated")
     assert doc["summary"]["speedup"] > 0 and len(doc["summary"]["speedup_per_step"]) == steps - 1
     assert "speedup of CAD over colocated" in run.stdout and f"step {steps:4d}/{steps} cad" in run.stdout, log
+    check_memory(doc)
+    # The two backends hold the same model and optimizer; CAD's server state is in what it saves.
+    for r in doc["steps"]:
+        assert r["per_rank"]["memory_states_bytes"][0] == doc["steps"][0]["per_rank"]["memory_states_bytes"][0]
+    assert doc["summary"]["memory_cad_over_colocated"] == pytest.approx(
+        doc["summary"]["backends"]["cad"]["memory_max_bytes"] / doc["summary"]["backends"]["colocated"]["memory_max_bytes"])
+    assert "memory: colocated fullest rank" in run.stdout, log
     from distca.torch.train.data import SyntheticData
     want = _reference_loss(SyntheticData("skewed", 1, 2, 1024).step(0), "demo")
     assert abs(cad[0] - want) / want <= TOLERANCE and abs(col[0] - want) / want <= TOLERANCE, (want, cad[0], col[0])

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_torch_train import _losses, _max_rel, _refusals, _train  # noqa: E402
+from test_torch_train_memory import check_report as check_memory  # noqa: E402
 
 TINY = ["--preset", "tiny", "--steps", "3", "--kv-heads", "2", "--lr", "3e-3"]
 
@@ -38,6 +39,7 @@ def test_pipeline_compare_trains_one_curve_and_reports_parts_that_add_up(tmp_pat
             assert {t["micro_batch"] for t in r["ticks"]} >= {None, 0}
         else:
             assert all(s["served_idle_rows"] == 0 for s in p["stages"])
+    check_memory(doc)
 
 
 def test_pipeline_with_documents_across_micro_batches(tmp_path):

@@ -215,12 +215,13 @@ class CADAttention(torch.autograd.Function):
         # 2. Serve each nano-batch as its rows arrive; post its results back at once.
         returns: dict = {}
         saved: list = [None] * len(layout.parts)
+        stateful = layout.keeps_state(q.dtype)
         for i in order:
             p, (xq, xkv) = layout.parts[i], dispatch[i]
             o_send, lse_send, state = _server_forward(p, xq.wait(), xkv.wait(), kernel, scale)
             returns[i] = _Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group,
                                    pool, ("fwd_return", i), stage)
-            saved[i] = state if layout.backward == "stateful" else None
+            saved[i] = state if stateful else None
         # 3. Owner: copy each nano-batch's whole rows as they come back, then merge the key-split
         #    rows' partial results of both (in part order, as the layout's merge slots).
         out = q.new_zeros(q.shape)
@@ -238,7 +239,8 @@ class CADAttention(torch.autograd.Function):
         # Saved through autograd, the stateful server Q/K/V too: the engine frees them after the
         # backward unless the graph is retained (retain_graph=True), so a second backward finds
         # them, as it finds any op's saved tensors (saved-tensor hooks apply to them as well).
-        if layout.backward == "stateless":
+        ctx.stateless = not stateful
+        if not stateful:
             ctx.save_for_backward(out, lse, q, k, v)
         else:
             ctx.save_for_backward(out, lse, *(x for state in saved for x in state))
@@ -257,21 +259,25 @@ class CADAttention(torch.autograd.Function):
             # served where that tick's plan puts them.
             layout = layout.backward_layout
             order = forward_order(layout, out.shape[1], ctx.num_kv_heads)[::-1]
-        dq, dk, dv = backward_exchange(layout, ctx.kernel, ctx.scale, order, ctx.num_kv_heads, out, lse, dout, inputs)
+        dq, dk, dv = backward_exchange(layout, ctx.kernel, ctx.scale, order, ctx.num_kv_heads, out, lse, dout, inputs,
+                                       stateless=ctx.stateless)
         return dq, dk, dv, None, None, None
 
 
 def backward_exchange(layout: StepLayout, kernel, scale: float, order: list, hkv: int, out: torch.Tensor,
-                      lse: torch.Tensor, dout: torch.Tensor, inputs: list) -> tuple:
+                      lse: torch.Tensor, dout: torch.Tensor, inputs: list, *,
+                      stateless: Optional[bool] = None) -> tuple:
     """cad_attention's backward data path over `layout`, the nano-batches in `order`: this rank's
     dO with its merged O [T, Hq, D] and LSE [T, Hq] -> (dq, dk, dv) of its rows. inputs: stateless,
     this rank's (q, k, v); stateful, the servers' saved (q, k, v) per nano-batch, flattened.
+    stateless: the forward call's mode (StepLayout.keeps_state); default the layout's.
     Collective over the layout's group; a rank with no rows (T = 0) passes empty tensors and only
     serves (distca.torch.cad.serve)."""
     group = layout.group
     dout = dout.contiguous()
     hq, d = out.shape[1], out.shape[2]
-    stateless = layout.backward == "stateless"
+    if stateless is None:
+        stateless = layout.backward == "stateless"
     wire = GRAD_RETURN_DTYPES[layout.grad_return]
     if stateless:
         q, k, v = inputs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -90,6 +90,41 @@ class StepLayout:
     grad_return: str = "fp32"      # the dtype dK/dV partial sums travel in on the backward return (fp32 | bf16)
     split: Optional[NanoSplit] = None  # ping-pong's split of the plan (cuts, duplicated K/V rows), or None
     backward_layout: Optional["StepLayout"] = None  # the layout the backward runs on, when planned apart
+    # The stateful servers' memory (keeps_state): per rank of the plan, the Q rows and K/V rows its
+    # tasks compute on (every nano-batch), and the rows it owns; the budget in bytes a rank's
+    # servers may keep beyond what the stateless backward keeps (None: no limit), and how many of
+    # this step's cad_attention calls kept their servers' state so far.
+    server_rows: Optional[tuple] = None
+    state_budget: Optional[int] = None
+    kept_calls: int = 0
+    stateless_calls: int = 0
+
+    def extra_state_bytes(self, dtype: torch.dtype) -> int:
+        """What the fullest rank's servers keep in one cad_attention call under the stateful
+        backward beyond what the stateless one keeps there (the owner's own Q, K and V): their Q
+        rows and K/V rows less its own rows, at `dtype`; 0 when no rank's servers keep more."""
+        if self.server_rows is None or self.model is None:
+            return 0
+        q_rows, kv_rows, own_rows = self.server_rows
+        m, e = self.model, torch.empty((), dtype=dtype).element_size()
+        q_width, kv_width = m.num_q_heads * m.head_dim, 2 * m.num_kv_heads * m.head_dim
+        extra = q_rows * q_width + kv_rows * kv_width - own_rows * (q_width + kv_width)
+        return max(int(extra.max()) * e, 0) if len(extra) else 0
+
+    def keeps_state(self, dtype: torch.dtype) -> bool:
+        """Whether this cad_attention call's servers keep the Q/K/V they computed on for its
+        backward (stateful) or the backward sends them again (stateless). A stateful layout keeps
+        them in as many calls of the step as the state budget holds on the fullest rank, counted
+        from the plan alike on every rank (so every rank takes the same turn in every call); the
+        rest of the step's calls go stateless."""
+        if self.backward != "stateful":
+            return False
+        budget = self.state_budget
+        if budget is not None and (self.kept_calls + 1) * self.extra_state_bytes(dtype) > budget:
+            self.stateless_calls += 1
+            return False
+        self.kept_calls += 1
+        return True
 
     def set_backward_layout(self, other: "StepLayout") -> None:
         """The backward of every cad_attention call made with this layout runs on `other`: the same
@@ -188,6 +223,22 @@ def _checked_rows(rows: Any, batch: Any, rank: int) -> np.ndarray:
     return mine[:, 1:].astype(np.int64)
 
 
+def _server_rows(parts: Sequence, batch: Any) -> tuple:
+    """Per rank: the Q rows and K/V rows of the tasks it serves, over the nano-batches' task lists
+    (a task of rows [q0, q1) over keys [k0, k1) gathers q1 - q0 and k1 - k0 of them), and the rows
+    it owns (int64 arrays)."""
+    n = batch.num_ranks
+    q_rows, kv_rows = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for tasks in parts:
+        t = np.ascontiguousarray(tasks).view(np.int64).reshape(-1, 6)
+        np.add.at(q_rows, t[:, 5], t[:, 2] - t[:, 1])
+        np.add.at(kv_rows, t[:, 5], t[:, 4] - t[:, 3])
+    pieces = np.asarray(batch.to_dict()["pieces"], np.int64).reshape(-1, 4)
+    own = np.zeros(n, np.int64)
+    np.add.at(own, pieces[:, 3], pieces[:, 2] - pieces[:, 1])
+    return q_rows, kv_rows, own
+
+
 def rank_layout(plan: "distca.Plan", batch: Any, rows: Any, rank: int, device: Union[str, torch.device], *,
                 pingpong: bool) -> StepLayout:
     """Rank `rank`'s StepLayout of a plan: what StepPlanner.plan builds after planning, without a
@@ -224,13 +275,15 @@ def rank_layout(plan: "distca.Plan", batch: Any, rows: Any, rank: int, device: U
     merged_rows, merge_slot = np.unique(np.concatenate(merge_rows), return_inverse=True)
     bounds = np.cumsum([0] + [len(m) for m in merge_rows])
     parts = [_part_layout(d, device, n, merge_slot[bounds[i]:bounds[i + 1]]) for i, (d, n) in enumerate(routes)]
+    server_rows = _server_rows(split.parts if split is not None else (plan.tasks,), batch)
     positions = np.concatenate([np.zeros(0, np.int64)] + [np.arange(b, e, dtype=np.int64) for b, e in mine])
     cu = np.concatenate([[0], np.cumsum(mine[:, 1] - mine[:, 0])]).astype(np.int64)
     layout = StepLayout(
         serial=0, rank=rank, world_size=batch.num_ranks, group=None, control_group=None,
         device=device, model=None, num_local_rows=int(len(positions)), positions=_device_tensor(positions, device),
         local_cu_seqlens=_device_tensor(cu, device), parts=parts, merged_rows=_device_tensor(merged_rows, device),
-        plan=plan, backward="stateful", backend="auto", check_inputs=True, plan_ms=0.0, layout_ms=0.0, split=split)
+        plan=plan, backward="stateful", backend="auto", check_inputs=True, plan_ms=0.0, layout_ms=0.0, split=split,
+        server_rows=server_rows)
     layout.layout_ms = (time.perf_counter() - start) * 1e3
     return layout
 

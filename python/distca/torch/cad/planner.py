@@ -260,6 +260,12 @@ class StepPlanner:
       CPU), True or False: split each step's tasks into two nano-batches.
     backward: "stateful" (servers keep Q/K/V from the forward) or "stateless" (the backward sends
       them again: less memory on servers, more bytes).
+    state_budget: with the stateful backward, the bytes a rank's servers may keep over a step
+      beyond what the stateless backward keeps there (the owner's own Q/K/V): the servers keep
+      their Q/K/V in as many of the step's cad_attention calls (layers) as that holds on the
+      fullest rank, and the rest go stateless (StepLayout.keeps_state). 0 (the default): stateful
+      only where no rank's servers hold more rows than it owns, so no rank keeps more than
+      colocated attention would; None: every call stateful, whatever it holds.
     grad_return: the dtype the servers' dK/dV partial sums travel in on the backward return:
       "fp32" (default, for every input dtype) or "bf16" (each travelling partial sum rounded to
       bf16, half that phase's dK/dV bytes, summed in fp32 at the owner as the paper does; the rows
@@ -290,7 +296,8 @@ class StepPlanner:
                  cost_model: Union[str, Mapping[str, Any], None] = None, policy: str = "minlink",
                  tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
                  max_rank_bytes: Union[int, str, None] = None, pingpong: Union[str, bool] = "auto",
-                 backward: str = "stateful", grad_return: str = "fp32", backend: str = "auto",
+                 backward: str = "stateful", state_budget: Optional[int] = 0, grad_return: str = "fp32",
+                 backend: str = "auto",
                  device: Union[str, torch.device, None] = None,
                  check_inputs: bool = True, prefetch: bool = False, profile: Optional[str] = None,
                  static_buffers: bool = False, buffer_capacity: int = 0,
@@ -310,6 +317,10 @@ class StepPlanner:
             raise ValueError(f"pingpong must be 'auto', True or False, got {pingpong!r}")
         if backward not in ("stateful", "stateless"):
             raise ValueError(f"backward must be 'stateful' or 'stateless', got {backward!r}")
+        if state_budget is not None and (isinstance(state_budget, bool) or not isinstance(state_budget, (int, np.integer))
+                                         or state_budget < 0):
+            raise ValueError(f"state_budget must be a non-negative integer of bytes or None (no limit), "
+                             f"got {state_budget!r}")
         if not isinstance(grad_return, str) or grad_return not in GRAD_RETURNS:
             raise ValueError(f"grad_return must be 'fp32' or 'bf16' (the dtype dK/dV partial sums travel in), "
                              f"got {grad_return!r}")
@@ -349,6 +360,7 @@ class StepPlanner:
                              f"give the bytes of one exchange slot, or 0 to grow each slot to the largest step")
         self.pingpong = (self.device.type == "cuda") if pingpong == "auto" else bool(pingpong)
         self.backward = backward
+        self.state_budget = None if state_budget is None else int(state_budget)
         self.grad_return = grad_return
         self.backend = backend
         default_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
@@ -362,7 +374,7 @@ class StepPlanner:
         self._plan_group = dist.new_group(ranks, backend="gloo") if prefetch else self.control_group
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "distca-plan") if prefetch else None
         self._config_digest = hashlib.sha256(json.dumps(
-            [self.options, self._plan_model, self.model.__dict__, self.pingpong, backward, grad_return,
+            [self.options, self._plan_model, self.model.__dict__, self.pingpong, backward, self.state_budget, grad_return,
              backend if isinstance(backend, str) else type(backend).__name__, check_inputs, prefetch, host_staging],
             sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.buffers = ExchangeBuffers(self.device, int(buffer_capacity)) if static_buffers else None
@@ -470,7 +482,7 @@ class StepPlanner:
         layout.serial, layout.planner_id = serial, self.planner_id
         layout.group, layout.control_group, layout.model = self.group, self.control_group, self.model
         layout.backward, layout.backend, layout.check_inputs = self.backward, self.backend, self.check_inputs
-        layout.grad_return = self.grad_return
+        layout.grad_return, layout.state_budget = self.grad_return, self.state_budget
         layout.plan_ms, layout.buffers = plan_ms, self.buffers
         layout.backend_note, layout.host_staging = self.backend_note, self.host_staging
         self._layouts[id(layout)] = layout

@@ -54,6 +54,19 @@ def _tolerance_arg(text: str) -> Union[float, str]:
         raise argparse.ArgumentTypeError(f"must be auto or a number in [0, 1], got {text!r}") from None
 
 
+def _state_budget_arg(text: str) -> Union[int, str]:
+    """--state-budget: MiB (a number from 0) -> bytes, or "unlimited"."""
+    if text == "unlimited":
+        return text
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not 0 <= mib <= 2**40:
+        raise argparse.ArgumentTypeError(f"must be unlimited or MiB from 0, got {text!r}")
+    return int(mib * 2**20)
+
+
 def env_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
@@ -134,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--granularity", type=int, metavar="G", help="shard granularity in tokens (default: planner's)")
     g.add_argument("--backward", choices=("stateful", "stateless"),
                    help="stateful: servers keep Q/K/V from the forward (default); stateless: sent again")
+    g.add_argument("--state-budget", type=_state_budget_arg, metavar="MIB|unlimited",
+                   help="stateful: what a rank's servers may keep in a step beyond the stateless backward's memory; "
+                        "the layers past it go stateless (default 0: no rank above colocated's attention memory)")
     g.add_argument("--grad-return", choices=("fp32", "bf16"),
                    help="the dtype the servers' dK/dV partial sums travel in, summed in fp32 at the owner "
                         "(bf16: half those bytes, the paper's choice; default fp32)")
@@ -182,6 +198,7 @@ class Config:
     backward: str
     pingpong: Any               # "auto", True or False
     grad_return: str = "fp32"   # fp32 | bf16: the dK/dV return's dtype
+    state_budget: Optional[int] = 0   # bytes (StepPlanner's state_budget); None: unlimited
     pp: int = 1                 # pipeline stages
     tp: int = 1                 # tensor-parallel ranks per replica
     micro_batches: int = 1      # per replica per step (--pp); 1 without
@@ -226,10 +243,15 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
     backends = BACKENDS if a.compare else (a.attention or "cad",)
     planner_flags = [f for f, v in (("--policy", a.policy), ("--tolerance", a.tolerance),
                                     ("--granularity", a.granularity), ("--backward", a.backward),
-                                    ("--pingpong", a.pingpong), ("--grad-return", a.grad_return)) if v is not None]
+                                    ("--pingpong", a.pingpong), ("--grad-return", a.grad_return),
+                                    ("--state-budget", a.state_budget)) if v is not None]
     if backends == ("colocated",) and planner_flags:
         raise UsageError(f"{', '.join(planner_flags)} would be ignored with --attention colocated "
                          f"(colocated attention has no planner options)")
+    if a.state_budget is not None and (a.backward == "stateless" or a.pp > 1):
+        raise UsageError("--state-budget would be ignored with " + ("--backward stateless" if a.backward == "stateless"
+                         else "--pp (the lockstep schedule's backward is stateless)") +
+                         ": it bounds what the stateful backward keeps")
     if a.data and (a.workload or a.seed is not None):
         raise UsageError("--workload and --seed would be ignored with --data (they choose the synthetic data)")
     if not 1 <= a.steps <= 100_000_000:
@@ -300,7 +322,8 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
                  policy=a.policy or "minlink", tolerance="auto" if a.tolerance is None else a.tolerance,
                  granularity=a.granularity, backward=a.backward or "stateful",
                  pingpong={"on": True, "off": False}.get(a.pingpong or "auto", "auto"),
-                 grad_return=a.grad_return or "fp32", pp=a.pp, tp=a.tp, micro_batches=micro_batches)
+                 grad_return=a.grad_return or "fp32",
+                 state_budget=None if a.state_budget == "unlimited" else (a.state_budget or 0), pp=a.pp, tp=a.tp, micro_batches=micro_batches)
     if a.pp > 1:
         cfg.backward = a.backward or "stateless"
     if "cad" in backends:  # the planner's own checks (distca.plan's messages), no collective

@@ -33,6 +33,7 @@ from ..parallel.schedule import ScheduleCADLockstep
 from ..parallel.tensor import clip_grad_norm, shard_model
 from .config import Config, cost_model
 from .data import StepData
+from .memory import SavedBytes, buffer_bytes, reset_device_peak, states_bytes, step_memory
 from .model import TransformerStage, packed_cross_entropy
 from .timing import AttentionWatch, TimedKernel, lr_at
 
@@ -91,6 +92,7 @@ class PipelineBackend:
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.args.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=cfg.args.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.saved = SavedBytes(exclude=self.module.parameters())
         self.chunk_seconds = {"forward_one_chunk": 0.0, "backward_one_chunk": 0.0}
         self.local_plan_seconds = 0.0   # colocated: planning inside each forward, taken out of compute
         self._time_chunks()
@@ -148,16 +150,19 @@ class PipelineBackend:
         self.kernel.seconds = self.local_plan_seconds = 0.0
         self.chunk_seconds = dict.fromkeys(self.chunk_seconds, 0.0)
         self.watch.reset()
+        self.saved.reset_peak()
+        reset_device_peak(self.device)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         dist.barrier(group=ctl_group)
         t0 = time.perf_counter()
         watch.at(f"step {step + 1}'s pipeline ({self.name})")
         losses: list = []
-        self.schedule.step(
-            arg_mbs=[(torch.from_numpy(tokens).to(self.device),) if self.first else () for tokens, _, _, _ in mbs],
-            kwarg_mbs=[{"cu_seqlens": micro_batch_documents(pieces, cu)} for _, _, pieces, cu in mbs],
-            target_mbs=[torch.from_numpy(targets).to(self.device) for _, targets, _, _ in mbs], losses=losses)
+        with self.saved.hooks():
+            self.schedule.step(
+                arg_mbs=[(torch.from_numpy(tokens).to(self.device),) if self.first else () for tokens, _, _, _ in mbs],
+                kwarg_mbs=[{"cu_seqlens": micro_batch_documents(pieces, cu)} for _, _, pieces, cu in mbs],
+                target_mbs=[torch.from_numpy(targets).to(self.device) for _, targets, _, _ in mbs], losses=losses)
         sync()
         t_pipe = time.perf_counter()
         watch.at(f"step {step + 1}'s gradient sync and optimizer step ({self.name})")
@@ -187,7 +192,9 @@ class PipelineBackend:
         # The loss once per replica: its last stage's TP index 0 (the micro-batches' sums).
         loss_sum = sum(float(x.detach()) for x in losses) * self._targets if self.last and groups.me.tp == 0 else 0.0
         served = [r for r in records if r.micro_batch is None]
-        return {"step_seconds": t_end - t0, "plan_seconds": plan_s, "forward_seconds": forward_s,
+        memory = step_memory(states_bytes(self.module, self.optimizer), self.saved.peak, buffer_bytes(self.planner),
+                             self.device)
+        return {**memory, "step_seconds": t_end - t0, "plan_seconds": plan_s, "forward_seconds": forward_s,
                 "backward_seconds": backward_s, "optimizer_seconds": t_end - t_pipe,
                 "attention_kernel_seconds": self.kernel.seconds,
                 "attention_seconds": self.watch.forward + self.watch.backward + serve_s,

@@ -11,7 +11,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import memory
 from .data import StepData
+from .memory import MEMORY_PARTS
 from .model import ModelArgs
 from .config import BACKENDS, Config, say
 
@@ -31,7 +33,7 @@ def rows_served_remotely(plan) -> int:
 
 PER_RANK = ("step_seconds", "plan_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds",
             "attention_kernel_seconds", "attention_seconds", "attention_forward_seconds", "attention_backward_seconds",
-            "loss_sum")
+            "loss_sum") + tuple(f"memory_{k}_bytes" for k in MEMORY_PARTS) + ("memory_bytes", "rss_peak_bytes")
 
 
 # With --pp: each rank's own micro-batches' forward and backward, its serving in idle ticks, its
@@ -63,6 +65,7 @@ def _pipeline_record(per_rank: dict, cfg: Config, world: int) -> dict:
 def gather_record(local: dict, step: int, backend: str, data: StepData, cfg: Config, world: int, ctl_group) -> dict:
     """Every rank's measurements -> the step's record (the same on every rank)."""
     keys = PER_RANK + (PIPELINE_PER_RANK if cfg.pp > 1 else ())
+    local = {**local, "rss_peak_bytes": memory.peak_rss_bytes()}
     mine = torch.tensor([local[k] for k in keys], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=ctl_group)
@@ -80,6 +83,9 @@ def gather_record(local: dict, step: int, backend: str, data: StepData, cfg: Con
                                  else local["rows_served_remotely"]),
         "plan_imbalance_estimated": local["plan_imbalance"],
         "plan_tolerance": local.get("plan_tolerance"),
+        # cad_attention calls whose servers kept their Q/K/V for the backward, and those that did not
+        # (the state budget: the same on every rank); None where the backward is planned apart (--pp).
+        "stateful_layers": local.get("stateful_layers"), "stateless_layers": local.get("stateless_layers"),
         "step_seconds": step_s, "tokens_per_second": cfg.slices(world) * cfg.context / step_s,
         "straggler_rank": straggler,
         "attention_seconds": per_rank["attention_seconds"][straggler],
@@ -88,6 +94,7 @@ def gather_record(local: dict, step: int, backend: str, data: StepData, cfg: Con
         "plan_ms_max": 1e3 * max(per_rank["plan_seconds"]),
         "documents": len({key for pieces in data.pieces for key, *_ in pieces}),
         "documents_spanning_ranks": data.spanning_documents(),
+        "memory": memory.record(per_rank),
         "per_rank": {k: v for k, v in per_rank.items() if k != "loss_sum"},
     }
     if pipeline:
@@ -112,11 +119,20 @@ def step_line(r: dict, steps: int, elapsed: float, remaining: Optional[float]) -
         return (f"step {r['step']:>4}/{steps} {r['backend']:<9} loss {r['loss']:.4f}  {si(r['tokens_per_second']):>6} "
                 f"tok/s  {r['step_seconds']:.3f}s  straggler rank {p['straggler_rank']} "
                 f"({p['straggler_busy_seconds']:.3f}s busy)  bubble {100 * p['bubble']:.0f}%  {stages}  plan "
-                f"{r['plan_ms_max']:.1f} ms{eta}")
+                f"{r['plan_ms_max']:.1f} ms  {_memory(r)}{eta}")
     return (f"step {r['step']:>4}/{steps} {r['backend']:<9} loss {r['loss']:.4f}  {si(r['tokens_per_second']):>6} tok/s  "
             f"{r['step_seconds']:.3f}s  attn {r['attention_seconds']:.3f}s (rank {r['straggler_rank']}; kernels "
             f"{r['attention_kernel_min_seconds']:.3f}-{r['attention_kernel_max_seconds']:.3f}s, imbalance "
-            f"{r['attention_imbalance']:.2f})  plan {r['plan_ms_max']:.1f} ms{eta}")
+            f"{r['attention_imbalance']:.2f})  plan {r['plan_ms_max']:.1f} ms  {_memory(r)}{eta}")
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:.1f} MiB"
+
+
+def _memory(r: dict) -> str:
+    m = r["memory"]
+    return f"mem {mib(m['max_bytes'])} (rank {m['fullest_rank']}, max/mean {m['max_over_mean']:.3f})"
 
 
 def summarise(records: list, cfg: Config, first_step: int, wall: float) -> dict:
@@ -135,6 +151,7 @@ def summarise(records: list, cfg: Config, first_step: int, wall: float) -> dict:
             "first_timed_step": timed[0]["step"], "timed_steps": len(timed), "loss_steps": k,
             "loss_first": statistics.fmean(r["loss"] for r in rs[:k]), "loss_last": statistics.fmean(r["loss"] for r in rs[-k:]),
         }
+        out["backends"][name].update(memory.summary(rs))
         if cfg.pp > 1:
             out["backends"][name]["bubble"] = statistics.fmean(r["pipeline"]["bubble"] for r in timed)
             out["backends"][name]["wait_max_seconds"] = statistics.fmean(r["pipeline"]["wait_max_seconds"] for r in timed)
@@ -151,8 +168,10 @@ def summarise(records: list, cfg: Config, first_step: int, wall: float) -> dict:
         out["speedup_per_step"] = ratios
         out["speedup_median"] = statistics.median(ratios) if ratios else None
         out["loss_max_rel_diff"] = max(abs(cad[s]["loss"] - col[s]["loss"]) / abs(col[s]["loss"]) for s in cad)
+        out["memory_cad_over_colocated"] = b["cad"]["memory_max_bytes"] / b["colocated"]["memory_max_bytes"]
     else:
-        out["speedup"] = out["speedup_median"] = out["loss_max_rel_diff"] = None
+        out["speedup"] = out["speedup_median"] = out["loss_max_rel_diff"] = out["memory_cad_over_colocated"] = None
+    out["rss_peak_bytes"] = [int(x) for x in records[-1]["per_rank"]["rss_peak_bytes"]] if records else []
     out["wall_seconds"] = wall
     return out
 
@@ -177,6 +196,11 @@ def print_summary(s: dict, cfg: Config) -> None:
         f"(--skip leaves out warm-up); step: the longest rank's; attn: the straggler's time inside cad_attention "
         f"(forward + backward, waiting included); kernels: the busiest rank's server-kernel seconds; imbalance: their "
         f"max/mean over ranks")
+    say("memory: " + "; ".join(f"{name} fullest rank {mib(b['memory_max_bytes'])}, max/mean over ranks "
+                                 f"{b['memory_max_over_mean']:.3f}" for name, b in s["backends"].items())
+        + (f"; CAD {s['memory_cad_over_colocated']:.3f}x colocated" if s["memory_cad_over_colocated"] else "")
+        + f" (parameters, gradients and optimizer state + the peak the autograd graph saves + static exchange "
+          f"buffers; the process's peak RSS: {', '.join(mib(x) for x in s['rss_peak_bytes'])})")
     if s["speedup"] is not None:
         say(f"speedup of CAD over colocated (same run, same data): {s['speedup']:.2f}x (mean step times; median of "
             f"per-step ratios {s['speedup_median']:.2f}x); largest relative loss difference: {s['loss_max_rel_diff']:.2e}")

@@ -66,6 +66,7 @@ from ..parallel.tensor import clip_grad_norm, plan_tp, shard_model
 from .config import (PROG, Config, RunError, UsageError, agree_on_error, check_same_settings, cost_model, env_rank,
                      parse_args, say)
 from .data import DataError, JsonlData, StepData, SyntheticData, read_jsonl
+from .memory import SavedBytes, buffer_bytes, reset_device_peak, states_bytes, step_memory
 from .model import Transformer, packed_cross_entropy
 from .pipeline import PipelineBackend
 from .report import gather_record, print_summary, rows_served_remotely, si, step_line, summarise, write_report
@@ -92,7 +93,8 @@ class Backend:
         if name == "cad":
             self.planner = StepPlanner(attention_group, model=shape, cost_model=cost_model(m), policy=cfg.policy,
                                        tolerance=cfg.tolerance, granularity=cfg.granularity,
-                                       pingpong=cfg.pingpong, backward=cfg.backward, grad_return=cfg.grad_return,
+                                       pingpong=cfg.pingpong, backward=cfg.backward, state_budget=cfg.state_budget,
+                                       grad_return=cfg.grad_return,
                                        backend=cfg.args.kernel, device=device)
         else:
             self.planner = StepPlanner(attention_group, model=shape, cost_model=cost_model(m), policy="none",
@@ -110,6 +112,7 @@ class Backend:
                                            lr=cfg.args.lr, betas=(0.9, 0.95), eps=1e-8)
         self.kernel = TimedKernel(get_backend(cfg.args.kernel, device, torch.float32, head_dim=m.head_dim), device)
         self.watch = AttentionWatch()
+        self.saved = SavedBytes(exclude=self.model.parameters())
         self.layout: Optional[StepLayout] = None
 
     def attention(self, q, k, v):
@@ -136,6 +139,8 @@ class Backend:
         targets_t = torch.from_numpy(targets).to(self.device)
         self.kernel.seconds = 0.0
         self.watch.reset()
+        self.saved.reset_peak()
+        reset_device_peak(self.device)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         dist.barrier(group=ctl_group)
@@ -148,8 +153,9 @@ class Backend:
             layout = self.layout = self.planner.plan(cu) if cu is not None else self.planner.plan(pieces=pieces)
         t_plan = time.perf_counter()
         at("forward")
-        logits = self.ddp(tokens_t, layout.positions, self.attention)
-        loss_sum = packed_cross_entropy(logits, targets_t)
+        with self.saved.hooks():
+            logits = self.ddp(tokens_t, layout.positions, self.attention)
+            loss_sum = packed_cross_entropy(logits, targets_t)
         # The mean over every replica's targets; DDP averages gradients over replicas, hence x replicas.
         loss = loss_sum * (replicas / data.num_targets)
         sync()
@@ -183,7 +189,10 @@ class Backend:
                 "loss_sum": float(loss_sum.detach()) if groups is None or groups.me.tp == 0 else 0.0,
                 "grad_norm": float(grad_norm), "lr": lr,
                 "rows_served_remotely": rows_served_remotely(plan), "plan_imbalance": float(plan.load["imbalance"]),
-                "plan_tolerance": float(plan.tolerance)}
+                "plan_tolerance": float(plan.tolerance),
+                "stateful_layers": layout.kept_calls, "stateless_layers": layout.stateless_calls,
+                **step_memory(states_bytes(self.model, self.optimizer), self.saved.peak, buffer_bytes(self.planner),
+                              self.device)}
 
 
 # ---------------------------------------------------------------------------------------------
