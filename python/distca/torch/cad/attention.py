@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..kernels.backends import get_backend
 from ..kernels.ops import scale_problem
 from ..kernels.server import ServerKernel, default_scale
+from ..trace import interval, now, span
 from .agreement import CALL_CAD_ATTENTION, InputError, call_header, error_message
 from .buffers import ExchangeBuffers
 from .layout import PartLayout, StepLayout
@@ -70,6 +71,7 @@ class _Exchange:
 
     def __init__(self, x: torch.Tensor, send_splits: list, recv_splits: list, group,
                  buffers: Optional[ExchangeBuffers] = None, slot: tuple = (), stage: bool = False):
+        self.slot, self.posted = slot, now()
         rows, row_shape = sum(recv_splits), tuple(x.shape[1:])
         self.out = buffers.get(slot, rows, row_shape, x.dtype) if buffers is not None else x.new_empty((rows,) + row_shape)
         self.host = torch.empty((rows,) + row_shape, dtype=x.dtype) if stage else None
@@ -82,6 +84,9 @@ class _Exchange:
         self.work.wait()
         if self.host is not None:
             self.out.copy_(self.host)
+        if self.slot:   # from posted to completed (seen here), on the rank's exchange track
+            interval(f"exchange {'/'.join(str(x) for x in self.slot)}", self.posted, now(), "exchange",
+                     nano=self.slot[1], rows=int(self.out.shape[0]))
         return self.out
 
 
@@ -156,12 +161,13 @@ def _check(q, k, v, layout: StepLayout, scale, backend, return_lse) -> Optional[
     return None
 
 
-def _server_forward(part: PartLayout, q_recv, kv_recv, kernel, scale):
+def _server_forward(part: PartLayout, q_recv, kv_recv, kernel, scale, nano: int = 0):
     """Received rows -> this server's O and LSE per received Q row (the return's send buffer)."""
     q_var = q_recv.index_select(0, part.q_gather)
     kv_var = kv_recv.index_select(0, part.kv_gather)
     k_var, v_var = kv_var[:, 0].contiguous(), kv_var[:, 1].contiguous()
-    o_var, lse_var = kernel.forward(q_var, k_var, v_var, part.tasks, scale)
+    with span("server kernel forward", nano=nano, rows=int(q_var.shape[0])):
+        o_var, lse_var = kernel.forward(q_var, k_var, v_var, part.tasks, scale)
     o_send = o_var.new_empty((part.num_q_recv,) + tuple(o_var.shape[1:])).index_copy_(0, part.q_gather, o_var)
     lse_send = lse_var.new_empty((part.num_q_recv, lse_var.shape[1])).index_copy_(0, part.q_gather, lse_var)
     return o_send, lse_send, (q_var, k_var, v_var)
@@ -201,6 +207,11 @@ class CADAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: StepLayout, kernel, scale: float):
+        with span("cad_attention forward", rows=int(q.shape[0])):
+            return CADAttention._forward(ctx, q, k, v, layout, kernel, scale)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, layout: StepLayout, kernel, scale: float):
         group = layout.group
         hq, d = q.shape[1], q.shape[2]
         kv = torch.stack((k, v), dim=1)                                       # [T, 2, Hkv, D]
@@ -218,7 +229,7 @@ class CADAttention(torch.autograd.Function):
         stateful = layout.keeps_state(q.dtype)
         for i in order:
             p, (xq, xkv) = layout.parts[i], dispatch[i]
-            o_send, lse_send, state = _server_forward(p, xq.wait(), xkv.wait(), kernel, scale)
+            o_send, lse_send, state = _server_forward(p, xq.wait(), xkv.wait(), kernel, scale, i)
             returns[i] = _Exchange(_pack(o_send, lse_send), p.q_recv_splits, p.q_send_splits, group,
                                    pool, ("fwd_return", i), stage)
             saved[i] = state if stateful else None
@@ -259,8 +270,9 @@ class CADAttention(torch.autograd.Function):
             # served where that tick's plan puts them.
             layout = layout.backward_layout
             order = forward_order(layout, out.shape[1], ctx.num_kv_heads)[::-1]
-        dq, dk, dv = backward_exchange(layout, ctx.kernel, ctx.scale, order, ctx.num_kv_heads, out, lse, dout, inputs,
-                                       stateless=ctx.stateless)
+        with span("cad_attention backward", rows=int(out.shape[0]), stateless=ctx.stateless):
+            dq, dk, dv = backward_exchange(layout, ctx.kernel, ctx.scale, order, ctx.num_kv_heads, out, lse, dout,
+                                           inputs, stateless=ctx.stateless)
         return dq, dk, dv, None, None, None
 
 
@@ -314,7 +326,8 @@ def backward_exchange(layout: StepLayout, kernel, scale: float, order: list, hkv
         else:
             q_var, k_var, v_var = server_state[i]
         do_var, o_var, lse_var = (x.index_select(0, p.q_gather) for x in (do_recv, o_recv, lse_recv))
-        dq_var, dk_var, dv_var = kernel.backward(do_var, q_var, k_var, v_var, o_var, lse_var, p.tasks, scale)
+        with span("server kernel backward", nano=i, rows=int(q_var.shape[0])):
+            dq_var, dk_var, dv_var = kernel.backward(do_var, q_var, k_var, v_var, o_var, lse_var, p.tasks, scale)
         dq_send = dq_var.new_empty((p.num_q_recv, hq, d)).index_copy_(0, p.q_gather, dq_var)
         dkv_send = torch.zeros((p.num_kv_recv, 2, hkv, d), dtype=torch.float32, device=out.device)
         dkv_send.index_add_(0, p.kv_gather, torch.stack((dk_var.float(), dv_var.float()), dim=1))

@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (gloo) or cuda (NCCL, one GPU per process); the same code (default cpu)")
     g.add_argument("--json", metavar="FILE", help="write the run's records and summary here")
+    g.add_argument("--trace", metavar="FILE",
+                   help="write the last --trace-steps steps' spans of every rank as Chrome trace-event JSON (Perfetto, "
+                        "chrome://tracing; python -m distca.torch.trace_report FILE sums it)")
+    g.add_argument("--trace-steps", type=int, default=3, metavar="N",
+                   help="the steps --trace keeps: the last N of each backend (default 3)")
     g.add_argument("--checkpoint", metavar="DIR",
                    help="save model, optimizer and step at the end: a folder, replaced only when absent, empty or "
                         "a checkpoint of this trainer (JSON header + raw tensor bytes; loading runs no code)")
@@ -296,6 +301,15 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
     inputs = {"--data": a.data, "--resume": a.resume}
     if a.json is not None:
         _check_json_output(a.json, inputs)
+    if a.trace is not None:
+        _check_json_output(a.trace, inputs, "--trace")
+        if a.json is not None and Path(os.path.abspath(a.trace)).resolve() == Path(os.path.abspath(a.json)).resolve():
+            raise UsageError(f"--trace {a.trace} and --json name the same file; give each its own")
+        if a.pp > 1:
+            raise UsageError("--trace with --pp: the pipeline's ticks are not traced yet (the data-parallel and "
+                             "--tp runs are)")
+    if not 1 <= a.trace_steps <= 10000:
+        raise UsageError(f"--trace-steps must be 1..10000, got {a.trace_steps}")
     if a.checkpoint is not None:
         try:
             checkpoint.check_output_folder("--checkpoint", a.checkpoint, inputs)
@@ -386,31 +400,31 @@ def _check_resume_folder(path: str) -> None:
         raise UsageError(f"--resume {path}: not a checkpoint of this trainer (no {CHECKPOINT_META} in it)")
 
 
-def _check_json_output(path: str, inputs: dict) -> None:
-    """--json: the CLI's output rules (src/core/file.cc check_output_path), before any work."""
+def _check_json_output(path: str, inputs: dict, flag: str = "--json") -> None:
+    """--json, --trace: the CLI's output rules (src/core/file.cc check_output_path), before any work."""
     if not path:
-        raise UsageError("--json needs a file name")
+        raise UsageError(f"{flag} needs a file name")
     target = Path(os.path.abspath(path)).resolve()
     if target.is_dir():
-        raise UsageError(f"--json {path} is a folder; give a file name")
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
     if target.exists() and not stat.S_ISREG(os.stat(target).st_mode):
         # The report is a new file renamed into place: it replaces only a regular file, never a
         # device or a FIFO (as `distca` does).
-        raise UsageError(f"--json {path}: not a regular file; the report replaces only a regular file")
+        raise UsageError(f"{flag} {path}: not a regular file; the report replaces only a regular file")
     parent = target.parent
     if not parent.is_dir():
-        raise UsageError(f"--json {path}: the folder {parent} does not exist")
-    probe_folder("--json", path, parent, UsageError)
+        raise UsageError(f"{flag} {path}: the folder {parent} does not exist")
+    probe_folder(flag, path, parent, UsageError)
     if target.exists() and not os.access(target, os.W_OK):
-        raise UsageError(f"--json {path}: the file exists and is not writable")
+        raise UsageError(f"{flag} {path}: the file exists and is not writable")
     for in_flag, source in inputs.items():
         if not source:
             continue
         src = Path(os.path.abspath(source)).resolve()
         if src == target:
-            raise UsageError(f"--json {path} is the {in_flag} input: it would be overwritten")
+            raise UsageError(f"{flag} {path} is the {in_flag} input: it would be overwritten")
         if src.is_dir() and src in target.parents:
-            raise UsageError(f"--json {path} lies inside the {in_flag} folder {source}; write it elsewhere")
+            raise UsageError(f"{flag} {path} lies inside the {in_flag} folder {source}; write it elsewhere")
 
 
 def cost_model(m: ModelArgs) -> dict:

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..trace import span
+
 CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -156,8 +158,12 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x, cos, sin, core_attention: CoreAttention):
-        x = x + self.attention(self.attention_norm(x), cos, sin, core_attention)
-        return x + self.feed_forward(self.ffn_norm(x))
+        # The block's linear work as spans (distca.torch.trace; record_function ranges for a
+        # user's profiler): its attention projections with RoPE and core attention inside, its MLP.
+        with span("layer: attention projections"):
+            x = x + self.attention(self.attention_norm(x), cos, sin, core_attention)
+        with span("layer: feed-forward"):
+            return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import trace
 from . import memory
 from .data import StepData
 from .memory import MEMORY_PARTS
 from .model import ModelArgs
-from .config import BACKENDS, Config, say
+from .config import BACKENDS, Config, RunError, agree_on_error, say
 
 
 def rows_served_remotely(plan) -> int:
@@ -228,3 +229,19 @@ def write_report(a, cfg: Config, m: ModelArgs, world: int, device, steps_done: i
                                    "lr": a.lr, "warmup": a.warmup, "weight_decay": a.weight_decay,
                                    "clip": a.clip, "skip": a.skip, "threads": torch.get_num_threads()},
                         "steps": records, "summary": summary})
+
+
+def write_trace(path: str, tracer, rank: int, world: int, ctl_group, meta: dict) -> None:
+    """Every rank's spans gathered to rank 0, which writes them as one Chrome trace-event file
+    (distca.torch.trace); a file that cannot be written ends every rank with one line (exit 1)."""
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (tracer.origin_ns, tracer.events()), group=ctl_group)
+    error = None
+    if rank == 0:
+        try:
+            write_json(path, trace.chrome_trace(gathered, meta))
+            say(f"trace: {path} ({sum(len(e) for _, e in gathered)} spans of {world} rank(s); "
+                f"python -m distca.torch.trace_report {path} sums it)")
+        except (OSError, ValueError) as e:
+            error = f"--trace {path}: the trace could not be written ({e})"
+    agree_on_error(error, ctl_group, RunError)

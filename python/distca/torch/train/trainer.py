@@ -61,6 +61,7 @@ from ..cad.attention import cad_attention
 from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
 from ..kernels.backends import get_backend
+from .. import trace
 from ..parallel.ranks import RankGroups
 from ..parallel.tensor import clip_grad_norm, plan_tp, shard_model
 from .config import (PROG, Config, RunError, UsageError, agree_on_error, check_same_settings, cost_model, env_rank,
@@ -69,7 +70,8 @@ from .data import DataError, JsonlData, StepData, SyntheticData, read_jsonl
 from .memory import SavedBytes, buffer_bytes, reset_device_peak, states_bytes, step_memory
 from .model import Transformer, packed_cross_entropy
 from .pipeline import PipelineBackend
-from .report import gather_record, print_summary, rows_served_remotely, si, step_line, summarise, write_report
+from .report import (gather_record, print_summary, rows_served_remotely, si, step_line, summarise, write_report,
+                     write_trace)
 from .resume import check_resume, load_own_checkpoint, save_checkpoint, step_on_disk
 from .timing import AttentionWatch, TimedKernel, lr_at
 from .watch import CollectiveFailure, Watch, collective_failure
@@ -124,6 +126,20 @@ class Backend:
             q.register_hook(self.watch._end)
         return o
 
+    def _optimizer_step(self, step: int) -> tuple:
+        """Clipping (the whole model's norm, the same on every TP rank) and AdamW -> (norm, lr)."""
+        cfg, groups = self.cfg, self.groups
+        max_norm = cfg.args.clip if cfg.args.clip > 0 else math.inf
+        if groups is not None and groups.map.tp > 1:
+            grad_norm = clip_grad_norm(self.model, max_norm, groups.tp)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm)
+        lr = lr_at(step, cfg.args.lr, cfg.args.warmup)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return grad_norm, lr
+
     def train_step(self, step: int, data: StepData, rank: int, world: int, ctl_group, watch: Watch) -> dict:
         """One optimizer step on this rank's slice -> this rank's measurements."""
         cfg = self.cfg
@@ -145,39 +161,37 @@ class Backend:
         sync()
         dist.barrier(group=ctl_group)
         t0 = time.perf_counter()
+        tracer = trace.active()
+        if tracer is not None:
+            tracer.begin_step(f"{step + 1} {self.name}", int(t0 * 1e9))
         at("planning")
-        if groups is not None and groups.map.tp > 1:
-            layout = self.layout = plan_tp(self.planner, groups.tp, cu) if cu is not None else \
-                plan_tp(self.planner, groups.tp, pieces=pieces)
-        else:
-            layout = self.layout = self.planner.plan(cu) if cu is not None else self.planner.plan(pieces=pieces)
+        with trace.span("planning", backend=self.name):
+            if groups is not None and groups.map.tp > 1:
+                layout = self.layout = plan_tp(self.planner, groups.tp, cu) if cu is not None else \
+                    plan_tp(self.planner, groups.tp, pieces=pieces)
+            else:
+                layout = self.layout = self.planner.plan(cu) if cu is not None else self.planner.plan(pieces=pieces)
         t_plan = time.perf_counter()
         at("forward")
-        with self.saved.hooks():
+        with trace.span("forward", backend=self.name), self.saved.hooks():
             logits = self.ddp(tokens_t, layout.positions, self.attention)
             loss_sum = packed_cross_entropy(logits, targets_t)
-        # The mean over every replica's targets; DDP averages gradients over replicas, hence x replicas.
-        loss = loss_sum * (replicas / data.num_targets)
-        sync()
+            # The mean over every replica's targets; DDP averages gradients over replicas, hence x replicas.
+            loss = loss_sum * (replicas / data.num_targets)
+            sync()
         t_fwd = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         at("backward")
-        loss.backward()
-        sync()
+        with trace.span("backward (and the gradient all-reduce)", backend=self.name):
+            loss.backward()
+            sync()
         t_bwd = time.perf_counter()
         at("optimizer step")
-        params = list(self.model.parameters())
-        max_norm = cfg.args.clip if cfg.args.clip > 0 else math.inf
-        if groups is not None and groups.map.tp > 1:   # the whole model's norm, the same on every TP rank
-            grad_norm = clip_grad_norm(self.model, max_norm, groups.tp)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        lr = lr_at(step, cfg.args.lr, cfg.args.warmup)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        sync()
+        with trace.span("optimizer", backend=self.name):
+            grad_norm, lr = self._optimizer_step(step)
+            sync()
         t_end = time.perf_counter()
+        trace.interval("step", int(t0 * 1e9), int(t_end * 1e9), backend=self.name)
         plan = layout.plan
         self.layout = None
         return {"step_seconds": t_end - t0, "plan_seconds": t_plan - t0, "forward_seconds": t_fwd - t_plan,
@@ -340,6 +354,18 @@ def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backe
         f"{a.weight_decay}, clip {a.clip}; DDP buckets {a.bucket_mb} MB; {torch.get_num_threads()} thread(s) per rank")
 
     records: list = []
+    tracer = trace.Tracer(rank, a.trace_steps * len(backends)) if a.trace else None
+    trace.activate(tracer)
+    try:
+        return _run_steps(cfg, rank, world, device, ctl_group, watch, data, steps_done, backends, records, tracer)
+    finally:
+        trace.activate(None)
+
+
+def _run_steps(cfg: Config, rank: int, world: int, device: torch.device, ctl_group, watch: Watch,
+               data: Union[JsonlData, SyntheticData], steps_done: int, backends: list, records: list,
+               tracer: Optional[trace.Tracer]) -> int:
+    a, m = cfg.args, cfg.model
     start = time.perf_counter()
     run_steps = a.steps - steps_done
     for i, step in enumerate(range(steps_done, a.steps)):
@@ -378,6 +404,10 @@ def _train_steps(cfg: Config, rank: int, world: int, device: torch.device, backe
     if a.json:
         watch.at("the report")
         agree_on_error(json_error, ctl_group, RunError)
+    if tracer is not None:
+        watch.at("the trace")
+        write_trace(a.trace, tracer, rank, world, ctl_group, {"backends": list(cfg.backends), "ranks": world,
+                                                               "steps_kept": a.trace_steps, "steps": a.steps})
     return 0
 
 
