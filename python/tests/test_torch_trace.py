@@ -85,5 +85,23 @@ def test_the_trace_flags_are_checked_before_the_first_step(tmp_path, capsys):
     _refused(["--preset", "tiny", "--trace", str(tmp_path / "a.json"), "--json", str(tmp_path / "a.json")], capsys,
              contains="name the same file")
     _refused(["--preset", "tiny", "--trace-steps", "0"], capsys, contains="--trace-steps must be 1..10000")
-    _refused(["--preset", "tiny", "--pp", "2", "--trace", str(tmp_path / "t.json")], capsys,
-             contains="--trace with --pp")
+
+
+def check_pipeline_trace(doc: dict, report: dict, ticks: int) -> None:
+    """A --pp run's trace: each kept step's span is its record's step time (2 %), the pipeline and
+    the gradient sync with the optimizer add up to it, and every CAD step has a span per tick of
+    the lockstep table on every rank (planning and agreement apart)."""
+    spans = _spans(doc)
+    records = {(r["step"], r["backend"]): r for r in report["steps"]}
+    steps = [ev for ev in spans if ev["name"] == "step"]
+    assert steps
+    for ev in steps:
+        step, backend = ev["args"]["step"].split(" ")
+        assert ev["dur"] / 1e6 == pytest.approx(records[int(step), backend]["per_rank"]["step_seconds"][ev["pid"]],
+                                                rel=0.02)
+        mine = [p for p in spans if p["pid"] == ev["pid"] and p["args"]["step"] == ev["args"]["step"]]
+        parts = [p for p in mine if p["name"] in trace_report.PIPELINE_PHASES]
+        assert len(parts) == 2 and sum(p["dur"] for p in parts) == pytest.approx(ev["dur"], rel=0.02)
+        if backend == "cad":
+            work = [p for p in mine if p["name"].startswith("tick ") and not p["name"].endswith(("planning", "agreement"))]
+            assert sorted(p["args"]["tick"] for p in work) == list(range(ticks))

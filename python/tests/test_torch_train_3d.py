@@ -11,14 +11,15 @@ torch = pytest.importorskip("torch")
 
 from test_torch_train import _losses, _max_rel, _refusals, _train  # noqa: E402
 from test_torch_train_memory import check_report as check_memory  # noqa: E402
+from test_torch_trace import check_pipeline_trace  # noqa: E402
 
 TINY = ["--preset", "tiny", "--steps", "3", "--kv-heads", "2", "--lr", "3e-3"]
 
 
 @pytest.mark.parametrize("world, flags", [(2, ["--pp", "2"]), (4, ["--pp", "2", "--tp", "2"])])
 def test_pipeline_compare_trains_one_curve_and_reports_parts_that_add_up(tmp_path, world, flags):
-    report = tmp_path / "t.json"
-    out = _train(world, TINY + flags + ["--compare", "--json", str(report)], timeout=300)
+    report, trace = tmp_path / "t.json", tmp_path / "trace.json"
+    out = _train(world, TINY + flags + ["--compare", "--json", str(report), "--trace", str(trace)], timeout=300)
     assert all(r["code"] == 0 for r in out), out[0]["stdout"]
     text = out[0]["stdout"]
     assert "rank 0: tp 0, stage 0, replica 0" in text and "bubble" in text
@@ -40,6 +41,8 @@ def test_pipeline_compare_trains_one_curve_and_reports_parts_that_add_up(tmp_pat
         else:
             assert all(s["served_idle_rows"] == 0 for s in p["stages"])
     check_memory(doc)
+    micro = doc["config"]["micro_batches"]
+    check_pipeline_trace(json.loads(trace.read_text()), doc, 2 * micro + 2 * (2 - 1))
 
 
 def test_pipeline_with_documents_across_micro_batches(tmp_path):

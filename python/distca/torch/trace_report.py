@@ -13,6 +13,7 @@ from typing import Optional
 from .trace import FORMAT
 
 PHASES = ("planning", "forward", "backward (and the gradient all-reduce)", "optimizer")
+PIPELINE_PHASES = ("pipeline", "gradient sync and optimizer")   # --pp: the ticks, then the rest
 KERNELS = ("server kernel forward", "server kernel backward")
 
 
@@ -68,8 +69,10 @@ def summarize(doc: dict) -> dict:
         flight = _length(exchange)
         steps = sum(1 for name, *_ in events if name == "step")
         ranks.append({"rank": rank, "backend": backend, "steps": steps, "step_seconds": sums.get("step", 0.0),
-                      "phases": {p: sums.get(p, 0.0) for p in PHASES},
-                      "attention_seconds": sums.get("cad_attention forward", 0.0) + sums.get("cad_attention backward", 0.0),
+                      "phases": {p: sums[p] for p in PHASES + PIPELINE_PHASES if p in sums},
+                      "ticks": sum(1 for name, *_ in events if name.startswith("tick ") and "planning" not in name
+                                   and "agreement" not in name),
+                      "attention_seconds": sum(v for k, v in sums.items() if k.startswith("cad_attention")),
                       "kernel_seconds": sum(sums.get(k, 0.0) for k in KERNELS),
                       "exchange_seconds": flight,
                       "exchange_hidden_share": _overlap(exchange, kernels) / flight if flight > 0 else 0.0})
@@ -78,9 +81,9 @@ def summarize(doc: dict) -> dict:
 
 COLOURS = (("server kernel", "#d62728"), ("cad_attention", "#ff9896"), ("exchange", "#1f77b4"),
            ("layer: feed-forward", "#2ca02c"), ("layer: attention", "#98df8a"), ("planning", "#9467bd"),
-           ("optimizer", "#8c564b"), ("forward", "#dddddd"), ("backward", "#c7c7c7"), ("step", "#f7f7f7"))
-NESTING = (("step",), ("forward", "backward", "planning", "optimizer"), ("layer",), ("cad_attention",),
-           ("server kernel",))
+           ("optimizer", "#8c564b"), ("tick", "#bcbd22"), ("forward", "#dddddd"), ("backward", "#c7c7c7"), ("step", "#f7f7f7"))
+NESTING = (("step",), ("forward", "backward", "planning", "optimizer", "pipeline", "gradient sync"), ("tick ",),
+           ("layer",), ("cad_attention",), ("server kernel",))
 
 
 def _colour(name: str) -> str:
@@ -157,9 +160,13 @@ def main(argv: Optional[list] = None) -> int:
           f"{'attn':>7} {'kernels':>8} {'exch.':>7} {'hidden':>7}")
     for r in summary["ranks"]:
         ph = r["phases"]
-        print(f"{r['rank']:>4} {r['backend']:<10} {r['steps']:>5} {r['step_seconds']:>9.3f} {ph['planning']:>7.3f} "
-              f"{ph['forward']:>7.3f} {ph[PHASES[2]]:>7.3f} {ph['optimizer']:>7.3f} {r['attention_seconds']:>7.3f} "
-              f"{r['kernel_seconds']:>8.3f} {r['exchange_seconds']:>7.3f} {100 * r['exchange_hidden_share']:>6.0f}%")
+        if "pipeline" in ph:   # --pp: the ticks (planning, passes, serving) are the pipeline's
+            parts = f"{'':>7} {'pipeline ' + format(ph['pipeline'], '.3f'):>15} {ph['gradient sync and optimizer']:>7.3f}"
+        else:
+            parts = (f"{ph['planning']:>7.3f} {ph['forward']:>7.3f} {ph[PHASES[2]]:>7.3f} {ph['optimizer']:>7.3f}")
+        print(f"{r['rank']:>4} {r['backend']:<10} {r['steps']:>5} {r['step_seconds']:>9.3f} {parts} "
+              f"{r['attention_seconds']:>7.3f} {r['kernel_seconds']:>8.3f} {r['exchange_seconds']:>7.3f} "
+              f"{100 * r['exchange_hidden_share']:>6.0f}%")
     print("seconds summed over the steps kept; exch.: the exchanges' time in flight (posted to completed, their "
           "union); hidden: the share of it during which a server kernel of the rank ran")
     return 0

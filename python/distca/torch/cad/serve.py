@@ -25,6 +25,7 @@ import torch
 
 from ..kernels.backends import get_backend
 from ..kernels.server import ServerKernel, default_scale
+from ..trace import span
 from .agreement import describe
 from .attention import backward_exchange, cad_attention, forward_order
 from .layout import StepLayout
@@ -70,7 +71,7 @@ def cad_serve(layout: StepLayout, dtype: torch.dtype, *, backward: bool = False,
     out = empty["q"]
     lse = torch.empty((0, m.num_q_heads), dtype=torch.float32, device=layout.device)
     order = forward_order(layout, m.num_q_heads, m.num_kv_heads)[::-1]
-    with torch.no_grad():
+    with torch.no_grad(), span("cad_attention backward (serving only)"):
         backward_exchange(layout, kernel, scale, order, m.num_kv_heads, out, lse, out,
                           [empty["q"], empty["k"], empty["v"]])
     return None

@@ -46,6 +46,7 @@ from ..cad.attention import cad_attention
 from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
 from ..cad.serve import cad_serve
+from ..trace import interval, now
 from .tensor import check_tp_plan
 
 
@@ -232,8 +233,10 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
         pending = self._planner.plan_async(self._documents_of(kwarg_mbs, ticks[0][s][1])) if prefetch else None
         for t, tick in enumerate(ticks):
             op, m = tick[s]
+            ta = now()
             agree_on_tick(self._planner.control_group, t, tick, s)   # where a rank waits for the slowest
             t0 = time.perf_counter()
+            interval(f"tick {t} agreement", ta, now(), tick=t)
             if pending is not None:
                 layout = pending.result()
                 pending = (self._planner.plan_async(self._documents_of(kwarg_mbs, ticks[t + 1][s][1]))
@@ -273,8 +276,11 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
                 raise cause from None
             finally:
                 self.current = None
-            self.records.append(TickRecord.of(t, direction, m, layout, (t1 - t0) * 1e3,
-                                              (time.perf_counter() - t1) * 1e3))
+            t2 = time.perf_counter()
+            what = f"{direction}{m}" if op else ("serve forward" if direction == "F" else "serve backward")
+            interval(f"tick {t} planning", int(t0 * 1e9), int(t1 * 1e9), tick=t)
+            interval(f"tick {t} {what}", int(t1 * 1e9), int(t2 * 1e9), tick=t, micro_batch=m if op else None)
+            self.records.append(TickRecord.of(t, direction, m, layout, (t1 - t0) * 1e3, (t2 - t1) * 1e3))
         _wait(sends)
         self._update_losses(stage, losses)
         stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)

@@ -305,9 +305,6 @@ def parse_args(argv: Optional[list]) -> Optional[Config]:
         _check_json_output(a.trace, inputs, "--trace")
         if a.json is not None and Path(os.path.abspath(a.trace)).resolve() == Path(os.path.abspath(a.json)).resolve():
             raise UsageError(f"--trace {a.trace} and --json name the same file; give each its own")
-        if a.pp > 1:
-            raise UsageError("--trace with --pp: the pipeline's ticks are not traced yet (the data-parallel and "
-                             "--tp runs are)")
     if not 1 <= a.trace_steps <= 10000:
         raise UsageError(f"--trace-steps must be 1..10000, got {a.trace_steps}")
     if a.checkpoint is not None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..cad.attention import cad_attention
 from ..cad.planner import StepPlanner
 from ..kernels.backends import get_backend
+from .. import trace
 from ..parallel.ranks import RankGroups
 from ..parallel.schedule import ScheduleCADLockstep
 from ..parallel.tensor import clip_grad_norm, shard_model
@@ -156,6 +157,9 @@ class PipelineBackend:
         sync()
         dist.barrier(group=ctl_group)
         t0 = time.perf_counter()
+        tracer = trace.active()
+        if tracer is not None:
+            tracer.begin_step(f"{step + 1} {self.name}", int(t0 * 1e9))
         watch.at(f"step {step + 1}'s pipeline ({self.name})")
         losses: list = []
         with self.saved.hooks():
@@ -180,6 +184,10 @@ class PipelineBackend:
         self.optimizer.zero_grad(set_to_none=True)
         sync()
         t_end = time.perf_counter()
+        ns = lambda t: int(t * 1e9)  # noqa: E731
+        trace.interval("pipeline", ns(t0), ns(t_pipe), backend=self.name)
+        trace.interval("gradient sync and optimizer", ns(t_pipe), ns(t_end), backend=self.name)
+        trace.interval("step", ns(t0), ns(t_end), backend=self.name)
         records = getattr(self.schedule, "records", [])
         plan_s = sum(r.plan_ms for r in records) / 1e3 + self.local_plan_seconds
         serve_s = sum(r.compute_ms for r in records if r.micro_batch is None) / 1e3
