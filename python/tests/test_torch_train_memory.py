@@ -103,3 +103,53 @@ def test_the_state_budget_keeps_as_many_calls_as_fit_on_the_fullest_rank():
         assert (layout.kept_calls, layout.stateless_calls) == (kept, 5 - kept)
     layout.backward, layout.kept_calls = "stateless", 0
     assert not layout.keeps_state(torch.float32) and layout.kept_calls == 0
+
+
+def budget_worker(rank, world, num_batches, seed):
+    """Random batches, 3 layers through one layout: the bytes the autograd graph actually saves
+    (saved-tensor hooks) with the state budget, against the same layers stateless; per batch the
+    budget is half of what every layer stateful would take on the fullest rank."""
+    import numpy as np
+    import torch.distributed as dist
+    from distca.torch import StepPlanner, cad_attention
+    from torch_cases import COST_MODEL, MODEL, doc_data, local_rows, random_batch
+    layers, out = 3, []
+    planners = {b: StepPlanner(model=MODEL, cost_model=COST_MODEL, policy="minbytes", granularity=16, backward=b,
+                               state_budget=None, backend="sdpa") for b in ("stateful", "stateless")}
+    rng = np.random.default_rng(seed)
+    for b in range(num_batches):
+        lengths, ranks = random_batch(rng, world, b % 2 == 1)
+        data = doc_data(lengths, seed * 1000 + b)
+        pieces = [(doc, begin, end, n) for doc, begin, end, n in ranks[rank]]
+        layouts = {k: p.plan(pieces=pieces) for k, p in planners.items()}
+        extra = layouts["stateful"].extra_state_bytes(torch.float32)
+        budgets = {"unlimited": None, "half": layers * extra // 2, "zero": 0}
+        saved = {}
+        for name, budget in (("stateless", None),) + tuple(budgets.items()):
+            layout = layouts["stateless" if name == "stateless" else "stateful"]
+            layout.state_budget, layout.kept_calls, layout.stateless_calls = budget, 0, 0
+            counter = memory.SavedBytes()
+            q, k, v = (local_rows([d[i] for d in data], pieces).requires_grad_() for i in range(3))
+            with counter.hooks():   # each layer its own Q/K/V (a copy), as in a model
+                o = sum(cad_attention(q * 1.0, k * 1.0, v * 1.0, layout) for _ in range(layers))
+            saved[name] = counter.peak
+            o.backward(torch.ones_like(o))
+        out.append({"extra": extra, "budgets": budgets, "saved": saved})
+    for p in planners.values():
+        p.finish()
+    return out
+
+
+def test_the_state_budget_bounds_what_the_servers_actually_keep():
+    from distca.torch.spawn import run_ranks
+    results = run_ranks(budget_worker, 2, 12, 5, timeout=300)
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    over = 0
+    for batches in zip(*(r["result"] for r in results)):
+        for rank_batch in batches:
+            s, budgets = rank_batch["saved"], rank_batch["budgets"]
+            for name in ("half", "zero"):
+                assert s[name] - s["stateless"] <= budgets[name], (name, rank_batch)
+        fullest = max(batches, key=lambda x: x["saved"]["unlimited"] - x["saved"]["stateless"])
+        over += fullest["saved"]["unlimited"] - fullest["saved"]["stateless"] > fullest["budgets"]["half"]
+    assert over >= 3, over     # without a budget the fullest rank keeps more than half of it: the bound bites
