@@ -87,7 +87,7 @@ def test_the_trace_flags_are_checked_before_the_first_step(tmp_path, capsys):
     _refused(["--preset", "tiny", "--trace-steps", "0"], capsys, contains="--trace-steps must be 1..10000")
 
 
-def check_pipeline_trace(doc: dict, report: dict, ticks: int) -> None:
+def check_pipeline_trace(doc: dict, report: dict, ticks: int, tp: int = 1) -> None:
     """A --pp run's trace: each kept step's span is its record's step time (2 %), the pipeline and
     the gradient sync with the optimizer add up to it, and every CAD step has a span per tick of
     the lockstep table on every rank (planning and agreement apart)."""
@@ -95,6 +95,10 @@ def check_pipeline_trace(doc: dict, report: dict, ticks: int) -> None:
     records = {(r["step"], r["backend"]): r for r in report["steps"]}
     steps = [ev for ev in spans if ev["name"] == "step"]
     assert steps
+    # The P2P transfers (the lockstep schedule's) and, with TP, its all-reduces on the exchange track.
+    comm = {ev["name"].split(" ")[0] + " " + ev["name"].split(" ")[1] for ev in spans if ev["cat"] == "exchange"}
+    assert {"p2p receive", "p2p sends"} <= comm, comm
+    assert ("tp all-reduce" in comm) == (tp > 1), comm
     for ev in steps:
         step, backend = ev["args"]["step"].split(" ")
         assert ev["dur"] / 1e6 == pytest.approx(records[int(step), backend]["per_rank"]["step_seconds"][ev["pid"]],

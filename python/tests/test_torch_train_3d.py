@@ -42,7 +42,7 @@ def test_pipeline_compare_trains_one_curve_and_reports_parts_that_add_up(tmp_pat
             assert all(s["served_idle_rows"] == 0 for s in p["stages"])
     check_memory(doc)
     micro = doc["config"]["micro_batches"]
-    check_pipeline_trace(json.loads(trace.read_text()), doc, 2 * micro + 2 * (2 - 1))
+    check_pipeline_trace(json.loads(trace.read_text()), doc, 2 * micro + 2 * (2 - 1), tp=doc["config"]["rank_map"]["tp"])
 
 
 def test_pipeline_with_documents_across_micro_batches(tmp_path):

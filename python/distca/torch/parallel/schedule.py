@@ -30,6 +30,7 @@ attention from schedule.current (a StepLayout): see distca.torch.train.model.Tra
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import asdict, dataclass
@@ -46,7 +47,7 @@ from ..cad.attention import cad_attention
 from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
 from ..cad.serve import cad_serve
-from ..trace import interval, now
+from ..trace import interval, now, span
 from .tensor import check_tp_plan
 
 
@@ -90,9 +91,10 @@ def _planned_rows(layout: StepLayout) -> int:
     return len(rows)
 
 
-def _wait(works: list) -> None:
-    for w in works:
-        w.wait()
+def _wait(works: list, what: str = "") -> None:
+    with span(f"p2p {what}".rstrip(), track="exchange") if what else contextlib.nullcontext():
+        for w in works:
+            w.wait()
 
 
 def _post(ops: list) -> list:
@@ -249,7 +251,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
             direction = self.table.direction(t)
             try:
                 if direction == "F" and op:
-                    _wait(_post(stage.get_fwd_recv_ops(m)))
+                    _wait(_post(stage.get_fwd_recv_ops(m)), f"receive activations {m}")
                     self.current = layout
                     output = stage.forward_one_chunk(m, arg_mbs[m], kwarg_mbs[m], save_forward_output=return_outputs)
                     self._maybe_compute_loss(stage, output, target_mbs, m, loss_kwargs)
@@ -260,7 +262,7 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
                     for _ in range(self._layers):
                         cad_serve(layout, self._dtype, backend=self.backend)
                 elif op:
-                    _wait(_post(stage.get_bwd_recv_ops(m)))
+                    _wait(_post(stage.get_bwd_recv_ops(m)), f"receive gradients {m}")
                     forward_layouts.pop(m).set_backward_layout(layout)
                     self.current = layout
                     stage.backward_one_chunk(m, loss=self._maybe_get_loss(stage, m),
@@ -281,6 +283,6 @@ class ScheduleCADLockstep(PipelineScheduleSingle):
             interval(f"tick {t} planning", int(t0 * 1e9), int(t1 * 1e9), tick=t)
             interval(f"tick {t} {what}", int(t1 * 1e9), int(t2 * 1e9), tick=t, micro_batch=m if op else None)
             self.records.append(TickRecord.of(t, direction, m, layout, (t1 - t0) * 1e3, (t2 - t1) * 1e3))
-        _wait(sends)
+        _wait(sends, "sends completed")
         self._update_losses(stage, losses)
         stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)

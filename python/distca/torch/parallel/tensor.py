@@ -27,6 +27,7 @@ from torch import nn
 from ..cad.agreement import agree
 from ..cad.layout import StepLayout
 from ..cad.planner import StepPlanner
+from ..trace import span
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -38,7 +39,8 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        with span("tp all-reduce (input gradient)", track="exchange", rows=int(grad.shape[0])):
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -46,7 +48,8 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        with span("tp all-reduce (partial output)", track="exchange", rows=int(x.shape[0])):
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
