@@ -153,3 +153,34 @@ def test_the_state_budget_bounds_what_the_servers_actually_keep():
         fullest = max(batches, key=lambda x: x["saved"]["unlimited"] - x["saved"]["stateless"])
         over += fullest["saved"]["unlimited"] - fullest["saved"]["stateless"] > fullest["budgets"]["half"]
     assert over >= 3, over     # without a budget the fullest rank keeps more than half of it: the bound bites
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--state-budget", "-1"], "must be unlimited or MiB from 0, got '-1'"),
+    (["--state-budget", "nan"], "must be unlimited or MiB from 0, got 'nan'"),
+    (["--state-budget", "1", "--backward", "stateless"], "--state-budget would be ignored with --backward stateless"),
+    (["--state-budget", "1", "--pp", "2"], "--state-budget would be ignored with --pp"),
+    (["--state-budget", "1", "--attention", "colocated"], "would be ignored with --attention colocated"),
+])
+def test_bad_state_budgets_are_one_line_exit_2(argv, message, capsys):
+    from test_torch_train_outputs import _refused
+    _refused(["--preset", "tiny"] + argv, capsys, contains=message)
+
+
+def test_step_planner_refuses_a_bad_state_budget():
+    from distca.torch.spawn import run_ranks
+    (res,) = run_ranks(_planner_budget_worker, 1, timeout=120)
+    assert res["error"] is None, res["error"]
+    assert all(m is not None and "state_budget must be a non-negative integer" in m for m in res["result"])
+
+
+def _planner_budget_worker(rank, world):
+    from distca.torch import StepPlanner
+    out = []
+    for bad in (-1, 1.5, True, "x"):
+        try:
+            StepPlanner(model={"heads": 2, "kv_heads": 1, "head_dim": 8}, state_budget=bad)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
