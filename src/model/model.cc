@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "distca/core/stopwatch.h"
+#include "distca/core/trace.h"
 
 namespace distca::model {
 
@@ -255,6 +256,7 @@ int64_t Model<T>::workspace_bytes(const ModelConfig& c, int64_t n, LayerRange ra
 template <typename T>
 Status Model<T>::tp_reduce(T* data, int64_t count) {
   if (tp_.size <= 1) return Status::ok();
+  const trace::Scope span("tp all-reduce", "comm");
   const auto begin = Clock::now();
   if (!tp_.all_reduce) return internal_error("tensor parallelism without an all-reduce");
   DISTCA_RETURN_IF_ERROR(tp_.all_reduce(data, count));
@@ -342,6 +344,7 @@ const typename Model<T>::Views& Model<T>::views(ModelState<T>& state) {
 
 template <typename T>
 Status Model<T>::begin_forward(ModelState<T>& state, const StepTokens& in, const T* x_in) {
+  const trace::Scope span("embedding", "linear");
   const ModelConfig& c = config_;
   const auto n = static_cast<int64_t>(in.tokens.size());
   if (n > max_tokens_) return invalid_argument(fmt::format("{} tokens but the model's workspace holds {}", n, max_tokens_));
@@ -383,6 +386,7 @@ typename Model<T>::AttentionIo Model<T>::attention_io(int64_t slot) {
 
 template <typename T>
 void Model<T>::forward_pre_attention(ModelState<T>& state, int64_t slot) {
+  const trace::Scope span("layer: norm, Q/K/V, RoPE", "linear", static_cast<int>(first_ + slot));
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, qw = c.q_width(), kw = c.kv_width();
   const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
@@ -400,6 +404,7 @@ void Model<T>::forward_pre_attention(ModelState<T>& state, int64_t slot) {
 
 template <typename T>
 Status Model<T>::forward_post_attention(ModelState<T>& state, int64_t slot) {
+  const trace::Scope span("layer: Wo, feed-forward", "linear", static_cast<int>(first_ + slot));
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, f = c.ffn_dim, qw = c.q_width();
   const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
@@ -436,6 +441,7 @@ Status Model<T>::forward_post_attention(ModelState<T>& state, int64_t slot) {
 
 template <typename T>
 double Model<T>::finish_forward(ModelState<T>& state, double loss_scale) {
+  const trace::Scope span("head and loss", "linear");
   if (!has_head()) return 0.0;
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, V = c.vocab_size;
@@ -493,6 +499,7 @@ Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, Att
 
 template <typename T>
 Status Model<T>::begin_backward(ModelState<T>& state, const T* dx_in, bool zero_grads) {
+  const trace::Scope span("head backward", "linear");
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, V = c.vocab_size;
   if (zero_grads) state.grads.fill(T(0));
@@ -514,6 +521,7 @@ Status Model<T>::begin_backward(ModelState<T>& state, const T* dx_in, bool zero_
 
 template <typename T>
 Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
+  const trace::Scope span("layer backward: feed-forward, Wo", "linear", static_cast<int>(first_ + slot));
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, f = c.ffn_dim, qw = c.q_width();
   const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
@@ -551,6 +559,7 @@ Status Model<T>::backward_post_attention(ModelState<T>& state, int64_t slot) {
 
 template <typename T>
 Status Model<T>::backward_pre_attention(ModelState<T>& state, int64_t slot) {
+  const trace::Scope span("layer backward: RoPE, Q/K/V, norm", "linear", static_cast<int>(first_ + slot));
   const ModelConfig& c = config_;
   const int64_t n = n_, d = c.d_model, qw = c.q_width(), kw = c.kv_width();
   const LayerWeights<T>& lw = views(state).params.layers[first_ + slot];
@@ -578,6 +587,7 @@ Status Model<T>::backward_pre_attention(ModelState<T>& state, int64_t slot) {
 
 template <typename T>
 void Model<T>::finish_backward(ModelState<T>& state) {
+  const trace::Scope span("embedding backward", "linear");
   if (!has_embedding()) return;
   const int64_t d = config_.d_model;
   T* embed = state.gradients().embed;
@@ -592,6 +602,7 @@ void Model<T>::finish_backward(ModelState<T>& state) {
 template <typename T>
 Status Model<T>::reduce_shared_grads(ModelState<T>& state) {
   if (!tp_.kv_all_reduce) return Status::ok();
+  const trace::Scope span("tp all-reduce (shared K/V heads)", "comm");
   const auto t0 = Clock::now();
   const int64_t n = config_.d_model * config_.kv_width();
   for (int64_t l = first_; l < first_ + count_; ++l) {

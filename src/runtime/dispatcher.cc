@@ -102,6 +102,39 @@ void unpack_bf16(Combine how, const std::byte* src, int64_t n, std::byte* dst) {
   }
 }
 
+// Sizes `v` to n floats holding exactly n (a buffer of another size is freed first, not kept):
+// what a dispatcher's buffers hold is then what buffer_bytes() says.
+void fit(std::vector<float>& v, size_t n) {
+  if (v.capacity() != n) std::vector<float>().swap(v);
+  v.resize(n);
+}
+
+// Grows `v` to n bytes exactly where it holds fewer (the exchange keeps its largest phase's).
+void grow_exactly(std::vector<std::byte>& v, size_t n) {
+  if (v.capacity() < n) {
+    std::vector<std::byte>().swap(v);
+    v.reserve(n);
+  }
+  v.resize(n);
+}
+
+// The wire bytes a row of each part (unsplit Q rows, split Q rows, K/V rows) carries in a phase:
+// what fields() puts in them (post checks that the two agree).
+std::array<int64_t, 3> part_row_bytes(Phase phase, plan::BackwardMode mode, const HeadShape& h, plan::GradReturn grad_return) {
+  const int64_t qr = h.num_q_heads * h.head_dim * 4;
+  const int64_t kr = h.num_kv_heads * h.head_dim * 4;
+  const int64_t lr = h.num_q_heads * 4;
+  switch (phase) {
+    case Phase::kFwdDispatch: return {qr, qr, 2 * kr};
+    case Phase::kFwdReturn: return {qr + lr, qr + lr, 0};
+    case Phase::kBwdDispatch:
+      if (mode == plan::BackwardMode::kStateful) return {qr, 2 * qr + lr, 0};
+      return {3 * qr + lr, 3 * qr + lr, 2 * kr};
+    case Phase::kBwdReturn: return {qr, qr, grad_return == plan::GradReturn::kBf16 ? kr : 2 * kr};
+  }
+  return {0, 0, 0};
+}
+
 // At most Q, O, dO and LSE travel in one part.
 constexpr size_t kMaxFields = 4;
 
@@ -291,9 +324,9 @@ void Dispatcher::size_server_buffers(bool is_backward) {
   const auto kv = static_cast<size_t>(route_.num_server_kv_rows * heads_.num_kv_heads * heads_.head_dim);
   const auto lse = static_cast<size_t>(route_.num_server_q_rows * heads_.num_q_heads);
   if (!is_backward || options_.backward_mode == plan::BackwardMode::kStateless) {
-    s.q.resize(q), s.k.resize(kv), s.v.resize(kv), s.o.resize(q), s.lse.resize(lse);
+    fit(s.q, q), fit(s.k, kv), fit(s.v, kv), fit(s.o, q), fit(s.lse, lse);
   }
-  if (is_backward) s.d_o.resize(q), s.dq.resize(q), s.dk.resize(kv), s.dv.resize(kv);
+  if (is_backward) fit(s.d_o, q), fit(s.dq, q), fit(s.dk, kv), fit(s.dv, kv);
 }
 
 void Dispatcher::fields(Phase phase, std::array<Part, 3>& parts) const {
@@ -363,6 +396,11 @@ Status Dispatcher::post(Phase phase) {
   auto send_fields = [&](const Part& part) -> const auto& { return to_server ? part.owner : part.server; };
   auto recv_fields = [&](const Part& part) -> const auto& { return to_server ? part.server : part.owner; };
   const int self = route_.rank;
+  const std::array<int64_t, 3> widths = part_row_bytes(phase, options_.backward_mode, heads_, options_.grad_return);
+  for (size_t i = 0; i < x.parts.size(); ++i) {
+    DISTCA_CHECK(sum_wire_row_bytes(x.parts[i].owner) == widths[i] && sum_wire_row_bytes(x.parts[i].server) == widths[i])
+        << "part_row_bytes disagrees with fields()";
+  }
   int64_t send_total = 0;
   int64_t recv_total = 0;
   for (int p = 0; p < route_.num_ranks; ++p) {
@@ -379,8 +417,8 @@ Status Dispatcher::post(Phase phase) {
     send_total += x.send_counts[p];
     recv_total += x.recv_counts[p];
   }
-  x.send.resize(static_cast<size_t>(send_total));
-  x.recv.resize(static_cast<size_t>(recv_total));
+  grow_exactly(x.send, static_cast<size_t>(send_total));
+  grow_exactly(x.recv, static_cast<size_t>(recv_total));
   for (int p = 0; p < route_.num_ranks; ++p) {
     if (p == self) continue;
     std::byte* out = x.send.data() + x.send_offsets[p];
@@ -401,6 +439,39 @@ Status Dispatcher::post(Phase phase) {
     for (const Part& part : x.parts) copy_own((*part.to_server)[self], true, part.owner, part.server, Combine::kCopy);
   }
   return Status::ok();
+}
+
+BufferBytes buffer_bytes(const Route& route, const HeadShape& heads, plan::GradReturn grad_return) {
+  const int64_t q = route.num_server_q_rows * heads.num_q_heads * heads.head_dim * 4;
+  const int64_t kv = route.num_server_kv_rows * heads.num_kv_heads * heads.head_dim * 4;
+  const int64_t lse = route.num_server_q_rows * heads.num_q_heads * 4;
+  BufferBytes b;
+  b.forward_set = 2 * q + 2 * kv + lse;
+  b.backward_set = 2 * q + 2 * kv;
+  b.kv = kv;
+  const std::array<const std::vector<std::vector<Segment>>*, 3> to_server = {&route.to_server_q, &route.to_server_split_q,
+                                                                            &route.to_server_kv};
+  const std::array<const std::vector<std::vector<Segment>>*, 3> from_owner = {
+      &route.from_owner_q, &route.from_owner_split_q, &route.from_owner_kv};
+  for (const plan::BackwardMode mode : {plan::BackwardMode::kStateless, plan::BackwardMode::kStateful}) {
+    int64_t send = 0, recv = 0;  // the largest phase's, each
+    for (int p = 0; p < plan::kNumPhases; ++p) {
+      const auto phase = static_cast<Phase>(p);
+      const std::array<int64_t, 3> widths = part_row_bytes(phase, mode, heads, grad_return);
+      int64_t s = 0, r = 0;
+      for (int peer = 0; peer < route.num_ranks; ++peer) {
+        if (peer == route.rank) continue;
+        for (size_t i = 0; i < widths.size(); ++i) {
+          const int64_t out = sum_rows((*to_server[i])[peer]) * widths[i], in = sum_rows((*from_owner[i])[peer]) * widths[i];
+          s += is_to_server(phase) ? out : in;
+          r += is_to_server(phase) ? in : out;
+        }
+      }
+      send = std::max(send, s), recv = std::max(recv, r);
+    }
+    b.exchange[static_cast<int>(mode)] = send + recv;
+  }
+  return b;
 }
 
 int64_t Dispatcher::exchange_bytes() const {
@@ -495,8 +566,8 @@ Status Dispatcher::add_held_grads() {
   if (!s.held_dk.empty()) {  // the earlier pass: a later one's dK/dV of its rows are pending
     if (s.held_dk.size() != s.dk.size()) return internal_error("held K/V: pending dK/dV of another layout");
     for (size_t i = 0; i < s.dk.size(); ++i) s.dk[i] += s.held_dk[i], s.dv[i] += s.held_dv[i];
-    s.held_dk.clear();
-    s.held_dv.clear();
+    std::vector<float>().swap(s.held_dk);  // freed: a later layer's come with its pass
+    std::vector<float>().swap(s.held_dv);
   }
   s.backward_computed = true;
   return Status::ok();

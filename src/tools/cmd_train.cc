@@ -13,6 +13,7 @@
 
 #include "distca/core/file.h"
 #include "distca/core/memory.h"
+#include "distca/core/trace.h"
 #include "distca/plan/planner.h"
 #include "distca/plan/pipeline_schedule.h"
 #include "distca/train/data.h"
@@ -44,6 +45,7 @@ struct TrainArgs {
   std::string backward_mode = "stateful";
   std::string grad_return = "fp32";
   std::string pingpong = "auto";
+  std::string memory_budget = "auto";
   std::string progress = "poll";
   std::string grad_sync = "overlap";
   int64_t progress_interval_us = 1000;
@@ -51,6 +53,8 @@ struct TrainArgs {
   int64_t granularity = 0;
   double tolerance = 0.05;
   std::string json_path;
+  std::string trace_path;
+  int64_t trace_steps = 3;
   std::string checkpoint;
   int64_t save_every = 0;
   std::string resume;
@@ -66,7 +70,7 @@ struct TrainArgs {
   CLI::Option *attention_opt = nullptr, *policy_opt = nullptr, *workload_opt = nullptr, *seed_opt = nullptr,
               *ranks_opt = nullptr, *skip_opt = nullptr, *backward_opt = nullptr, *granularity_opt = nullptr,
               *tolerance_opt = nullptr, *eval_docs_opt = nullptr, *eval_steps_opt = nullptr, *pp_opt = nullptr,
-              *micro_batches_opt = nullptr, *pingpong_opt = nullptr, *grad_return_opt = nullptr;
+              *micro_batches_opt = nullptr, *pingpong_opt = nullptr, *grad_return_opt = nullptr, *memory_budget_opt = nullptr;
   bool given(const CLI::Option* o) const { return o != nullptr && o->count() > 0; }
 };
 
@@ -160,6 +164,29 @@ Result<train::TrainOptions> resolve(const TrainArgs& a) {
   if (a.pp == 1 && (a.given(a.micro_batches_opt) || a.is_print_schedule || a.is_recompute)) {
     return invalid_argument("--micro-batches, --print-schedule and --recompute shape a pipeline: add --pp P (P >= 2)");
   }
+  if (a.memory_budget == "auto") {
+    o.memory_budget = train::TrainOptions::kAutoBudget;
+  } else if (a.memory_budget == "unlimited") {
+    o.memory_budget = 0;
+  } else {
+    double mib = 0;
+    size_t used = 0;
+    try {
+      mib = std::stod(a.memory_budget, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != a.memory_budget.size() || !(mib > 0) || mib > 1e9) {
+      return invalid_argument(fmt::format("--memory-budget must be MiB per rank (a positive number), auto or unlimited, "
+                                          "got '{}'", a.memory_budget));
+    }
+    o.memory_budget = static_cast<int64_t>(mib * (1 << 20));
+  }
+  if (a.pp > 1 && a.given(a.memory_budget_opt)) {
+    return invalid_argument("--memory-budget governs the data-parallel trainer; with --pp the pipeline's memory is its "
+                            "schedule's (--recompute evens it across stages): drop --memory-budget or --pp");
+  }
+  if (a.pp > 1) o.memory_budget = 0;
   if (a.pp > 1 && has_cad && a.given(a.backward_opt) && o.backward_mode == plan::BackwardMode::kStateful) {
     return invalid_argument("--pp with CAD plans every tick anew (a micro-batch's forward and backward fall in "
                             "different ticks), so its backward is stateless: drop --backward-mode stateful");
@@ -184,8 +211,16 @@ Result<train::TrainOptions> resolve(const TrainArgs& a) {
   // --resume and --checkpoint on one file is the usual way to continue (the checkpoint is read
   // whole before training starts and replaced atomically at the next save): only --json is kept
   // off the checkpoint being resumed.
-  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}, {"--checkpoint", a.checkpoint}}, {{"--data", o.data_path}}));
-  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}}, {{"--resume", a.resume}}));
+  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}, {"--checkpoint", a.checkpoint}, {"--trace", a.trace_path}},
+                                            {{"--data", o.data_path}}));
+  DISTCA_RETURN_IF_ERROR(check_output_paths({{"--json", a.json_path}, {"--trace", a.trace_path}}, {{"--resume", a.resume}}));
+  if (a.trace_steps < 1 || a.trace_steps > 10000) {
+    return invalid_argument(fmt::format("--trace-steps must be 1..10000, got {}", a.trace_steps));
+  }
+  if (!a.trace_path.empty() && a.pp > 1) {
+    return invalid_argument("--trace records the data-parallel trainer's steps; the pipeline trainer (--pp) writes no "
+                            "trace yet: drop --trace or --pp");
+  }
   // Memory: refuse before allocating what this machine cannot hold.
   const int world = world_size(a.ranks);
   const train::MemoryEstimate m = train::estimate_memory(o, world);
@@ -282,6 +317,19 @@ void print_header(const train::Trainer& t, const comm::Communicator& c) {
                pipeline ? " (1F1B over the stages)" : "", o.threads);
   }
   fmt::print("  ping-pong  {}\n", pingpong_note(o));
+  if (!pipeline) {
+    const std::string budget = o.memory_budget == train::TrainOptions::kAutoBudget
+                                   ? fmt::format("budget auto: each step {} x what colocated attention needs on its batch as "
+                                                 "configured", train::TrainOptions::kAutoBudgetRatio)
+                                   : fmt::format("budget {:.1f} MiB", static_cast<double>(o.memory_budget) / (1 << 20));
+    fmt::print("  memory     {}\n",
+               o.memory_budget != 0
+                   ? fmt::format("{} per rank (model states, activations, attention buffers): each step runs the first "
+                                 "of as configured, without ping-pong, stateless, stateless without ping-pong, attention "
+                                 "colocated, whose buffers fit, predicted from its plan",
+                                 budget)
+                   : std::string("no budget: every step as configured"));
+  }
   fmt::print("  optimizer  AdamW lr {} (warm-up {} steps, then {}), betas {}/{}, weight decay {}, clip {}\n", o.optim.lr,
              o.optim.warmup_steps,
              o.optim.schedule == "constant" ? std::string("constant")
@@ -312,7 +360,9 @@ void print_step(const train::StepRecord& r, const train::TrainOptions& o) {
     tail = fmt::format("attn imbalance {:.2f}, served in idle ticks {:.3f}s, ping-pong {}/{}", r.attention_imbalance, served,
                        r.split_micro_batches, r.micro_batches);
   } else {
-    tail = fmt::format("attn across ranks {:.3f}-{:.3f}", r.attention_min_seconds, r.attention_max_seconds);
+    tail = fmt::format("attn across ranks {:.3f}-{:.3f}, {} {}{}", r.attention_min_seconds, r.attention_max_seconds,
+                       r.split_micro_batches > 0 ? "ping-pong" : "whole", r.backward_mode,
+                       r.colocated_plan ? ", attention colocated (no plan fitted the memory budget)" : "");
   }
   fmt::print("step {:>4}/{} {:<9} loss {:.4f}  {:>7} tok/s  {:.3f}s = linear {:.3f} + attn {:.3f} + comm {:.3f} + {}"
              "wait {:.3f} + optim {:.3f} + other {:.3f} (rank {})  {}\n",
@@ -402,6 +452,33 @@ int print_schedules(const train::TrainOptions& o) {
   return 0;
 }
 
+// Every rank's `mine` at rank 0 (others get an empty list): sizes, then the text, rank by rank.
+Result<std::vector<nlohmann::json>> gather_json(comm::Communicator& c, const nlohmann::json& mine) {
+  constexpr int kTag = 7301;
+  const std::string text = mine.dump();
+  std::vector<nlohmann::json> out;
+  if (c.rank() != 0) {
+    const int64_t size = static_cast<int64_t>(text.size());
+    DISTCA_ASSIGN_OR_RETURN(auto w, c.send_async(&size, sizeof(size), 0, kTag));
+    DISTCA_RETURN_IF_ERROR(w->wait());
+    DISTCA_ASSIGN_OR_RETURN(auto v, c.send_async(text.data(), size, 0, kTag));
+    DISTCA_RETURN_IF_ERROR(v->wait());
+    return out;
+  }
+  out.push_back(mine);
+  for (int r = 1; r < c.size(); ++r) {
+    int64_t size = 0;
+    DISTCA_ASSIGN_OR_RETURN(auto w, c.recv_async(&size, sizeof(size), r, kTag));
+    DISTCA_RETURN_IF_ERROR(w->wait());
+    if (size < 0 || size > (int64_t{1} << 34)) return internal_error(fmt::format("trace: rank {} sent a size of {}", r, size));
+    std::string theirs(static_cast<size_t>(size), '\0');
+    DISTCA_ASSIGN_OR_RETURN(auto v, c.recv_async(theirs.data(), size, r, kTag));
+    DISTCA_RETURN_IF_ERROR(v->wait());
+    out.push_back(nlohmann::json::parse(theirs));
+  }
+  return out;
+}
+
 int run_train(const TrainArgs& a) {
   Result<train::TrainOptions> options = resolve(a);
   if (!options.is_ok()) {
@@ -420,6 +497,13 @@ int run_train(const TrainArgs& a) {
   world.is_ranks_given = a.given(a.ranks_opt);
   world.timeout = timeout_from_seconds(a.timeout_seconds).value();
   return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
+    // This rank's spans (the last --trace-steps steps of every backend), from the first step.
+    std::optional<trace::Recorder> recorder;
+    if (!a.trace_path.empty()) recorder.emplace(a.trace_steps * static_cast<int64_t>(options.value().backends.size()));
+    trace::set_active(recorder ? &*recorder : nullptr);
+    struct Off {
+      ~Off() { trace::set_active(nullptr); }
+    } off;
     DISTCA_ASSIGN_OR_RETURN(std::unique_ptr<train::Trainer> trainer, train::make_trainer(c, options.value()));
     const train::TrainOptions& o = trainer->options();
     const bool is_root = c.rank() == 0;
@@ -451,6 +535,14 @@ int run_train(const TrainArgs& a) {
         std::fflush(stdout);
       }
     }
+    if (recorder) {
+      trace::set_active(nullptr);
+      DISTCA_ASSIGN_OR_RETURN(std::vector<nlohmann::json> ranks, gather_json(c, trace::to_json(*recorder)));
+      if (is_root) {
+        const nlohmann::json doc = trace::chrome_trace(ranks, {{"source", "distca train"}, {"ranks", c.size()}, {"config", o.to_json()}});
+        DISTCA_RETURN_IF_ERROR(write_file_atomic(a.trace_path, doc.dump() + "\n"));
+      }
+    }
     if (!is_root) return Status::ok();
     const nlohmann::json summary = train::summarize(records, a.skip, o.pp);
     print_summary(summary, o);
@@ -469,6 +561,10 @@ int run_train(const TrainArgs& a) {
                                   {"summary", summary}};
       DISTCA_RETURN_IF_ERROR(write_file_atomic(a.json_path, out.dump(2) + "\n"));
       fmt::print("wrote {}\n", a.json_path);
+    }
+    if (!a.trace_path.empty()) {
+      fmt::print("wrote {} (the last {} step(s) of each backend on every rank: Chrome trace-event JSON for Perfetto or "
+                 "chrome://tracing; python -m distca.torch.trace_report sums it)\n", a.trace_path, a.trace_steps);
     }
     return Status::ok();
   }, world);
@@ -517,6 +613,12 @@ std::function<int()> add_train_command(CLI::App& app) {
                                    "on | off: split each step into two nano-batches whose attention dispatch and return "
                                    "overlap the other's compute (default: on for cad, off for colocated; with --pp each micro-batch splits in "
                                    "its ticks)");
+  a.memory_budget_opt = cmd->add_option("--memory-budget", a.memory_budget,
+                                        "MiB per rank a backend may hold (model states, activations, attention buffers), "
+                                        "auto (1.05 x colocated's as configured) or unlimited: each step runs the first of "
+                                        "as configured, without ping-pong, stateless (with, without ping-pong), attention "
+                                        "colocated whose buffers fit; a budget too small for colocated stateless is refused")
+                            ->capture_default_str();
   cmd->add_option("--progress", a.progress,
                   "with ping-pong, how the attention's transfers advance while a rank computes (MPI moves data only "
                   "inside MPI calls): poll (between the model's GEMMs) | thread (a progress thread) | none")
@@ -535,6 +637,11 @@ std::function<int()> add_train_command(CLI::App& app) {
                           ->capture_default_str();
   a.tolerance_opt = cmd->add_option("--tolerance", a.tolerance, "planner load tolerance, 0..10")->capture_default_str();
   cmd->add_option("--json", a.json_path, "write per-step records and the summary to this file");
+  cmd->add_option("--trace", a.trace_path,
+                  "write every rank's timeline of the last --trace-steps steps to this file (Chrome trace-event JSON: "
+                  "Perfetto, chrome://tracing): linear phases, server kernels, exchange calls and each exchange in "
+                  "flight, waits, gradient sync, optimizer");
+  cmd->add_option("--trace-steps", a.trace_steps, "steps of each backend --trace keeps (the last ones)")->capture_default_str();
   cmd->add_option("--checkpoint", a.checkpoint, "save the model and optimizer state here (at the end, and --save-every)");
   cmd->add_option("--save-every", a.save_every, "steps between checkpoints (0: only at the end)")->capture_default_str();
   cmd->add_option("--resume", a.resume, "continue from this checkpoint (same data, ranks and context)");

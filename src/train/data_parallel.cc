@@ -10,6 +10,7 @@
 
 #include "distca/core/json.h"
 #include "distca/core/stopwatch.h"
+#include "distca/core/trace.h"
 #include "distca/kernels/gemm_attention.h"
 #include "distca/layout/step_split.h"
 #include "distca/model/checkpoint.h"
@@ -40,6 +41,10 @@ struct DataParallelTrainer::Pass {
   int64_t attention_memory = 0;  // the backends' buffers at their peak (ping-pong: both, they coexist)
   int64_t tasks = 0, split_tasks = 0;
   int nano_batches = 1;
+  plan::BackwardMode mode = plan::BackwardMode::kStateful;
+  bool colocated_plan = false;  // a budget nothing else fitted: the step's attention colocated
+  int64_t predicted = 0;        // the fullest rank's bytes, predicted (under a budget)
+  int64_t budget = 0;           // the step's (0: none)
 };
 
 DataParallelTrainer::DataParallelTrainer(comm::Communicator& comm, TrainOptions options) : comm_(comm), options_(std::move(options)) {}
@@ -80,6 +85,7 @@ Result<std::unique_ptr<DataParallelTrainer>> DataParallelTrainer::create(comm::C
   }
   t->packer_ = std::make_unique<Packer>(std::move(source), dp.size(), o.context);
   t->model_ = std::make_unique<model::Model<float>>(shard, o.context, model::LayerRange{}, tensor_parallel(t->groups_));
+  t->shard_ = shard;
   for (const std::string& name : o.backends) {
     auto run = std::make_unique<Run>();
     run->name = name;
@@ -100,9 +106,27 @@ Result<std::unique_ptr<DataParallelTrainer>> DataParallelTrainer::create(comm::C
         // part of a second while a peer waits on what it sent.
         if (o.progress == "poll") nano->set_poll([c = &attention_comm] { (void)c->progress(); });
       }
+      for (int n = 0; n < 2; ++n) run->nano[n]->set_trace_nano(n);
     }
     run->state = model::ModelState<float>::create(o.model, o.tp, t->groups_.me.tp);
     t->runs_.push_back(std::move(run));
+  }
+  if (o.memory_budget != 0 && !t->runs_.empty()) {
+    // The least any step's attention can do with: each rank's own rows colocated, stateless, on
+    // a batch of a document per rank (a document that continues from the rank before brings
+    // its prefix's K/V along).
+    DISTCA_ASSIGN_OR_RETURN(plan::Batch any, plan::batch_from_ranks(std::vector<std::vector<int64_t>>(
+                                                                         static_cast<size_t>(dp.size()), {o.context}),
+                                                                     o.context));
+    DISTCA_ASSIGN_OR_RETURN(plan::Plan local, plan::plan_none(any, t->runs_.front()->attention->cost(), {}));
+    DISTCA_ASSIGN_OR_RETURN(t->floor_, t->whole_bytes(*t->runs_.front(), any, local, plan::BackwardMode::kStateless));
+    t->budget_ = o.memory_budget;
+    if (t->budget_ > 0 && t->budget_ < t->floor_) {
+      return invalid_argument(fmt::format("--memory-budget {:.3f} MiB is below what any plan needs on a rank: {:.3f} MiB "
+                                          "(model states, activations and its own rows' attention, stateless); give at "
+                                          "least that, or unlimited",
+                                          static_cast<double>(t->budget_) / (1 << 20), static_cast<double>(t->floor_) / (1 << 20)));
+    }
   }
   if (o.grad_sync != "after" && dp.size() > 1 && o.tp == 1 && !t->runs_.empty()) {  // every backend's state has this layout
     DISTCA_ASSIGN_OR_RETURN(t->grad_sync_, GradientSync::create(dp, t->runs_.front()->state.grads));
@@ -178,6 +202,8 @@ Result<std::vector<EvalRecord>> DataParallelTrainer::evaluate() {
     // next training step's begin_step and forward overwrite what it leaves).
     std::array<float, 1> loss_sum{0};
     int64_t targets = 0;
+    // The forward alone keeps nothing for a backward: stateless holds one layer's buffers.
+    if (budget_ != 0) run->attention->set_backward_mode(plan::BackwardMode::kStateless);
     for (const StepData& data : validation_) {
       DISTCA_RETURN_IF_ERROR(run->attention->begin_step(data.batch));
       const model::StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
@@ -197,16 +223,136 @@ Result<std::vector<EvalRecord>> DataParallelTrainer::evaluate() {
   return out;
 }
 
-Result<DataParallelTrainer::Pass> DataParallelTrainer::whole_pass(Run& run, const StepData& data) {
+int64_t DataParallelTrainer::fixed_bytes(const Run& run) const {
+  return 4 * static_cast<int64_t>(run.state.params.size() * sizeof(float)) + model_->allocated_bytes();
+}
+
+Result<int64_t> DataParallelTrainer::whole_bytes(const Run& run, const plan::Batch& batch, const plan::Plan& plan,
+                                                 plan::BackwardMode mode) const {
+  DISTCA_ASSIGN_OR_RETURN(std::vector<int64_t> ranks,
+                          DispatchAttention::predict_bytes(batch, plan.tasks, shard_, mode, options_.grad_return));
+  return fixed_bytes(run) + *std::max_element(ranks.begin(), ranks.end());
+}
+
+Result<int64_t> DataParallelTrainer::pingpong_bytes(const Run& run, const layout::NanoSplit& split,
+                                                    plan::BackwardMode mode) const {
+  const layout::NanoBatches& nb = split.nano;
+  DISTCA_ASSIGN_OR_RETURN(std::vector<int64_t> a, DispatchAttention::predict_bytes(nb.batches[0], split.plans[0].tasks, shard_, mode,
+                                                                                   options_.grad_return, true, {},
+                                                                                   !split.held_kv.empty()));
+  DISTCA_ASSIGN_OR_RETURN(std::vector<int64_t> b, DispatchAttention::predict_bytes(nb.batches[1], split.plans[1].tasks, shard_, mode,
+                                                                                   options_.grad_return, true, split.held_kv));
+  const bool shares_rows = std::any_of(nb.context_rows.begin(), nb.context_rows.end(), [](int64_t r) { return r > 0; });
+  int64_t most = 0;
+  for (size_t r = 0; r < a.size(); ++r) {
+    int64_t bytes = a[r] + b[r];
+    if (shares_rows) {
+      // B's backward return of its rows and the context rows (ContextRows::dk, dv), and the
+      // context rows' dK/dV held until A adds them: every layer's at most (the sequential
+      // schedule runs B's whole backward first).
+      const int64_t kv_row = shard_.kv_width(), ctx = nb.context_rows[r];
+      bytes += 2 * (ctx + static_cast<int64_t>(nb.rows[1][r].size())) * kv_row * 4 + shard_.num_layers * 2 * ctx * kv_row * 4;
+    }
+    most = std::max(most, bytes);
+  }
+  return fixed_bytes(run) + most;
+}
+
+Result<DataParallelTrainer::Pass> DataParallelTrainer::run_pass(Run& run, const StepData& data) {
+  DISTCA_ASSIGN_OR_RETURN(plan::Plan whole, run.attention->plan_step(data.batch));
+  // The step's budget: auto, kAutoBudgetRatio x what colocated attention needs on this batch as
+  // configured (a document continued from the rank before brings its prefix's K/V).
+  int64_t budget = budget_;
+  std::optional<plan::Plan> local;
+  if (budget_ != 0) {
+    DISTCA_ASSIGN_OR_RETURN(local, plan::plan_none(data.batch, run.attention->cost(), {}));
+    if (budget_ == TrainOptions::kAutoBudget) {
+      DISTCA_ASSIGN_OR_RETURN(const int64_t colocated, whole_bytes(run, data.batch, *local, options_.backward_mode));
+      budget = static_cast<int64_t>(TrainOptions::kAutoBudgetRatio * static_cast<double>(colocated));
+    }
+  }
+  // The configurations in order of preference: as configured, then without ping-pong, then
+  // stateless (the backward sends Q/K/V/O/LSE again instead of keeping them per layer).
+  struct Choice {
+    bool pingpong;
+    plan::BackwardMode mode;
+  };
+  const plan::BackwardMode configured = options_.backward_mode;
+  std::vector<Choice> choices;
+  if (run.pingpong) choices.push_back({true, configured});
+  choices.push_back({false, configured});
+  if (configured == plan::BackwardMode::kStateful) {
+    if (run.pingpong) choices.push_back({true, plan::BackwardMode::kStateless});
+    choices.push_back({false, plan::BackwardMode::kStateless});
+  }
+  if (budget == 0) choices.resize(run.pingpong ? 2 : 1);  // as configured (a split that leaves a side empty runs whole)
+  for (const Choice& c : choices) {
+    if (c.pingpong) {
+      // Stateful: B's servers keep the K/V rows A's forward brought them (held K/V), so the
+      // split may cut inside a server's share of a document without moving its prefix twice.
+      DISTCA_ASSIGN_OR_RETURN(layout::NanoSplit split,
+                              layout::split_step(data.batch, whole, run.attention->cost(),
+                                                 {.hold_kv = c.mode == plan::BackwardMode::kStateful}));
+      // A step no split leaves work on both sides of (one short document) runs whole.
+      if (split.nano.batches[0].num_docs() == 0 || split.nano.batches[1].num_docs() == 0) continue;
+      int64_t predicted = 0;
+      if (budget != 0) {
+        DISTCA_ASSIGN_OR_RETURN(predicted, pingpong_bytes(run, split, c.mode));
+        if (predicted > budget) continue;
+      }
+      run.attention->release();
+      DISTCA_ASSIGN_OR_RETURN(Pass p, pingpong_pass(run, data, std::move(split), c.mode));
+      p.predicted = predicted;
+      p.budget = budget;
+      return p;
+    }
+    int64_t predicted = 0;
+    if (budget != 0) {
+      DISTCA_ASSIGN_OR_RETURN(predicted, whole_bytes(run, data.batch, whole, c.mode));
+      if (predicted > budget) continue;
+    }
+    for (auto& nano : run.nano) {
+      if (nano) nano->release();
+    }
+    DISTCA_ASSIGN_OR_RETURN(Pass p, whole_pass(run, data, std::move(whole), c.mode));
+    p.predicted = predicted;
+    p.budget = budget;
+    return p;
+  }
+  // Nothing fits: this step's attention colocated, stateless (under auto it always fits).
+  DISTCA_ASSIGN_OR_RETURN(const int64_t predicted, whole_bytes(run, data.batch, *local, plan::BackwardMode::kStateless));
+  if (predicted > budget) {
+    return invalid_argument(fmt::format("step {} ({}): no configuration fits --memory-budget {:.3f} MiB on this batch; "
+                                        "the least, attention colocated and stateless, needs {:.3f} MiB on its fullest "
+                                        "rank (a document continued from the rank before brings its prefix's K/V): raise "
+                                        "--memory-budget, or give auto or unlimited",
+                                        step_ + 1, run.name, static_cast<double>(budget) / (1 << 20),
+                                        static_cast<double>(predicted) / (1 << 20)));
+  }
+  for (auto& nano : run.nano) {
+    if (nano) nano->release();
+  }
+  DISTCA_ASSIGN_OR_RETURN(Pass p, whole_pass(run, data, std::move(*local), plan::BackwardMode::kStateless));
+  p.colocated_plan = run.name != "colocated";
+  p.predicted = predicted;
+  p.budget = budget;
+  return p;
+}
+
+Result<DataParallelTrainer::Pass> DataParallelTrainer::whole_pass(Run& run, const StepData& data, plan::Plan plan,
+                                                                  plan::BackwardMode mode) {
   const int rank = groups_.me.dp;  // this replica's tokens
   DispatchAttention& attention = *run.attention;
   attention.times = {};
   Pass out;
-  DISTCA_RETURN_IF_ERROR(attention.begin_step(data.batch));
+  out.mode = mode;
+  attention.set_backward_mode(mode);
+  DISTCA_RETURN_IF_ERROR(attention.begin_step(data.batch, std::move(plan)));
   if (groups_.map.tp > 1) {
     const auto t0 = Clock::now();
     DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, attention.plan().hash, fmt::format("step {} ({})", step_ + 1, run.name)));
     attention.times.comm += seconds_since(t0);
+    trace::add("plan check (tensor parallel)", "comm", t0, Clock::now());
   }
   out.setup = attention.times.comm;
   const model::StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
@@ -234,24 +380,19 @@ Result<DataParallelTrainer::Pass> DataParallelTrainer::whole_pass(Run& run, cons
   return out;
 }
 
-Result<DataParallelTrainer::Pass> DataParallelTrainer::pingpong_pass(Run& run, const StepData& data) {
-  // One plan for the micro-batch, its tasks split between the nano-batches (layout::split_step):
-  // together they move the whole step's bytes.
-  DispatchAttention& planner = *run.nano[0];
-  DISTCA_ASSIGN_OR_RETURN(plan::Plan whole, planner.plan_step(data.batch));
-  // Stateful: B's servers keep the K/V rows A's forward brought them (held K/V), so the split may
-  // cut inside a server's share of a document without moving its prefix twice.
-  const bool hold_kv = options_.backward_mode == plan::BackwardMode::kStateful;
-  DISTCA_ASSIGN_OR_RETURN(layout::NanoSplit split, layout::split_step(data.batch, whole, planner.cost(), {.hold_kv = hold_kv}));
+// One plan for the micro-batch, its tasks split between the nano-batches (layout::split_step):
+// together they move the whole step's bytes.
+Result<DataParallelTrainer::Pass> DataParallelTrainer::pingpong_pass(Run& run, const StepData& data, layout::NanoSplit split,
+                                                                     plan::BackwardMode mode) {
   const layout::NanoBatches& nb = split.nano;
-  // A step no split leaves work on both sides of (one short document) runs whole.
-  if (nb.batches[0].num_docs() == 0 || nb.batches[1].num_docs() == 0) return whole_pass(run, data);
   const int rank = groups_.me.dp;
   Pass out;
   out.nano_batches = 2;
+  out.mode = mode;
   for (int n = 0; n < 2; ++n) {
     DispatchAttention& att = *run.nano[n];
     att.times = {};
+    att.set_backward_mode(mode);
     DISTCA_RETURN_IF_ERROR(att.begin_step(nb.batches[n], std::move(split.plans[n]), /*is_part=*/n == 1,
                                           n == 1 ? std::move(split.held_kv) : std::vector<layout::KvInterval>{},
                                           run.nano[0].get()));
@@ -260,6 +401,7 @@ Result<DataParallelTrainer::Pass> DataParallelTrainer::pingpong_pass(Run& run, c
       DISTCA_RETURN_IF_ERROR(check_same_plan(*groups_.tp, att.plan().hash,
                                              fmt::format("step {} ({}, nano-batch {})", step_ + 1, run.name, n)));
       att.times.comm += seconds_since(t0);
+      trace::add("plan check (tensor parallel)", "comm", t0, Clock::now(), trace::kMain, -1, n);
     }
     out.setup += att.times.comm;
   }
@@ -302,6 +444,8 @@ Result<DataParallelTrainer::Pass> DataParallelTrainer::pingpong_pass(Run& run, c
       passes[n].context = &context_;
       passes[n].context_reader = n == 1;
     }
+  } else {
+    context_ = ContextRows{};  // last step's buffers freed
   }
   std::array<std::vector<runtime::Stage>, 2> chains;
   const int forward_count = static_cast<int>(forward_stages(passes[0]).size());
@@ -349,21 +493,26 @@ Result<DataParallelTrainer::Pass> DataParallelTrainer::pingpong_pass(Run& run, c
     out.attention_memory += att.buffer_bytes();
     count_tasks(att.plan().tasks, out.tasks, out.split_tasks);
   }
-  if (shares_rows) out.attention_memory += static_cast<int64_t>((context_.dk.size() + context_.dv.size()) * sizeof(float));
+  if (shares_rows) out.attention_memory += context_.peak_bytes();
   out.times.comm -= out.setup;  // the plan checks ran before the passes
   return out;
 }
 
 Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data) {
   const int R = comm_.size();
+  if (trace::Recorder* tr = trace::active()) tr->begin_step(fmt::format("{} {}", step_ + 1, run.name));
   const auto begin = Clock::now();
-  DISTCA_ASSIGN_OR_RETURN(Pass p, run.pingpong ? pingpong_pass(run, data) : whole_pass(run, data));
+  DISTCA_ASSIGN_OR_RETURN(Pass p, run_pass(run, data));
   const model::PassTimes& pass = p.times;
   const double setup = p.setup;
   const double loss_sum = p.loss_sum;
+  // The gradient all-reduces posted during the passes: communication, not the linear work
+  // the passes' time would otherwise count them as.
+  const double posts = grad_sync_ ? grad_sync_->post_seconds() : 0.0;
   auto t = Clock::now();
   DISTCA_RETURN_IF_ERROR(comm_.barrier());
   const double wait = seconds_since(t);
+  trace::add("wait for the slowest rank", "wait", t, Clock::now());
   t = Clock::now();
   if (grad_sync_) {
     DISTCA_RETURN_IF_ERROR(grad_sync_->finish());  // what the backward left in flight
@@ -373,18 +522,21 @@ Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data)
   // The global norm: with TP, every rank's slice of the sharded blocks, the replicated ones once.
   DISTCA_ASSIGN_OR_RETURN(const double squares, gradient_square_sum(run.state, 0, run.state.grads.size(), groups_));
   const double reduce = seconds_since(t);
+  trace::add("gradient all-reduce and norm", "comm", t, Clock::now());
   t = Clock::now();
   const double lr = options_.optim.lr_at(run.state.step);
   const double norm = std::sqrt(squares);
   model::adamw_step_range(run.state, options_.optim, 0, run.state.params.size(), norm);
   const double optimizer = seconds_since(t);
   const double step_seconds = seconds_since(begin);
+  trace::add("optimizer", "optimizer", t, Clock::now());
+  trace::add("step", "", begin, Clock::now());
   // Every rank's numbers, a row each: its parts (StepRecord::Rank::to_row), then its loss.
   StepRecord::Rank me;
   me.step = step_seconds;
-  me.linear = pass.linear();
+  me.linear = pass.linear() - posts;
   me.attention = pass.attention;
-  me.comm = pass.comm + setup + reduce;
+  me.comm = pass.comm + setup + reduce + posts;
   me.wait = wait;
   me.optimizer = optimizer;
   me.grad_reduce = reduce;
@@ -403,6 +555,10 @@ Result<StepRecord> DataParallelTrainer::step_one(Run& run, const StepData& data)
   rec.attention_tasks = p.tasks;  // the same plans on every rank (hash-checked)
   rec.split_tasks = p.split_tasks;
   rec.split_micro_batches = p.nano_batches == 2 ? 1 : 0;
+  rec.backward_mode = plan::backward_mode_name(p.mode);
+  rec.colocated_plan = p.colocated_plan;
+  rec.memory_budget_bytes = p.budget;
+  rec.memory_predicted_bytes = p.predicted;
   rec.backend = run.name;
   rec.grad_norm = norm;
   rec.lr = lr;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "distca/core/stopwatch.h"
+#include "distca/core/trace.h"
 
 namespace distca::train {
 
@@ -72,6 +73,7 @@ Result<plan::Plan> DispatchAttention::plan_step(const plan::Batch& batch) {
   po.granularity = options_.granularity;
   Result<plan::Plan> p = planner_(batch, cost_, po);
   planning_seconds += seconds_since(begin);
+  trace::add("planning", "other", begin, Clock::now());
   return p;
 }
 
@@ -87,6 +89,9 @@ Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, 
   }
   plan_ = std::move(plan);
   earlier_ = held_kv.empty() ? nullptr : earlier;
+  // The last step's buffers are freed: this step's, sized by its plan, are what buffer_bytes()
+  // reports (and predict_bytes() foretells), whatever the steps before needed.
+  release();
   runtime::DispatchOptions d;
   d.is_part = is_part;
   d.held_kv = std::move(held_kv);
@@ -100,6 +105,7 @@ Status DispatchAttention::begin_step(const plan::Batch& batch, plan::Plan plan, 
                                            comm_, batch, plan_,
                                            layout::HeadShape{config_.num_q_heads, config_.num_kv_heads, config_.head_dim}, d));
   times.comm += seconds_since(check);  // the plan-hash check is a collective
+  trace::add("plan check", "comm", check, Clock::now(), trace::kMain, -1, nano_);
   peak_bytes_ = current_bytes();
   pass_layer_ = -1;
   pass_lends_ = false;
@@ -117,6 +123,38 @@ int64_t DispatchAttention::current_bytes() const {
     }
   }
   return floats * static_cast<int64_t>(sizeof(float)) + (dispatcher_ ? dispatcher_->exchange_bytes() : 0);
+}
+
+void DispatchAttention::exchanged(const char* name) const {
+  // An exchange from its post to the end of the wait for it (a silent plan posts none).
+  if (!dispatcher_->is_silent()) trace::add(name, "", posted_, Clock::now(), trace::kExchange, pass_layer_, nano_);
+}
+
+void DispatchAttention::release() {
+  dispatcher_.reset();
+  for (runtime::ServerBuffers& s : servers_) s = runtime::ServerBuffers{};
+  backward_scratch_ = runtime::ServerBuffers{};
+  peak_bytes_ = 0;
+}
+
+Result<std::vector<int64_t>> DispatchAttention::predict_bytes(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
+                                                              const model::ModelConfig& config, plan::BackwardMode mode,
+                                                              plan::GradReturn grad_return, bool is_part,
+                                                              const std::vector<layout::KvInterval>& held_kv,
+                                                              bool holds_for_later) {
+  const layout::HeadShape heads{config.num_q_heads, config.num_kv_heads, config.head_dim};
+  const bool is_stateful = mode == plan::BackwardMode::kStateful;
+  std::vector<int64_t> out(static_cast<size_t>(batch.num_ranks), 0);
+  for (int32_t r = 0; r < batch.num_ranks; ++r) {
+    DISTCA_ASSIGN_OR_RETURN(layout::Route route, is_part ? layout::build_partial_route(batch, tasks, r, held_kv)
+                                                         : layout::build_route(batch, tasks, r));
+    const runtime::BufferBytes b = runtime::buffer_bytes(route, heads, grad_return);
+    // Stateful: a forward set per layer and the one backward set every layer borrows;
+    // stateless: one set of both, shared by the layers.
+    const int64_t sets = is_stateful ? config.num_layers * b.forward_set + b.backward_set : b.forward_set + b.backward_set;
+    out[static_cast<size_t>(r)] = sets + b.exchange[static_cast<int>(mode)] + (holds_for_later ? 2 * b.kv : 0);
+  }
+  return out;
 }
 
 void DispatchAttention::lend_backward_set(runtime::ServerBuffers& server) {
@@ -138,21 +176,47 @@ Status DispatchAttention::start_pass(int layer, bool is_backward, const runtime:
   runtime::ServerBuffers& server = is_stateful ? servers_[layer] : servers_[0];
   server.held = earlier_ ? &earlier_->servers_[layer] : nullptr;
   pass_layer_ = layer;
+  is_backward_pass_ = is_backward;
   pass_lends_ = is_backward && is_stateful;
   if (pass_lends_) lend_backward_set(server);
-  return timed(times.comm, [&] { return is_backward ? dispatcher_->start_backward(b, server) : dispatcher_->start_forward(f, server); });
+  posted_ = Clock::now();
+  const Status st = trace::timed_span(times.comm, is_backward ? "post dispatch (backward)" : "post dispatch (forward)", "comm",
+                                      layer, nano_, [&] {
+                                        return is_backward ? dispatcher_->start_backward(b, server)
+                                                           : dispatcher_->start_forward(f, server);
+                                      });
+  sample();
+  return st;
 }
 
 Status DispatchAttention::start_forward(int layer, const runtime::ForwardArgs& f) { return start_pass(layer, false, f, {}); }
 Status DispatchAttention::start_backward(int layer, const runtime::BackwardArgs& b) { return start_pass(layer, true, {}, b); }
 
-Status DispatchAttention::finish_dispatch() { return timed(times.comm, [this] { return dispatcher_->finish_comm(); }); }
-Status DispatchAttention::compute() { return timed(times.compute, [this] { return dispatcher_->compute(); }); }
-Status DispatchAttention::start_return() { return timed(times.comm, [this] { return dispatcher_->start_return(); }); }
+Status DispatchAttention::finish_dispatch() {
+  const Status st = trace::timed_span(times.comm, "wait for the dispatch", "comm", pass_layer_, nano_,
+                                      [this] { return dispatcher_->finish_comm(); });
+  exchanged(is_backward_pass_ ? "dispatch (backward)" : "dispatch (forward)");
+  return st;
+}
+// Sampled before the kernel too: an earlier nano-batch's buffers hold the later one's pending
+// dK/dV of its held rows until this layer's backward compute adds them.
+Status DispatchAttention::compute() {
+  sample();
+  const Status st = trace::timed_span(times.compute, is_backward_pass_ ? "server kernel backward" : "server kernel forward",
+                                      "attention", pass_layer_, nano_, [this] { return dispatcher_->compute(); });
+  sample();
+  return st;
+}
+Status DispatchAttention::start_return() {
+  posted_ = Clock::now();
+  return trace::timed_span(times.comm, "post return", "comm", pass_layer_, nano_, [this] { return dispatcher_->start_return(); });
+}
 
 Status DispatchAttention::finish_return() {
-  DISTCA_RETURN_IF_ERROR(timed(times.comm, [this] { return dispatcher_->finish_comm(); }));
-  peak_bytes_ = std::max(peak_bytes_, current_bytes());
+  DISTCA_RETURN_IF_ERROR(trace::timed_span(times.comm, "wait for the return", "comm", pass_layer_, nano_,
+                                           [this] { return dispatcher_->finish_comm(); }));
+  exchanged(is_backward_pass_ ? "return (backward)" : "return (forward)");
+  sample();
   if (pass_lends_) {
     const bool is_stateful = options_.backward_mode == plan::BackwardMode::kStateful;
     lend_backward_set(is_stateful ? servers_[pass_layer_] : servers_[0]);

@@ -6,6 +6,9 @@
 
 #include <fmt/format.h>
 
+#include "distca/core/stopwatch.h"
+#include "distca/core/trace.h"
+
 namespace distca::train {
 
 namespace {
@@ -82,6 +85,7 @@ Status GradientSync::begin(float* grads, int passes, int64_t paced_posts) {
   if (passes < 1 || passes > 2) return invalid_argument(fmt::format("gradient sync: 1 or 2 passes a step, got {}", passes));
   if (paced_posts < 0) return invalid_argument(fmt::format("gradient sync: {} paced posts", paced_posts));
   slice_ = paced_posts > 0 ? std::max<int64_t>(1, (size_ + paced_posts - 1) / paced_posts) : 0;
+  post_seconds_ = 0;
   ready_.clear();
   next_ready_ = 0;
   allowance_ = 0;
@@ -118,7 +122,11 @@ void GradientSync::done(model::GradsDone part) {
 }
 
 void GradientSync::post(int64_t lo, int64_t hi) {
+  const auto t = SteadyClock::now();
   auto work = dp_.all_reduce_sum_async(grads_ + lo, hi - lo);
+  const auto e = SteadyClock::now();
+  post_seconds_ += std::chrono::duration<double>(e - t).count();
+  trace::add("gradient all-reduce post", "comm", t, e);
   if (!work.is_ok()) {
     error_ = work.status();
     return;

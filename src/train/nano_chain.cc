@@ -1,6 +1,10 @@
 #include "distca/train/nano_chain.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
+
+#include "distca/core/trace.h"
 
 namespace distca::train {
 
@@ -33,6 +37,7 @@ model::Model<float>::AttentionIo dispatch_io(NanoPass& p, int64_t l) {
 Status finish_backward_return(StagedAttention* att, NanoPass& p, int64_t l) {
   DISTCA_RETURN_IF_ERROR(att->finish_return());
   if (!p.context) return Status::ok();
+  const trace::Scope span("context rows' dK/dV", "linear", static_cast<int>(l));
   ContextRows& c = *p.context;
   const model::Model<float>::AttentionIo io = p.model->attention_io(l);
   const int64_t own = p.model->rows() * c.kv_row, ctx = c.rows * c.kv_row;
@@ -43,13 +48,16 @@ Status finish_backward_return(StagedAttention* att, NanoPass& p, int64_t l) {
     std::copy(c.dv.begin() + ctx, c.dv.begin() + ctx + own, io.dv);
     layer_dk.assign(c.dk.begin(), c.dk.begin() + ctx);
     layer_dv.assign(c.dv.begin(), c.dv.begin() + ctx);
+    c.pending_bytes += static_cast<int64_t>((layer_dk.capacity() + layer_dv.capacity()) * sizeof(float));
+    c.pending_peak_bytes = std::max(c.pending_peak_bytes, c.pending_bytes);
   } else {
     if (static_cast<int64_t>(layer_dk.size()) != ctx) return internal_error("ping-pong: A's backward return came before B's");
     float* dk = io.dk + own - ctx;
     float* dv = io.dv + own - ctx;
     for (int64_t i = 0; i < ctx; ++i) dk[i] += layer_dk[i], dv[i] += layer_dv[i];
-    layer_dk.clear();
-    layer_dv.clear();
+    c.pending_bytes -= static_cast<int64_t>((layer_dk.capacity() + layer_dv.capacity()) * sizeof(float));
+    std::vector<float>().swap(layer_dk);  // freed: at most the layers between B's return and A's are held
+    std::vector<float>().swap(layer_dv);
   }
   return Status::ok();
 }

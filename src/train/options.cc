@@ -63,6 +63,13 @@ Status TrainOptions::validate(int world_size) const {
   if (grad_sync != "overlap" && grad_sync != "eager" && grad_sync != "after") {
     return invalid_argument(fmt::format("--grad-sync must be overlap, eager or after, got '{}'", grad_sync));
   }
+  if (memory_budget < kAutoBudget) {
+    return invalid_argument(fmt::format("--memory-budget must be MiB, auto or unlimited, got {} bytes", memory_budget));
+  }
+  if (pp > 1 && memory_budget > 0) {
+    return invalid_argument("--memory-budget governs the data-parallel trainer; with --pp the pipeline's memory is its "
+                            "schedule's (--recompute evens it across stages): drop --memory-budget or --pp");
+  }
   if (threads < 1 || threads > 1024) return invalid_argument(fmt::format("--threads must be 1..1024, got {}", threads));
   if (granularity < 0) return invalid_argument(fmt::format("--granularity must be >= 0 (0: auto), got {}", granularity));
   if (!(tolerance >= 0) || tolerance > 10) return invalid_argument(fmt::format("--tolerance must be 0..10, got {}", tolerance));
@@ -93,6 +100,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"micro_batches", micro_batches},
           {"recompute", recompute},
           {"pingpong", pingpong},
+          {"memory_budget", memory_budget == kAutoBudget ? nlohmann::json("auto") : nlohmann::json(memory_budget)},
           {"progress", progress},
           {"progress_interval_us", progress_interval_us},
           {"grad_sync", grad_sync},

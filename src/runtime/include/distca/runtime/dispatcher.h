@@ -119,6 +119,19 @@ struct DispatchOptions {
   std::vector<layout::KvInterval> held_kv;
 };
 
+// What a dispatcher's buffers hold on one rank for a route, in bytes: exact, for the dispatcher
+// sizes its vectors to these (capacity included), so that a caller can price a plan before it
+// runs it (train::DispatchAttention::predict_bytes).
+struct BufferBytes {
+  int64_t forward_set = 0;   // a server's Q, K, V, O and LSE of one pass (ServerBuffers q..lse)
+  int64_t backward_set = 0;  // its dO, dQ, dK and dV
+  int64_t kv = 0;            // its K (held_dk and held_dv are each this large while pending)
+  // [BackwardMode] the exchange's send and receive buffers, each as large as its largest phase's
+  // (they are reused phase after phase).
+  std::array<int64_t, 2> exchange{};
+};
+BufferBytes buffer_bytes(const layout::Route& route, const layout::HeadShape& heads, plan::GradReturn grad_return);
+
 struct PhaseStats {
   int64_t calls = 0;
   int64_t bytes_sent = 0;      // to other ranks (rows a rank serves itself are copied)

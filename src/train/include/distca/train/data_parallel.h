@@ -2,7 +2,8 @@
 // tokens of every step, attention through each backend in turn on the same step's data,
 // gradients all-reduced through the Communicator (overlapped with the backward: grad_sync.h),
 // clipped, AdamW; optionally tensor parallel (options.tp), ping-pong inside the step, checkpoints
-// and a validation loss.
+// and a validation loss. Under a memory budget (options.memory_budget) each backend runs each
+// step in the first configuration whose buffers, predicted for every rank from the plan, fit.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -12,6 +13,7 @@
 
 #include "distca/comm/communicator.h"
 #include "distca/comm/emulated_link.h"
+#include "distca/layout/step_split.h"
 #include "distca/model/model.h"
 #include "distca/train/data.h"
 #include "distca/train/dispatch_attention.h"
@@ -54,15 +56,28 @@ class DataParallelTrainer final : public Trainer {
   // With ping-pong the step ran two plans, of the nano-batches: this is the unsplit backend's, so
   // it is meaningful with ping-pong off only.
   const plan::Plan& last_plan(size_t i) const;
+  // The per-rank memory budget in bytes (0: none; TrainOptions::kAutoBudget: each step's own,
+  // StepRecord::memory_budget_bytes), and the least any step can do with: a document per rank,
+  // colocated, stateless (a budget below it is refused).
+  int64_t memory_budget() const { return budget_; }
+  int64_t memory_floor() const { return floor_; }
 
  private:
   struct Run;
   struct Pass;
   DataParallelTrainer(comm::Communicator& comm, TrainOptions options);
   Result<StepRecord> step_one(Run& run, const StepData& data);
+  // The step's plan, and the first configuration within the budget (see above): then one of
+  // the two below.
+  Result<Pass> run_pass(Run& run, const StepData& data);
   // The forward and backward of one step on this rank, whole or as two ping-pong nano-batches.
-  Result<Pass> whole_pass(Run& run, const StepData& data);
-  Result<Pass> pingpong_pass(Run& run, const StepData& data);
+  Result<Pass> whole_pass(Run& run, const StepData& data, plan::Plan plan, plan::BackwardMode mode);
+  Result<Pass> pingpong_pass(Run& run, const StepData& data, layout::NanoSplit split, plan::BackwardMode mode);
+  // Each rank's bytes (model states, activations, attention buffers) for a step of `run` whole
+  // under `plan`, or split.
+  Result<int64_t> whole_bytes(const Run& run, const plan::Batch& batch, const plan::Plan& plan, plan::BackwardMode mode) const;
+  Result<int64_t> pingpong_bytes(const Run& run, const layout::NanoSplit& split, plan::BackwardMode mode) const;
+  int64_t fixed_bytes(const Run& run) const;  // its model states and the activation workspace
 
   comm::Communicator& comm_;
   TrainOptions options_;
@@ -77,6 +92,8 @@ class DataParallelTrainer final : public Trainer {
   plan::Batch last_batch_;
   std::vector<StepData> validation_;
   ContextRows context_;  // ping-pong: the rows nano-batch B reads of A's (positional split)
+  model::ModelConfig shard_;  // this rank's slice of the model (tensor parallelism)
+  int64_t budget_ = 0, floor_ = 0;
   std::array<std::array<std::vector<int32_t>, 3>, 2> nano_ids_;  // ping-pong: tokens, targets, positions per nano-batch
 };
 

@@ -3,12 +3,14 @@
 // CAD), the same on every rank, and one Dispatcher per step moves every layer's Q/K/V to the
 // attention servers and O/LSE back (the backward mirrored). fp32.
 #pragma once
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "distca/comm/communicator.h"
+#include "distca/core/stopwatch.h"
 #include "distca/model/attention.h"
 #include "distca/plan/cost.h"
 #include "distca/plan/planner.h"
@@ -81,9 +83,24 @@ class DispatchAttention final : public StagedAttention {
   Status finish_return() override;
 
   const DispatchAttentionOptions& options() const { return options_; }
+  // From the next begin_step (a memory budget picks it step by step: data_parallel.h).
+  void set_backward_mode(plan::BackwardMode mode) { options_.backward_mode = mode; }
+  // Frees every buffer and the step's dispatcher (a backend that sits a step out).
+  void release();
+  // The bytes buffer_bytes() will report for a step of `tasks` (over `batch`; is_part and
+  // held_kv as begin_step's) under `mode`, on each rank: [rank]. Exact for a step whole; for
+  // the earlier of two ping-pong nano-batches `holds_for_later` adds the held rows' pending dK/dV,
+  // one layer's (runtime::ServerBuffers::held_dk). No collective: every rank gets every rank's.
+  static Result<std::vector<int64_t>> predict_bytes(const plan::Batch& batch, const std::vector<plan::Task>& tasks,
+                                                    const model::ModelConfig& config, plan::BackwardMode mode,
+                                                    plan::GradReturn grad_return, bool is_part = false,
+                                                    const std::vector<layout::KvInterval>& held_kv = {},
+                                                    bool holds_for_later = false);
   // From the next begin_step: called by the CPU server kernel between its work items
   // (runtime::DispatchOptions::poll), e.g. the communicator's progress under ping-pong.
   void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
+  // Labels this backend's trace spans as nano-batch n's (ping-pong).
+  void set_trace_nano(int n) { nano_ = n; }
   // This step's plan and dispatcher (after begin_step).
   const plan::Plan& plan() const { return plan_; }
   const runtime::Dispatcher* dispatcher() const { return dispatcher_.get(); }
@@ -99,6 +116,10 @@ class DispatchAttention final : public StagedAttention {
   Status start_pass(int layer, bool is_backward, const runtime::ForwardArgs& f, const runtime::BackwardArgs& b);
   void lend_backward_set(runtime::ServerBuffers& server);
   int pass_layer_ = -1;     // the layer whose pass is between start and finish_return
+  bool is_backward_pass_ = false;
+  int nano_ = -1;            // the trace's label: ping-pong's nano-batch
+  SteadyClock::time_point posted_{};  // the exchange in flight: when it was posted (the trace)
+  void exchanged(const char* name) const;
   bool pass_lends_ = false;  // it borrowed the backward set
 
   comm::Communicator& comm_;
@@ -115,6 +136,7 @@ class DispatchAttention final : public StagedAttention {
   // borrows this one set, so a server holds each layer's forward state but one backward set.
   runtime::ServerBuffers backward_scratch_;
   int64_t current_bytes() const;
+  void sample() { peak_bytes_ = std::max(peak_bytes_, current_bytes()); }
   int64_t peak_bytes_ = 0;
 };
 

@@ -56,6 +56,9 @@ class GradientSync {
   int64_t buckets() const { return static_cast<int64_t>(ranges_.size()); }
   // All-reduces posted so far this step (tests: they are posted before finish()).
   int64_t posted() const { return posted_; }
+  // Seconds this step spent posting all-reduces (a post may wait for the peers: LocalComm), the
+  // trainers' comm (inside a pass they are not linear work).
+  double post_seconds() const { return post_seconds_; }
   // Paced: floats ready but not yet posted.
   int64_t pending_floats() const;
   // [begin, end) of a bucket in the arena: the head is bucket 0, layer l's attention input
@@ -79,6 +82,7 @@ class GradientSync {
   int64_t allowance_ = 0;                       // paced: floats the paces so far may still post
   void post(int64_t lo, int64_t hi);
   int64_t posted_ = 0;
+  double post_seconds_ = 0;
   Status error_ = Status::ok();
   bool is_open_ = false;
 };

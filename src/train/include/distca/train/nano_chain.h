@@ -33,6 +33,9 @@ struct ContextRows {
   // [stage layer] the context rows' dK/dV B returned, until A adds them (the sequential
   // schedule runs all of B's backward before A's).
   std::vector<std::vector<float>> layer_dk, layer_dv;
+  int64_t pending_bytes = 0, pending_peak_bytes = 0;  // layer_dk + layer_dv held now, and at most
+  // The bytes these buffers hold at their peak.
+  int64_t peak_bytes() const { return static_cast<int64_t>((dk.capacity() + dv.capacity()) * sizeof(float)) + pending_peak_bytes; }
 };
 
 // What a nano-batch's chain works on. The stages capture this object: it must outlive them.

@@ -75,6 +75,20 @@ struct TrainOptions {
   // Benchmarks (pp == 1): the attention's dispatch and return over an emulated link of this
   // latency and bandwidth (comm/emulated_link.h) over the data-parallel group; unset: that group.
   std::optional<comm::LinkOptions> attention_link;
+  // The most bytes a rank may hold for a backend (pp == 1): its model states, activations and
+  // attention buffers, StepRecord::Rank::memory(). Each step every backend runs the first of
+  // these that its plan's buffers fit, predicted exactly before anything moves
+  // (DispatchAttention::predict_bytes): as configured; without ping-pong; stateless with
+  // ping-pong; stateless whole; and, for CAD, the step's attention colocated (stateless). A
+  // budget below what that needs with a document per rank is refused before training; a step
+  // that nothing fits (a long document's prefix K/V) is an error naming what it needs.
+  // kAutoBudget: each step's is kAutoBudgetRatio x what colocated attention needs on that
+  // step's batch as configured (so the last resort always fits; distca train's default); 0:
+  // none, every step as configured (the default here, for a caller that asks for one
+  // configuration: benchmarks, the profiler, tests).
+  static constexpr int64_t kAutoBudget = -1;
+  static constexpr double kAutoBudgetRatio = 1.05;
+  int64_t memory_budget = 0;
   int threads = 1;                // BLAS and attention threads per rank
   int64_t granularity = 0;        // planner granularity; 0: context / 32 rounded down to a power of two, 16..128
   double tolerance = 0.05;

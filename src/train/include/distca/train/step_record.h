@@ -20,6 +20,12 @@ struct StepRecord {
   double tokens_per_second = 0;
   int micro_batches = 1;        // data parallel: the step is one
   int split_micro_batches = 0;  // of them, run as two ping-pong nano-batches
+  std::string backward_mode;    // data parallel: the step's (a memory budget may pick it)
+  bool colocated_plan = false;  // data parallel cad: no plan fitted the budget, attention ran colocated
+  // Data parallel: the per-rank budget (0: none), and the fullest rank's memory() as predicted
+  // from the step's plan before it ran (0 without a budget); the measured one is at most this.
+  int64_t memory_budget_bytes = 0;
+  int64_t memory_predicted_bytes = 0;
   // CA tasks in the step's plans (the same plan on every rank of a group is counted once): data
   // parallel, the step's plan (with ping-pong both nano-batches'); pipeline cad, every tick's
   // pooled plan; pipeline colocated, every stage's plan of each of its micro-batches.
