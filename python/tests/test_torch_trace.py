@@ -71,6 +71,45 @@ def test_trace_spans_are_the_steps_and_the_exchanges_hide_under_pingpong(tmp_pat
     assert len(rects) == sum(1 for ev in spans if ev["args"]["step"] == "4 cad")
 
 
+def test_trace_report_sums_the_cxx_trainers_trace(tmp_path, capsys):
+    """distca train --trace (the C++ trainer): its spans name the step record's parts; the report's
+    own times per part add up to the records' parts, and the exchanges hide under compute with
+    ping-pong (CAD's default) and not without (colocated's)."""
+    import os
+    import subprocess
+    from pathlib import Path
+    cli = Path(os.environ.get("DISTCA_BIN") or Path(__file__).resolve().parents[2] / "build" / "src" / "tools" / "distca")
+    if not cli.is_file():
+        pytest.skip(f"no distca binary at {cli} (set DISTCA_BIN)")
+    path, report = tmp_path / "t.json", tmp_path / "r.json"
+    done = subprocess.run([str(cli), "train", "--preset", "tiny", "--layers", "3", "--context", "1024", "--workload",
+                           "skewed", "--compare", "--steps", "4", "--ranks", "2", "--trace-steps", "2", "--trace",
+                           str(path), "--json", str(report)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(path.read_text())
+    assert doc["otherData"]["format"] == "distca-trace" and doc["otherData"]["source"] == "distca train"
+    _spans(doc)
+    records = json.loads(report.read_text())["steps"]
+    summary = trace_report.summarize(doc)
+    assert {(r["rank"], r["backend"]) for r in summary["ranks"]} == {(k, b) for k in (0, 1) for b in ("colocated", "cad")}
+    for r in summary["ranks"]:
+        kept = [x for x in records if x["backend"] == r["backend"] and x["step"] in (3, 4)]
+        mine = [x["ranks"][r["rank"]] for x in kept]
+        step = sum(m["step_seconds"] for m in mine)
+        assert r["steps"] == 2 and r["step_seconds"] == pytest.approx(step, rel=0.02)
+        for part in ("linear", "attention", "comm", "wait", "optimizer"):
+            assert r["parts"].get(part, 0.0) == pytest.approx(sum(m[f"{part}_seconds"] for m in mine), abs=0.02 * step), part
+        if r["backend"] == "cad":
+            assert r["exchange_hidden_share"] > 0.2, r
+        else:
+            assert r["exchange_hidden_share"] == 0.0, r
+    assert trace_report.main([str(path)]) == 0
+    assert "unspanned" in capsys.readouterr().out
+    picture = tmp_path / "step.svg"
+    assert trace_report.main([str(path), "--svg", str(picture), "--step", "4 cad"]) == 0
+    assert picture.read_text().startswith("<svg")
+
+
 def test_trace_report_refuses_what_is_not_a_trace(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"traceEvents": []}))

@@ -1,7 +1,9 @@
 """python -m distca.torch.trace_report FILE [--json]: a distca trace (the trainer's --trace)
 summed per rank: the step's phases, the time inside cad_attention and the server kernels, and
 the exchanges: how long they were in flight and the share of that the server kernels hid (the
-exchange time during which a kernel of the same rank ran; ping-pong's overlap).
+exchange time during which a kernel of the same rank ran; ping-pong's overlap). A trace of the
+C++ trainer (distca train --trace) is summed by the step record's parts its spans name: each
+span's own time, less the spans inside it.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Optional
 from .trace import FORMAT
 
 PHASES = ("planning", "forward", "backward (and the gradient all-reduce)", "optimizer")
+PARTS = ("linear", "attention", "comm", "wait", "optimizer", "other")   # distca train's spans (args.part)
 PIPELINE_PHASES = ("pipeline", "gradient sync and optimizer")   # --pp: the ticks, then the rest
 KERNELS = ("server kernel forward", "server kernel backward")
 
@@ -45,6 +48,26 @@ def _overlap(a: list, b: list) -> float:
     return total
 
 
+def _self_times(spans: list) -> dict:
+    """Main-track spans [(start, end, part)] -> seconds per part of each span's own time (its
+    length less its direct children's); a span without a part ("step") keeps what no span inside
+    it covers, as "unspanned"."""
+    out: dict = {}
+    stack: list = []
+    spans = sorted(spans, key=lambda x: (x[0], -x[1]))
+    own = [e - s for s, e, _ in spans]
+    for i, (s, e, _) in enumerate(spans):
+        while stack and spans[stack[-1]][1] <= s:
+            stack.pop()
+        if stack and e <= spans[stack[-1]][1]:
+            own[stack[-1]] -= e - s
+        stack.append(i)
+    for (_, _, part), t in zip(spans, own):
+        key = part or "unspanned"
+        out[key] = out.get(key, 0.0) + t
+    return out
+
+
 def summarize(doc: dict) -> dict:
     """A trace document -> per rank (and backend): seconds per phase, attention and kernels, and
     the exchanges' time in flight with the share the kernels hid."""
@@ -57,15 +80,22 @@ def summarize(doc: dict) -> dict:
             continue
         backend = str(ev.get("args", {}).get("step", "")).split(" ")[-1]
         key = (int(ev["pid"]), backend)
-        by.setdefault(key, []).append((ev["name"], ev["cat"], float(ev["ts"]) / 1e6, float(ev["dur"]) / 1e6))
+        by.setdefault(key, []).append((ev["name"], ev["cat"], float(ev["ts"]) / 1e6, float(ev["dur"]) / 1e6,
+                                       ev.get("args", {}).get("part")))
     ranks = []
     for (rank, backend), events in sorted(by.items()):
         sums: dict = {}
-        for name, cat, _, dur in events:
+        for name, cat, _, dur, _ in events:
             if cat == "main":
                 sums[name] = sums.get(name, 0.0) + dur
-        exchange = _union([(t, t + d) for _, cat, t, d in events if cat == "exchange"])
-        kernels = _union([(t, t + d) for name, _, t, d in events if name in KERNELS])
+        exchange = _union([(t, t + d) for _, cat, t, d, _ in events if cat == "exchange"])
+        kernels = _union([(t, t + d) for name, _, t, d, _ in events if name in KERNELS])
+        parts = None
+        if any(part is not None for *_, part in events):   # distca train's: spans name their part
+            parts = _self_times([(t, t + d, part or "") for _, cat, t, d, part in events if cat == "main"])
+            # What hides an exchange there: any compute of the rank, its linear work as well.
+            kernels = _union([(t, t + d) for _, cat, t, d, part in events
+                              if cat == "main" and part in ("linear", "attention")])
         flight = _length(exchange)
         steps = sum(1 for name, *_ in events if name == "step")
         ranks.append({"rank": rank, "backend": backend, "steps": steps, "step_seconds": sums.get("step", 0.0),
@@ -76,6 +106,8 @@ def summarize(doc: dict) -> dict:
                       "kernel_seconds": sum(sums.get(k, 0.0) for k in KERNELS),
                       "exchange_seconds": flight,
                       "exchange_hidden_share": _overlap(exchange, kernels) / flight if flight > 0 else 0.0})
+        if parts is not None:
+            ranks[-1]["parts"] = parts
     return {"format": "distca-trace-summary", "version": 1, "ranks": ranks}
 
 
@@ -136,7 +168,8 @@ def svg(doc: dict, step: str, width: int = 1200) -> str:
 
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m distca.torch.trace_report", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", metavar="FILE", help="a trace written by python -m distca.torch.train --trace FILE")
+    p.add_argument("trace", metavar="FILE", help="a trace written by python -m distca.torch.train --trace FILE or "
+                                                 "distca train --trace FILE")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--svg", metavar="OUT", help="draw one step's timeline as an SVG file (with --step)")
     p.add_argument("--step", metavar="'N BACKEND'", help="the step --svg draws, e.g. '4 cad' (default: the last kept)")
@@ -155,6 +188,19 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     if a.json:
         print(json.dumps(summary, indent=1))
+        return 0
+    if summary["ranks"] and "parts" in summary["ranks"][0]:   # distca train's trace
+        print(f"{'rank':>4} {'backend':<10} {'steps':>5} {'step (s)':>9} " + " ".join(f"{p:>9}" for p in PARTS)
+              + f" {'unspanned':>9} {'exch.':>7} {'hidden':>7}")
+        for r in summary["ranks"]:
+            print(f"{r['rank']:>4} {r['backend']:<10} {r['steps']:>5} {r['step_seconds']:>9.3f} "
+                  + " ".join(f"{r['parts'].get(p, 0.0):>9.3f}" for p in PARTS)
+                  + f" {r['parts'].get('unspanned', 0.0):>9.3f} {r['exchange_seconds']:>7.3f} "
+                  f"{100 * r['exchange_hidden_share']:>6.0f}%")
+        print("seconds summed over the steps kept, each span's own time (less the spans inside it) by the step "
+              "record's part it names; unspanned: the step's time no span covers (bookkeeping, counted in other); "
+              "exch.: the exchanges' time in flight (their union); hidden: the share of it during which the rank "
+              "computed (linear work or a server kernel)")
         return 0
     print(f"{'rank':>4} {'backend':<10} {'steps':>5} {'step (s)':>9} {'plan':>7} {'fwd':>7} {'bwd':>7} {'optim':>7} "
           f"{'attn':>7} {'kernels':>8} {'exch.':>7} {'hidden':>7}")
