@@ -19,23 +19,14 @@
 #include "distca/train/grad_sync.h"
 #include "distca/train/data_parallel.h"
 #include "soak.h"
+#include "tiny_options.h"
 
 namespace distca::train {
 namespace {
 
 namespace fs = std::filesystem;
 
-TrainOptions tiny(int64_t steps) {
-  auto p = model::find_preset("tiny");
-  EXPECT_TRUE(p.is_ok());
-  TrainOptions o;
-  o.model = p.value().model;
-  o.optim = p.value().optim;
-  o.context = p.value().context;
-  o.workload = p.value().workload;
-  o.steps = steps;
-  return o;
-}
+TrainOptions tiny(int64_t steps) { return testing::tiny_options(steps); }
 
 // Every rank's records (rank 0's are returned; all ranks must agree on the losses).
 std::vector<StepRecord> train(int ranks, const TrainOptions& o, int64_t steps) {

@@ -12,20 +12,15 @@
 
 #include "distca/comm/local_comm.h"
 #include "distca/train/data_parallel.h"
+#include "tiny_options.h"
 
 namespace distca::train {
 namespace {
 
 TrainOptions tiny(const std::string& workload, uint64_t seed) {
-  auto p = model::find_preset("tiny");
-  EXPECT_TRUE(p.is_ok());
-  TrainOptions o;
-  o.model = p.value().model;
-  o.optim = p.value().optim;
-  o.context = p.value().context;
+  TrainOptions o = testing::tiny_options(3);
   o.workload = workload;
   o.data_seed = seed;
-  o.steps = 3;
   o.backends = {"colocated", "cad"};
   o.memory_budget = TrainOptions::kAutoBudget;  // distca train's default
   return o;
