@@ -64,8 +64,9 @@ def now() -> int:
 
 
 @contextlib.contextmanager
-def span(name: str, track: str = "main", **args: Any) -> Iterator[None]:
-    """A phase: a record_function range (NVTX too on CUDA) and, under a Tracer, a kept span."""
+def span(name: str, track: str = "main", keep: bool = True, **args: Any) -> Iterator[None]:
+    """A phase: a record_function range (NVTX too on CUDA) and, under a Tracer, a kept span (keep
+    False: the caller keeps it with interval(), timed by the clock readings its record uses)."""
     nvtx = torch.cuda.is_available() and torch.cuda.is_initialized()
     if nvtx:
         torch.cuda.nvtx.range_push(name)
@@ -74,7 +75,7 @@ def span(name: str, track: str = "main", **args: Any) -> Iterator[None]:
         with torch.profiler.record_function(name):
             yield
     finally:
-        if _active is not None:
+        if keep and _active is not None:
             _active.add(name, start, now(), track, **args)
         if nvtx:
             torch.cuda.nvtx.range_pop()
