@@ -482,6 +482,9 @@ void Model<T>::add_times(PassTimes* times, std::chrono::steady_clock::time_point
 template <typename T>
 Result<double> Model<T>::forward(ModelState<T>& state, const StepTokens& in, AttentionBackend<T>& attention,
                                  double loss_scale, PassTimes* times, const T* x_in) {
+  // The pass's span: what its phases, attention and communication spans leave of it is linear
+  // time as PassTimes counts it (total - attention - comm), so the parts' spans add up to it.
+  const trace::Scope span("forward pass", "linear");
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
   const double tp_before = tp_seconds_;
@@ -616,6 +619,7 @@ Status Model<T>::reduce_shared_grads(ModelState<T>& state) {
 
 template <typename T>
 Status Model<T>::backward(ModelState<T>& state, AttentionBackend<T>& attention, PassTimes* times, const T* dx_in) {
+  const trace::Scope span("backward pass", "linear");  // as forward's
   const auto begin = Clock::now();
   const AttentionTimes before = attention.times;
   const double tp_before = tp_seconds_;

@@ -499,7 +499,11 @@ int run_train(const TrainArgs& a) {
   return run_world("train", a.ranks, [&](comm::Communicator& c) -> Status {
     // This rank's spans (the last --trace-steps steps of every backend), from the first step.
     std::optional<trace::Recorder> recorder;
-    if (!a.trace_path.empty()) recorder.emplace(a.trace_steps * static_cast<int64_t>(options.value().backends.size()));
+    // (A validation's spans are a step of their own: room for as many of them.)
+    if (!a.trace_path.empty()) {
+      recorder.emplace(a.trace_steps * static_cast<int64_t>(options.value().backends.size()) *
+                       (options.value().eval_every > 0 ? 2 : 1));
+    }
     trace::set_active(recorder ? &*recorder : nullptr);
     struct Off {
       ~Off() { trace::set_active(nullptr); }

@@ -204,6 +204,8 @@ Result<std::vector<EvalRecord>> DataParallelTrainer::evaluate() {
     int64_t targets = 0;
     // The forward alone keeps nothing for a backward: stateless holds one layer's buffers.
     if (budget_ != 0) run->attention->set_backward_mode(plan::BackwardMode::kStateless);
+    // Its spans are a "step" of their own in the trace, not the last training step's.
+    if (trace::Recorder* tr = trace::active()) tr->begin_step(fmt::format("{} validation-{}", step_, run->name));
     for (const StepData& data : validation_) {
       DISTCA_RETURN_IF_ERROR(run->attention->begin_step(data.batch));
       const model::StepTokens in{data.slice(data.tokens, rank), data.slice(data.targets, rank), data.slice(data.positions, rank)};
@@ -483,7 +485,10 @@ Result<DataParallelTrainer::Pass> DataParallelTrainer::pingpong_pass(Run& run, c
                              .status());
   if (progress) DISTCA_RETURN_IF_ERROR(progress->stop());
   DISTCA_RETURN_IF_ERROR(slices[0]->reduce_shared_grads(run.state));
-  out.times.total = seconds_since(t0);
+  const auto t1 = Clock::now();
+  out.times.total = std::chrono::duration<double>(t1 - t0).count();
+  // As Model::forward's pass span: what the spans inside leave of it is linear time.
+  trace::add("ping-pong schedule", "linear", t0, t1);
   for (int n = 0; n < 2; ++n) {
     const DispatchAttention& att = *run.nano[n];
     out.loss_sum += passes[n].loss;

@@ -160,6 +160,28 @@ TEST(Cli, TrainPingPongSplitsCadStepsByDefaultAndRefusesWhatItCannotRun) {
   }
 }
 
+TEST(Cli, TrainMemoryBudgetAndTraceAreCheckedBeforeTraining) {
+  const std::string trace = (scratch() / "train-trace.json").string();
+  CmdResult run = distca("train --preset tiny --ranks 2 --compare --steps 2 --trace-steps 1 --trace " + trace);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("memory     budget auto: each step 1.05 x what colocated attention needs"), std::string::npos) << run.out;
+  const auto doc = nlohmann::json::parse(distca::read_text_file(trace).value());
+  EXPECT_EQ(doc["otherData"]["format"], "distca-trace");
+  EXPECT_EQ(doc["otherData"]["config"]["memory_budget"], "auto");
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--memory-budget 1", "--memory-budget 1.000 MiB is below what any plan needs on a rank"},
+           {"--memory-budget lots", "--memory-budget must be MiB per rank (a positive number), auto or unlimited"},
+           {"--memory-budget -5", "--memory-budget must be MiB per rank (a positive number), auto or unlimited"},
+           {"--pp 2 --memory-budget 100", "--memory-budget governs the data-parallel trainer"},
+           {"--pp 2 --trace " + trace, "the pipeline trainer (--pp) writes no trace yet"},
+           {"--trace-steps 0 --trace " + trace, "--trace-steps must be 1..10000"},
+           {"--trace " + trace + " --json " + trace, "name the same file"}}) {
+    CmdResult bad = distca("train --preset tiny --ranks 2 --steps 1 " + args);
+    EXPECT_EQ(bad.exit_code, 2) << args << ": " << bad.out;
+    EXPECT_NE(bad.err.find(message), std::string::npos) << args << ": " << bad.err;
+  }
+}
+
 TEST(Cli, TrainPipelinePrintsItsScheduleAndReportsPartsThatAddUp) {
   CmdResult r = distca("train --preset tiny --pp 2 --micro-batches 3 --print-schedule --compare");
   ASSERT_EQ(r.exit_code, 0) << r.err;

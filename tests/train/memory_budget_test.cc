@@ -79,14 +79,20 @@ TEST(MemoryBudget, EveryRankStaysWithinTheBudgetOnRandomBatches) {
       for (size_t i = 0; i < run.records.size(); ++i) {
         const StepRecord& r = run.records[i];
         const std::string where = "step " + std::to_string(r.step) + " " + r.backend;
-        if (budget > 0) EXPECT_EQ(r.memory_budget_bytes, budget) << where;
+        if (budget > 0) {
+          EXPECT_EQ(r.memory_budget_bytes, budget) << where;
+        }
         // Auto: 1.05 x colocated's on this batch, which colocated's own steps show.
-        if (budget < 0 && r.backend == "colocated") EXPECT_EQ(r.memory_predicted_bytes, r.memory_max_bytes) << where;
+        if (budget < 0 && r.backend == "colocated") {
+          EXPECT_EQ(r.memory_predicted_bytes, r.memory_max_bytes) << where;
+        }
         EXPECT_GT(r.memory_budget_bytes, 0) << where;
         EXPECT_LE(r.memory_predicted_bytes, r.memory_budget_bytes) << where;
         for (size_t k = 0; k < r.ranks.size(); ++k) EXPECT_LE(r.ranks[k].memory(), r.memory_predicted_bytes) << where << " rank " << k;
         // Whole steps are predicted exactly (a split's pending dK/dV are bounded, not foretold).
-        if (r.split_micro_batches == 0) EXPECT_EQ(r.memory_max_bytes, r.memory_predicted_bytes) << where;
+        if (r.split_micro_batches == 0) {
+          EXPECT_EQ(r.memory_max_bytes, r.memory_predicted_bytes) << where;
+        }
         EXPECT_NEAR(r.loss, unbudgeted.records[i].loss, 1e-5 * std::abs(unbudgeted.records[i].loss)) << where;
         if (r.backend == "cad") {
           configurations.insert(r.colocated_plan ? "colocated" : (r.split_micro_batches ? "ping-pong " : "whole ") + r.backward_mode);
@@ -95,7 +101,9 @@ TEST(MemoryBudget, EveryRankStaysWithinTheBudgetOnRandomBatches) {
     }
     // Without a budget CAD runs as configured: stateful, ping-pong.
     for (const StepRecord& r : unbudgeted.records) {
-      if (r.backend == "cad") EXPECT_EQ(r.backward_mode, "stateful");
+      if (r.backend == "cad") {
+        EXPECT_EQ(r.backward_mode, "stateful");
+      }
       EXPECT_EQ(r.memory_budget_bytes, 0);
       EXPECT_EQ(r.memory_predicted_bytes, 0);
     }

@@ -16,6 +16,7 @@ from .trace import FORMAT
 
 PHASES = ("planning", "forward", "backward (and the gradient all-reduce)", "optimizer")
 PARTS = ("linear", "attention", "comm", "wait", "optimizer", "other")   # distca train's spans (args.part)
+PASSES = ("forward pass", "backward pass", "ping-pong schedule")   # its spans that hold a pass's others
 PIPELINE_PHASES = ("pipeline", "gradient sync and optimizer")   # --pp: the ticks, then the rest
 KERNELS = ("server kernel forward", "server kernel backward")
 
@@ -94,8 +95,8 @@ def summarize(doc: dict) -> dict:
         if any(part is not None for *_, part in events):   # distca train's: spans name their part
             parts = _self_times([(t, t + d, part or "") for _, cat, t, d, part in events if cat == "main"])
             # What hides an exchange there: any compute of the rank, its linear work as well.
-            kernels = _union([(t, t + d) for _, cat, t, d, part in events
-                              if cat == "main" and part in ("linear", "attention")])
+            kernels = _union([(t, t + d) for name, cat, t, d, part in events
+                              if cat == "main" and part in ("linear", "attention") and name not in PASSES])
         flight = _length(exchange)
         steps = sum(1 for name, *_ in events if name == "step")
         ranks.append({"rank": rank, "backend": backend, "steps": steps, "step_seconds": sums.get("step", 0.0),
@@ -114,7 +115,7 @@ def summarize(doc: dict) -> dict:
 COLOURS = (("server kernel", "#d62728"), ("cad_attention", "#ff9896"), ("exchange", "#1f77b4"),
            ("layer: feed-forward", "#2ca02c"), ("layer: attention", "#98df8a"), ("planning", "#9467bd"),
            ("optimizer", "#8c564b"), ("tick", "#bcbd22"), ("forward", "#dddddd"), ("backward", "#c7c7c7"), ("step", "#f7f7f7"))
-NESTING = (("step",), ("forward", "backward", "planning", "optimizer", "pipeline", "gradient sync"), ("tick ",),
+NESTING = (("step",), ("forward", "backward", "planning", "optimizer", "pipeline", "gradient sync", "ping-pong"), ("tick ",),
            ("layer",), ("cad_attention",), ("server kernel",))
 
 
