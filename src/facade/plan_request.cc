@@ -36,6 +36,17 @@ Result<int64_t> parse_byte_budget(const std::string& text) {
   return bytes;
 }
 
+Result<int64_t> parse_server_bytes(const std::string& text) {
+  if (text == "auto") return plan::PlannerOptions::kAutoServerBytes;
+  int64_t bytes = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), bytes);
+  if (error != std::errc() || end != text.data() + text.size() || bytes < 0) {
+    return invalid_argument(fmt::format(
+        "--max-server-bytes must be a whole number of bytes >= 0 (0 = no cap) or auto, got '{}'", text));
+  }
+  return bytes;
+}
+
 Result<std::optional<double>> parse_tolerance(const std::string& text) {
   if (text == "auto") return std::optional<double>();
   double eps = 0;
@@ -137,6 +148,12 @@ Status PlanRequest::validate() const {
   if (max_rank_bytes && *max_rank_bytes != "auto") {
     DISTCA_RETURN_IF_ERROR(parse_byte_budget(*max_rank_bytes).status());
   }
+  if (max_server_bytes) DISTCA_RETURN_IF_ERROR(parse_server_bytes(*max_server_bytes).status());
+  if ((policy == "none" || policy == "distca") && max_server_bytes) {
+    return invalid_argument(fmt::format("--policy {} has no memory cap ({}): --max-server-bytes is minmax's, minbytes' "
+                                        "and minlink's; drop it, or pick one of those (or all)",
+                                        policy, policy == "none" ? "it moves no work" : "the paper's planner"));
+  }
   if (policy == "none" && (granularity || max_rank_bytes)) {
     return invalid_argument("--policy none cuts and moves no work, so --granularity and --max-rank-bytes would be "
                             "ignored: drop them, or pick --policy minmax, minbytes or all");
@@ -213,6 +230,7 @@ Result<PlanRun> prepare_plan_run(const PlanRequest& request, const Batch& batch,
     DISTCA_ASSIGN_OR_RETURN(run.auto_budget, auto_byte_budget(batch, model, profile, run.link.link));
   }
   run.budget = run.auto_budget ? run.auto_budget->bytes : parse_byte_budget(request.max_rank_bytes.value_or("0")).value();
+  run.max_server_bytes = parse_server_bytes(request.max_server_bytes.value_or("auto")).value();
   run.tolerance = request.tolerance;
   run.granularity = request.granularity_or_default();
   run.gpus_per_node = request.gpus_per_node;
@@ -224,7 +242,8 @@ PolicyRun plan_policy(const PlanRun& run, const Batch& batch, PlanFn planner, co
                       Progress* progress) {
   // none moves nothing whatever eps is: auto has nothing to pick there.
   const bool is_auto = !run.tolerance && planner != plan_none;
-  const PlannerOptions options{run.tolerance.value_or(sim::kAutoToleranceStart), run.granularity, run.budget};
+  PlannerOptions options{run.tolerance.value_or(sim::kAutoToleranceStart), run.granularity, run.budget};
+  options.max_server_bytes = run.max_server_bytes;
   PolicyRun p;
   if (progress != nullptr && !is_auto) {
     progress->stage(fmt::format("planning {} at eps {:g} ({} ranks, {} documents)", planner_name(planner),
@@ -291,6 +310,8 @@ nlohmann::json plan_run_json(const PlanRun& run, const Batch& batch) {
   }
   out["granularity"] = run.granularity;
   out["max_rank_bytes"] = run.budget;
+  out["max_server_bytes"] = run.max_server_bytes == PlannerOptions::kAutoServerBytes ? nlohmann::json("auto")
+                                                                                     : nlohmann::json(run.max_server_bytes);
   if (run.auto_budget) {
     out["max_rank_bytes_auto"] = {{"linear_seconds_per_layer", run.auto_budget->linear_seconds},
                                   {"rule", "(linear - 2 x latency) x bandwidth / 2: dispatch and return fit in the "

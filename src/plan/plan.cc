@@ -262,6 +262,35 @@ LinkSummary busiest_links(const Batch& batch, const TokenBytes& bytes, const std
   return s;
 }
 
+std::vector<int64_t> server_bytes(const TokenBytes& bytes, const std::vector<Task>& tasks, int32_t num_ranks) {
+  std::vector<int64_t> out(static_cast<size_t>(num_ranks), 0);
+  std::vector<std::tuple<int32_t, int32_t, int64_t, int64_t>> ranges;  // (server, doc, k0, k1)
+  ranges.reserve(tasks.size());
+  for (const Task& t : tasks) {
+    DISTCA_CHECK(t.server >= 0 && t.server < num_ranks) << "task on server " << t.server;
+    out[static_cast<size_t>(t.server)] += t.q_len() * (bytes.q + bytes.out);
+    ranges.emplace_back(t.server, t.doc, t.k0, t.k1);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size();) {
+    auto [server, doc, k0, k1] = ranges[i];
+    int64_t keys = 0;
+    size_t j = i;
+    for (; j < ranges.size() && std::get<0>(ranges[j]) == server && std::get<1>(ranges[j]) == doc; ++j) {
+      const auto [s2, d2, a, b] = ranges[j];
+      if (a > k1) {  // a gap: the interval so far is complete
+        keys += k1 - k0;
+        k0 = a;
+      }
+      k1 = std::max(k1, b);
+    }
+    keys += k1 - k0;
+    out[static_cast<size_t>(server)] += keys * bytes.kv;
+    i = j;
+  }
+  return out;
+}
+
 LoadSummary summarize_load(const std::vector<double>& seconds, const std::vector<int64_t>& pairs) {
   DISTCA_CHECK(!seconds.empty() && seconds.size() == pairs.size()) << "one load per server";
   LoadSummary s;
@@ -322,6 +351,7 @@ Plan finalize_plan(std::string policy, double tolerance, const Batch& batch, con
     plan.server_pairs[t.server] += t.pairs();
   }
   plan.load = summarize_load(plan.server_seconds, plan.server_pairs);
+  plan.server_bytes = server_bytes(cost.token_bytes(), tasks, batch.num_ranks);
   plan.traffic = count_traffic(batch, cost.token_bytes(), tasks);
   plan.hash = plan_hash(batch, tasks);
   plan.is_balanced = plan.load.max <= (1.0 + tolerance) * plan.load.mean * (1.0 + 1e-12);

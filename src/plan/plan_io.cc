@@ -48,6 +48,24 @@ json profile_json(const ThroughputProfile& p) {
           {"rate_by_keys", rate_json(p.rate_by_keys)}};
 }
 
+// One layer's attention rows per server (Plan::server_bytes) against colocated's (`before`).
+json memory_json(const Plan& before, const Plan& after) {
+  auto most = [](const std::vector<int64_t>& v) { return v.empty() ? int64_t{0} : *std::max_element(v.begin(), v.end()); };
+  auto mean = [](const std::vector<int64_t>& v) {
+    double sum = 0;
+    for (int64_t x : v) sum += static_cast<double>(x);
+    return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+  };
+  const double m = mean(after.server_bytes);
+  return {{"scope", "one layer's attention rows a server holds: Q, O and LSE of its tasks' query rows, K and V of their keys"},
+          {"max_server_bytes", most(after.server_bytes)},
+          {"mean_server_bytes", m},
+          {"imbalance", m > 0 ? static_cast<double>(most(after.server_bytes)) / m : 0.0},
+          {"colocated_max_server_bytes", most(before.server_bytes)},
+          {"cap_bytes", after.memory_cap > 0 ? json(after.memory_cap) : json(nullptr)},
+          {"within_cap", after.is_within_memory}};
+}
+
 std::string hex(uint64_t h) { return fmt::format("{:016x}", h); }
 
 }  // namespace
@@ -75,6 +93,7 @@ json plan_report_json(const Plan& before, const Plan& after, const Batch& batch,
           {"load_unit", "estimated seconds of core attention per step (all layers, fwd + bwd)"},
           {"load_before", load_json(before.load)},
           {"load_after", load_json(after.load)},
+          {"memory", memory_json(before, after)},
           {"comm",
            {{"scope", "forward dispatch + return, one layer"},
             {"total_bytes", c.total_bytes},

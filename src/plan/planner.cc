@@ -17,6 +17,9 @@ Status PlannerOptions::validate() const {
     return invalid_argument(fmt::format("max rank bytes must be >= 0 (0 = no budget), got {}",
                                         max_rank_bytes));
   }
+  if (max_server_bytes < kAutoServerBytes) {
+    return invalid_argument(fmt::format("max server bytes must be >= 0 (0 = no cap) or auto, got {}", max_server_bytes));
+  }
   return Status::ok();
 }
 

@@ -35,7 +35,11 @@
 //   5. The owner of a query row merges the partial O/LSE of its row's tasks (the runtime does).
 // A per-rank byte budget (forward dispatch + return, send and receive, as minmax's) skips moves
 // that would break it; when the plan cannot keep it, the note names the smallest budget this
-// planner keeps, found by bisection.
+// planner keeps, found by bisection. A per-server memory cap (PlannerOptions::max_server_bytes
+// resolved, memory_cap.h) skips moves that would take a receiver's rows over it: Q, O and LSE
+// of each query row it computes, K and V of each key row it holds (Plan::server_bytes), counted
+// as moves add them (a sender's rows leave with a whole band or a suffix; its keys are counted
+// as kept, so the count never falls below the plan's).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -46,6 +50,7 @@
 
 #include "distca/core/check.h"
 #include "budget.h"
+#include "memory_cap.h"
 #include "minbytes.h"
 #include "scratch.h"
 #include "distca/plan/planner.h"
@@ -91,10 +96,11 @@ class MinbytesPlanner {
   // mean: the mean load the cap is (1 + eps) times (0: every document as one task's).
   MinbytesPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options, int64_t budget,
                   const MinbytesShape& shape = {}, double mean = 0)
-      : batch_(batch), cost_(cost), options_(options), budget_(budget), mean_(mean), intake_scale_(shape.intake_scale),
+      : batch_(batch), cost_(cost), options_(options), budget_(budget), memory_cap_(std::max<int64_t>(0, options.max_server_bytes)),
+        mean_(mean), intake_scale_(shape.intake_scale),
         host_fill_(budget == 0 ? shape.host_fill : 0.0), host_every_(shape.host_every), g_(options.granularity),
         g_shift_((g_ & (g_ - 1)) == 0 ? std::countr_zero(static_cast<uint64_t>(g_)) : -1),
-        num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0) {
+        num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0), memory_(num_ranks_, 0) {
     // Per rank and per document lists from one arena (freed at once with the planner): most hold
     // one or two entries, and allocating each from the heap cost a fifth of a plan's time.
     server_bands_.reserve(num_ranks_);
@@ -113,6 +119,8 @@ class MinbytesPlanner {
     // O/LSE, and comes back as partial dQ; a key row goes out as K/V and comes back as fp32
     // dK/dV. A row whose only task moves (a causal task from key 0) skips the merged O/LSE.
     q_whole_ = static_cast<double>(tb.q + tb.out + tb.bwd_do + tb.bwd_dq);
+    q_held_ = tb.q + tb.out;
+    kv_held_ = tb.kv;
     q_ = q_whole_ + static_cast<double>(tb.out);
     kv_ = static_cast<double>(tb.kv + tb.bwd_dkv);
     seconds_per_pair_ = cost_.pair_seconds(1);
@@ -169,6 +177,10 @@ class MinbytesPlanner {
       const auto& fwd = plan.traffic.forward;
       plan.is_within_budget = is_budget_feasible_ && fwd.max_send_bytes <= budget_ && fwd.max_recv_bytes <= budget_;
     }
+    if (memory_cap_ > 0) {
+      plan.memory_cap = memory_cap_;
+      plan.is_within_memory = *std::max_element(plan.server_bytes.begin(), plan.server_bytes.end()) <= memory_cap_;
+    }
     plan.note = plan.is_balanced ? "bound met" : "bound not met";
     if (!hosted.empty()) {
       std::vector<int32_t> hosted_senders;
@@ -185,7 +197,9 @@ class MinbytesPlanner {
       const bool was_stuck = std::find(stuck_.begin(), stuck_.end(), busiest) != stuck_.end();
       plan.note = fmt::format("the busiest server, {}, stays at {:.4f} x cap: {}{}", busiest, load_[busiest] / cap_,
                               was_stuck ? "no receiver has room for a block of its work" : "the planner ran out of moves",
-                              was_stuck && budget_ > 0 ? " within --max-rank-bytes" : "");
+                              was_stuck && budget_ > 0   ? " within --max-rank-bytes"
+                              : was_stuck && memory_cap_ > 0 ? " within the memory cap"
+                                                             : "");
     }
     return plan;
   }
@@ -210,6 +224,7 @@ class MinbytesPlanner {
     server_bands_[b.server].push_back(static_cast<int32_t>(bands_.size()));
     bands_.push_back(b);
     load_[b.server] += band_seconds(b);
+    memory_[b.server] += (b.r1 - b.r0) * q_held_ + unheld_keys(b.doc, b.c, b.r1, b.server) * kv_held_;
     hold(b.doc, b.server, b.c, b.r1);
   }
 
@@ -235,6 +250,37 @@ class MinbytesPlanner {
     const auto [first, last] = held_by(doc, server);
     return first != last;
   }
+
+  // Keys of [k0, k1) of `doc` that `server` does not hold yet (held_, owned or not).
+  int64_t unheld_keys(int32_t doc, int64_t k0, int64_t k1, int32_t server) const {
+    if (k1 <= k0) return 0;
+    if (!holds_keys(doc, server)) return k1 - k0;
+    auto& have = have_;  // scratch, reused
+    have.clear();
+    const auto [first, last] = held_by(doc, server);
+    for (auto h = first; h != last; ++h) have.emplace_back(h->lo, h->hi);
+    std::sort(have.begin(), have.end());
+    int64_t at = k0, missing = 0;
+    for (const auto& [lo, hi] : have) {
+      if (hi <= at) continue;
+      if (lo >= k1) break;
+      missing += std::max<int64_t>(0, std::min(lo, k1) - at);
+      at = std::max(at, hi);
+      if (at >= k1) return missing;
+    }
+    return missing + (k1 - at);
+  }
+
+  // The rows a move adds to its receiver's memory (add_band's count for a whole band or a suffix,
+  // which the move makes a new band of dst's).
+  int64_t memory_added(const Move& m) const {
+    const Band& b = bands_[m.band];
+    if (m.ext >= 0) return unheld_keys(b.doc, b.c, m.e, m.dst) * kv_held_;
+    if (m.is_whole) return (b.r1 - b.r0) * q_held_ + unheld_keys(b.doc, b.c, b.r1, m.dst) * kv_held_;
+    if (m.e < 0) return (b.r1 - m.x) * q_held_ + unheld_keys(b.doc, b.c, b.r1, m.dst) * kv_held_;
+    return (b.r1 - m.x) * q_held_ + unheld_keys(b.doc, b.c, m.e, m.dst) * kv_held_;
+  }
+  bool fits_memory(const Move& m) const { return memory_cap_ == 0 || memory_[m.dst] + memory_added(m) <= memory_cap_; }
 
   // Calls fn(owner, rows) for the rows of keys [k0, k1) of `doc` that `dst` neither owns nor
   // already receives.
@@ -368,13 +414,19 @@ class MinbytesPlanner {
         e = std::min(x, ceil_g(b.c + std::max<int64_t>(1, keys)));
       }
       e = fitting_keys_end(rows, b.c, e, room);
+      if (memory_cap_ > 0) {  // the keys the receiver's memory room holds beside the rows (all of them new, at most)
+        const int64_t free_keys = (memory_cap_ - memory_[dst] - rows * q_held_) / kv_held_;
+        if (free_keys < e - b.c && !dst_holds) e = b.c + std::max<int64_t>(0, floor_g(free_keys));
+      }
       if (e <= b.c) continue;
       const double shed = band_seconds(b) - causal_seconds(b.r0, x, b.c) - causal_seconds(x, b.r1, e);
       if (shed <= 0) continue;
       const double plain = static_cast<double>(rows) * q_ + static_cast<double>(e - b.c) * kv_;
       const double p = price(plain, shed, want);
       if (shape.band < 0 || p < shape_price) {
-        shape = Move{id, false, x, e, dst, block_seconds(rows, e - b.c), shed, plain, p};
+        const Move m{id, false, x, e, dst, block_seconds(rows, e - b.c), shed, plain, p};
+        if (!fits_memory(m)) continue;
+        shape = m;
         shape_price = p;
       }
     }
@@ -410,7 +462,8 @@ class MinbytesPlanner {
       const double bytes =
           dst_holds ? move_bytes(b.doc, x, b.r1, b.c, b.r1, dst) : fresh_bytes(b.r1 - x, b.c == 0, b.r1 - b.c);
       const double score = price(bytes, shed, want);
-      if (best.band < 0 || score < best.score) best = Move{id, false, x, -1, dst, seconds, shed, bytes, score};
+      const Move m{id, false, x, -1, dst, seconds, shed, bytes, score};
+      if ((best.band < 0 || score < best.score) && fits_memory(m)) best = m;
     }
   }
 
@@ -421,7 +474,8 @@ class MinbytesPlanner {
     const double bytes =
         dst_holds ? move_bytes(b.doc, b.r0, b.r1, b.c, b.r1, dst) : fresh_bytes(b.r1 - b.r0, b.c == 0, b.r1 - b.c);
     const double score = price(bytes, seconds, want);
-    if (best.band < 0 || score < best.score) best = Move{id, true, b.r0, b.r1, dst, seconds, seconds, bytes, score};
+    const Move m{id, true, b.r0, b.r1, dst, seconds, seconds, bytes, score};
+    if ((best.band < 0 || score < best.score) && fits_memory(m)) best = m;
   }
 
   // Keys [c, e) of band `id` added to the block that dst already computes for the same rows
@@ -451,7 +505,8 @@ class MinbytesPlanner {
     double bytes = 0;
     for_each_missing_key(b.doc, b.c, lo, dst, [&](int32_t, int64_t n) { bytes += static_cast<double>(n) * kv_; });
     const double score = price(bytes, shed, want);
-    if (best.band < 0 || score < best.score) best = Move{id, false, b.r0, lo, dst, gain(lo), shed, bytes, score, ext};
+    const Move m{id, false, b.r0, lo, dst, gain(lo), shed, bytes, score, ext};
+    if ((best.band < 0 || score < best.score) && fits_memory(m)) best = m;
   }
 
   // The block of dst's whose keys band b's continue for the same rows (b.ext, where it still
@@ -514,7 +569,7 @@ class MinbytesPlanner {
       consider_whole(id, dst, want, std::min(room, std::max(want, intake)), dst_holds, here);
       consider_extension(id, dst, want, room, here);
     }
-    if (here.band >= 0 && !fits_budget(here)) here.band = -1;
+    if (here.band >= 0 && (!fits_budget(here) || !fits_memory(here))) here.band = -1;
     return here;
   }
 
@@ -769,6 +824,7 @@ class MinbytesPlanner {
     if (ext >= 0 && !m.is_whole) {  // the band's first keys join dst's block
       Block& k = blocks_[ext];
       const int64_t rows = b.r1 - b.r0;
+      memory_[m.dst] += unheld_keys(b.doc, k.k1, m.e, m.dst) * kv_held_;
       load_[m.dst] += block_seconds(rows, m.e - k.k0) - block_seconds(rows, k.k1 - k.k0);
       hold(b.doc, m.dst, k.k1, m.e);
       k.k1 = m.e;
@@ -785,11 +841,13 @@ class MinbytesPlanner {
         moved.ext = -1;
         k.k1 = k.k0;  // empty: no task
       }
+      memory_[src] -= (b.r1 - b.r0) * q_held_;
       b.r1 = b.r0;  // dead
       set_seconds(b);
       add_band(moved);
     } else if (m.e < 0) {
       const Band moved{b.doc, m.x, b.r1, b.c, m.dst};
+      memory_[src] -= (b.r1 - m.x) * q_held_;
       b.r1 = m.x;
       set_seconds(b);
       load_[src] += band_seconds(b);
@@ -800,6 +858,7 @@ class MinbytesPlanner {
       upper.ext = static_cast<int32_t>(blocks_.size());
       blocks_.push_back(Block{b.doc, m.x, b.r1, b.c, m.e, m.dst});
       load_[m.dst] += block_seconds(b.r1 - m.x, m.e - b.c);
+      memory_[m.dst] += (b.r1 - m.x) * q_held_ + unheld_keys(b.doc, b.c, m.e, m.dst) * kv_held_;
       hold(b.doc, m.dst, b.c, m.e);
       b.r1 = m.x;
       set_seconds(b);
@@ -880,6 +939,7 @@ class MinbytesPlanner {
   const CostModel& cost_;
   const PlannerOptions& options_;
   const int64_t budget_;
+  const int64_t memory_cap_;  // per server (0: none)
   const double mean_;
   const double intake_scale_;  // the soft intake's level over the water level (1: spread the most)
   const double host_fill_;     // hosts' block, a share of the cap (0: no hosts)
@@ -890,10 +950,12 @@ class MinbytesPlanner {
   double q_ = 0, q_whole_ = 0, kv_ = 0;  // bytes per query row (split, whole) and key row moved, all phases
   double seconds_per_pair_ = 0, slowest_seconds_per_pair_ = 0, overhead_ = 0;
   int64_t tile_rows_ = 0;
+  int64_t q_held_ = 0, kv_held_ = 0;  // memory of a query row and a key row held (Plan::server_bytes)
   double cap_ = 0;
   std::vector<Band> bands_;
   std::vector<Block> blocks_;
   std::vector<double> load_;                       // (R) seconds
+  std::vector<int64_t> memory_;                    // (R) bytes held, an upper bound of server_bytes
   ScratchLease<KeptLists> lease_;                  // the arena's buffer, bands_ and blocks_
   std::pmr::monotonic_buffer_resource arena_{lease_.buffer(), lease_.buffer_size(),
                                              &lease_};  // the lists below; declared before them
@@ -953,8 +1015,9 @@ Result<Plan> plan_minbytes_shaped(const Batch& batch, const CostModel& cost, con
   return plan_at_cap(batch, cost, options, options.max_rank_bytes, shape, passed_over);
 }
 
-Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
-  DISTCA_RETURN_IF_ERROR(options.validate());
+namespace {
+
+Result<Plan> plan_minbytes_capped(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
   const int64_t budget = options.max_rank_bytes;
   Plan plan = plan_at_cap(batch, cost, options, budget);
   if (budget == 0 || keeps_budget(plan, budget)) return plan;
@@ -983,5 +1046,12 @@ Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const Plan
                            "bytes ({:.3f} GiB, within 0.1 %)", budget, hi, static_cast<double>(hi) / (1 << 30));
   return plan;
 }
+
+}  // namespace
+
+Result<Plan> plan_minbytes(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
+  return plan_within_memory(batch, cost, options, [&](const PlannerOptions& o) { return plan_minbytes_capped(batch, cost, o); });
+}
+
 
 }  // namespace distca::plan

@@ -19,6 +19,7 @@
 #include <thread>
 #include <tuple>
 
+#include "memory_cap.h"
 #include "minbytes.h"
 
 #include "distca/plan/planner.h"
@@ -49,8 +50,9 @@ bool is_busiest_in_a_phase(const Plan& plan, const std::vector<int32_t>& ranks) 
 
 }  // namespace
 
-Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
-  DISTCA_RETURN_IF_ERROR(options.validate());
+namespace {
+
+Result<Plan> plan_minlink_capped(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
   const double eps = options.tolerance;
   // Two candidates, on two threads: minbytes as it is (its intake spread over the most
   // receivers), and minbytes with its intake raised to the largest room (each sender's excess
@@ -128,7 +130,8 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
   for (const Status& s : failed) DISTCA_RETURN_IF_ERROR(s);
 
   auto balanced = [&](const Candidate& c) {
-    return c.plan.load.max <= (1.0 + eps) * c.plan.load.mean * (1.0 + 1e-12) && c.plan.is_within_budget;
+    return c.plan.load.max <= (1.0 + eps) * c.plan.load.mean * (1.0 + 1e-12) && c.plan.is_within_budget &&
+           c.plan.is_within_memory;
   };
   // Balanced first (else the more balanced); then the least busy step, where links within 0.5 %
   // of the least busy count as a tie, broken by the fewest bytes (hosts move more of them).
@@ -155,6 +158,12 @@ Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const Plann
   plan.note = fmt::format("{} of {} candidates: {}{}", why, candidates.size(), best->name,
                           detail.empty() ? "" : " (" + detail + ")");
   return plan;
+}
+
+}  // namespace
+
+Result<Plan> plan_minlink(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
+  return plan_within_memory(batch, cost, options, [&](const PlannerOptions& o) { return plan_minlink_capped(batch, cost, o); });
 }
 
 }  // namespace distca::plan

@@ -16,7 +16,9 @@
 //      moved. Keys already sent to or owned by the receiver cost nothing.
 //   4. A slice that lands next to a run of the same document on the receiver merges into it.
 // With a per-rank byte budget, a candidate that would push any rank's forward send or receive
-// bytes (an upper bound, tracked per move) over the budget is skipped.
+// bytes (an upper bound, tracked per move) over the budget is skipped; with a per-server memory
+// cap (memory_cap.h), one that would take the receiver's rows (Plan::server_bytes, an upper
+// bound: a sender's key prefix is counted as kept) over the cap.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -24,6 +26,7 @@
 #include <set>
 
 #include "budget.h"
+#include "memory_cap.h"
 #include "distca/plan/planner.h"
 
 namespace distca::plan {
@@ -52,7 +55,8 @@ class MinmaxPlanner {
   MinmaxPlanner(const Batch& batch, const CostModel& cost, const PlannerOptions& options)
       : batch_(batch), cost_(cost), options_(options), g_(options.granularity),
         num_ranks_(batch.num_ranks), load_(num_ranks_, 0.0), server_runs_(num_ranks_),
-        room_key_(num_ranks_, -1.0), kv_need_(batch.num_docs()) {}
+        room_key_(num_ranks_, -1.0), kv_need_(batch.num_docs()), memory_cap_(std::max<int64_t>(0, options.max_server_bytes)),
+        memory_(num_ranks_, 0), q_held_(cost.token_bytes().q + cost.token_bytes().out), kv_held_(cost.token_bytes().kv) {}
 
   Plan run() {
     place_home_runs();
@@ -99,7 +103,9 @@ class MinmaxPlanner {
         const bool was_stuck = std::find(stuck_.begin(), stuck_.end(), busiest) != stuck_.end();
         plan.note = fmt::format("the busiest server, {}, stays at {:.4f} x cap: {}{}", busiest, load_[busiest] / cap_,
                                 was_stuck ? "no server has room for a shard of its work" : "the planner ran out of moves",
-                                was_stuck && options_.max_rank_bytes > 0 ? " within --max-rank-bytes" : "");
+                                was_stuck && options_.max_rank_bytes > 0 ? " within --max-rank-bytes"
+                                : was_stuck && memory_cap_ > 0           ? " within the memory cap"
+                                                                         : "");
       }
       plan.note += fmt::format("; largest indivisible shard = {:.4f} x mean", largest_shard / plan.load.mean);
     } else {
@@ -107,6 +113,10 @@ class MinmaxPlanner {
                                 : "bound met";
     }
     if (!plan.is_within_budget) plan.note += "; " + budget_failure_;
+    if (memory_cap_ > 0) {
+      plan.memory_cap = memory_cap_;
+      plan.is_within_memory = *std::max_element(plan.server_bytes.begin(), plan.server_bytes.end()) <= memory_cap_;
+    }
     return plan;
   }
 
@@ -133,7 +143,15 @@ class MinmaxPlanner {
     server_runs_[run.server].push_back(static_cast<int32_t>(runs_.size()));
     runs_.push_back(run);
     load_[run.server] += seconds(run.lo, run.hi);
+    memory_[run.server] += memory_added(run.doc, run.lo, run.hi, run.server);
     raise_kv_need(run.doc, run.server, run.hi);
+  }
+  // What rows [a, b) of `doc` (keys [0, b)) add to `server`'s memory.
+  int64_t memory_added(int32_t doc, int64_t a, int64_t b, int32_t server) const {
+    return (b - a) * q_held_ + std::max<int64_t>(0, b - kv_need(doc, server)) * kv_held_;
+  }
+  bool fits_memory(int32_t doc, int64_t a, int64_t b, int32_t dst) const {
+    return memory_cap_ == 0 || memory_[dst] + memory_added(doc, a, b, dst) <= memory_cap_;
   }
 
   int64_t kv_need(int32_t doc, int32_t server) const {
@@ -257,7 +275,7 @@ class MinmaxPlanner {
       for_each_flow(run.doc, a, b, dst, [&](int32_t, int32_t, int64_t n) { bytes += static_cast<double>(n); });
       const double score = bytes / seconds(a, b);
       if (best.run >= 0 && score >= best.score) continue;
-      if (!fits_budget(run.doc, a, b, dst)) continue;
+      if (!fits_budget(run.doc, a, b, dst) || !fits_memory(run.doc, a, b, dst)) continue;
       best = SliceMove{run_id, is_front, a, b, dst, score};
     }
   }
@@ -313,6 +331,7 @@ class MinmaxPlanner {
     const int32_t src = run.server;
     const int32_t doc = run.doc;
     load_[src] -= seconds(run.lo, run.hi);
+    memory_[src] -= (c.b - c.a) * q_held_;
     if (c.is_front) run.lo = c.b; else run.hi = c.a;
     load_[src] += seconds(run.lo, run.hi);
 
@@ -323,6 +342,7 @@ class MinmaxPlanner {
       if (!other.is_alive() || other.doc != doc || other.server != c.dst) continue;
       if (other.hi == a || other.lo == b) {
         load_[c.dst] -= seconds(other.lo, other.hi);
+        memory_[c.dst] -= (other.hi - other.lo) * q_held_;  // counted again with the merged run
         a = std::min(a, other.lo);
         b = std::max(b, other.hi);
         other.lo = other.hi;  // absorbed
@@ -349,13 +369,17 @@ class MinmaxPlanner {
   bool is_budget_feasible_ = true;
   std::vector<int32_t> stuck_;  // servers left above the cap with no receiver for their work
   std::string budget_failure_ = "per-rank byte budget exceeded";
+  const int64_t memory_cap_;             // per server (0: none)
+  std::vector<int64_t> memory_;          // (R) bytes held, an upper bound of server_bytes
+  const int64_t q_held_, kv_held_;       // a query row's and a key row's bytes held
 };
 
 }  // namespace
 
 Result<Plan> plan_minmax(const Batch& batch, const CostModel& cost, const PlannerOptions& options) {
-  DISTCA_RETURN_IF_ERROR(options.validate());
-  return MinmaxPlanner(batch, cost, options).run();
+  return plan_within_memory(batch, cost, options, [&](const PlannerOptions& o) -> Result<Plan> {
+    return MinmaxPlanner(batch, cost, o).run();
+  });
 }
 
 }  // namespace distca::plan

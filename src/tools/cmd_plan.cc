@@ -282,23 +282,29 @@ int run_plan(PlanArgs& a) {
                link.link.bytes_per_second / 1e9, link.name);
   }
   fmt::print("Balance and bytes\n");
-  fmt::print("{:<8} {:>7} {:>8} {:>10} {:>10} {:>13} {:>12} {:>10} {:>15} {:>15} {:>9}\n", "policy", "tasks",
+  fmt::print("{:<8} {:>7} {:>8} {:>10} {:>10} {:>13} {:>12} {:>10} {:>15} {:>15} {:>14} {:>9}\n", "policy", "tasks",
              "plan ms", "imbalance", "pairs imb", "max load (s)", "total (MiB)", "KV (MiB)", "max send (MiB)",
-             "max recv (MiB)", "verified");
+             "max recv (MiB)", "held (x coloc)", "verified");
+  const auto fullest = [](const Plan& p) {
+    return p.server_bytes.empty() ? int64_t{0} : *std::max_element(p.server_bytes.begin(), p.server_bytes.end());
+  };
+  const double colocated_held = static_cast<double>(fullest(run.before.plan));
   for (const facade::PolicyRun* r : rows) {
     const Plan& p = r->plan;
     const CommSummary& c = p.traffic.forward;
-    fmt::print("{:<8} {:>7} {:>8.2f} {:>10.4f} {:>10.4f} {:>13.4f} {:>12.1f} {:>10.1f} {:>15.1f} {:>15.1f} {:>9}\n",
+    fmt::print("{:<8} {:>7} {:>8.2f} {:>10.4f} {:>10.4f} {:>13.4f} {:>12.1f} {:>10.1f} {:>15.1f} {:>15.1f} {:>14.3f} {:>9}\n",
                p.policy, p.tasks.size(), r->plan_ms, p.load.imbalance, p.load.pairs_imbalance, p.load.max,
                mib(c.total_bytes), mib(c.kv_bytes), mib(c.max_send_bytes), mib(c.max_recv_bytes),
-               r->is_verified ? "yes" : "NO");
+               colocated_held > 0 ? static_cast<double>(fullest(p)) / colocated_held : 0.0, r->is_verified ? "yes" : "NO");
   }
   fmt::print("  load: a server's estimated core-attention seconds per step ({} layers, fwd + bwd; planner cost model, "
              "{:.0f} TFLOP/s)\n",
              m.num_layers, run.cost.profile().flops_per_second / 1e12);
   fmt::print("  imbalance: max / mean of the servers' loads; pairs imb: the same of causal (query, key) pairs\n");
   fmt::print("  bytes: one layer's forward dispatch + return (1 MiB = 2^20 bytes); max send / recv: the busiest "
-             "rank's\n\n");
+             "rank's\n");
+  fmt::print("  held: the fullest server's attention rows of one layer (Q, O, LSE, K, V: what a stateful server keeps per "
+             "layer), over colocated's fullest ({:.1f} MiB)\n\n", colocated_held / (1 << 20));
 
   fmt::print("Forward time of one layer (profile {}; {} link: {:.1f} GB/s, {:.0f} us per message; {} ranks x tp {} = "
              "{} GPUs on {} node{} of {})\n",
@@ -381,6 +387,12 @@ std::function<int()> add_plan_command(CLI::App& app) {
                   "minmax and minbytes: per-rank forward send and receive byte budget per layer (0 = none), or auto: what the "
                   "profile's link moves while the layer's linear work runs (the exchange ping-pong can hide)")
       ->default_str("0");
+  cmd->add_option("--max-server-bytes", args->request.max_server_bytes,
+                  "minmax, minbytes and minlink: the most bytes of one layer's attention rows a server may hold (its tasks' "
+                  "Q, O and LSE, their keys' K and V: what a stateful server keeps per layer), 0 = no cap, or auto: memory "
+                  "balanced as compute is, a cap of (1 + eps) x colocated's fullest server where a plan as balanced keeps it "
+                  "with its busiest link within 5 %")
+      ->default_str("auto");
   cmd->add_option("--seed", args->seed, "sampling seed, >= 0")->capture_default_str();
   cmd->add_option("--long-threshold", args->sampling.long_threshold, "sampling: documents above this are long")
       ->capture_default_str();

@@ -82,6 +82,7 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
   int num_with_long_docs = 0;
   int num_with_empty_ranks = 0;
   int num_minbytes_reachable = 0;
+  int num_memory_capped = 0;  // plans the memory cap changed
   int num_bounded = 0;
   for (int i = 0; i < kNumBatches; ++i) {
     const Case c = random_case(1000 + i);
@@ -205,15 +206,40 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
         ASSERT_LE(link_bound.fwd_dispatch, static_cast<double>(links.fwd_dispatch) * (1 + 1e-9));
         ASSERT_LE(link_bound.step, static_cast<double>(links.step) * (1 + 1e-9));
       }
+      // Without a memory cap (the cap's own properties below).
+      PlannerOptions uncapped = c.options;
+      uncapped.max_server_bytes = 0;
+      const bool is_ours = name == "minmax" || name == "minbytes" || name == "minlink";
+      const Plan free = is_ours ? find_planner(name).value()(c.batch, c.cost, uncapped).value() : plan;
+      const LinkSummary free_links = free.traffic.links[static_cast<int>(BackwardMode::kStateful)];
       if (name == "minbytes") {
-        minbytes_links = links;
-        minbytes_balanced = plan.is_balanced;
+        minbytes_links = free_links;
+        minbytes_balanced = free.is_balanced;
       }
       // minlink plans minbytes among its candidates: balanced where it is, links no busier (but
       // for its tie: a link within 0.5 % of the least busy with fewer bytes).
       if (name == "minlink" && minbytes_balanced) {
-        ASSERT_TRUE(plan.is_balanced) << plan.note;
-        ASSERT_LE(static_cast<double>(links.step), 1.005 * static_cast<double>(minbytes_links.step)) << plan.note;
+        ASSERT_TRUE(free.is_balanced) << free.note;
+        ASSERT_LE(static_cast<double>(free_links.step), 1.005 * static_cast<double>(minbytes_links.step)) << free.note;
+      }
+      // The memory cap (auto): the plan is the free one, or one balanced as well, its fullest
+      // server lower and within the cap, and its step's busiest link within 5 % of the free one's.
+      if (is_ours && plan.hash != free.hash) {
+        ++num_memory_capped;
+        const auto fullest = [](const Plan& p) { return *std::max_element(p.server_bytes.begin(), p.server_bytes.end()); };
+        ASSERT_TRUE(plan.is_balanced && free.is_balanced) << plan.note;
+        ASSERT_TRUE(plan.is_within_memory) << plan.note;
+        ASSERT_LE(fullest(plan), plan.memory_cap);
+        ASSERT_LT(fullest(plan), fullest(free));
+        ASSERT_LE(static_cast<double>(links.step), 1.05 * static_cast<double>(free_links.step) * (1 + 1e-12));
+      }
+      if (is_ours && plan.is_within_memory) {
+        ASSERT_LE(*std::max_element(plan.server_bytes.begin(), plan.server_bytes.end()), plan.memory_cap);
+      }
+      if (name == "distca") {  // the paper's planner knows no memory cap
+        PlannerOptions no_cap = c.options;
+        no_cap.max_server_bytes = 0;
+        ASSERT_EQ(plan.hash, plan_distca(c.batch, c.cost, no_cap).value().hash);
       }
       if (name == "distca") {
         // The reference's moves take min(donor surplus, receiver need, item): no receiver ends
@@ -240,6 +266,7 @@ TEST(PlannerProperty, EveryPlanIsExactConservesWorkAndMinmaxMeetsItsBound) {
   EXPECT_GT(num_with_long_docs, kNumBatches / 10);
   EXPECT_GT(num_with_empty_ranks, kNumBatches / 10);
   EXPECT_GT(num_minbytes_reachable, kNumBatches / 10);
+  EXPECT_GT(num_memory_capped, 0);
   EXPECT_GT(num_bounded, kNumBatches / 10);
   std::printf("reachable bound: %d, long documents: %d, empty ranks: %d of %d batches\n", num_reachable,
               num_with_long_docs, num_with_empty_ranks, kNumBatches);

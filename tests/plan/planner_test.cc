@@ -468,7 +468,8 @@ TEST(PlanMinlink, PlansAgainHostingEverySenderWhereOnePassedOverIsTheBusiest) {
       SamplingOptions so;
       so.seed = seed;
       const Batch b = sample_batch(builtin_distribution("prolong").value(), so, ranks, 131072).value();
-      const PlannerOptions o{0.02, 128, 0};
+      PlannerOptions o{0.02, 128, 0};
+      o.max_server_bytes = 0;  // its candidates' choice, without a memory cap (memory_cap_test.cc)
       MinbytesShape shape{std::numeric_limits<double>::infinity(), 0.9};
       std::vector<int32_t> passed_over;
       const Plan some = plan_minbytes_shaped(b, cost, o, shape, &passed_over).value();

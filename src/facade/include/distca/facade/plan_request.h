@@ -32,6 +32,9 @@ struct PlanRequest {
   std::optional<double> tolerance;            // eps in [0, 1]; unset: auto (auto_tolerance.h)
   std::optional<int64_t> granularity;         // default 128
   std::optional<std::string> max_rank_bytes;  // bytes or "auto"; default "0" (no budget)
+  // minmax, minbytes, minlink: one layer's attention rows a server may hold, bytes (0 = no cap)
+  // or "auto" (the default: src/plan/memory_cap.h).
+  std::optional<std::string> max_server_bytes;
   // The attention rates the planner prices tasks at (default: ThroughputProfile{}, a GPU's;
   // plan::cpu_throughput_profile() for CPU servers). The report's per-layer times still come
   // from the simulator's profile.
@@ -55,6 +58,8 @@ Result<std::optional<double>> parse_tolerance(const std::string& text);
 
 // --max-rank-bytes as a number of bytes (0 = no budget).
 Result<int64_t> parse_byte_budget(const std::string& text);
+// --max-server-bytes: auto (PlannerOptions::kAutoServerBytes) or a number of bytes (0 = no cap).
+Result<int64_t> parse_server_bytes(const std::string& text);
 
 // The link one layer's all-to-all runs on: R x tp GPUs, gpus_per_node to a node; once they span
 // two nodes the inter-node link bounds the exchange, as the simulator prices it.
@@ -96,6 +101,7 @@ struct PlanRun {
   LinkChoice link;
   std::optional<AutoBudget> auto_budget;
   int64_t budget = 0;
+  int64_t max_server_bytes = plan::PlannerOptions::kAutoServerBytes;
   std::optional<double> tolerance;  // unset: auto
   int64_t granularity = 0;
   int gpus_per_node = 0;

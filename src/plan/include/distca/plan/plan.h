@@ -126,6 +126,9 @@ struct Plan {
   std::vector<Task> tasks;           // sorted by (server, doc, q0, k0)
   std::vector<double> server_seconds;  // (R) estimated CA seconds per step
   std::vector<int64_t> server_pairs;   // (R)
+  // (R) What one layer's attention rows take on each server (server_bytes below): the memory a
+  // stateful server keeps per layer until that layer's backward.
+  std::vector<int64_t> server_bytes;
   LoadSummary load;
   Traffic traffic;
   uint64_t hash = 0;
@@ -139,8 +142,19 @@ struct Plan {
   // minbytes, when the asked budget is not kept: the smallest budget (bytes) with which it
   // balances and keeps it (to 0.1 %); 0 when not searched.
   int64_t smallest_kept_budget = 0;
+  // The per-server memory cap the planner kept (PlannerOptions::max_server_bytes, resolved; 0:
+  // none), and whether every server_bytes is within it.
+  int64_t memory_cap = 0;
+  bool is_within_memory = true;
   std::string note;
 };
+
+// Each server's bytes of one layer's attention rows under a task list: Q, O and LSE (bytes.q +
+// bytes.out) for every query row of its tasks (a row in two tasks, twice: the runtime gives each
+// task its own rows) and K and V (bytes.kv) for every key row of the union of its tasks' key
+// ranges per document. Rows a server owns count like any other: the runtime copies them into
+// its server buffers (runtime::buffer_bytes, whose forward set this is at 4-byte elements).
+std::vector<int64_t> server_bytes(const TokenBytes& bytes, const std::vector<Task>& tasks, int32_t num_ranks);
 
 // Per-server seconds and pairs of a task list under `cost`.
 LoadSummary summarize_load(const std::vector<double>& seconds, const std::vector<int64_t>& pairs);

@@ -25,6 +25,11 @@ struct PlannerOptions {
   double tolerance = 0.05;          // eps
   int64_t granularity = 128;        // g: shards are multiples of g tokens
   int64_t max_rank_bytes = 0;       // per-rank forward send and receive budget; 0 = none
+  // minmax, minbytes, minlink: the most bytes of one layer's attention rows a server may hold
+  // (Plan::server_bytes): kAutoServerBytes (memory balanced as compute is, src/plan/memory_cap.h),
+  // 0 = none, or a cap in bytes.
+  int64_t max_server_bytes = kAutoServerBytes;
+  static constexpr int64_t kAutoServerBytes = -1;
 
   Status validate() const;
 };
