@@ -527,6 +527,7 @@ PYBIND11_MODULE(_distca, m) {
       .def_readwrite("tolerance", &facade::PlanRequest::tolerance)
       .def_readwrite("granularity", &facade::PlanRequest::granularity)
       .def_readwrite("max_rank_bytes", &facade::PlanRequest::max_rank_bytes)
+      .def_readwrite("max_server_bytes", &facade::PlanRequest::max_server_bytes)
       .def_readwrite("model", &facade::PlanRequest::model)
       .def_readwrite("layers", &facade::PlanRequest::layers)
       .def_readwrite("hidden", &facade::PlanRequest::hidden)

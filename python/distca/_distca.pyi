@@ -25,6 +25,7 @@ class PlanRequest:
     tolerance: Optional[float]
     granularity: Optional[int]
     max_rank_bytes: Optional[str]
+    max_server_bytes: Optional[str]
     model: str
     layers: Optional[int]
     hidden: Optional[int]

@@ -293,7 +293,7 @@ _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"
 
 def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str] = "auto", granularity: Optional[int] = None,
          model: Union[str, Mapping[str, Any]] = "llama-8b", max_rank_bytes: Union[int, str, None] = None,
-         tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None,
+         max_server_bytes: Union[int, str] = "auto", tokens_per_rank: int = 0, gpus_per_node: int = 8, profile: Union[str, os.PathLike, None] = None,
          throughput: Union[str, Mapping[str, Any], None] = None, grad_return: str = "fp32") -> Plan:
     """Plans core attention for one step, as `distca plan --batch ... --json` does.
 
@@ -305,7 +305,10 @@ def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str]
     tolerance: eps in [0, 1], or "auto" (the default): of eps = 0.2, 0.1, ..., 0.2/128, the one whose
       plan predicts the fastest step on `profile` (Plan.tolerance says which; Plan.report()'s
       "tolerance_auto" lists what was tried); granularity: a power of two 16..4096 (default 128; minmax and
-      minbytes only); max_rank_bytes: bytes per rank per layer, or "auto" (default none).
+      minbytes only); max_rank_bytes: bytes per rank per layer, or "auto" (default none);
+      max_server_bytes: minmax, minbytes and minlink's cap on one layer's attention rows a server
+      holds, bytes (0: none) or "auto" (the default: memory balanced as compute is where that is
+      cheap; the report's "memory" gives the fullest server, docs/planners.md).
     model: a preset name (llama-8b, llama-34b), or a dict with any of layers, hidden, heads,
       kv_heads, head_dim, ffn_hidden, dtype_bytes, tp over the preset "preset" (default: custom,
       every shape key given).
@@ -334,6 +337,12 @@ def plan(batch: BatchLike, policy: str = "minlink", tolerance: Union[float, str]
         except TypeError:
             raise TypeError(f"max_rank_bytes must be an integer (bytes), a string or None, "
                             f"got {excerpt(max_rank_bytes)}") from None
+    if isinstance(max_server_bytes, str):
+        if max_server_bytes != "auto":
+            raise TypeError(f"max_server_bytes must be an integer (bytes, 0 = no cap) or 'auto', got {excerpt(max_server_bytes)}")
+        request.max_server_bytes = None  # the default: auto
+    else:
+        request.max_server_bytes = str(integer_arg(max_server_bytes, "max_server_bytes"))
     request.gpus_per_node = integer_arg(gpus_per_node, "gpus_per_node", 32)
     if isinstance(model, str):
         request.model = model

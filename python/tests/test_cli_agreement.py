@@ -212,6 +212,8 @@ def test_plan_with_options_agrees_with_cli(tmp_path):
          dict(policy="distca", model=dict(layers=4, hidden=1024, heads=8, kv_heads=2, head_dim=128,
                                           ffn_hidden=4096, dtype_bytes=2, tp=2))),
         (["--policy", "minlink", "--grad-return", "bf16"], dict(policy="minlink", grad_return="bf16")),
+        (["--policy", "minbytes", "--max-server-bytes", "0"], dict(policy="minbytes", max_server_bytes=0)),
+        (["--policy", "minlink", "--max-server-bytes", "150000000"], dict(policy="minlink", max_server_bytes=150000000)),
         (["--policy", "minbytes", "--profile", profile_path, "--max-rank-bytes", "auto"],
          dict(policy="minbytes", profile=profile_path, max_rank_bytes="auto")),
     ]
@@ -236,6 +238,8 @@ OPTION_ERRORS = [
     (["--policy", "none", "--max-rank-bytes", "auto"], dict(policy="none", max_rank_bytes="auto")),
     (["--max-rank-bytes", "-5"], dict(max_rank_bytes="-5")),
     (["--max-rank-bytes", "12abc"], dict(max_rank_bytes="12abc")),
+    (["--max-server-bytes", "-5"], dict(max_server_bytes=-5)),
+    (["--policy", "distca", "--max-server-bytes", "0"], dict(policy="distca", max_server_bytes=0)),
     (["--model", "custom", "--heads", "4"], dict(model={"preset": "custom", "heads": 4})),
     (["--model", "llama-99b"], dict(model="llama-99b")),
     (["--grad-return", "fp8"], dict(grad_return="fp8")),

@@ -26,25 +26,25 @@ using namespace distca::plan;
 // compute of its cheapest shard (a document's first), so larger shards buy nothing and only
 // coarsen the balance.
 
-Result<int64_t> parse_byte_budget(const std::string& text) {
+namespace {
+
+// A whole number of bytes >= 0 for `flag`, whose 0 means `zero`.
+Result<int64_t> parse_bytes(const std::string& text, const char* flag, const char* zero) {
   int64_t bytes = 0;
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), bytes);
   if (error != std::errc() || end != text.data() + text.size() || bytes < 0) {
-    return invalid_argument(fmt::format(
-        "--max-rank-bytes must be a whole number of bytes >= 0 (0 = no budget) or auto, got '{}'", text));
+    return invalid_argument(fmt::format("{} must be a whole number of bytes >= 0 (0 = {}) or auto, got '{}'", flag, zero, text));
   }
   return bytes;
 }
 
+}  // namespace
+
+Result<int64_t> parse_byte_budget(const std::string& text) { return parse_bytes(text, "--max-rank-bytes", "no budget"); }
+
 Result<int64_t> parse_server_bytes(const std::string& text) {
   if (text == "auto") return plan::PlannerOptions::kAutoServerBytes;
-  int64_t bytes = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), bytes);
-  if (error != std::errc() || end != text.data() + text.size() || bytes < 0) {
-    return invalid_argument(fmt::format(
-        "--max-server-bytes must be a whole number of bytes >= 0 (0 = no cap) or auto, got '{}'", text));
-  }
-  return bytes;
+  return parse_bytes(text, "--max-server-bytes", "no cap");
 }
 
 Result<std::optional<double>> parse_tolerance(const std::string& text) {

@@ -15,7 +15,9 @@ int64_t fullest(const Plan& plan) {
 
 constexpr int kStateful = static_cast<int>(BackwardMode::kStateful);
 // A capped plan is kept only if its step's busiest link (stateful) is within this of the free
-// plan's: memory is balanced where it costs the exchange little.
+// plan's: memory is balanced where it costs the exchange little. Measured on 20 batches
+// (reports/cpu/2026-12-07-planner-memory): minlink's fullest server over colocated's, mean
+// 1.287 uncapped, 1.283 at 5 %, 1.229 at 10 % (links up to 8.6 % busier), 1.197 at 25 % (23 %).
 constexpr double kLinkSlack = 0.05;
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
@@ -48,37 +50,25 @@ Result<Plan> plan_within_memory(const Batch& batch, const CostModel& cost, const
   DISTCA_ASSIGN_OR_RETURN(Plan free, plan(capped));
   const int64_t colocated = colocated_server_bytes(batch, cost);
   const double eps = options.tolerance;
-  const auto cap_at = [&](double slack) { return static_cast<int64_t>(std::floor(static_cast<double>(colocated) * (1.0 + slack))); };
-  free.memory_cap = cap_at(eps);
+  free.memory_cap = static_cast<int64_t>(std::floor(static_cast<double>(colocated) * (1.0 + eps)));
   free.is_within_memory = fullest(free) <= free.memory_cap;
   if (free.is_within_memory || !free.is_balanced || eps <= 0) return free;
-  // The first level that keeps the balance; then two halvings of the step below it.
-  auto try_cap = [&](double slack) -> Result<std::optional<Plan>> {
-    capped.max_server_bytes = cap_at(slack);
+  // From the free plan's fullest down towards the goal, a quarter of the way at a time, while
+  // each cap keeps the balance and the link: a cap that fails ends the search (one plan more
+  // where none helps, four where the goal is met).
+  const int64_t goal = free.memory_cap, top = fullest(free);
+  std::optional<Plan> kept;
+  for (int quarter = 1; quarter <= 4; ++quarter) {
+    capped.max_server_bytes = top - (top - goal) * quarter / 4;
     DISTCA_ASSIGN_OR_RETURN(Plan p, plan(capped));
     const auto link = [](const Plan& x) { return static_cast<double>(x.traffic.links[kStateful].step); };
-    if (p.is_balanced && p.is_within_budget && p.is_within_memory && link(p) <= (1 + kLinkSlack) * link(free)) {
-      return std::optional<Plan>(std::move(p));
-    }
-    return std::optional<Plan>();
-  };
-  double failed = 0;  // the largest slack known not to keep it (0: none tried)
-  for (double slack = eps; cap_at(slack) < fullest(free); failed = slack, slack *= 2) {
-    DISTCA_ASSIGN_OR_RETURN(std::optional<Plan> kept, try_cap(slack));
-    if (!kept) continue;
-    double lo = failed, hi = slack;
-    for (int i = 0; i < 2 && failed > 0; ++i) {
-      const double mid = (lo + hi) / 2;
-      DISTCA_ASSIGN_OR_RETURN(std::optional<Plan> tighter, try_cap(mid));
-      if (tighter) {
-        kept = std::move(tighter);
-        hi = mid;
-      } else {
-        lo = mid;
-      }
-    }
+    if (!(p.is_balanced && p.is_within_budget && p.is_within_memory && link(p) <= (1 + kLinkSlack) * link(free))) break;
+    kept = std::move(p);
+  }
+  if (kept) {
     kept->note += fmt::format("; memory capped at {:.1f} MiB per server ({:.3f} x colocated's fullest; {:.1f} MiB uncapped)",
-                              mib(kept->memory_cap), 1.0 + hi, mib(fullest(free)));
+                              mib(kept->memory_cap), static_cast<double>(kept->memory_cap) / static_cast<double>(colocated),
+                              mib(top));
     return std::move(*kept);
   }
   free.note += fmt::format("; memory: no cap below its own {:.1f} MiB per server ({:.3f} x colocated's fullest) kept the "

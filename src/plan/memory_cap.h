@@ -7,14 +7,14 @@
 // that balances compute piles K/V prefixes and blocks onto the receivers, up to 1.4x colocated's
 // fullest rank on the shipped workloads. Planning within a cap keeps them lower.
 //
-// auto: memory balanced as compute is. The cap is (1 + eps) x colocated's fullest server, eps the
+// auto: memory balanced as compute is. The goal is (1 + eps) x colocated's fullest server, eps the
 // planner's tolerance. The plan without a cap is kept where it is within that (the cap does not
-// bind: the same plan, the same hash); else the planner plans again under caps of colocated's
-// fullest x (1 + eps), (1 + 2 eps), (1 + 4 eps), ... up to the free plan's own fullest, and
-// keeps the first plan that is balanced and whose step's busiest link is within 5 % of the free
-// plan's (then two bisections towards the level below): compute first, the exchange next, a
-// cap that only a less balanced or much busier plan keeps is not kept. An explicit cap is honoured as a limit: moves that would break it are
-// skipped, whatever that leaves of the balance (Plan::is_balanced says).
+// bind: the same plan, the same hash); else the planner plans again under caps a quarter, a half,
+// three quarters of the way from the free plan's fullest down to the goal, and the goal, while
+// each plan is balanced and its step's busiest link within 5 % of the free plan's: compute
+// first, the exchange next. The first cap that fails ends the search (one plan more where no cap
+// helps). An explicit cap is honoured as a limit: moves that would break it are skipped,
+// whatever that leaves of the balance (Plan::is_balanced says).
 #pragma once
 
 #include <functional>

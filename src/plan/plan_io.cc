@@ -101,7 +101,9 @@ json plan_report_json(const Plan& before, const Plan& after, const Batch& batch,
             {"max_recv_bytes", c.max_recv_bytes},
             {"q_bytes", c.q_bytes},
             {"kv_bytes", c.kv_bytes},
-            {"out_bytes", c.out_bytes}}}};
+            {"out_bytes", c.out_bytes},
+            {"step_link_bytes", after.traffic.links[static_cast<int>(BackwardMode::kStateful)].step},
+            {"step_link_scope", "the busiest link's bytes over a step's four phases, one layer, stateful backward"}}}};
 }
 
 namespace {

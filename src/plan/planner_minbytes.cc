@@ -995,7 +995,10 @@ Plan plan_at_cap(const Batch& batch, const CostModel& cost, const PlannerOptions
   constexpr int kCapRetries = 3;
   Plan plan;
   double mean = 0;  // the latest plan's (0 at first: every document as one task's)
-  for (int round = 0; round == 0 || (round <= kCapRetries && !plan.is_balanced); ++round) {
+  // Under a memory cap a plan that misses the bound is one whose receivers are full: planning
+  // again at its mean does not help, and the cap's search (memory_cap.h) pays for every plan.
+  const int retries = options.max_server_bytes > 0 ? 0 : kCapRetries;
+  for (int round = 0; round == 0 || (round <= retries && !plan.is_balanced); ++round) {
     MinbytesPlanner planner(batch, cost, options, budget, shape, mean);
     Plan next = planner.run();
     mean = next.load.mean;

@@ -314,6 +314,8 @@ TEST(Cli, BadInputGetsOneLineErrorExitTwoAndNoFile) {
       {"too many layers", "--layers 5000", "--layers must be in [1, 1024]"},
       {"zero heads", "--heads 0", "--heads"},
       {"negative budget", "--max-rank-bytes -1", "--max-rank-bytes"},
+      {"negative memory cap", "--max-server-bytes -1", "--max-server-bytes must be a whole number of bytes >= 0"},
+      {"memory cap a word", "--max-server-bytes lots", "got 'lots'"},
       {"shrinking elongation", "--elongation 0.5", "--elongation must be 0 (auto) or in [1, 1024]"},
       {"zero long threshold", "--long-threshold 0", "--long-threshold"},
       {"keep-short above one", "--keep-short 1.5", "--keep-short"},
@@ -380,6 +382,8 @@ TEST(Cli, PlanRefusesFlagsItWouldIgnore) {
       {"granularity with none", "--policy none --granularity 256", "--granularity"},
       {"budget with none", "--policy none --max-rank-bytes 1000", "--max-rank-bytes"},
       {"budget with distca", "--policy distca --max-rank-bytes 1000", "--max-rank-bytes"},
+      {"memory cap with none", "--policy none --max-server-bytes 0", "--max-server-bytes"},
+      {"memory cap with distca", "--policy distca --max-server-bytes auto", "no memory cap"},
       {"granularity with distca", "--policy distca --granularity 64", "token granularity"},
       {"custom model without its shape", "--model custom --layers 2 --heads 8", "add --hidden, --kv-heads, --head-dim, --ffn-hidden"},
   });
@@ -515,6 +519,37 @@ TEST(Cli, PlanAutoByteBudgetComesFromTheProfileAndIsKept) {
     CmdResult bad = distca("plan " + c.args);
     cli::expect_refused(bad, c);
   }
+}
+
+// --max-server-bytes: the report's memory object, a cap every server keeps, and 0 the free plan.
+TEST(Cli, PlanReportsEachPlansFullestServerAndKeepsAMemoryCap) {
+  const std::string batch = "plan --workload prolong --seed 3 --policy minbytes --tolerance 0.05 --json";
+  auto run = [&](const std::string& extra) {
+    CmdResult r = distca(batch + extra);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out);
+  };
+  const nlohmann::json free = run(" --max-server-bytes 0"), automatic = run("");
+  EXPECT_EQ(automatic["max_server_bytes"], "auto");
+  EXPECT_EQ(free["max_server_bytes"], 0);
+  const auto& fm = free["memory"];
+  const auto& am = automatic["memory"];
+  EXPECT_GT(fm["max_server_bytes"].get<int64_t>(), fm["colocated_max_server_bytes"].get<int64_t>());
+  EXPECT_TRUE(fm["cap_bytes"].is_null());
+  // Auto lowers this batch's fullest server (reports/cpu/2026-12-07-planner-memory: 1.070 -> 1.050).
+  EXPECT_LT(am["max_server_bytes"].get<int64_t>(), fm["max_server_bytes"].get<int64_t>());
+  EXPECT_LE(am["max_server_bytes"].get<int64_t>(), am["cap_bytes"].get<int64_t>());
+  EXPECT_TRUE(am["within_cap"].get<bool>());
+  EXPECT_NE(automatic["hash"], free["hash"]);
+  // An explicit cap between colocated's fullest and the free plan's is kept by every server.
+  const int64_t cap = (fm["max_server_bytes"].get<int64_t>() + fm["colocated_max_server_bytes"].get<int64_t>()) / 2;
+  const nlohmann::json capped = run(" --max-server-bytes " + std::to_string(cap));
+  EXPECT_EQ(capped["memory"]["cap_bytes"], cap);
+  EXPECT_LE(capped["memory"]["max_server_bytes"].get<int64_t>(), cap);
+  EXPECT_GT(capped["comm"]["step_link_bytes"].get<int64_t>(), 0);
+  // The table's column.
+  CmdResult text = distca("plan --workload prolong --seed 3 --policy minbytes --tolerance 0.05");
+  EXPECT_NE(text.out.find("held (x coloc)"), std::string::npos) << text.out;
 }
 
 }  // namespace
