@@ -812,6 +812,10 @@ PYBIND11_MODULE(_distca, m) {
         d["graphs_built"] = s.graphs_built;
         d["build_seconds"] = s.build_seconds;
         d["calls"] = s.calls;
+        d["autotune_seconds"] = s.autotune_seconds;
+        py::dict engines;  // graph key -> cuDNN's engine name (DISTCA_CUDNN_AUTOTUNE)
+        for (const auto& [key, engine] : s.engines) engines[py::str(key)] = engine;
+        d["engines"] = engines;
         return d;
       })
       .def_property_readonly("device", [](const PyCudaAttention& a) { return a.attn->device(); })

@@ -1,6 +1,6 @@
 # Type stubs of the native module (python/distca_module.cc). Users call the package's functions
 # (distca.plan, distca.simulate, distca.profile); these are what they are built on.
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -177,7 +177,7 @@ class CudaAttention:
     @property
     def kernel(self) -> str: ...
     @property
-    def graph_stats(self) -> dict[str, float]: ...
+    def graph_stats(self) -> dict[str, Any]: ...
     @property
     def device(self) -> int: ...
     @property

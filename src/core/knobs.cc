@@ -43,6 +43,24 @@ constexpr Knob kKnobs[] = {
      "Variants of the cuDNN attention graph, comma-separated: exact-batch, top-left, no-max-total, "
      "dense, head-major-lse (with dense); unset builds the default graphs. Same results; for timing.",
      kCpp | kScripts},
+    {"DISTCA_CUDNN_AUTOTUNE", "0",
+     "1: on a cuDNN graph's first use, time every engine configuration its heuristics return (modes A "
+     "and FALLBACK) and run the fastest; 0 runs the heuristics' first. Not yet validated on a GPU.",
+     kCpp | kScripts},
+    {"DISTCA_CUDNN_AUTOTUNE_MS", "500",
+     "With DISTCA_CUDNN_AUTOTUNE=1, the time in milliseconds spent timing one graph's configurations "
+     "(0..600000; the first is always timed).",
+     kCpp},
+    {"DISTCA_CUDNN_ENGINE_CACHE", "unset",
+     "With DISTCA_CUDNN_AUTOTUNE=1, a JSON file remembering each graph's fastest engine per GPU and cuDNN "
+     "version, read instead of timing again; one of another GPU or cuDNN, or that does not parse, is "
+     "ignored with one line. Unset: remembered for the process only.",
+     kCpp | kScripts},
+    {"DISTCA_CUDA_POOL_KEEP_MIB", "2048",
+     "MiB of freed device memory the CUDA kernels' stream-ordered pool keeps across synchronisations "
+     "(0..16777216; 0 returns it to the driver at each, CUDA's default), so a large cuDNN workspace is "
+     "not allocated afresh on every call. Not yet validated on a GPU.",
+     kCpp | kScripts},
     {"DISTCA_KERNEL_TABLE", "unset",
      "A kernel table file (python -m distca.torch.kernel_table writes one) that distca.torch's auto "
      "kernel uses instead of the table shipped for the device, distca/torch/kernel_tables/<device>.json.",

@@ -8,11 +8,13 @@
 #include <nvrtc.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -22,6 +24,7 @@
 #include "../cuda/common/elementwise.h"
 #include "../cuda/common/scratch.h"
 #include "cudnn_plan.h"
+#include "engine_tuning.h"
 #include "distca/core/cuda_status.h"
 #include "distca/core/knobs.h"
 #include "distca/kernels/cudnn.h"
@@ -70,10 +73,13 @@ Status cudnn_status(cudnnStatus_t s, const char* what) {
 
 struct Built {
   std::shared_ptr<fe::graph::Graph> graph;
-  int64_t workspace = 0;
+  int64_t workspace = 0;  // autotuning: the largest of every candidate's
+  // Autotuning: the execution plan that runs (-1: the heuristics' first, graph->execute).
+  int64_t plan_index = -1;
+  bool tuned = false;
 };
 
-Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
+Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k, bool every_engine) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(k.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -144,13 +150,59 @@ Result<Built> build_graph(cudnnHandle_t handle, const GraphKey& k) {
   }
   DISTCA_RETURN_IF_ERROR(fe_status(g->validate(), "graph validation"));
   DISTCA_RETURN_IF_ERROR(fe_status(g->build_operation_graph(handle), "operation graph"));
-  DISTCA_RETURN_IF_ERROR(fe_status(g->create_execution_plans({fe::HeurMode_t::A}), "execution plans"));
+  // Autotuning builds every configuration the heuristics' modes A and FALLBACK return (some may
+  // fail to build: they are skipped when timed); else plan 0 of mode A.
+  if (every_engine) {
+    DISTCA_RETURN_IF_ERROR(
+        fe_status(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), "execution plans"));
+  } else {
+    DISTCA_RETURN_IF_ERROR(fe_status(g->create_execution_plans({fe::HeurMode_t::A}), "execution plans"));
+  }
   DISTCA_RETURN_IF_ERROR(fe_status(g->check_support(handle), "support check"));
-  DISTCA_RETURN_IF_ERROR(fe_status(g->build_plans(handle), "plan build"));
+  DISTCA_RETURN_IF_ERROR(fe_status(
+      g->build_plans(handle, every_engine ? fe::BuildPlanPolicy_t::ALL : fe::BuildPlanPolicy_t::HEURISTICS_CHOICE),
+      "plan build"));
   Built built;
   built.graph = std::move(g);
   DISTCA_RETURN_IF_ERROR(fe_status(built.graph->get_workspace_size(built.workspace), "workspace size"));
+  if (every_engine) {
+    for (int64_t i = 0; i < built.graph->get_execution_plan_count(); ++i) {
+      int64_t w = 0;
+      if (built.graph->get_workspace_size_plan_at_index(i, w).is_good()) built.workspace = std::max(built.workspace, w);
+    }
+  }
   return built;
+}
+
+// Times one execution plan on the handle's stream: a warm-up, then the fastest of three runs.
+Result<double> time_plan(cudnnHandle_t handle, const fe::graph::Graph& g, std::unordered_map<int64_t, void*>& ptrs,
+                         void* workspace, int64_t index) {
+  cudaStream_t stream = nullptr;
+  if (cudnnGetStream(handle, &stream) != CUDNN_STATUS_SUCCESS) return internal_error("cudnnGetStream failed");
+  if (fe::error_t e = g.execute_plan_at_index(handle, ptrs, workspace, index); !e.is_good()) {
+    return internal_error(e.get_message());
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  DISTCA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  double best = -1;
+  Status failed = Status::ok();
+  for (int run = 0; run < 3 && failed.is_ok(); ++run) {
+    float ms = 0;
+    if (cudaEventRecord(start, stream) != cudaSuccess) failed = internal_error("cudaEventRecord failed");
+    if (failed.is_ok()) {
+      if (fe::error_t e = g.execute_plan_at_index(handle, ptrs, workspace, index); !e.is_good()) failed = internal_error(e.get_message());
+    }
+    if (failed.is_ok() && (cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess ||
+                           cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)) {
+      failed = internal_error("timing with CUDA events failed");
+    }
+    if (failed.is_ok() && (best < 0 || ms < best)) best = ms;
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  if (!failed.is_ok()) return failed;
+  return best;
 }
 
 std::string key_text(const GraphKey& k) {
@@ -180,15 +232,19 @@ struct CudnnAttention::State {
   mutable std::mutex mutex;  // the handle, the cache and the stats
   std::unordered_map<GraphKey, Built, cudnn::GraphKeyHash> graphs;
   CudnnGraphStats stats;
+  // DISTCA_CUDNN_AUTOTUNE: every engine configuration timed on a key's first use (engine_tuning.h).
+  bool autotune = false;
+  double autotune_cap_seconds = 0.5;  // DISTCA_CUDNN_AUTOTUNE_MS
+  cudnn::EngineCache engines;         // DISTCA_CUDNN_ENGINE_CACHE (no path: remembered in this process only)
 
   ~State() {
     if (handle) (void)cudnnDestroy(handle);
   }
 
-  Result<const Built*> graph(const GraphKey& key) {
+  Result<Built*> graph(const GraphKey& key) {
     if (auto it = graphs.find(key); it != graphs.end()) return &it->second;
     const auto start = std::chrono::steady_clock::now();
-    Result<Built> built = build_graph(handle, key);
+    Result<Built> built = build_graph(handle, key, autotune);
     if (!built.is_ok()) {
       return Status(built.status().code(), fmt::format("{} (graph: {})", built.status().message(), key_text(key)));
     }
@@ -200,7 +256,7 @@ struct CudnnAttention::State {
   // Runs one planned call: `ptrs` binds the data tensors; the call's lengths and offsets are uploaded
   // (a dense call's pointers move to its one sequence's rows instead).
   Status run(const Call& call, std::unordered_map<int64_t, void*> ptrs, Scratch& scratch) {
-    Result<const Built*> built = graph(call.key);
+    Result<Built*> built = graph(call.key);
     if (!built.is_ok()) return built.status();
     void* workspace = nullptr;
     if (built.value()->workspace > 0) {
@@ -219,7 +275,7 @@ struct CudnnAttention::State {
         for (int64_t uid : {kDK, kDV}) move(uid, call.dkv_off[0], 2);
       }
       move(kStats, call.stats_off[0], 4);
-      if (!call.key.head_major_lse) return fe_status(built.value()->graph->execute(handle, ptrs, workspace), "SDPA execution");
+      if (!call.key.head_major_lse) return execute(*built.value(), call.key, ptrs, workspace);
       // The LSE rows [s, h] of the sequence through an [h, s] buffer: in before the backward, out
       // after the forward.
       auto* rows = static_cast<float*>(ptrs[kStats]);
@@ -230,7 +286,7 @@ struct CudnnAttention::State {
         DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_transpose_f32(rows, head_major.value(), s, h, scratch.stream()));
       }
       ptrs[kStats] = head_major.value();
-      DISTCA_RETURN_IF_ERROR(fe_status(built.value()->graph->execute(handle, ptrs, workspace), "SDPA execution"));
+      DISTCA_RETURN_IF_ERROR(execute(*built.value(), call.key, ptrs, workspace));
       if (!call.key.backward) {
         DISTCA_CUDA_RETURN_IF_ERROR(cuda::launch_transpose_f32(head_major.value(), rows, h, s, scratch.stream()));
       }
@@ -250,7 +306,42 @@ struct CudnnAttention::State {
     ptrs[kKvOff] = at + 3 * b + 1;
     ptrs[kStatsOff] = at + 4 * b + 2;
     if (call.key.backward) ptrs[kDkvOff] = at + 5 * b + 3;
-    return fe_status(built.value()->graph->execute(handle, ptrs, workspace), "SDPA execution");
+    return execute(*built.value(), call.key, ptrs, workspace);
+  }
+
+  // Runs the graph: the heuristics' plan, or with autotuning the key's chosen one (from the cache,
+  // when its name there is the name of the plan at that index; else timed now on these tensors,
+  // whose outputs the real run below then writes again).
+  Status execute(Built& built, const GraphKey& key, std::unordered_map<int64_t, void*>& ptrs, void* workspace) {
+    if (autotune && !built.tuned) {
+      built.tuned = true;
+      const std::string text = key_text(key);
+      const int64_t count = built.graph->get_execution_plan_count();
+      auto name = [&](int64_t i) {
+        std::string n;
+        return built.graph->get_plan_name_at_index(i, n).is_good() ? n : fmt::format("plan {}", i);
+      };
+      std::optional<cudnn::EngineChoice> choice = engines.find(text);
+      if (choice && (choice->index >= count || name(choice->index) != choice->name)) choice.reset();
+      if (!choice) {
+        const auto start = std::chrono::steady_clock::now();
+        auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+        Result<cudnn::EngineChoice> timed = cudnn::choose_engine(
+            count, name, [&](int64_t i) { return time_plan(handle, *built.graph, ptrs, workspace, i); },
+            autotune_cap_seconds, seconds);
+        stats.autotune_seconds += seconds();
+        if (!timed.is_ok()) return Status(timed.status().code(), fmt::format("{} (graph: {})", timed.status().message(), text));
+        choice = timed.value();
+        engines.put(text, *choice);
+        if (Status saved = engines.save(); !saved.is_ok()) fmt::print(stderr, "distca: {}\n", saved.message());
+      }
+      built.plan_index = choice->index;
+      stats.engines.emplace_back(text, choice->name);
+    }
+    if (built.plan_index >= 0) {
+      return fe_status(built.graph->execute_plan_at_index(handle, ptrs, workspace, built.plan_index), "SDPA execution");
+    }
+    return fe_status(built.graph->execute(handle, ptrs, workspace), "SDPA execution");
   }
 };
 
@@ -270,6 +361,14 @@ Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int device) {
   Result<cudnn::GraphVariants> parsed = cudnn::parse_graph_variants(variants ? variants : "");
   if (!parsed.is_ok()) return parsed.status();
   state->variants = parsed.value();
+  DISTCA_ASSIGN_OR_RETURN(state->autotune, cudnn::parse_autotune(knob("DISTCA_CUDNN_AUTOTUNE")));
+  DISTCA_ASSIGN_OR_RETURN(state->autotune_cap_seconds, cudnn::parse_autotune_ms(knob("DISTCA_CUDNN_AUTOTUNE_MS")));
+  if (state->autotune) {
+    const char* path = knob("DISTCA_CUDNN_ENGINE_CACHE");
+    std::string warning;
+    state->engines = cudnn::EngineCache::load(path ? path : "", state->name, cudnn_version(), &warning);
+    if (!warning.empty()) fmt::print(stderr, "distca: {}\n", warning);
+  }
   DISTCA_RETURN_IF_ERROR(cudnn_status(cudnnCreate(&state->handle), "cudnnCreate"));
   return std::unique_ptr<CudnnAttention>(new CudnnAttention(std::move(state)));
 }

@@ -28,6 +28,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "distca/core/status.h"
 #include "distca/kernels/attention.h"
@@ -51,6 +53,10 @@ struct CudnnGraphStats {
   int64_t graphs_built = 0;     // distinct bucketed shapes compiled so far
   double build_seconds = 0.0;   // wall time spent building them
   int64_t calls = 0;            // cuDNN graph executions
+  // DISTCA_CUDNN_AUTOTUNE: time spent timing engine configurations, and each graph key's engine
+  // (key text, cuDNN's engine name) in the order chosen; a cached choice costs no time.
+  double autotune_seconds = 0.0;
+  std::vector<std::pair<std::string, std::string>> engines;
 };
 
 struct CudaFwdArgs {
