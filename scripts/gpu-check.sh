@@ -10,28 +10,91 @@
 # (every server kernel against `reference` in bf16 on a plan with key-split tasks, cad_attention end
 # to end, kernel speed timed with CUDA events), distca's kernels beside PyTorch's, the trainer on
 # one GPU (tokens/s), the framework adapters' GPU checks where the device has the frameworks, and
-# writes report.json and report.md into the folder given. Without a GPU it prints "no GPU: skipped"
-# and exits 0. CI does not run it.
+# writes report.json and report.md into the folder given (scripts/gpu_report.py, from steps.txt and
+# the steps' outputs). Without a GPU it prints "no GPU: skipped" and exits 0. CI does not run it.
 #
 # Everything runs inside one time budget (GPU_CHECK_SECONDS, default 540: a device call's 10 minutes
 # less the transfers): each step gets what is left, at most its own limit, and a step with under 15 s
 # left is recorded as skipped ("out of time"), so the report is always written. GPU_CHECK_STEPS
 # names the steps to run (e.g. "torch-cuda memcheck"; the probe, configure and build always run).
 #
+# GPU_CHECK_PRESET=cudnn-speed (issue 78) is one prepared device call of at most 420 s instead (the
+# budget is 420 unless GPU_CHECK_SECONDS is smaller; not with GPU_CHECK_STEPS): the build, the sm_90a
+# kernels' tests and memcheck, cuDNN's backward over the graph variants with cuDNN's logs and the
+# kernels' names, the autotuned engines (timed, then read from their cache file), the sm_90a kernels
+# timed beside cuDNN and varlen with dQ both ways, and the kernel table: `plan` below, with each
+# step's limit. GPU_CHECK_LIST=1 prints the steps a run would take, one name a line in run order, and
+# exits 0 without a GPU and without running anything (OUT_DIR may then be left out).
+#
 # usage: scripts/gpu-check.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ $# -ne 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then
-  echo "usage: scripts/gpu-check.sh OUT_DIR   (writes report.json, report.md and the logs there; GPU_CHECK_SECONDS: the budget, default 540)" >&2
+refuse() { echo "gpu-check: $*" >&2; exit 2; }
+list="${GPU_CHECK_LIST:-}"
+case "$list" in ''|0|1) ;; *) refuse "GPU_CHECK_LIST must be 1 (print the steps and exit) or 0, not '$list'" ;; esac
+if [ $# -gt 1 ] || { [ $# -eq 0 ] && [ "$list" != 1 ]; } || [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  echo "usage: scripts/gpu-check.sh OUT_DIR   (writes report.json, report.md and the logs there; GPU_CHECK_SECONDS: the budget, default 540; GPU_CHECK_STEPS: these steps only; GPU_CHECK_PRESET=cudnn-speed: issue 78's 420 s call; GPU_CHECK_LIST=1: print the steps and exit)" >&2
   [ $# -eq 1 ] && exit 0 || exit 2
 fi
-out="$1"
+out="${1:-}"
 if [ -e "$out" ] && [ ! -d "$out" ]; then
-  echo "gpu-check: $out exists and is not a folder" >&2
-  exit 2
+  refuse "$out exists and is not a folder"
 fi
 budget="${GPU_CHECK_SECONDS:-540}"
-case "$budget" in ''|*[!0-9]*) echo "gpu-check: GPU_CHECK_SECONDS must be a whole number of seconds, not '$budget'" >&2; exit 2;; esac
+case "$budget" in ''|*[!0-9]*) refuse "GPU_CHECK_SECONDS must be a whole number of seconds, not '$budget'" ;; esac
+budget=$((10#$budget))   # leading zeros are not octal in the arithmetic below
+only="${GPU_CHECK_STEPS:-}"   # e.g. "torch-cuda bench-cuda": just these (and the probe, configure and build)
+preset="${GPU_CHECK_PRESET:-}"
+case "$preset" in
+  '') ;;
+  cudnn-speed)
+    [ -z "$only" ] || refuse "GPU_CHECK_PRESET and GPU_CHECK_STEPS together: the preset runs its own steps; set one of them"
+    if [ -z "${GPU_CHECK_SECONDS:-}" ] || [ "$budget" -gt 420 ]; then budget=420; fi ;;
+  *) refuse "GPU_CHECK_PRESET must be cudnn-speed (the one preset) or unset, not '$preset'" ;;
+esac
+
+# The cuDNN graph variants (DISTCA_CUDNN_GRAPH), a step each: cudnn-variant-<variant, commas as +>.
+variants=(default top-left no-max-total exact-batch dense dense,top-left dense,top-left,head-major-lse)
+variant_steps=("${variants[@]//,/+}")
+variant_steps=("${variant_steps[@]/#/cudnn-variant-}")
+# The steps in run order, NAME:LIMIT (seconds); run_step below says what each runs and needs.
+if [ "$preset" = cudnn-speed ]; then
+  # Issue 78's one device call. The limits sum to the preset's 420 s; the times measured on the
+  # H100 are in reports/gpu/2026-11-25-h100 and 2026-11-27-h100-cudnn-speed.
+  plan=(
+    probe:15                      # 6-10 s measured
+    configure-cuda:15             # 5-9 s
+    build-cuda:90                 # 33 s, 73 s once cuDNN was in
+    ctest-cuda:15                 # the sm_90a kernels' GPU cases only (all 59 CUDA tests took 10 s)
+    ctest-hopper-dq-pass:15       # the same cases with dQ in its own pass
+    memcheck-hopper:25            # a 300-token document in 77-row shards sharing its K/V
+    "${variant_steps[@]/%/:20}"   # 7 x 20 s: one process each, 3 backends on the preset's shapes
+    cudnn-autotune:25             # the same bench with every engine of a graph timed (0.5 s a graph at most)
+    cudnn-autotune-cached:20      # the same again, the engines read from the first one's cache file
+    cuda-attention:25             # the sm_90a kernels, dQ by atomic adds, beside cudnn, sdpa-cudnn and varlen
+    cuda-attention-hopper-dq-pass:20  # the sm_90a kernels with dQ in its own pass, beside sdpa-cudnn
+    kernel-table:15               # 6 s measured
+  )   # 15 + 15 + 90 + 15 + 15 + 25 + 7 x 20 + 25 + 20 + 25 + 20 + 15 = 420
+else
+  plan=(probe:60 configure-cuda:120 build-cuda:360
+        ctest-cuda:180 ctest-cudnn-exact:60 ctest-hopper-dq-pass:60 memcheck:120 bench-cuda:150 simulate-paper:60
+        torch-cuda:150 torch-multirank:150 cuda-attention:200 cuda-attention-mha:60 "${variant_steps[@]/%/:45}"
+        cudnn-pool-release:45
+        cuda-attention-d64:120 cuda-attention-hopper-dq-pass:120 kernel-table:30 memcheck-hopper:90
+        racecheck-hopper:90 ncu-hopper:90 torch-kernels:90 train-cuda:120 megatron-cuda:90 torchtitan-cuda:90)
+fi
+asked() {  # asked NAME: whether this run takes step NAME ("cudnn-variants" in GPU_CHECK_STEPS: every cudnn-variant-*)
+  [ -z "$only" ] && return 0
+  case " probe configure-cuda build-cuda $only " in *" $1 "*) return 0 ;; esac
+  [[ $1 == cudnn-variant-* && " $only " == *" cudnn-variants "* ]]
+}
+if [ "$list" = 1 ]; then
+  for entry in "${plan[@]}"; do
+    asked "${entry%:*}" && echo "${entry%:*}"
+  done
+  exit 0
+fi
+
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu-check: no GPU: skipped"
   exit 0
@@ -39,13 +102,9 @@ fi
 mkdir -p "$out"
 python="${PYTHON:-python3}"
 status=0
-only="${GPU_CHECK_STEPS:-}"   # e.g. "torch-cuda bench-cuda": just these (and the probe, configure and build)
-step() {  # step NAME LIMIT_S COMMAND...: runs it within min(LIMIT_S, what is left), logs to $out/NAME.log
+step() {  # step NAME LIMIT COMMAND...: runs it within min(LIMIT, what is left), logs to $out/NAME.log
   local name="$1" limit="$2"; shift 2
-  local asked=0  # "cudnn-variants" asks for every cudnn-variant-* step
-  case " probe configure-cuda build-cuda $only " in *" $name "*) asked=1 ;; esac
-  [[ $name == cudnn-variant-* && " $only " == *" cudnn-variants "* ]] && asked=1
-  if [ -n "$only" ] && [ "$asked" -eq 0 ]; then
+  if ! asked "$name"; then
     echo "== gpu-check: $name not asked (GPU_CHECK_STEPS)"
     return 0
   fi
@@ -127,7 +186,6 @@ probe_cudnn() {
 }
 export -f probe probe_cudnn
 export python nccl_lib nccl_inc cudnn_root
-step probe 60 bash -c 'probe; probe_cudnn'
 # One build (build-gpu/, Ninja, every core) of what the checks run: the distca binary, the GPU
 # tests, and the Python module _distca against the device's own Python and PyTorch (nothing can
 # be fetched there), which the Python steps import from a staged copy of the package; a second
@@ -144,202 +202,230 @@ if [ -n "$pybind11_dir" ] && [ -f "$py_include/Python.h" ]; then
 else  # the C++ checks still run
   echo "== gpu-check: the Python module cannot be built here (pybind11: ${pybind11_dir:-not found}; Python.h in ${py_include:-?}: not found)"
 fi
-step configure-cuda 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_WITH_CUDA=ON \
-    -DDISTCA_CUDA_ARCHS="$archs" -DDISTCA_BUILD_BENCH=OFF -DDISTCA_BUILD_TESTS=ON "${python_defs[@]}" "${nccl_defs[@]}" \
-    "${cudnn_defs[@]}"
-if [ -f build-gpu/build.ninja ] && grep -q "comm_nccl_gpu_test" build-gpu/build.ninja; then
-  targets+=(comm_nccl_test comm_nccl_gpu_test)
-fi
-if [ -f build-gpu/build.ninja ] && step build-cuda 360 cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}"; then
-  # Only the built tests: -L gpu (NcclComm, CudaServerKernel on the device), and the CUDA tests without
-  # the label (on a GPU machine they run; without one they check that create() says why).
-  step ctest-cuda 180 ctest --test-dir build-gpu --output-on-failure -R "^(NcclComm|Cuda|Shapes/Cuda|Cudnn)" -E "NOT_BUILT|Np2" --timeout 120
-  # cuDNN with exactly as many sequence slots as tasks (no empty slots): tells a failure of the
-  # bucketed batch's empty slots apart from one of the kernel itself.
-  step ctest-cudnn-exact 60 env DISTCA_CUDNN_GRAPH=exact-batch ctest --test-dir build-gpu --output-on-failure \
-    -R "cudnn|Cudnn" --timeout 60
-  # The sm_90a backward with dQ in a pass of its own instead of atomic adds (DISTCA_HOPPER_DQ=pass).
-  step ctest-hopper-dq-pass 60 env DISTCA_HOPPER_DQ=pass ctest --test-dir build-gpu --output-on-failure \
-    -R "hopper" --timeout 60
-  if command -v compute-sanitizer >/dev/null 2>&1; then
-    step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
-      --device cuda --docs 300,1000 --shard-doc 1000 --shards 64,128 --heads 8 --kv-heads 2 --repeats 1 --json
-  else
-    echo "== gpu-check: memcheck skipped: compute-sanitizer is not on the device's PATH"
-  fi
-  mkdir -p "$out/profiles"
-  device_slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
-  step bench-cuda 150 build-gpu/src/tools/distca bench attention --device cuda --json \
-    --profile-out "$out/profiles/$device_slug.json"
-  [ -f "$out/profiles/$device_slug.json" ] &&
-    step simulate-paper 60 build-gpu/src/tools/distca simulate --paper --profile "$out/profiles/$device_slug.json"
-  rm -rf "$pkg"
-  if ls build-gpu/python/_distca*.so >/dev/null 2>&1; then
-    mkdir -p "$pkg" && cp -r python/distca "$pkg/" && cp build-gpu/python/_distca*.so "$pkg/distca/" &&
-      echo "== gpu-check: the package staged in $pkg"
-  fi
-fi
+device_slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
-if [ -f "$pkg/distca/__init__.py" ]; then
-  step torch-cuda 150 "$python" python/tests/gpu/check_torch_cuda.py --require-distca --json "$out/torch-cuda.json"
-  # The whole multi-rank path on the one GPU: 2 and 4 processes, kernels on CUDA, the exchange over gloo
-  # through host memory (StepPlanner host_staging), against whole-document attention.
-  step torch-multirank 150 "$python" python/tests/gpu/check_torch_multirank.py --json "$out/torch-multirank.json"
-  # distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
-  step cuda-attention 200 "$python" python/bench/bench_cuda_attention.py --tokens 8192,16384,32768,65536 \
-    --shards 128,1024 --repeats 5 --json "$out/cuda-attention.json"
-  # cuDNN's backward runs at half of PyTorch's cuDNN SDPA with GQA 4:1 (2026-11-27): the same
-  # shapes with as many K/V heads as query heads tell whether GQA is the cause.
-  step cuda-attention-mha 60 "$python" python/bench/bench_cuda_attention.py --tokens 16384,32768 --shards 1024 \
-    --kv-heads 32 --plan-ranks 0 --repeats 5 --backends distca,cudnn,sdpa-cudnn --json "$out/cuda-attention-mha.json"
-  # cuDNN's backward behind our interface runs at half of PyTorch's cuDNN SDPA (2026-11-27), through
-  # the same cuDNN. Our graph differs from PyTorch's in its bottom-right causal mask, its workspace
-  # bound (set_max_total_seq_len), its bucketed batch and its ragged offsets with a padding mask
-  # (dense: none, on one-sequence calls; with top-left and head-major-lse, PyTorch's graph): each
-  # variant (DISTCA_CUDNN_GRAPH, same results) timed beside SDPA on a whole document and on the
-  # plan's server list, one process each.
-  for variant in default top-left no-max-total exact-batch dense dense,top-left dense,top-left,head-major-lse; do
-    graph=$([ "$variant" = default ] && echo "" || echo "$variant")
-    step "cudnn-variant-${variant//,/+}" 45 env DISTCA_CUDNN_GRAPH="$graph" "$python" python/bench/bench_cuda_attention.py \
-      --tokens 16384 --shards 1024 --repeats 3 --backends distca,cudnn,sdpa-cudnn \
-      --json "$out/cudnn-variant-${variant//,/+}.json"
-  done
-  # D 64 (issue 53 asks for 0.85x cuDNN SDPA both ways there): whole documents and 128-token shards.
-  step cuda-attention-d64 120 "$python" python/bench/bench_cuda_attention.py --head-dim 64 --tokens 16384,65536 \
-    --shards 128 --plan-ranks 0 --repeats 5 --backends distca,hopper,cudnn,sdpa-cudnn,varlen \
-    --json "$out/cuda-attention-d64.json"
-  # The sm_90a backward's dQ: atomic adds from the K/V blocks (the cuda-attention step's hopper rows)
-  # against a pass of its own, on the same shapes.
-  step cuda-attention-hopper-dq-pass 120 env DISTCA_HOPPER_DQ=pass "$python" python/bench/bench_cuda_attention.py \
-    --tokens 16384,65536 --shards 128 --repeats 5 --backends distca,hopper,sdpa-cudnn \
-    --json "$out/cuda-attention-hopper-dq-pass.json"
-  # The measured kernel table `auto` uses on this device (commit it as
-  # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
-  [ -f "$out/cuda-attention.json" ] && step kernel-table 30 "$python" -m distca.torch.kernel_table \
-    "$out/cuda-attention.json" --out "$out/kernel-table.json"
-  # The sm_90a kernels under compute-sanitizer on a small case (memcheck, racecheck), forward and
-  # backward: a 300-token document in shards of 77 rows sharing its K/V.
-  if command -v compute-sanitizer >/dev/null 2>&1; then
-    for tool in memcheck racecheck; do
-      step "$tool-hopper" 90 compute-sanitizer --tool "$tool" --error-exitcode 1 --target-processes all \
-        "$python" python/bench/hopper_profile_case.py --tokens 300 --shard 77 --head-dim 64 --runs 1
-    done
-  fi
-  # A short profile of the sm_90a forward and backward (issue 53): tensor-core use, memory
-  # throughput, stalls; the second run's two launches (the kernels are hopper_kernel<FwdPass<..>>
-  # and hopper_kernel<BwdPass<..>>, matched on their demangled names).
-  if command -v ncu >/dev/null 2>&1; then
-    step ncu-hopper 90 ncu --target-processes all --kernel-name-base demangled \
-      --kernel-name "regex:hopper_kernel<.*(Fwd|Bwd)Pass" --launch-skip 2 --launch-count 2 \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats \
-      "$python" python/bench/hopper_profile_case.py --tokens 16384
-  else
-    echo "== gpu-check: ncu-hopper skipped: ncu is not on the device's PATH"
-  fi
-  step torch-kernels 90 "$python" python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
-    --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json"
-  # The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
-  # backends compared step by step: tokens/s and the loss curve.
-  step train-cuda 120 "$python" -m distca.torch.train --device cuda --preset demo --compare --steps 12 \
-    --skip 2 --json "$out/train-cuda.json"
-  # The framework adapters' GPU checks, where the device has the frameworks (it cannot fetch them).
-  if "$python" -c "import megatron.core" >/dev/null 2>&1; then
-    step megatron-cuda 90 "$python" python/tests/megatron_cases.py --device cuda --json "$out/megatron-cuda.json"
-  else
-    echo "== gpu-check: megatron-cuda skipped: megatron-core is not installed on the device"
-  fi
-  if "$python" -c "import torchtitan" >/dev/null 2>&1; then
-    step torchtitan-cuda 90 "$python" python/tests/torchtitan_cases.py --reference flex
-  else
-    echo "== gpu-check: torchtitan-cuda skipped: torchtitan is not installed on the device"
-  fi
-else
-  echo "== gpu-check: the Python steps skipped: the module _distca was not built"
-  status=1
-fi
-"$python" - "$out" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-steps = [dict(zip(("name", "rc", "seconds"), line.split())) for line in (out / "steps.txt").read_text().splitlines()]
-report = {"format": "distca-gpu-check", "version": 2, "device": (out / "device.txt").read_text().strip(), "steps": steps}
 
+# What a step needs besides its turn: the build (the C++ steps), the package staged from it (the
+# Python steps; when it is missing that is said once and the check fails, the Python steps being
+# part of it), a tool on the device's PATH.
+built=0
+said_no_package=0
+needs_build() { [ "$built" -eq 1 ]; }
+needs_package() {
+  [ -f "$pkg/distca/__init__.py" ] && return 0
+  if [ "$said_no_package" -eq 0 ]; then
+    echo "== gpu-check: the Python steps skipped: the module _distca was not built"
+    said_no_package=1 status=1
+  fi
+  return 1
+}
+needs_tool() {  # needs_tool STEP TOOL
+  command -v "$2" >/dev/null 2>&1 && return 0
+  echo "== gpu-check: $1 skipped: $2 is not on the device's PATH"
+  return 1
+}
+# The preset's runs of bench_cuda_attention.py: whole documents of 16K and 64K tokens and the plan's
+# server list (the plan case, on by default). The bench always times a shard layout too; its shards
+# are the correctness check's own 2048-token document in 128-row shards, whose graphs the check has
+# built already, so they cost little. No warm-up: each pass has run once (outputs(), then the
+# retained graph's backward()) before the timed calls.
+preset_bench=(--tokens 16384,65536 --check-tokens 2048 --shard-doc 2048 --shards 128 --repeats 3 --warmup 0)
 
-def load(name):  # a step's JSON, or what kept it from being read (a step stopped mid-write)
-    path = out / name
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return {"unreadable": str(e)}
-
-
-bench_log = out / "bench-cuda.log"
-if bench_log.exists():
-    text = bench_log.read_text()
-    start = text.find("{")   # progress lines go to stderr first; the JSON report follows
-    try:
-        report["bench_attention_cuda"] = json.loads(text[start:]) if start >= 0 else None
-    except json.JSONDecodeError as e:
-        report["bench_attention_cuda"] = {"unreadable": str(e)}
-profiles = sorted((out / "profiles").glob("*.json")) if (out / "profiles").exists() else []
-report["profiles"] = [str(p.relative_to(out)) for p in profiles]
-report["cuda_attention"] = load("cuda-attention.json")
-report["cuda_attention_hopper_dq_pass"] = load("cuda-attention-hopper-dq-pass.json")
-report["cuda_attention_d64"] = load("cuda-attention-d64.json")
-report["torch_cuda"] = load("torch-cuda.json")
-report["torch_kernels"] = load("torch-kernels.json")
-report["kernel_table"] = load("kernel-table.json")
-report["torch_multirank"] = load("torch-multirank.json")
-train = load("train-cuda.json")
-# The train-cuda step runs distca.torch.train, whose --json is distca-torch-train version 1; a
-# file of another format or version (e.g. distca train's distca-train) is named in one line.
-train_format = ("distca-torch-train", 1)
-if train and "unreadable" not in train and (train.get("format"), train.get("version")) != train_format:
-    print(f"train-cuda.json is {train.get('format')} version {train.get('version')}, this script reads "
-          f"{train_format[0]} version {train_format[1]}: rerun python -m distca.torch.train --json")
-    report["train_cuda"] = {"unreadable": f"{train.get('format')} version {train.get('version')}"}
-elif train and "summary" in train:
-    summary = train["summary"]
-    report["train_cuda"] = {name: {"tokens_per_second": b["tokens_per_second"], "step_seconds": b["step_seconds"],
-                                   "loss_first": b["loss_first"], "loss_last": b["loss_last"]}
-                            for name, b in summary["backends"].items()}
-    report["train_cuda"]["loss_max_rel_diff"] = summary["loss_max_rel_diff"]
-# Per cuDNN graph variant: cudnn's TFLOP/s over sdpa-cudnn's on each shape (bench_cuda_attention.py).
-variants = {}
-for path in sorted(out.glob("cudnn-variant-*.json")):
-    bench = load(path.name)
-    variants[path.stem.removeprefix("cudnn-variant-")] = bench.get("vs_sdpa_cudnn") if isinstance(bench, dict) else None
-if variants:
-    report["cudnn_variants"] = variants
-(out / "report.json").write_text(json.dumps(report, indent=1))
-lines = [f"# distca GPU check", "", f"device: {report['device']}", "", "| step | exit | seconds |", "|---|---|---|"]
-lines += [f"| {s['name']} | {s['rc']} | {s['seconds']} |" for s in steps]
-for name, title in (("probe", "what the device offers"), ("configure-cuda", "configure"), ("build-cuda", "the CUDA build"),
-                    ("ctest-cuda", "CUDA tests on the GPU (NcclComm, CudaServerKernel with distca's, cuDNN's and the sm_90a kernels)"),
-                    ("ctest-cudnn-exact", "the cuDNN tests with DISTCA_CUDNN_GRAPH=exact-batch"),
-                    ("ctest-hopper-dq-pass", "the sm_90a tests with dQ in its own pass (DISTCA_HOPPER_DQ=pass)"),
-                    ("memcheck", "compute-sanitizer memcheck"),
-                    ("bench-cuda", "distca bench attention --device cuda"), ("simulate-paper", "simulate --paper, measured profile"),
-                    ("torch-cuda", "distca.torch on CUDA"),
-                    ("cuda-attention", "distca's CUDA kernels beside PyTorch's (bench_cuda_attention.py)"),
-                    ("kernel-table", "the measured kernel table auto uses (distca.torch.kernel_table)"),
-                    ("cuda-attention-mha", "the same with K/V heads = query heads (is GQA cuDNN's backward gap?)"),
-                    ("cuda-attention-hopper-dq-pass", "the sm_90a backward with dQ in its own pass (DISTCA_HOPPER_DQ=pass)"),
-                    ("cuda-attention-d64", "the kernels at D 64 (bench_cuda_attention.py --head-dim 64)"),
-                    ("memcheck-hopper", "compute-sanitizer memcheck on the sm_90a kernels"),
-                    ("racecheck-hopper", "compute-sanitizer racecheck on the sm_90a kernels"),
-                    ("ncu-hopper", "Nsight Compute on the sm_90a forward and backward (hopper_kernel)"),
-                    ("torch-multirank", "distca.torch on 2 and 4 processes sharing the GPU (check_torch_multirank.py)"), ("torch-kernels", "server kernels (bench_torch_kernels)"),
-                    ("train-cuda", "the trainer on one GPU (python -m distca.torch.train --device cuda)"),
-                    ("megatron-cuda", "Megatron Core adapter"), ("torchtitan-cuda", "TorchTitan adapter")):
-    log = out / f"{name}.log"
-    if log.exists():
-        lines += ["", f"## {title}", "", "```", log.read_text().rstrip(), "```"]
-for log in sorted(out.glob("cudnn-variant-*.log")):
-    lines += ["", f"## cuDNN graph variant {log.stem.removeprefix('cudnn-variant-')} (DISTCA_CUDNN_GRAPH)", "", "```",
-              log.read_text().rstrip(), "```"]
-(out / "report.md").write_text("\n".join(lines) + "\n")
-PY
+run_step() {  # run_step NAME LIMIT: step NAME's command, where what it needs is there
+  local name="$1" limit="$2"
+  case "$name" in
+    probe) step probe "$limit" bash -c 'probe; probe_cudnn' ;;
+    configure-cuda)
+      step configure-cuda "$limit" cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTCA_WITH_CUDA=ON \
+        -DDISTCA_CUDA_ARCHS="$archs" -DDISTCA_BUILD_BENCH=OFF -DDISTCA_BUILD_TESTS=ON "${python_defs[@]}" "${nccl_defs[@]}" \
+        "${cudnn_defs[@]}"
+      if [ -f build-gpu/build.ninja ] && grep -q "comm_nccl_gpu_test" build-gpu/build.ninja; then
+        targets+=(comm_nccl_test comm_nccl_gpu_test)
+      fi ;;
+    build-cuda)
+      rm -rf "$pkg"   # the Python steps never import a module of an earlier build
+      [ -f build-gpu/build.ninja ] || return 0
+      step build-cuda "$limit" cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}" || return 0
+      built=1
+      if ls build-gpu/python/_distca*.so >/dev/null 2>&1; then
+        mkdir -p "$pkg" && cp -r python/distca "$pkg/" && cp build-gpu/python/_distca*.so "$pkg/distca/" &&
+          echo "== gpu-check: the package staged in $pkg"
+      fi ;;
+    ctest-cuda)
+      needs_build || return 0
+      # Only the built tests: -L gpu (NcclComm, CudaServerKernel on the device), and the CUDA tests without
+      # the label (on a GPU machine they run; without one they check that create() says why). The
+      # preset: the sm_90a kernel's cases of CudaServerKernelVsCpu (.../hopper_<shape>_<dtype>).
+      local filter="^(NcclComm|Cuda|Shapes/Cuda|Cudnn)"
+      [ -n "$preset" ] && filter="hopper"
+      step ctest-cuda "$limit" ctest --test-dir build-gpu --output-on-failure -R "$filter" -E "NOT_BUILT|Np2" --timeout 120 ;;
+    ctest-cudnn-exact)
+      needs_build || return 0
+      # cuDNN with exactly as many sequence slots as tasks (no empty slots): tells a failure of the
+      # bucketed batch's empty slots apart from one of the kernel itself.
+      step ctest-cudnn-exact "$limit" env DISTCA_CUDNN_GRAPH=exact-batch ctest --test-dir build-gpu --output-on-failure \
+        -R "cudnn|Cudnn" --timeout 60 ;;
+    ctest-hopper-dq-pass)
+      needs_build || return 0
+      # The sm_90a backward with dQ in a pass of its own instead of atomic adds (DISTCA_HOPPER_DQ=pass).
+      step ctest-hopper-dq-pass "$limit" env DISTCA_HOPPER_DQ=pass ctest --test-dir build-gpu --output-on-failure \
+        -R "hopper" --timeout 60 ;;
+    memcheck)
+      needs_build && needs_tool memcheck compute-sanitizer || return 0
+      step memcheck "$limit" compute-sanitizer --tool memcheck --error-exitcode 1 build-gpu/src/tools/distca bench attention \
+        --device cuda --docs 300,1000 --shard-doc 1000 --shards 64,128 --heads 8 --kv-heads 2 --repeats 1 --json ;;
+    bench-cuda)
+      needs_build || return 0
+      mkdir -p "$out/profiles"
+      step bench-cuda "$limit" build-gpu/src/tools/distca bench attention --device cuda --json \
+        --profile-out "$out/profiles/$device_slug.json" ;;
+    simulate-paper)
+      needs_build && [ -f "$out/profiles/$device_slug.json" ] || return 0
+      step simulate-paper "$limit" build-gpu/src/tools/distca simulate --paper --profile "$out/profiles/$device_slug.json" ;;
+    torch-cuda)
+      needs_package || return 0
+      step torch-cuda "$limit" "$python" python/tests/gpu/check_torch_cuda.py --require-distca --json "$out/torch-cuda.json" ;;
+    torch-multirank)
+      needs_package || return 0
+      # The whole multi-rank path on the one GPU: 2 and 4 processes, kernels on CUDA, the exchange over gloo
+      # through host memory (StepPlanner host_staging), against whole-document attention.
+      step torch-multirank "$limit" "$python" python/tests/gpu/check_torch_multirank.py --json "$out/torch-multirank.json" ;;
+    cuda-attention)
+      needs_package || return 0
+      if [ -n "$preset" ]; then
+        # The sm_90a kernels with dQ by atomic adds (the default) beside cuDNN's (ours and SDPA's)
+        # and varlen: the kernel table's input, and cuda-attention-hopper-dq-pass's counterpart.
+        step cuda-attention "$limit" env DISTCA_HOPPER_DQ=atomic "$python" python/bench/bench_cuda_attention.py \
+          "${preset_bench[@]}" --backends distca,hopper,cudnn,sdpa-cudnn,varlen --json "$out/cuda-attention.json"
+      else
+        # distca's CUDA kernels beside PyTorch's (varlen, SDPA flash and cuDNN) on the same shapes, one process and run.
+        step cuda-attention "$limit" "$python" python/bench/bench_cuda_attention.py --tokens 8192,16384,32768,65536 \
+          --shards 128,1024 --repeats 5 --json "$out/cuda-attention.json"
+      fi ;;
+    cuda-attention-mha)
+      needs_package || return 0
+      # cuDNN's backward runs at half of PyTorch's cuDNN SDPA with GQA 4:1 (2026-11-27): the same
+      # shapes with as many K/V heads as query heads tell whether GQA is the cause.
+      step cuda-attention-mha "$limit" "$python" python/bench/bench_cuda_attention.py --tokens 16384,32768 --shards 1024 \
+        --kv-heads 32 --plan-ranks 0 --repeats 5 --backends distca,cudnn,sdpa-cudnn --json "$out/cuda-attention-mha.json" ;;
+    cudnn-variant-*)
+      needs_package || return 0
+      # cuDNN's backward behind our interface runs at half of PyTorch's cuDNN SDPA (2026-11-27), through
+      # the same cuDNN. Our graph differs from PyTorch's in its bottom-right causal mask, its workspace
+      # bound (set_max_total_seq_len), its bucketed batch and its ragged offsets with a padding mask
+      # (dense: none, on one-sequence calls; with top-left and head-major-lse, PyTorch's graph): each
+      # variant (DISTCA_CUDNN_GRAPH, same results) timed beside SDPA on a whole document and on the
+      # plan's server list, one process each.
+      local variant="${name#cudnn-variant-}"
+      variant="${variant//+/,}"
+      [ "$variant" = default ] && variant=""
+      if [ -n "$preset" ]; then
+        # With cuDNN's own account of each graph: the frontend's info log (graphs, heuristics, plans)
+        # and the backend's warnings and errors (its info level would log every call's parameters,
+        # the timed calls' too), and the kernels' names from torch.profiler beside SDPA-cuDNN's. Two
+        # copies of the frontend write the log, ours in _distca and PyTorch's, each opening the file
+        # by name, so at one path each would overwrite the other; through a pipe (a process
+        # substitution, read into the file) their lines follow one another. The backend log goes the
+        # same way, for a device where our cuDNN and PyTorch's are two libraries.
+        mkdir -p "$out/cudnn-logs"
+        step "$name" "$limit" env DISTCA_CUDNN_GRAPH="$variant" CUDNN_FRONTEND_LOG_INFO=1 \
+          CUDNN_FRONTEND_LOG_FILE=>(cat >"$out/cudnn-logs/$name.frontend.log") CUDNN_LOGLEVEL_DBG=2 \
+          CUDNN_LOGDEST_DBG=>(cat >"$out/cudnn-logs/$name.backend.log") "$python" python/bench/bench_cuda_attention.py \
+          "${preset_bench[@]}" --backends distca,cudnn,sdpa-cudnn --kernel-names --json "$out/$name.json"
+      else
+        step "$name" "$limit" env DISTCA_CUDNN_GRAPH="$variant" "$python" python/bench/bench_cuda_attention.py \
+          --tokens 16384 --shards 1024 --repeats 3 --backends distca,cudnn,sdpa-cudnn --json "$out/$name.json"
+      fi ;;
+    cudnn-pool-release)
+      needs_package || return 0
+      # The stream-ordered pool returning its memory to the driver at every synchronisation (CUDA's
+      # default, DISTCA_CUDA_POOL_KEEP_MIB=0) against keeping it (distca's default): the same bench
+      # as cudnn-variant-default, so the two JSONs' cudnn rows compare directly.
+      step cudnn-pool-release "$limit" env DISTCA_CUDA_POOL_KEEP_MIB=0 "$python" python/bench/bench_cuda_attention.py \
+        --tokens 16384 --shards 1024 --repeats 3 --backends distca,cudnn,sdpa-cudnn --json "$out/cudnn-pool-release.json" ;;
+    cudnn-autotune|cudnn-autotune-cached)
+      needs_package || return 0
+      # cuDNN's heuristics' first engine is what runs unless the engines are timed: with
+      # DISTCA_CUDNN_AUTOTUNE=1 each graph's are, on its first use, and the fastest is kept in the
+      # cache file (the bench's cudnn_graphs names the engines). The second step reads that file
+      # instead of timing again: the chosen engines' speed without the tuning, and a check that the
+      # file is read back; without the file it would tune afresh, so it does not run. The default
+      # graphs and the variants' shapes and backends, so both compare with cudnn-variant-default.
+      if [ "$name" = cudnn-autotune-cached ] && [ ! -f "$out/cudnn-engines.json" ]; then
+        echo "== gpu-check: cudnn-autotune-cached skipped: cudnn-autotune wrote no $out/cudnn-engines.json"
+        return 0
+      fi
+      step "$name" "$limit" env DISTCA_CUDNN_GRAPH= DISTCA_CUDNN_AUTOTUNE=1 DISTCA_CUDNN_ENGINE_CACHE="$out/cudnn-engines.json" \
+        "$python" python/bench/bench_cuda_attention.py "${preset_bench[@]}" --backends distca,cudnn,sdpa-cudnn \
+        --kernel-names --json "$out/$name.json" ;;
+    cuda-attention-d64)
+      needs_package || return 0
+      # D 64 (issue 53 asks for 0.85x cuDNN SDPA both ways there): whole documents and 128-token shards.
+      step cuda-attention-d64 "$limit" "$python" python/bench/bench_cuda_attention.py --head-dim 64 --tokens 16384,65536 \
+        --shards 128 --plan-ranks 0 --repeats 5 --backends distca,hopper,cudnn,sdpa-cudnn,varlen \
+        --json "$out/cuda-attention-d64.json" ;;
+    cuda-attention-hopper-dq-pass)
+      needs_package || return 0
+      # The sm_90a backward's dQ: atomic adds from the K/V blocks (the cuda-attention step's hopper rows)
+      # against a pass of its own, on the same shapes.
+      if [ -n "$preset" ]; then
+        step cuda-attention-hopper-dq-pass "$limit" env DISTCA_HOPPER_DQ=pass "$python" python/bench/bench_cuda_attention.py \
+          "${preset_bench[@]}" --backends distca,hopper,sdpa-cudnn --json "$out/cuda-attention-hopper-dq-pass.json"
+      else
+        step cuda-attention-hopper-dq-pass "$limit" env DISTCA_HOPPER_DQ=pass "$python" python/bench/bench_cuda_attention.py \
+          --tokens 16384,65536 --shards 128 --repeats 5 --backends distca,hopper,sdpa-cudnn \
+          --json "$out/cuda-attention-hopper-dq-pass.json"
+      fi ;;
+    kernel-table)
+      # The measured kernel table `auto` uses on this device (commit it as
+      # python/distca/torch/kernel_tables/<device>.json once the rows are trusted).
+      needs_package && [ -f "$out/cuda-attention.json" ] || return 0
+      step kernel-table "$limit" "$python" -m distca.torch.kernel_table "$out/cuda-attention.json" --out "$out/kernel-table.json" ;;
+    memcheck-hopper|racecheck-hopper)
+      # The sm_90a kernels under compute-sanitizer on a small case (memcheck, racecheck), forward and
+      # backward: a 300-token document in shards of 77 rows sharing its K/V.
+      needs_package && needs_tool "$name" compute-sanitizer || return 0
+      step "$name" "$limit" compute-sanitizer --tool "${name%-hopper}" --error-exitcode 1 --target-processes all \
+        "$python" python/bench/hopper_profile_case.py --tokens 300 --shard 77 --head-dim 64 --runs 1 ;;
+    ncu-hopper)
+      # A short profile of the sm_90a forward and backward (issue 53): tensor-core use, memory
+      # throughput, stalls; the second run's two launches (the kernels are hopper_kernel<FwdPass<..>>
+      # and hopper_kernel<BwdPass<..>>, matched on their demangled names).
+      needs_package && needs_tool ncu-hopper ncu || return 0
+      step ncu-hopper "$limit" ncu --target-processes all --kernel-name-base demangled \
+        --kernel-name "regex:hopper_kernel<.*(Fwd|Bwd)Pass" --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        "$python" python/bench/hopper_profile_case.py --tokens 16384 ;;
+    torch-kernels)
+      needs_package || return 0
+      step torch-kernels "$limit" "$python" python/bench/bench_torch_kernels.py --device cuda --tokens 16384 \
+        --heads 32 --kv-heads 8 --head-dim 128 --repeats 5 --json "$out/torch-kernels.json" ;;
+    train-cuda)
+      needs_package || return 0
+      # The trainer on one GPU (CAD with one rank is the plain path: every task served locally), both
+      # backends compared step by step: tokens/s and the loss curve.
+      step train-cuda "$limit" "$python" -m distca.torch.train --device cuda --preset demo --compare --steps 12 \
+        --skip 2 --json "$out/train-cuda.json" ;;
+    megatron-cuda|torchtitan-cuda)
+      # The framework adapters' GPU checks, where the device has the frameworks (it cannot fetch them).
+      needs_package || return 0
+      if [ "$name" = megatron-cuda ]; then
+        if "$python" -c "import megatron.core" >/dev/null 2>&1; then
+          step megatron-cuda "$limit" "$python" python/tests/megatron_cases.py --device cuda --json "$out/megatron-cuda.json"
+        else
+          echo "== gpu-check: megatron-cuda skipped: megatron-core is not installed on the device"
+        fi
+      elif "$python" -c "import torchtitan" >/dev/null 2>&1; then
+        step torchtitan-cuda "$limit" "$python" python/tests/torchtitan_cases.py --reference flex
+      else
+        echo "== gpu-check: torchtitan-cuda skipped: torchtitan is not installed on the device"
+      fi ;;
+    *) echo "gpu-check: the plan names a step run_step does not know: $name" >&2; status=1 ;;
+  esac
+}
+for entry in "${plan[@]}"; do
+  run_step "${entry%:*}" "${entry##*:}"
+done
+"$python" scripts/gpu_report.py "$out" ${preset:+--preset "$preset"} || { echo "gpu-check: the report was not written"; status=1; }
 echo "gpu-check: $([ $status -eq 0 ] && echo ok || echo FAILED): report in $out/report.md"
 exit $status

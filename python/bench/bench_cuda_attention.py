@@ -33,8 +33,14 @@ PyTorch's cuDNN SDPA (and flash) on one whole document with the same number of c
 equal-work baseline a colocated rank runs. Its ratios are each task-list kernel over sdpa-cudnn's
 TFLOP/s.
 
+With --kernel-names, each backend's timing on each shape is followed by one forward + backward under
+torch.profiler (CUDA activity, not timed): what ran on the device by name (kernels, and the copies and
+memsets the profiler lists beside them), with its device time summed over the shapes, into the
+report's "kernel_names" (backend -> [{name, cuda_ms}], the longest first): which of cuDNN's kernels
+our graphs run beside those PyTorch's SDPA runs.
+
     python/bench/bench_cuda_attention.py [--tokens 4096,16384,32768,65536] [--shard-doc 16384]
-        [--shards 64,128,256,1024] [--heads 32] [--kv-heads 8] [--head-dim 128] [--json F]
+        [--shards 64,128,256,1024] [--heads 32] [--kv-heads 8] [--head-dim 128] [--kernel-names] [--json F]
 """
 from __future__ import annotations
 
@@ -152,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan-tokens", type=int, default=32768, help="the plan case's tokens per rank (default 32768)")
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help=f"comma-separated, from {', '.join(BACKENDS)} (default all)")
+    parser.add_argument("--kernel-names", action="store_true",
+                        help="profile one forward + backward per backend and shape after its timing (torch.profiler) "
+                             "and report the device's kernels by name with their time (JSON: kernel_names)")
     parser.add_argument("--json", default=None, help="write the report here")
     return parser
 
@@ -367,6 +376,39 @@ def plan_server_tasks(ranks: int, tokens: int, hq: int, hkv: int, d: int):
     return best, server, batch
 
 
+def device_work(events) -> dict:
+    """name -> milliseconds of the device activities among torch.profiler's events (the CPU side's
+    ops and launches left out), summed over the events of each name."""
+    from torch.autograd import DeviceType
+    times: dict = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    return times
+
+
+def profile_pass(torch, forward: Callable, backward: Callable) -> dict:
+    """device_work of one forward + backward, the device idle before and drained after."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        forward()
+        backward()
+        torch.cuda.synchronize()
+    return device_work(prof.events())
+
+
+def add_work(total: dict, work: dict) -> None:
+    for name, ms in work.items():
+        total[name] = total.get(name, 0.0) + ms
+
+
+def kernel_names_report(per_backend: dict) -> dict:
+    """backend -> [{name, cuda_ms}], the longest first, from backend -> {name: ms}."""
+    return {backend: [{"name": name, "cuda_ms": ms} for name, ms in sorted(work.items(), key=lambda x: (-x[1], x[0]))]
+            for backend, work in per_backend.items()}
+
+
 def time_pass(torch, fn: Callable, repeats: int, warmup: int) -> list:
     for _ in range(warmup):
         fn()
@@ -432,6 +474,7 @@ def main(argv=None) -> int:
     shapes = [("whole", n, None) for n in args.tokens] + [("shards", args.shard_doc, s) for s in args.shards]
     shapes.append(("reversed", args.shard_doc, min(args.shards)))   # task-list kernels only
     rows = []
+    kernels: dict = {}   # --kernel-names: backend -> {device activity: ms}
     for layout, n, shard in shapes:
         tasks = shard_tasks(n, shard, reverse=layout == "reversed")
         pairs = causal_pairs(tasks)
@@ -469,6 +512,8 @@ def main(argv=None) -> int:
             row["fwd"] = summarize(time_pass(torch, forward, args.repeats, args.warmup), fwd_flops)
             row["bwd"] = summarize(time_pass(torch, backward, args.repeats, args.warmup), 2.5 * fwd_flops)
             rows.append(row)
+            if args.kernel_names:
+                add_work(kernels.setdefault(name, {}), profile_pass(torch, forward, backward))
             del forward, backward, outputs
             torch.cuda.empty_cache()
         del x, base
@@ -515,6 +560,8 @@ def main(argv=None) -> int:
                 row["fwd"] = summarize(time_pass(torch, forward, args.repeats, args.warmup), fwd_flops)
                 row["bwd"] = summarize(time_pass(torch, backward, args.repeats, args.warmup), 2.5 * fwd_flops)
                 rows.append(row)
+                if args.kernel_names:
+                    add_work(kernels.setdefault(name, {}), profile_pass(torch, forward, backward))
                 del forward, backward, outputs
                 torch.cuda.empty_cache()
             del x
@@ -545,6 +592,8 @@ def main(argv=None) -> int:
               "checks": checks, "rows": rows, "ratios": ratios(rows), "plan_case": plan_case,
               "vs_sdpa_cudnn": vs_sdpa_cudnn(rows), "cudnn_graphs": cudnn_stats(torch, device),
               "unavailable": unavailable}
+    if args.kernel_names:
+        report["kernel_names"] = kernel_names_report(kernels)
     print(f"{report['device']}, Hq {hq}, Hkv {hkv}, D {d}, {args.dtype}; TFLOP/s, medians of {args.repeats} "
           f"(spread min-max)")
     print(f"{'layout':7s} {'tokens':>6s} {'shard':>5s} {'backend':11s} {'fwd':>18s} {'bwd':>18s}")
@@ -571,6 +620,9 @@ def main(argv=None) -> int:
         for name, r in plan_case.get("vs_sdpa_cudnn_equal_work", {}).items():
             print(f"plan case: {name} on the task list / sdpa-cudnn on the equal-work document: forward "
                   f"{r['fwd']:.2f}x, backward {r['bwd']:.2f}x")
+    for backend, work in report.get("kernel_names", {}).items():
+        top = "; ".join(f"{k['name'][:100]} {k['cuda_ms']:.1f}" for k in work[:3])
+        print(f"kernels of {backend}, device ms over one forward + backward per shape: {top or 'none recorded'}")
     for what, why in unavailable.items():
         print(f"bench_cuda_attention: not timed: {what}: {why}", file=sys.stderr)
     if args.json:
